@@ -1,0 +1,1 @@
+"""Reading model files from disk: HF directories (config, safetensors shards, tokenizer)."""

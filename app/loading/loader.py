@@ -1,0 +1,121 @@
+"""Build a model on the meta device and fill it from an HF directory's memory-mapped tensors."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from app.loading.checkpoint import CheckpointDir
+from app.loading.progress import Progress
+from app.loading.safetensors import CheckpointError
+from app.models.qwen3 import CausalLM
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.")
+
+
+@dataclass
+class TensorSource:
+    """Where one checkpoint tensor goes: a parameter, and the index of the part it fills."""
+
+    param: str
+    index: tuple
+
+
+def resolve_dtype(name: str, checkpoint: CheckpointDir) -> torch.dtype:
+    """`auto` takes the checkpoint's dtype (float32 when it names none); otherwise the named dtype."""
+    if name == "auto":
+        name = checkpoint.config.dtype or "float32"
+    if name not in DTYPES:
+        raise CheckpointError(f"unsupported dtype {name!r}; choose one of auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def mtp_layer_count(checkpoint: CheckpointDir) -> int:
+    """MTP layers to build: from config.json when it says, else from the `mtp.layers.N` tensors present."""
+    if checkpoint.config.model_type != "qwen3_next":
+        return 0
+    found = {int(m.group(1)) for name in checkpoint.names() if (m := _MTP_LAYER.match(name))}
+    has_mtp = any(name.startswith("mtp.") for name in checkpoint.names())
+    if not has_mtp:
+        return 0
+    return checkpoint.config.mtp_layers or (max(found) + 1 if found else 0)
+
+
+def tensor_sources(model: nn.Module) -> dict[str, TensorSource]:
+    """Checkpoint tensor name -> its place in the model, following HF's names."""
+    sources: dict[str, TensorSource] = {}
+    for prefix, module in model.named_modules():
+        dot = f"{prefix}." if prefix else ""
+        if hasattr(module, "checkpoint_parts"):
+            for name, (param, index) in module.checkpoint_parts(dot).items():
+                sources[name] = TensorSource(f"{dot}{param}", index)
+            continue
+        for name, _ in module.named_parameters(recurse=False):
+            sources[f"{dot}{name}"] = TensorSource(f"{dot}{name}", ())
+    return sources
+
+
+def load_model(
+    path: Path | str, dtype: str = "auto", device: str | torch.device = "cpu", progress: bool = True
+) -> tuple[CausalLM, CheckpointDir]:
+    """Load an HF directory into a CausalLM on `device`, checking every tensor's presence, name and shape."""
+    checkpoint = CheckpointDir(path)
+    target = resolve_dtype(dtype, checkpoint)
+    with torch.device("meta"):
+        model = CausalLM(checkpoint.config, mtp_layers=mtp_layer_count(checkpoint))
+    sources = tensor_sources(model)
+    params = dict(model.named_parameters())
+    names = checkpoint.names()
+    for name in names:
+        if name in sources:
+            continue
+        if name == "lm_head.weight" and checkpoint.config.tie_word_embeddings:
+            continue
+        raise CheckpointError(f"unexpected tensor {name} in {checkpoint.path}")
+    missing = sorted(set(sources) - set(names))
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise CheckpointError(f"missing tensor {missing[0]}{more} in {checkpoint.path}")
+    for name, source in sources.items():
+        expected = tuple(params[source.param][source.index].shape)
+        found = checkpoint.shape(name)
+        if found != expected:
+            raise CheckpointError(
+                f"wrong shape for {name} in {checkpoint.path}: checkpoint has {list(found)}, model expects "
+                f"{list(expected)}"
+            )
+    state = _fill(params, sources, checkpoint, target, torch.device(device), progress)
+    model.load_state_dict(state, strict=True, assign=True)
+    model.requires_grad_(False)
+    model.model.rotary.to(device)
+    return model.eval(), checkpoint
+
+
+def _fill(
+    params: dict[str, nn.Parameter],
+    sources: dict[str, TensorSource],
+    checkpoint: CheckpointDir,
+    dtype: torch.dtype,
+    device: torch.device,
+    progress: bool,
+) -> dict[str, torch.Tensor]:
+    """Materialise every parameter: a mapped view where no conversion is needed, else a filled copy."""
+    state: dict[str, torch.Tensor] = {}
+    bar = Progress(len(sources), "loading", enabled=progress)
+    for name, source in sources.items():
+        tensor = checkpoint.tensor(name)
+        if source.index == ():
+            state[source.param] = tensor.to(device=device, dtype=dtype)
+        else:
+            if source.param not in state:
+                meta = params[source.param]
+                state[source.param] = torch.empty(meta.shape, dtype=dtype, device=device)
+            state[source.param][source.index].copy_(tensor)
+        bar.advance()
+    bar.close()
+    return state

@@ -1,0 +1,41 @@
+"""Everything needed to run one model directory: weights, tokenizer, end-of-sequence ids."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from app.loading.checkpoint import CheckpointDir
+from app.loading.loader import load_model
+from app.models.qwen3 import CausalLM
+from app.text.tokenizer import Tokenizer
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to run, with the files it came from."""
+
+    model: CausalLM
+    tokenizer: Tokenizer
+    checkpoint: CheckpointDir
+    eos_token_ids: tuple[int, ...]
+    device: torch.device
+
+    @property
+    def name(self) -> str:
+        """The model's directory name, as users see it."""
+        return self.checkpoint.path.name
+
+
+def open_model(
+    path: Path | str, dtype: str = "auto", device: str = "cpu", progress: bool = True
+) -> LoadedModel:
+    """Load weights and tokenizer of an HF directory; eos ids from the configs, else the tokenizer's eos."""
+    model, checkpoint = load_model(path, dtype=dtype, device=device, progress=progress)
+    tokenizer = Tokenizer.from_dir(checkpoint.path)
+    eos = checkpoint.eos_token_ids()
+    if not eos and tokenizer.eos_token_id is not None:
+        eos = (tokenizer.eos_token_id,)
+    return LoadedModel(model, tokenizer, checkpoint, eos, torch.device(device))

@@ -1,0 +1,160 @@
+"""Gated DeltaNet (linear attention) layer of Qwen3-Next: causal conv + gated delta rule, carried state."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from app.models.batch import ForwardBatch
+from app.models.config import ModelConfig
+from app.models.layers import GatedRMSNorm
+
+CHUNK = 64
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """Scale the last dimension to unit length."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def causal_conv(
+    x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv + SiLU of one sequence continuing `state`.
+
+    x [length, channels]; weight [channels, kernel]; state [channels, kernel-1] (zeros when None).
+    Returns the output [length, channels] and the new state.
+    """
+    channels, kernel = weight.shape
+    if state is None:
+        state = x.new_zeros(channels, kernel - 1)
+    padded = torch.cat((state, x.t().to(state.dtype)), dim=-1)  # [channels, kernel-1+length]
+    out = F.conv1d(padded[None].to(weight.dtype), weight[:, None, :], groups=channels)[0]
+    return F.silu(out).t().to(x.dtype), padded[:, padded.shape[1] - (kernel - 1) :].clone()
+
+
+def delta_rule_recurrent(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gated delta rule token by token (the recurrent form), in fp32.
+
+    q, k [length, heads, dk] (normalised, q pre-scaled); v [length, heads, dv]; g, beta [length, heads];
+    state [heads, dk, dv]. Returns outputs [length, heads, dv] and the new state.
+    """
+    out = v.new_empty(v.shape)
+    for t in range(q.shape[0]):
+        state = state * g[t].exp()[:, None, None]
+        predicted = torch.einsum("hkv,hk->hv", state, k[t])
+        delta = (v[t] - predicted) * beta[t][:, None]
+        state = state + k[t][:, :, None] * delta[:, None, :]
+        out[t] = torch.einsum("hkv,hk->hv", state, q[t])
+    return out, state
+
+
+def delta_rule_chunked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gated delta rule over chunks of CHUNK tokens (the prompt form); same contract as the recurrent form.
+
+    Within a chunk the delta-rule updates are folded into one triangular solve (the WY form); across chunks
+    the state is carried.
+    """
+    length = q.shape[0]
+    pad = (-length) % CHUNK
+    q, k, v, g, beta = (
+        F.pad(t.transpose(0, 1), (0, 0) * (t.dim() - 2) + (0, pad)) for t in (q, k, v, g, beta)
+    )
+    heads = q.shape[0]
+    n = q.shape[1] // CHUNK
+    q, k, v = (t.reshape(heads, n, CHUNK, -1) for t in (q, k, v))  # [heads, chunks, C, d]
+    g, beta = g.reshape(heads, n, CHUNK), beta.reshape(heads, n, CHUNK)
+    decay = g.cumsum(-1)  # [heads, chunks, C]
+    lower = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).tril()
+    pair = (
+        (decay[..., :, None] - decay[..., None, :]).masked_fill(~lower, float("-inf")).exp()
+    )  # [h, n, C, C]
+    k_beta, v_beta = k * beta[..., None], v * beta[..., None]
+    system = (k_beta @ k.transpose(-1, -2) * pair).tril(-1) + torch.eye(CHUNK, device=q.device)
+    u = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(
+        system, k_beta * decay.exp()[..., None], upper=False, unitriangular=True
+    )
+    inner = q @ k.transpose(-1, -2) * pair
+    q_decayed = q * decay.exp()[..., None]
+    k_to_end = k * (decay[..., -1:] - decay).exp()[..., None]
+    out = torch.empty_like(v)
+    for i in range(n):
+        fresh = u[:, i] - w[:, i] @ state
+        out[:, i] = q_decayed[:, i] @ state + inner[:, i] @ fresh
+        state = state * decay[:, i, -1].exp()[:, None, None] + k_to_end[:, i].transpose(-1, -2) @ fresh
+    out = out.reshape(heads, n * CHUNK, -1)[:, :length].transpose(0, 1)
+    return out, state
+
+
+class GatedDeltaNet(nn.Module):
+    """Qwen3-Next's linear-attention token mixer over the flat batch, one state per sequence."""
+
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.k_heads = config.linear_num_key_heads
+        self.v_heads = config.linear_num_value_heads
+        self.dk = config.linear_key_head_dim
+        self.dv = config.linear_value_head_dim
+        self.key_dim = self.k_heads * self.dk
+        self.value_dim = self.v_heads * self.dv
+        conv_dim = 2 * self.key_dim + self.value_dim
+        hidden = config.hidden_size
+        self.in_proj_qkvz = nn.Linear(hidden, 2 * self.key_dim + 2 * self.value_dim, bias=False)
+        self.in_proj_ba = nn.Linear(hidden, 2 * self.v_heads, bias=False)
+        self.conv1d = nn.Conv1d(
+            conv_dim, conv_dim, config.linear_conv_kernel_dim, groups=conv_dim, bias=False
+        )
+        self.dt_bias = nn.Parameter(torch.ones(self.v_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.v_heads))
+        self.norm = GatedRMSNorm(self.dv, config.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
+
+    def _split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Projections grouped per key head -> mixed qkv [tokens, conv_dim], z [tokens, v_heads, dv], b, a."""
+        tokens = x.shape[0]
+        per = self.v_heads // self.k_heads
+        qkvz = self.in_proj_qkvz(x).view(tokens, self.k_heads, 2 * self.dk + 2 * per * self.dv)
+        q, k, v, z = qkvz.split([self.dk, self.dk, per * self.dv, per * self.dv], dim=-1)
+        b, a = self.in_proj_ba(x).view(tokens, self.k_heads, 2 * per).split([per, per], dim=-1)
+        mixed = torch.cat((q.reshape(tokens, -1), k.reshape(tokens, -1), v.reshape(tokens, -1)), dim=-1)
+        return mixed, z.reshape(tokens, self.v_heads, self.dv), b.reshape(tokens, -1), a.reshape(tokens, -1)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        mixed, z, b, a = self._split(x)
+        beta = b.float().sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        weight = self.conv1d.weight[:, 0, :]
+        per = self.v_heads // self.k_heads
+        out = x.new_empty(x.shape[0], self.v_heads, self.dv)
+        for span in batch.spans:
+            conv_state, state = batch.state.linear_state(self.layer, span.seq)
+            conv_out, conv_state = causal_conv(mixed[span.rows], weight, conv_state)
+            q, k, v = conv_out.float().split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+            q = l2norm(q.view(-1, self.k_heads, self.dk)).repeat_interleave(per, dim=1) * self.dk**-0.5
+            k = l2norm(k.view(-1, self.k_heads, self.dk)).repeat_interleave(per, dim=1)
+            v = v.view(-1, self.v_heads, self.dv)
+            if state is None:
+                state = v.new_zeros(self.v_heads, self.dk, self.dv)
+            rule = delta_rule_recurrent if span.length == 1 else delta_rule_chunked
+            core, state = rule(q, k, v, g[span.rows], beta[span.rows], state)
+            batch.state.set_linear_state(self.layer, span.seq, conv_state, state)
+            out[span.rows] = core.to(x.dtype)
+        out = self.norm(out.reshape(-1, self.dv), z.reshape(-1, self.dv)).view(x.shape[0], -1)
+        return self.out_proj(out)

@@ -1,0 +1,85 @@
+"""Routed mixture-of-experts block: top-k router, stacked expert weights, optional gated shared expert."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from app.models.config import ModelConfig
+from app.models.layers import DenseMLP
+
+
+class RoutedExperts(nn.Module):
+    """All experts of one layer, stacked as kernels want them.
+
+    gate_up [experts, 2 * intermediate, hidden] (gate rows first), down [experts, hidden, intermediate].
+    Checkpoints store one tensor per expert and projection; `checkpoint_parts` maps them here.
+    """
+
+    def __init__(self, experts: int, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.intermediate = intermediate
+        self.gate_up = nn.Parameter(torch.empty(experts, 2 * intermediate, hidden))
+        self.down = nn.Parameter(torch.empty(experts, hidden, intermediate))
+
+    def checkpoint_parts(self, prefix: str) -> dict[str, tuple[str, tuple]]:
+        """Checkpoint tensor name -> (parameter name, index into it), for every expert's projections."""
+        inter = self.intermediate
+        parts: dict[str, tuple[str, tuple]] = {}
+        for e in range(self.gate_up.shape[0]):
+            parts[f"{prefix}{e}.gate_proj.weight"] = ("gate_up", (e, slice(0, inter)))
+            parts[f"{prefix}{e}.up_proj.weight"] = ("gate_up", (e, slice(inter, 2 * inter)))
+            parts[f"{prefix}{e}.down_proj.weight"] = ("down", (e,))
+        return parts
+
+    def forward(self, x: torch.Tensor, top_ids: torch.Tensor, top_weights: torch.Tensor) -> torch.Tensor:
+        """Reference: x [tokens, hidden], top_ids/top_weights [tokens, k] -> summed expert outputs."""
+        out = torch.zeros_like(x)
+        flat_ids = top_ids.flatten()
+        order = flat_ids.argsort(stable=True)
+        counts = torch.bincount(flat_ids, minlength=self.gate_up.shape[0]).tolist()
+        rows = order // top_ids.shape[1]
+        weights = top_weights.flatten()[order]
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            picked = rows[start : start + count]
+            gate, up = F.linear(x[picked], self.gate_up[expert]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down[expert]) * weights[start : start + count, None]
+            out.index_add_(0, picked, y.to(out.dtype))
+            start += count
+        return out
+
+
+class SparseMoE(nn.Module):
+    """Router + routed experts (+ a shared expert behind a sigmoid gate, when the model has one)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.top_k = config.num_experts_per_tok
+        self.norm_topk_prob = config.norm_topk_prob
+        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        self.experts = RoutedExperts(config.num_experts, config.hidden_size, config.moe_intermediate_size)
+        self.shared_expert: DenseMLP | None = None
+        self.shared_expert_gate: nn.Linear | None = None
+        if config.shared_expert_intermediate_size:
+            self.shared_expert = DenseMLP(config.hidden_size, config.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k experts per token and their weights (softmax over all experts, optionally renormalised)."""
+        logits = self.gate(x)  # [tokens, experts]
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return ids, weights.to(logits.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids, weights = self.route(x)
+        out = self.experts(x, ids, weights)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out

@@ -1,0 +1,107 @@
+"""The Qwen3 MoE family as one decoder: `qwen3_moe` and `qwen3_next` differ only in what the config selects.
+
+qwen3_moe: attention layers, plain RMSNorm, routed experts. qwen3_next: Gated DeltaNet layers among gated
+attention layers, (1 + w) RMSNorm, a shared expert, and an MTP head.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from app.models.attention import Attention
+from app.models.batch import ForwardBatch
+from app.models.config import LINEAR_ATTENTION, ModelConfig
+from app.models.gdn import GatedDeltaNet
+from app.models.layers import DenseMLP, RMSNorm, RotaryEmbedding
+from app.models.moe import SparseMoE
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block: token mixer (attention or Gated DeltaNet), then MLP (dense or MoE)."""
+
+    def __init__(self, config: ModelConfig, layer: int, mixer: str, moe: bool) -> None:
+        super().__init__()
+        self.linear_attn: GatedDeltaNet | None = None
+        self.self_attn: Attention | None = None
+        if mixer == LINEAR_ATTENTION:
+            self.linear_attn = GatedDeltaNet(config, layer)
+        else:
+            self.self_attn = Attention(config, layer)
+        self.mlp = SparseMoE(config) if moe else DenseMLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=config.offset_norm)
+        self.post_attention_layernorm = RMSNorm(
+            config.hidden_size, config.rms_norm_eps, offset=config.offset_norm
+        )
+
+    def forward(
+        self, x: torch.Tensor, batch: ForwardBatch, cos_sin: tuple[torch.Tensor, torch.Tensor]
+    ) -> torch.Tensor:
+        h = self.input_layernorm(x)
+        h = self.linear_attn(h, batch) if self.linear_attn is not None else self.self_attn(h, batch, cos_sin)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    """Embedding, decoder layers, final norm (HF's `model.*`)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, config.layer_types[i], config.moe_layers[i])
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=config.offset_norm)
+        self.rotary = RotaryEmbedding(config.rope, config.rotary_dim)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        x = self.embed_tokens(batch.input_ids)
+        cos_sin = self.rotary.cos_sin(batch.positions, x.dtype)
+        for layer in self.layers:
+            x = layer(x, batch, cos_sin)
+        return self.norm(x)
+
+
+class MTPHead(nn.Module):
+    """Qwen3-Next's multi-token-prediction head (`mtp.*`): predicts the token after next.
+
+    Combines the normed embedding of the next token with the normed last hidden state through `fc`, then runs
+    its own attention + MoE layers. Loaded with the model; drafting with it belongs to speculative decoding.
+    """
+
+    def __init__(self, config: ModelConfig, layers: int) -> None:
+        super().__init__()
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        self.pre_fc_norm_embedding = RMSNorm(hidden, eps, offset=config.offset_norm)
+        self.pre_fc_norm_hidden = RMSNorm(hidden, eps, offset=config.offset_norm)
+        self.fc = nn.Linear(2 * hidden, hidden, bias=False)
+        first = config.num_hidden_layers
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, first + i, "full_attention", moe=config.num_experts > 0)
+            for i in range(layers)
+        )
+        self.norm = RMSNorm(hidden, eps, offset=config.offset_norm)
+
+
+class CausalLM(nn.Module):
+    """A decoder with its LM head; `forward` maps a flat batch to hidden states, `logits` to vocab scores."""
+
+    def __init__(self, config: ModelConfig, mtp_layers: int = 0) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config)
+        self.lm_head: nn.Linear | None = None
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.mtp = MTPHead(config, mtp_layers) if mtp_layers else None
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Final hidden states [tokens, hidden] of every row, updating the batch's sequence state."""
+        return self.model(batch)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Vocabulary logits [rows, vocab] in fp32."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, weight).float()

@@ -1,0 +1,1 @@
+"""Text side of the engine: tokenizer, chat template, tiny tokenizer builder."""

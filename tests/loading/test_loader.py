@@ -1,0 +1,74 @@
+"""Loading: memory-mapped tensors, dtype at load, the MTP head, eos ids, the progress bar."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from checkpoints import write_checkpoint
+
+from app.loading.checkpoint import CheckpointDir
+from app.loading.loader import load_model
+from app.loading.progress import Progress
+
+
+def test_weights_that_need_no_conversion_stay_mapped_from_the_file(tmp_path: Path) -> None:
+    model, _ = load_model(write_checkpoint(tmp_path, "qwen3_moe"), dtype="float32", progress=False)
+    attention = model.model.layers[0].self_attn
+    q, k = attention.q_proj.weight, attention.k_proj.weight
+    # Two tensors of one file live in one storage: the mapping of that file, not two copies.
+    assert q.untyped_storage().data_ptr() == k.untyped_storage().data_ptr()
+    assert q.data_ptr() != k.data_ptr()
+    assert not model.model.embed_tokens.weight.requires_grad
+
+
+def test_dtype_is_chosen_at_load(tmp_path: Path) -> None:
+    path = write_checkpoint(tmp_path, "qwen3_next")
+    model, _ = load_model(path, dtype="bfloat16", progress=False)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    auto, _ = load_model(path, dtype="auto", progress=False)
+    assert {p.dtype for p in auto.parameters()} == {torch.float32}
+
+
+def test_mtp_tensors_load_into_the_mtp_head(tmp_path: Path) -> None:
+    path = write_checkpoint(tmp_path, "qwen3_next", mtp_layers=1)
+    model, checkpoint = load_model(path, dtype="float32", progress=False)
+    assert model.mtp is not None and len(model.mtp.layers) == 1
+    expected = checkpoint.tensor("mtp.layers.0.mlp.experts.3.up_proj.weight")
+    torch.testing.assert_close(model.mtp.layers[0].mlp.experts.gate_up[3, 32:], expected)
+    torch.testing.assert_close(model.mtp.fc.weight, checkpoint.tensor("mtp.fc.weight"))
+
+
+def test_checkpoint_without_mtp_has_no_head(tmp_path: Path) -> None:
+    model, _ = load_model(write_checkpoint(tmp_path, "qwen3_next"), progress=False)
+    assert model.mtp is None
+
+
+def test_eos_ids_come_from_generation_config_then_config(tmp_path: Path) -> None:
+    path = write_checkpoint(tmp_path, "qwen3_moe", eos_token_id=[7, 9])
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": 2}))
+    assert CheckpointDir(path).eos_token_ids() == (2, 7, 9)
+
+
+def test_progress_bar_draws_on_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    screen = Terminal()
+    monkeypatch.setattr("sys.stderr", screen)
+    bar = Progress(4, "loading", width=8)
+    for _ in range(4):
+        bar.advance()
+    bar.close()
+    assert screen.getvalue().endswith("\rloading 100% [########] 4/4\n")
+
+
+def test_progress_bar_is_silent_off_a_terminal(capsys: pytest.CaptureFixture[str]) -> None:
+    bar = Progress(2, "loading")
+    bar.advance(2)
+    bar.close()
+    assert capsys.readouterr().err == ""

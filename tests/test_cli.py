@@ -1,0 +1,120 @@
+"""`strata generate`: output format, agreement with transformers, the default model, errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from checkpoints import hf_model, write_checkpoint
+from transformers import AutoTokenizer
+
+from app.cli import main
+
+
+def _generate(capsys: pytest.CaptureFixture[str], *args: str) -> dict:
+    assert main(["generate", "--json", *args]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_next"])
+def test_generate_json_equals_transformers_greedy(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], arch: str
+) -> None:
+    path = write_checkpoint(tmp_path, arch)
+    prompt = "def fibonacci(n):"
+    ids = AutoTokenizer.from_pretrained(path)(prompt)["input_ids"]
+    with torch.no_grad():
+        expected = (
+            hf_model(arch)
+            .generate(
+                torch.tensor([ids]), max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0
+            )[0, len(ids) :]
+            .tolist()
+        )
+
+    out = _generate(capsys, "--model", str(path), "--prompt", prompt, "--max-tokens", "24", "--ignore-eos")
+    assert out["token_ids"] == expected
+    assert out["text"] == AutoTokenizer.from_pretrained(path).decode(expected, skip_special_tokens=True)
+
+    by_ids = _generate(
+        capsys,
+        "--model",
+        str(path),
+        "--prompt-token-ids",
+        ",".join(map(str, ids)),
+        "--max-tokens",
+        "24",
+        "--ignore-eos",
+    )
+    assert by_ids["token_ids"] == expected
+
+
+def test_seeded_sampling_repeats_and_chat_uses_the_template(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = str(write_checkpoint(tmp_path, "qwen3_next"))
+    args = (
+        "--model",
+        path,
+        "--chat",
+        "--prompt",
+        "Hi",
+        "--temperature",
+        "1.0",
+        "--max-tokens",
+        "12",
+        "--ignore-eos",
+    )
+    first = _generate(capsys, *args, "--seed", "7")
+    again = _generate(capsys, *args, "--seed", "7")
+    other = _generate(capsys, *args, "--seed", "8")
+    assert first == again
+    assert first["token_ids"] != other["token_ids"]
+    assert len(first["token_ids"]) == 12
+
+
+def test_generation_stops_at_eos(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = write_checkpoint(tmp_path, "qwen3_moe")
+    greedy = _generate(capsys, "--model", str(path), "--prompt", "Hello", "--max-tokens", "8", "--ignore-eos")
+    eos = greedy["token_ids"][3]
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+    stopped = _generate(capsys, "--model", str(path), "--prompt", "Hello", "--max-tokens", "8")
+    assert stopped["token_ids"] == greedy["token_ids"][: greedy["token_ids"].index(eos) + 1]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--chat", "--prompt-token-ids", "1,2"], "--chat takes --prompt text"),
+        (["--temperature", "-1"], "temperature must be >= 0"),
+        (["--max-tokens", "0"], "max_tokens must be at least 1"),
+        (["--prompt-token-ids", "1,99999"], "prompt token ids must lie in [0, 512)"),
+        (["--max-tokens", "100000"], "exceeds the model's context of 512 tokens"),
+    ],
+)
+def test_bad_requests_get_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], message: str
+) -> None:
+    path = write_checkpoint(tmp_path, "qwen3_moe")
+    capsys.readouterr()
+    assert main(["generate", "--model", str(path), *args]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("strata: error: ") and message in err and err.count("\n") == 1
+
+
+def test_default_model_is_written_once_and_used(tmp_path: Path) -> None:
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
+    command = [sys.executable, "-m", "app.cli", "generate", "--json", "--max-tokens", "6", "--ignore-eos"]
+    first = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, check=True)
+    model_dir = tmp_path / "strata" / "models" / "tiny-random-qwen3-next-v1"
+    assert {p.name for p in model_dir.iterdir()} >= {"config.json", "model.safetensors", "tokenizer.json"}
+    written = (model_dir / "model.safetensors").stat().st_mtime_ns
+    second = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, check=True)
+    assert (model_dir / "model.safetensors").stat().st_mtime_ns == written
+    assert json.loads(first.stdout) == json.loads(second.stdout)
+    assert len(json.loads(first.stdout)["token_ids"]) == 6
