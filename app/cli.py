@@ -1,13 +1,17 @@
-"""The `strata` command line."""
+"""The `strata` command line: `generate` and `bench`, both through the engine process."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from collections.abc import Sequence
 
+from app.engine.config import EngineConfig
 from app.errors import StrataError
+
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
 def _token_ids(text: str) -> list[int]:
@@ -17,14 +21,66 @@ def _token_ids(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
-def _add_model_options(parser: argparse.ArgumentParser) -> None:
+def _size(text: str) -> int:
+    """Bytes from '2GiB', '512MiB', '1.5G' or a plain number."""
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([kmgt]?)(i?b)?\s*", text.lower())
+    if not match:
+        raise argparse.ArgumentTypeError(f"expected a size such as 2GiB or 512MiB, got {text!r}")
+    return int(float(match.group(1)) * _UNITS[match.group(2)])
+
+
+def _add_engine_options(parser: argparse.ArgumentParser) -> None:
+    defaults = EngineConfig()
     parser.add_argument("--model", help="HF model directory (default: the tiny built-in demo model)")
     parser.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available, else cpu")
     parser.add_argument(
         "--dtype",
-        default="auto",
+        default=defaults.dtype,
         choices=("auto", "float32", "bfloat16", "float16"),
         help="weight dtype (auto: the checkpoint's)",
+    )
+    parser.add_argument("--parallel", type=int, default=defaults.parallel, help="batch slots")
+    parser.add_argument(
+        "--max-batched-tokens", type=int, default=defaults.max_batched_tokens, help="token budget of a window"
+    )
+    parser.add_argument("--kv-memory", type=_size, default=defaults.kv_memory, help="KV pool size, e.g. 2GiB")
+    parser.add_argument("--block-size", type=int, default=defaults.block_size, help="tokens per KV block")
+    parser.add_argument(
+        "--decode-share",
+        type=float,
+        default=defaults.decode_share,
+        help="share of solo speed a decoding slot keeps while prompts are read (docs/BATCHING.md)",
+    )
+    parser.add_argument("--max-model-len", type=int, help="context limit (default: the model's)")
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig the engine options describe; bad values end as a one-line error."""
+    import torch
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise StrataError("--device cuda: no CUDA device is available")
+    checks = [
+        (args.parallel >= 1, "--parallel must be at least 1"),
+        (args.max_batched_tokens >= 1, "--max-batched-tokens must be at least 1"),
+        (args.block_size >= 1, "--block-size must be at least 1"),
+        (0 < args.decode_share <= 1, "--decode-share must be in (0, 1]"),
+        (args.max_model_len is None or args.max_model_len >= 1, "--max-model-len must be at least 1"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise StrataError(message)
+    return EngineConfig(
+        model=args.model,
+        device=device,
+        dtype=args.dtype,
+        parallel=args.parallel,
+        max_batched_tokens=args.max_batched_tokens,
+        kv_memory=args.kv_memory,
+        block_size=args.block_size,
+        decode_share=args.decode_share,
+        max_model_len=args.max_model_len,
     )
 
 
@@ -32,8 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser with every subcommand."""
     parser = argparse.ArgumentParser(prog="strata", description="Serve Mixture-of-Experts language models.")
     commands = parser.add_subparsers(dest="command", required=True)
+
     gen = commands.add_parser("generate", help="generate text from a prompt")
-    _add_model_options(gen)
+    _add_engine_options(gen)
     prompt = gen.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", help="prompt text (default: 'Hello')")
     prompt.add_argument("--prompt-token-ids", type=_token_ids, help="prompt as token ids, e.g. 1,2,3")
@@ -42,51 +99,72 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0, help="0 turns it off")
     gen.add_argument("--seed", type=int)
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence tokens")
     gen.add_argument("--json", action="store_true", help="print one JSON object with token_ids and text")
+
+    bench = commands.add_parser("bench", help="measure concurrent requests offline (no HTTP)")
+    _add_engine_options(bench)
+    bench.add_argument("--concurrency", type=int, default=4)
+    bench.add_argument("--prompt-len", type=int, default=512)
+    bench.add_argument("--output-len", type=int, default=64)
+    bench.add_argument("--seed", type=int, default=0)
     return parser
 
 
 def run_generate(args: argparse.Namespace) -> None:
-    """`strata generate`: load the model, read the prompt, print the continuation."""
-    import torch
-
+    """`strata generate`: start the engine, read the prompt, print the continuation."""
     from app.default_model import default_model_dir
-    from app.generate import SamplingParams, generate_tokens
-    from app.loading.model import open_model
+    from app.engine.client import EngineClient
+    from app.engine.protocol import SamplingParams
+    from app.text.tokenizer import Tokenizer
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise StrataError("--device cuda: no CUDA device is available")
     if args.chat and args.prompt_token_ids is not None:
         raise StrataError("--chat takes --prompt text, not --prompt-token-ids")
     params = SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed, ignore_eos=args.ignore_eos
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
     )
     params.validate()
-    loaded = open_model(args.model or default_model_dir(), dtype=args.dtype, device=device)
-    tokenizer = loaded.tokenizer
-    if args.prompt_token_ids is not None:
-        prompt = args.prompt_token_ids
-    elif args.chat:
-        prompt = tokenizer.encode_chat([{"role": "user", "content": args.prompt or "Hello"}])
-    else:
-        prompt = tokenizer.encode(args.prompt or "Hello")
-    ids = list(generate_tokens(loaded.model, prompt, params, loaded.eos_token_ids))
-    text = tokenizer.decode(ids)
+    config = engine_config(args)
+    with EngineClient.start(config) as client:
+        tokenizer = Tokenizer.from_dir(args.model or default_model_dir())
+        if args.prompt_token_ids is not None:
+            prompt = args.prompt_token_ids
+        elif args.chat:
+            prompt = tokenizer.encode_chat([{"role": "user", "content": args.prompt or "Hello"}])
+        else:
+            prompt = tokenizer.encode(args.prompt or "Hello")
+        done = client.generate(prompt, params)
     if args.json:
-        print(json.dumps({"token_ids": ids, "text": text}, ensure_ascii=False))
+        print(json.dumps({"token_ids": done.token_ids, "text": done.text}, ensure_ascii=False))
     else:
-        print(text)
+        print(done.text)
+
+
+def run_bench(args: argparse.Namespace) -> None:
+    """`strata bench`: print the JSON summary of a synthetic concurrent run."""
+    from app.bench import run_bench as bench
+
+    if args.concurrency < 1 or args.prompt_len < 1 or args.output_len < 1:
+        raise StrataError("--concurrency, --prompt-len and --output-len must be at least 1")
+    summary = bench(engine_config(args), args.concurrency, args.prompt_len, args.output_len, args.seed)
+    print(json.dumps(summary))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `strata` console script; errors end as one line on stderr."""
     args = build_parser().parse_args(argv)
     try:
-        if args.command == "generate":
-            run_generate(args)
+        {"generate": run_generate, "bench": run_bench}[args.command](args)
     except StrataError as e:
         print(f"strata: error: {e}", file=sys.stderr)
         return 1

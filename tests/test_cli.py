@@ -93,8 +93,8 @@ def test_generation_stops_at_eos(tmp_path: Path, capsys: pytest.CaptureFixture[s
         (["--chat", "--prompt-token-ids", "1,2"], "--chat takes --prompt text"),
         (["--temperature", "-1"], "temperature must be >= 0"),
         (["--max-tokens", "0"], "max_tokens must be at least 1"),
-        (["--prompt-token-ids", "1,99999"], "prompt token ids must lie in [0, 512)"),
-        (["--max-tokens", "100000"], "exceeds the model's context of 512 tokens"),
+        (["--prompt-token-ids", "1,99999"], "prompt token id 99999 is outside the vocabulary [0, 512)"),
+        (["--max-tokens", "100000"], "exceeds the context of 512 tokens"),
     ],
 )
 def test_bad_requests_get_one_line(

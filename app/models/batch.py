@@ -29,7 +29,7 @@ class SequenceSpan:
 class SequenceState(Protocol):
     """Per-sequence model state that the layers read and extend: attention K/V and Gated DeltaNet state.
 
-    The contiguous holder below is the simplest implementation; a paged KV pool implements the same calls.
+    The engine's paged pool implements it (app/engine/paged_state.py); tests use a contiguous holder.
     """
 
     def extend_kv(
@@ -81,39 +81,3 @@ class ForwardBatch:
     def last_rows(self) -> torch.Tensor:
         """Index of each span's last row: where its next-token logits come from."""
         return torch.tensor([s.start + s.length - 1 for s in self.spans], device=self.input_ids.device)
-
-
-class ContiguousState:
-    """Per-sequence state in plain contiguous tensors, grown as tokens arrive.
-
-    Enough for one process generating a handful of sequences; the engine's paged pool replaces it.
-    """
-
-    def __init__(self) -> None:
-        self._kv: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        self._linear: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def extend_kv(
-        self, layer: int, span: SequenceSpan, k: torch.Tensor, v: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        key = (layer, span.seq)
-        if key in self._kv:
-            old_k, old_v = self._kv[key]
-            k = torch.cat((old_k[: span.past], k))
-            v = torch.cat((old_v[: span.past], v))
-        elif span.past:
-            raise ValueError(f"sequence {span.seq} has no state for its {span.past} past tokens")
-        self._kv[key] = (k, v)
-        return k, v
-
-    def linear_state(self, layer: int, seq: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        return self._linear.get((layer, seq), (None, None))
-
-    def set_linear_state(self, layer: int, seq: int, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
-        self._linear[(layer, seq)] = (conv, recurrent)
-
-    def drop(self, seq: int) -> None:
-        """Forget everything held for a sequence."""
-        for table in (self._kv, self._linear):
-            for key in [key for key in table if key[1] == seq]:
-                del table[key]

@@ -7,10 +7,11 @@ from pathlib import Path
 import pytest
 import torch
 from checkpoints import hf_model, write_checkpoint
+from contiguous_state import ContiguousState
+from engine_helpers import complete, make_core
 
-from app.generate import SamplingParams, generate_tokens
 from app.loading.loader import load_model
-from app.models.batch import ContiguousState, ForwardBatch
+from app.models.batch import ForwardBatch
 
 pytestmark = [
     pytest.mark.gpu,
@@ -40,7 +41,10 @@ def test_cuda_matches_transformers_on_cpu(tmp_path: Path, arch: str) -> None:
         hf_tokens = reference.generate(
             prompt[None], max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0
         )[0, 20:].tolist()
-    assert list(generate_tokens(fp32, prompt.tolist(), SamplingParams(max_tokens=32))) == hf_tokens
+    core = make_core(path, device="cuda")
+    assert (
+        complete(core, prompt.tolist(), max_tokens=32, temperature=0, ignore_eos=True).token_ids == hf_tokens
+    )
 
     bf16, _ = load_model(path, dtype="bfloat16", device="cuda", progress=False)
     assert bf16.model.embed_tokens.weight.dtype == torch.bfloat16

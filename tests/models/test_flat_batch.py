@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 from checkpoints import write_checkpoint
+from contiguous_state import ContiguousState
 
 from app.loading.loader import load_model
-from app.models.batch import ContiguousState, ForwardBatch, SequenceSpan
+from app.models.batch import ForwardBatch, SequenceSpan
 from app.models.qwen3 import CausalLM
 
 

@@ -8,10 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 from checkpoints import hf_model, write_checkpoint
+from contiguous_state import ContiguousState
+from engine_helpers import complete, make_core
 
-from app.generate import SamplingParams, generate_tokens
 from app.loading.loader import load_model
-from app.models.batch import ContiguousState, ForwardBatch
+from app.models.batch import ForwardBatch
 
 VARIANTS = {
     "qwen3_moe": [
@@ -86,7 +87,9 @@ def test_prefill_logits_and_greedy_tokens_match_transformers(
         hf_tokens = reference.generate(
             prompt[None], max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0
         )[0, 20:].tolist()
-    our_tokens = list(generate_tokens(ours, prompt.tolist(), SamplingParams(max_tokens=32)))
+    our_tokens = complete(
+        make_core(tmp_path), prompt.tolist(), max_tokens=32, temperature=0, ignore_eos=True
+    ).token_ids
     assert our_tokens == hf_tokens
 
 

@@ -35,20 +35,6 @@ CHATS = [
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A directory holding the tiny tokenizer."""
-    out_dir = tmp_path_factory.mktemp("tiny")
-    write_tiny_tokenizer(out_dir)
-    return out_dir
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_dir: Path) -> Tokenizer:
-    """Our view of the tiny tokenizer."""
-    return Tokenizer.from_dir(tiny_dir)
-
-
-@pytest.fixture(scope="module")
 def hf(tiny_dir: Path) -> PreTrainedTokenizerBase:
     """transformers' view of the tiny tokenizer."""
     return AutoTokenizer.from_pretrained(tiny_dir)

@@ -1,0 +1,28 @@
+"""Engine settings, chosen once at start (CLI options map onto these fields)."""
+
+from __future__ import annotations
+
+import msgspec
+
+GIB = 1 << 30
+
+
+class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """What the engine process loads and how it batches.
+
+    `model` is an HF directory (None: the default demo model). `parallel` is the number of batch slots;
+    `max_batched_tokens` the token budget of one window; `kv_memory` the bytes of the KV pool and per-slot
+    recurrent state; `decode_share` the share of its solo speed a decoding slot keeps while peers' prompts
+    are read (docs/BATCHING.md).
+    """
+
+    model: str | None = None
+    device: str = "cpu"
+    dtype: str = "auto"
+    parallel: int = 8
+    max_batched_tokens: int = 2048
+    block_size: int = 16
+    kv_memory: int = 2 * GIB
+    decode_share: float = 0.5
+    max_model_len: int | None = None
+    seed: int = 0

@@ -1,0 +1,186 @@
+"""EngineCore: step() = scheduler.schedule() -> runner.execute(window) -> update requests -> outputs."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from app.default_model import default_model_dir
+from app.engine.config import EngineConfig
+from app.engine.paged_state import PagedState, kv_block_bytes, slot_state_bytes
+from app.engine.protocol import AddRequest, Ready, RequestOutput, SlotStats, WindowStats, check_request
+from app.engine.runner import ModelRunner, Sampled
+from app.engine.sampler import Sampler
+from app.engine.scheduler import Phase, Request, Scheduler, SchedulerConfig
+from app.errors import StrataError
+from app.loading.model import open_model
+from app.text.stream import TextStream
+
+
+class EngineCore:
+    """The engine's loop body: owns the model, the scheduler and each request's text stream."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.loaded = open_model(
+            config.model or default_model_dir(), config.dtype, config.device, progress=False
+        )
+        model = self.loaded.model
+        model_config = model.config
+        dtype = model.model.embed_tokens.weight.dtype
+        state_bytes = slot_state_bytes(model_config, dtype) * config.parallel
+        block_bytes = kv_block_bytes(model_config, config.block_size, dtype)
+        blocks = (config.kv_memory - state_bytes) // block_bytes
+        if blocks < 1:
+            raise StrataError(
+                f"--kv-memory {config.kv_memory} bytes is too small: {config.parallel} slots of recurrent "
+                f"state take {state_bytes} and one KV block {block_bytes}"
+            )
+        self.max_model_len = min(
+            config.max_model_len or model_config.max_position_embeddings, model_config.max_position_embeddings
+        )
+        state = PagedState(
+            model_config, blocks, config.block_size, config.parallel, dtype, torch.device(config.device)
+        )
+        self.runner = ModelRunner(model, state, Sampler(config.seed))
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                parallel=config.parallel,
+                max_batched_tokens=config.max_batched_tokens,
+                block_size=config.block_size,
+                kv_blocks=blocks,
+                decode_share=config.decode_share,
+            )
+        )
+        self.streams: dict[str, TextStream] = {}
+        self.windows = 0
+
+    def ready(self) -> Ready:
+        """What clients need to know before sending requests."""
+        return Ready(
+            model=self.loaded.name,
+            max_model_len=self.max_model_len,
+            vocab_size=self.loaded.model.config.vocab_size,
+            parallel=self.config.parallel,
+            kv_blocks_total=self.scheduler.pool.total,
+            block_size=self.config.block_size,
+            eos_token_ids=list(self.loaded.eos_token_ids),
+        )
+
+    def add_request(self, add: AddRequest) -> list[RequestOutput]:
+        """Queue a request, or answer at once with an error output when it can never run."""
+        try:
+            self._check(add)
+        except StrataError as e:
+            return [RequestOutput(add.request_id, finished=True, finish_reason="error", error=str(e))]
+        params = add.params
+        self.scheduler.add(Request(add.request_id, list(add.prompt_token_ids), params, add.arrival_time))
+        self.streams[add.request_id] = TextStream(
+            self.loaded.tokenizer,
+            add.prompt_token_ids,
+            stop=params.stop,
+            skip_special_tokens=params.skip_special_tokens,
+            include_stop=params.include_stop_str_in_output,
+        )
+        return []
+
+    def _check(self, add: AddRequest) -> None:
+        prompt = check_request(
+            add.prompt_token_ids, add.params, self.loaded.model.config.vocab_size, self.max_model_len
+        )
+        needed = len(prompt) + add.params.max_tokens
+        if needed > self.scheduler.capacity_tokens():
+            raise StrataError(
+                f"prompt + max_tokens ({needed} tokens) exceeds the KV pool's "
+                f"{self.scheduler.capacity_tokens()} tokens (raise --kv-memory)"
+            )
+        if add.request_id in self.streams:
+            raise StrataError(f"request id {add.request_id} is already in use")
+
+    def abort_request(self, request_id: str) -> list[RequestOutput]:
+        """End a request now; its slot and blocks are free for the next window."""
+        request = self.scheduler.requests.get(request_id)
+        if request is None:
+            return []
+        self.scheduler.finish(request, "abort")
+        self.streams.pop(request_id, None)
+        return [self._final(request, RequestOutput(request_id))]
+
+    def has_work(self) -> bool:
+        """Any request running or waiting."""
+        return self.scheduler.has_work()
+
+    def step(self) -> tuple[list[RequestOutput], WindowStats]:
+        """Run one window and report what each request produced."""
+        window = self.scheduler.schedule()
+        started, clock = time.time(), time.perf_counter()
+        sampled = self.runner.execute(window) if window.chunks else []
+        seconds = time.perf_counter() - clock
+        self.scheduler.advance(window, seconds)
+        fed = {c.request.request_id: len(c.tokens) for c in window.chunks}
+        outputs = [self._emit(s) for s in sampled]
+        self.windows += 1
+        stats = WindowStats(
+            window=self.windows,
+            started=started,
+            duration_s=seconds,
+            rows=sum(len(c.tokens) for c in window.chunks),
+            prompt_tokens=window.prompt_tokens,
+            decode_tokens=window.decode_tokens,
+            slots=[self._slot_stats(r, fed.get(r.request_id, 0)) for r in self.scheduler.running],
+            waiting=len(self.scheduler.waiting),
+            kv_blocks_used=self.scheduler.pool.used,
+            kv_blocks_total=self.scheduler.pool.total,
+            finished=sum(o.finished for o in outputs),
+            preempted=window.preempted,
+        )
+        return outputs, stats
+
+    def _emit(self, sampled: Sampled) -> RequestOutput:
+        request = sampled.chunk.request
+        token = sampled.token_id
+        self.scheduler.append_token(request, token)
+        stream = self.streams[request.request_id]
+        output = RequestOutput(request.request_id, token_ids=[token], text=stream.add([token]))
+        if sampled.logprobs is not None:
+            output.logprobs = [sampled.logprobs]
+        reason = self._finish_reason(request, token, stream)
+        if reason is None:
+            return output
+        if not stream.stopped:
+            output.text += stream.finish()
+        self.scheduler.finish(request, reason)
+        del self.streams[request.request_id]
+        return self._final(request, output)
+
+    def _finish_reason(self, request: Request, token: int, stream: TextStream) -> str | None:
+        params = request.params
+        if stream.stopped or token in params.stop_token_ids:
+            return "stop"
+        if token in self.loaded.eos_token_ids and not params.ignore_eos:
+            return "stop"
+        if len(request.output) >= params.max_tokens or len(request.tokens) >= self.max_model_len:
+            return "length"
+        return None
+
+    @staticmethod
+    def _final(request: Request, output: RequestOutput) -> RequestOutput:
+        output.finished = True
+        output.finish_reason = request.finish_reason
+        output.prompt_tokens = len(request.prompt)
+        output.output_tokens = len(request.output)
+        return output
+
+    @staticmethod
+    def _slot_stats(request: Request, fed: int) -> SlotStats:
+        return SlotStats(
+            slot=request.slot,
+            request_id=request.request_id,
+            phase="decode" if request.phase is Phase.DECODE else "prompt",
+            prompt_tokens=min(request.computed, len(request.prompt)),
+            prompt_total=len(request.prompt),
+            output_tokens=len(request.output),
+            context_tokens=request.computed,
+            window_tokens=fed,
+        )

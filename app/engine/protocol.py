@@ -1,0 +1,204 @@
+"""Messages between the engine process and its clients (msgspec structs, msgpack on the wire)."""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+
+import msgspec
+
+from app.errors import StrataError
+
+FINISH_REASONS = ("stop", "length", "abort", "error")
+MAX_LOGPROBS = 20
+
+
+class InvalidRequest(StrataError):
+    """A request with a value no request may have; the message names the field, `param` holds it."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
+    """How one request picks its tokens and when it stops.
+
+    temperature 0 is greedy; top_k 0 and top_p 1 and min_p 0 are off; a seed makes sampling reproducible
+    alone or in any batch. Penalties follow OpenAI (presence, frequency: over generated tokens) and HF
+    (repetition: over prompt and generated tokens). `logprobs` asks for the chosen token's log-probability
+    and that many alternatives.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def validate(self) -> None:
+        """Raise InvalidRequest naming the first field out of range."""
+        checks = [
+            (self.max_tokens >= 1, "max_tokens", "must be at least 1"),
+            (self.temperature >= 0, "temperature", "must be >= 0"),
+            (0 < self.top_p <= 1, "top_p", "must be in (0, 1]"),
+            (self.top_k >= 0, "top_k", "must be >= 0 (0 turns it off)"),
+            (0 <= self.min_p <= 1, "min_p", "must be in [0, 1]"),
+            (-2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]"),
+            (-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]"),
+            (0 < self.repetition_penalty <= 10, "repetition_penalty", "must be in (0, 10]"),
+            (all(self.stop), "stop", "must not contain empty strings"),
+            (
+                self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+                "logprobs",
+                f"must be in [0, {MAX_LOGPROBS}]",
+            ),
+        ]
+        for ok, field, message in checks:
+            if not ok:
+                raise InvalidRequest(f"{field} {message}", field)
+
+    @property
+    def greedy(self) -> bool:
+        """True when the request always takes the most likely token."""
+        return self.temperature == 0
+
+
+def check_request(
+    prompt_token_ids: Sequence[int], params: SamplingParams, vocab_size: int, max_model_len: int
+) -> list[int]:
+    """The prompt as plain ints, once the request is known to fit the model; else InvalidRequest."""
+    params.validate()
+    try:
+        prompt = [operator.index(token) for token in prompt_token_ids]
+    except TypeError:
+        raise InvalidRequest("prompt token ids must be integers", "prompt") from None
+    if not prompt:
+        raise InvalidRequest("prompt must not be empty", "prompt")
+    bad = next((token for token in prompt if not 0 <= token < vocab_size), None)
+    if bad is not None:
+        raise InvalidRequest(f"prompt token id {bad} is outside the vocabulary [0, {vocab_size})", "prompt")
+    if len(prompt) + params.max_tokens > max_model_len:
+        raise InvalidRequest(
+            f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the context of "
+            f"{max_model_len} tokens",
+            "max_tokens",
+        )
+    return prompt
+
+
+class AddRequest(msgspec.Struct, tag="add", frozen=True):
+    """Start generating for a prompt of token ids."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = 0.0
+
+
+class AbortRequest(msgspec.Struct, tag="abort", frozen=True):
+    """Stop a request; its slot and state are freed within one window."""
+
+    request_id: str
+
+
+class Shutdown(msgspec.Struct, tag="shutdown", frozen=True):
+    """Finish the current window and exit."""
+
+
+class TokenLogprob(msgspec.Struct, array_like=True, frozen=True):
+    """A token id and its log-probability under the model."""
+
+    token_id: int
+    logprob: float
+
+
+class PositionLogprobs(msgspec.Struct, array_like=True, frozen=True):
+    """The chosen token's log-probability and the most likely alternatives at one position."""
+
+    chosen: TokenLogprob
+    top: list[TokenLogprob]
+
+
+class RequestOutput(msgspec.Struct, tag="out", omit_defaults=True):
+    """What a request produced since its last output: new tokens, their text, and whether it is done.
+
+    `finish_reason` is one of stop, length, abort, error; with error, `error` says why.
+    """
+
+    request_id: str
+    token_ids: list[int] = []
+    text: str = ""
+    logprobs: list[PositionLogprobs] = []
+    finished: bool = False
+    finish_reason: str | None = None
+    error: str | None = None
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+
+
+class SlotStats(msgspec.Struct, array_like=True, frozen=True):
+    """One busy slot in a window: which request, what it did, how far it is."""
+
+    slot: int
+    request_id: str
+    phase: str  # "prompt" (reading its prompt) or "decode"
+    prompt_tokens: int  # tokens of the prompt read so far
+    prompt_total: int
+    output_tokens: int
+    context_tokens: int  # tokens held in state
+    window_tokens: int  # tokens this slot fed in this window
+
+
+class WindowStats(msgspec.Struct, tag="stats", frozen=True):
+    """The record every window emits: what ran, how long it took, the state of slots, queue and KV pool."""
+
+    window: int
+    started: float
+    duration_s: float
+    rows: int
+    prompt_tokens: int
+    decode_tokens: int
+    slots: list[SlotStats]
+    waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    finished: int = 0
+    preempted: int = 0
+
+    @property
+    def kv_usage(self) -> float:
+        """Share of the KV pool in use, 0..1."""
+        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+
+class Ready(msgspec.Struct, tag="ready", frozen=True):
+    """Sent once the engine has loaded its model and can take requests."""
+
+    model: str
+    max_model_len: int
+    vocab_size: int
+    parallel: int
+    kv_blocks_total: int
+    block_size: int
+    eos_token_ids: list[int]
+
+
+class EngineFailed(msgspec.Struct, tag="failed", frozen=True):
+    """The engine could not start or hit an error it cannot continue from."""
+
+    message: str
+
+
+ClientMessage = AddRequest | AbortRequest | Shutdown
+EngineMessage = RequestOutput | WindowStats | Ready | EngineFailed

@@ -1,0 +1,69 @@
+"""The model runner: the only engine code that touches devices. One forward per window, then sampling."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from app.engine.paged_state import PagedState
+from app.engine.protocol import PositionLogprobs
+from app.engine.sampler import RowSampling, Sampler
+from app.engine.scheduler import Chunk, Window
+from app.models.batch import ForwardBatch
+from app.models.qwen3 import CausalLM
+
+
+@dataclass
+class Sampled:
+    """A token drawn for the request of `chunk`, with its log-probabilities when asked for."""
+
+    chunk: Chunk
+    token_id: int
+    logprobs: PositionLogprobs | None
+
+
+class ModelRunner:
+    """Flattens a window into one varlen batch (prompt chunks and decode rows together), runs it, samples."""
+
+    def __init__(self, model: CausalLM, state: PagedState, sampler: Sampler) -> None:
+        self.model = model
+        self.state = state
+        self.sampler = sampler
+        self.device = model.model.embed_tokens.weight.device
+
+    @torch.inference_mode()
+    def execute(self, window: Window) -> list[Sampled]:
+        """Run the window's forward pass; return one sampled token per chunk that ends at its newest token."""
+        for chunk in window.chunks:
+            if chunk.fresh:
+                self.state.reset_slot(chunk.slot)
+            self.state.set_block_table(chunk.slot, chunk.request.blocks)
+        batch = ForwardBatch.build(
+            [(c.slot, c.tokens, c.past) for c in window.chunks], self.state, self.device
+        )
+        hidden = self.model(batch)
+        sampling = [
+            (span, chunk) for span, chunk in zip(batch.spans, window.chunks, strict=True) if chunk.samples
+        ]
+        if not sampling:
+            return []
+        rows = torch.tensor([span.start + span.length - 1 for span, _ in sampling], device=self.device)
+        logits = self.model.logits(hidden[rows])
+        requests = [chunk.request for _, chunk in sampling]
+        result = self.sampler(
+            logits,
+            [
+                RowSampling(
+                    params=r.params,
+                    position=len(r.prompt) + len(r.output),
+                    prompt_token_ids=r.prompt,
+                    output_token_ids=r.output,
+                )
+                for r in requests
+            ],
+        )
+        return [
+            Sampled(chunk, token, logprobs)
+            for (_, chunk), token, logprobs in zip(sampling, result.token_ids, result.logprobs, strict=True)
+        ]

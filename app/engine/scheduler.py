@@ -1,0 +1,236 @@
+"""The scheduler: requests, batch slots, the KV pool's blocks, and what each window runs. Imports no torch.
+
+Each window: decode rows first (one token per decoding slot), then prompt chunks of partially read requests
+and of waiting requests, FIFO, within the window's token budget. While slots are decoding, the prompt budget
+is cut so that a window lasts at most 1 / decode_share times a decode-only window (docs/BATCHING.md).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from dataclasses import dataclass, field
+
+from app.engine.blocks import BlockPool
+from app.engine.protocol import SamplingParams
+from app.engine.window_cost import WindowCost
+
+UNCALIBRATED_CHUNK = 256
+
+
+class Phase(enum.Enum):
+    """Where a request is in its life."""
+
+    WAITING = "waiting"
+    PROMPT = "prompt"
+    DECODE = "decode"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation request and its progress.
+
+    `computed` counts the tokens (prompt, then generated) held in the model state; the tokens after it are
+    what the next window feeds. A request preempted for lack of KV blocks starts again from 0 and reads its
+    prompt plus what it generated; seeded and greedy sampling make that exact.
+    """
+
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    arrival_time: float
+    output: list[int] = field(default_factory=list)
+    computed: int = 0
+    slot: int | None = None
+    blocks: list[int] = field(default_factory=list)
+    phase: Phase = Phase.WAITING
+    finish_reason: str | None = None
+    admitted_order: int = 0
+
+    @property
+    def tokens(self) -> list[int]:
+        """Prompt and generated tokens."""
+        return self.prompt + self.output
+
+    @property
+    def pending(self) -> int:
+        """Tokens not yet in the model state."""
+        return len(self.prompt) + len(self.output) - self.computed
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One request's rows in a window: `tokens` continuing `past` tokens of state in `slot`.
+
+    `samples` is True when the chunk ends at the request's newest token, so its last row yields the next
+    token; `fresh` when the slot's recurrent state must start empty; `decode` for a decode row (a token the
+    request just generated), as opposed to prompt (or re-read context) tokens.
+    """
+
+    request: Request
+    slot: int
+    tokens: list[int]
+    past: int
+    samples: bool
+    fresh: bool
+    decode: bool
+
+
+@dataclass
+class Window:
+    """What one forward pass runs, decode rows first."""
+
+    chunks: list[Chunk]
+    preempted: int = 0
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Rows that read prompt (or preempted context) tokens."""
+        return sum(len(c.tokens) for c in self.chunks if not c.decode)
+
+    @property
+    def decode_tokens(self) -> int:
+        """Rows that feed a just-generated token."""
+        return sum(len(c.tokens) for c in self.chunks if c.decode)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Slots, window budget, KV pool size and the decode-share target."""
+
+    parallel: int
+    max_batched_tokens: int
+    block_size: int
+    kv_blocks: int
+    decode_share: float = 0.5
+
+
+class Scheduler:
+    """Admits requests into slots, plans windows, and frees what finished requests held."""
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.pool = BlockPool(config.kv_blocks, config.block_size)
+        self.cost = WindowCost()
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order
+        self.free_slots = list(range(config.parallel - 1, -1, -1))
+        self.requests: dict[str, Request] = {}
+        self._admissions = 0
+
+    def add(self, request: Request) -> None:
+        """Queue a request; it is never refused for being busy."""
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        """Any request waiting or running."""
+        return bool(self.waiting or self.running)
+
+    def capacity_tokens(self) -> int:
+        """The most tokens one request can hold: the whole KV pool."""
+        return self.pool.total * self.pool.block_size
+
+    def schedule(self) -> Window:
+        """Plan the next window."""
+        window = Window(chunks=[])
+        budget = self.config.max_batched_tokens
+        for request in [r for r in self.running if r.phase is Phase.DECODE]:
+            if request.phase is not Phase.DECODE:
+                continue  # preempted while making room for an earlier row
+            while not self.pool.grow(request.blocks, request.computed + 1):
+                victim = self.running[-1]
+                self._preempt(victim)
+                window.preempted += 1
+                if victim is request:
+                    break
+            if request.phase is Phase.DECODE:
+                window.chunks.append(self._chunk(request, 1))
+                budget -= 1
+        budget = min(budget, self._prompt_budget(len(window.chunks), budget))
+        for request in [r for r in self.running if r.phase is Phase.PROMPT]:
+            if budget <= 0:
+                break
+            take = min(request.pending, budget)
+            window.chunks.append(self._chunk(request, take))
+            budget -= take
+        while budget > 0 and self.waiting and self.free_slots:
+            request = self.waiting[0]
+            if not self.pool.grow(request.blocks, len(request.tokens) + 1):
+                break
+            self.waiting.popleft()
+            self._admit(request)
+            take = min(request.pending, budget)
+            window.chunks.append(self._chunk(request, take))
+            budget -= take
+        return window
+
+    def _prompt_budget(self, decode_rows: int, left: int) -> int:
+        """Prompt tokens this window may take so decoding slots keep their share of solo speed."""
+        if decode_rows == 0:
+            return left
+        if not self.cost.calibrated:
+            return min(UNCALIBRATED_CHUNK, left)
+        solo = self.cost.predict(decode_rows)
+        allowed = self.cost.tokens_within(solo / self.config.decode_share) - decode_rows
+        return max(min(allowed, left), self.config.block_size)
+
+    def _chunk(self, request: Request, take: int) -> Chunk:
+        start = request.computed
+        tokens = request.tokens[start : start + take]
+        return Chunk(
+            request=request,
+            slot=request.slot,
+            tokens=tokens,
+            past=start,
+            samples=take == request.pending,
+            fresh=start == 0,
+            decode=request.phase is Phase.DECODE,
+        )
+
+    def _admit(self, request: Request) -> None:
+        request.slot = self.free_slots.pop()
+        request.phase = Phase.PROMPT
+        self._admissions += 1
+        request.admitted_order = self._admissions
+        self.running.append(request)
+
+    def _preempt(self, request: Request) -> None:
+        """Free a running request's slot and blocks; it waits at the head of the queue to be read again."""
+        self._release(request)
+        request.computed = 0
+        request.phase = Phase.WAITING
+        self.waiting.appendleft(request)
+
+    def _release(self, request: Request) -> None:
+        self.pool.release(request.blocks)
+        if request.slot is not None:
+            self.free_slots.append(request.slot)
+            request.slot = None
+        if request in self.running:
+            self.running.remove(request)
+
+    def advance(self, window: Window, seconds: float) -> None:
+        """Account for a window that ran: its chunks are now in the state."""
+        for chunk in window.chunks:
+            request = chunk.request
+            request.computed += len(chunk.tokens)
+            if chunk.samples:
+                request.phase = Phase.DECODE
+        self.cost.observe(sum(len(c.tokens) for c in window.chunks), seconds)
+
+    def append_token(self, request: Request, token: int) -> None:
+        """Record a sampled token; the next window feeds it."""
+        request.output.append(token)
+
+    def finish(self, request: Request, reason: str) -> None:
+        """End a request (stop, length, abort, error) and free what it held."""
+        if request.phase is Phase.FINISHED:
+            return
+        request.finish_reason = reason
+        request.phase = Phase.FINISHED
+        self._release(request)
+        if request in self.waiting:
+            self.waiting.remove(request)
+        self.requests.pop(request.request_id, None)

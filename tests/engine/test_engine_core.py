@@ -1,0 +1,193 @@
+"""The engine core in-process on tiny fp32 models: batch = solo, windows, sampling features, limits."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from checkpoints import write_checkpoint
+from engine_helpers import Completion, complete, make_core, request, run
+
+from app.engine.core import EngineCore
+from app.engine.paged_state import kv_block_bytes, slot_state_bytes
+from app.text.tokenizer import Tokenizer
+
+ARCHS = ["qwen3_moe", "qwen3_next"]
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_checkpoint(
+        tmp_path_factory.mktemp(request.param), request.param, max_position_embeddings=4096
+    )
+
+
+def _prompt(length: int, seed: int) -> list[int]:
+    return torch.randint(3, 512, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _solo(core: EngineCore, prompt: list[int], **params: object) -> Completion:
+    return complete(core, prompt, **params)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"temperature": 0},
+        {"temperature": 0.9, "top_p": 0.9, "top_k": 50, "seed": 11},
+        {"temperature": 1.2, "min_p": 0.05, "repetition_penalty": 1.3, "presence_penalty": 0.5, "seed": 3},
+    ],
+    ids=["greedy", "seeded", "seeded-penalties"],
+)
+def test_eight_conversations_together_equal_each_alone(checkpoint: Path, params: dict) -> None:
+    core = make_core(checkpoint, parallel=8, max_batched_tokens=96)
+    arrivals = [
+        (i, request(_prompt(15 + 23 * i, i), max_tokens=30, ignore_eos=True, **params)) for i in range(8)
+    ]
+    together, windows = run(core, arrivals)
+    assert max(len(w.slots) for w in windows) >= 6  # they really shared windows
+    for _, add in arrivals:
+        alone = _solo(core, add.prompt_token_ids, max_tokens=30, ignore_eos=True, **params)
+        assert together[add.request_id].token_ids == alone.token_ids
+        assert together[add.request_id].text == alone.text
+
+
+def test_a_decoding_request_gets_a_token_in_every_window_while_a_long_prompt_is_read(
+    checkpoint: Path,
+) -> None:
+    core = make_core(checkpoint, max_batched_tokens=256)
+    early = request(_prompt(10, 1), max_tokens=200, temperature=0, ignore_eos=True)
+    long = request(_prompt(2000, 2), max_tokens=4, temperature=0, ignore_eos=True)
+    _, windows = run(core, [(0, early), (1, long)])
+    reading = [
+        w for w in windows if any(s.request_id == long.request_id and s.phase == "prompt" for s in w.slots)
+    ]
+    assert len(reading) >= 7  # the prompt took many windows
+    for w in reading:
+        early_slot = next(s for s in w.slots if s.request_id == early.request_id)
+        assert early_slot.phase == "decode" and early_slot.window_tokens == 1 and w.decode_tokens == 1
+
+
+def test_four_prompts_arriving_together_share_windows(checkpoint: Path) -> None:
+    core = make_core(checkpoint, max_batched_tokens=512)
+    adds = [request(_prompt(300, i), max_tokens=3, temperature=0) for i in range(4)]
+    _, windows = run(core, [(0, a) for a in adds])
+    shared = [w for w in windows if sum(s.window_tokens > 1 for s in w.slots) >= 2]
+    assert shared, "no window read two prompts"
+    assert sum(w.prompt_tokens for w in windows) == 1200
+
+
+def test_abort_frees_slot_and_blocks_and_the_next_request_is_unaffected(checkpoint: Path) -> None:
+    core = make_core(checkpoint, parallel=1)
+    victim = request(_prompt(40, 5), max_tokens=100, temperature=0, ignore_eos=True)
+    after = request(_prompt(25, 6), max_tokens=10, temperature=0, ignore_eos=True)
+    results, windows = run(core, [(0, victim), (3, after)], aborts={3: [victim.request_id]})
+    assert results[victim.request_id].finish_reason == "abort"
+    assert len(results[victim.request_id].token_ids) == 3  # windows 0, 1 and 2 ran before the abort
+    assert (
+        results[after.request_id].token_ids
+        == _solo(core, after.prompt_token_ids, max_tokens=10, temperature=0, ignore_eos=True).token_ids
+    )
+    assert windows[-1].kv_blocks_used == 0 and not core.has_work()
+
+
+def test_stop_strings_are_never_leaked(checkpoint: Path) -> None:
+    core = make_core(checkpoint)
+    prompt = _prompt(12, 8)
+    full = _solo(core, prompt, max_tokens=30, temperature=0, ignore_eos=True)
+    stop = full.text[10:13]
+    assert stop and stop in full.text
+    cut = _solo(core, prompt, max_tokens=30, temperature=0, ignore_eos=True, stop=[stop])
+    assert cut.finish_reason == "stop"
+    assert cut.text == full.text[: full.text.index(stop)]
+    kept = _solo(
+        core,
+        prompt,
+        max_tokens=30,
+        temperature=0,
+        ignore_eos=True,
+        stop=[stop],
+        include_stop_str_in_output=True,
+    )
+    assert kept.text == full.text[: full.text.index(stop) + len(stop)]
+
+
+def test_stop_token_ids_eos_and_max_tokens(checkpoint: Path) -> None:
+    core = make_core(checkpoint)
+    prompt = _prompt(12, 9)
+    full = _solo(core, prompt, max_tokens=16, temperature=0, ignore_eos=True)
+    assert full.finish_reason == "length" and len(full.token_ids) == 16
+    target = full.token_ids[5]
+    stopped = _solo(core, prompt, max_tokens=16, temperature=0, ignore_eos=True, stop_token_ids=[target])
+    assert stopped.finish_reason == "stop"
+    assert stopped.token_ids == full.token_ids[: full.token_ids.index(target) + 1]
+    if 2 in full.token_ids:  # the tiny tokenizer's eos
+        at_eos = _solo(core, prompt, max_tokens=16, temperature=0)
+        assert at_eos.token_ids == full.token_ids[: full.token_ids.index(2) + 1]
+
+
+def test_penalties_see_the_prompt_and_the_tokens_generated_so_far(checkpoint: Path) -> None:
+    core = make_core(checkpoint)
+    sampler = core.runner.sampler
+    seen = []
+
+    def spy(logits: torch.Tensor, rows: list) -> object:
+        seen.extend((list(r.prompt_token_ids), list(r.output_token_ids), r.position) for r in rows)
+        return sampler(logits, rows)
+
+    core.runner.sampler = spy
+    prompt = _prompt(12, 10)
+    done = _solo(core, prompt, max_tokens=6, temperature=0, ignore_eos=True, frequency_penalty=1.0)
+    assert seen == [(prompt, done.token_ids[:i], 12 + i) for i in range(6)]
+
+
+def test_logprobs_with_alternatives(checkpoint: Path) -> None:
+    core = make_core(checkpoint)
+    done = _solo(core, _prompt(12, 11), max_tokens=5, temperature=0, ignore_eos=True, logprobs=3)
+    assert len(done.logprobs) == 5
+    for token, position in zip(done.token_ids, done.logprobs, strict=True):
+        assert position.chosen.token_id == token
+        assert len(position.top) == 3 and position.top[0].token_id == token  # greedy picks the top one
+        assert position.top[0].logprob >= position.top[1].logprob >= position.top[2].logprob
+        assert position.chosen.logprob <= 0
+
+
+def test_text_streams_without_splitting_characters(checkpoint: Path) -> None:
+    core = make_core(checkpoint)
+    tokenizer = Tokenizer.from_dir(checkpoint)
+    prompt = tokenizer.encode("naïve café 日本 🙂")
+    done = _solo(core, prompt, max_tokens=40, temperature=1.0, seed=1, ignore_eos=True)
+    assert done.text == tokenizer.decode(done.token_ids)
+
+
+def test_requests_that_cannot_run_get_a_clear_error(checkpoint: Path) -> None:
+    config = make_core(checkpoint).loaded.model.config
+    memory = 40 * kv_block_bytes(config, 16, torch.float32) + 8 * slot_state_bytes(config, torch.float32)
+    core = make_core(checkpoint, kv_memory=memory, max_model_len=1000)
+    too_long = complete(core, _prompt(990, 1), max_tokens=20)
+    assert too_long.finish_reason == "error" and "exceeds the context of 1000 tokens" in too_long.error
+    capacity = core.scheduler.capacity_tokens()
+    assert capacity == 640
+    too_big = complete(core, _prompt(capacity - 5, 1), max_tokens=10)
+    assert too_big.finish_reason == "error" and "exceeds the KV pool" in too_big.error
+    empty = complete(core, [], max_tokens=4)
+    assert empty.error == "prompt must not be empty"
+    bad = complete(core, [1, 2], max_tokens=4, top_p=0)
+    assert bad.error == "top_p must be in (0, 1]"
+    assert not core.has_work()
+
+
+def test_pool_exhaustion_preempts_and_recomputes_exactly(checkpoint: Path) -> None:
+    roomy = make_core(checkpoint)
+    params = {"max_tokens": 60, "temperature": 0.8, "seed": 5, "ignore_eos": True}
+    adds = [request(_prompt(60, 20 + i), **params) for i in range(3)]
+    expected = {a.request_id: _solo(roomy, a.prompt_token_ids, **params).token_ids for a in adds}
+    config = roomy.loaded.model.config  # 70 blocks of 4: 280 tokens for three requests that grow to 120 each
+    memory = 70 * kv_block_bytes(config, 4, torch.float32) + 8 * slot_state_bytes(config, torch.float32)
+    tight = make_core(checkpoint, kv_memory=memory, block_size=4)
+    assert tight.scheduler.pool.total == 70
+    results, windows = run(tight, [(0, a) for a in adds])
+    assert sum(w.preempted for w in windows) >= 1
+    for add in adds:
+        assert results[add.request_id].token_ids == expected[add.request_id]

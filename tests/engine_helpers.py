@@ -1,0 +1,77 @@
+"""Driving an in-process EngineCore in tests: feed requests at chosen windows, collect what they produce."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from app.engine.config import EngineConfig
+from app.engine.core import EngineCore
+from app.engine.protocol import AddRequest, PositionLogprobs, SamplingParams, WindowStats
+
+_ids = itertools.count()
+
+
+@dataclass
+class Completion:
+    """Everything one request produced."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[PositionLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+def make_core(path: Path, **overrides: object) -> EngineCore:
+    """An engine core on the CPU in fp32 over a checkpoint directory."""
+    settings = {"model": str(path), "dtype": "float32", "kv_memory": 64 << 20, **overrides}
+    return EngineCore(EngineConfig(**settings))
+
+
+def request(prompt: list[int], **params: object) -> AddRequest:
+    """An AddRequest with a fresh id."""
+    return AddRequest(f"r{next(_ids)}", list(prompt), SamplingParams(**params))
+
+
+def run(
+    core: EngineCore, arrivals: list[tuple[int, AddRequest]], aborts: dict[int, list[str]] | None = None
+) -> tuple[dict[str, Completion], list[WindowStats]]:
+    """Step until idle; each (window, request) is added before that window runs, each abort likewise."""
+    results = {add.request_id: Completion() for _, add in arrivals}
+    stats: list[WindowStats] = []
+    pending = sorted(arrivals, key=lambda a: a[0])
+    aborts = aborts or {}
+    for window in itertools.count():
+        outputs = []
+        while pending and pending[0][0] <= window:
+            outputs += core.add_request(pending.pop(0)[1])
+        for request_id in aborts.get(window, []):
+            outputs += core.abort_request(request_id)
+        if not core.has_work() and not pending:
+            _collect(results, outputs)
+            break
+        if core.has_work():
+            step_outputs, window_stats = core.step()
+            outputs += step_outputs
+            stats.append(window_stats)
+        _collect(results, outputs)
+    return results, stats
+
+
+def _collect(results: dict[str, Completion], outputs: list) -> None:
+    for out in outputs:
+        done = results[out.request_id]
+        done.token_ids += out.token_ids
+        done.text += out.text
+        done.logprobs += out.logprobs
+        if out.finished:
+            done.finish_reason = out.finish_reason
+            done.error = out.error
+
+
+def complete(core: EngineCore, prompt: list[int], **params: object) -> Completion:
+    """Run one request alone to its end."""
+    add = request(prompt, **params)
+    return run(core, [(0, add)])[0][add.request_id]
