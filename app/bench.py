@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from app.engine.client import EngineClient
 from app.engine.config import EngineConfig
-from app.engine.protocol import SamplingParams, WindowStats
+from app.engine.protocol import Ready, SamplingParams, WindowStats
 
 
 @dataclass
@@ -69,13 +69,13 @@ def run_bench(
         for thread in threads:
             thread.join()
         wall = time.perf_counter() - start
-        model = client.ready.model
-    return _summary(config, model, concurrency, prompt_len, output_len, timelines, windows, wall)
+        ready = client.ready
+    return _summary(config, ready, concurrency, prompt_len, output_len, timelines, windows, wall)
 
 
 def _summary(
     config: EngineConfig,
-    model: str,
+    ready: Ready,
     concurrency: int,
     prompt_len: int,
     output_len: int,
@@ -94,7 +94,8 @@ def _summary(
     generated = sum(len(t.token_times) for t in timelines)
     return {
         "device": config.device,
-        "model": model,
+        "model": ready.model,
+        "backends": ready.backends,
         "concurrency": concurrency,
         "prompt_len": prompt_len,
         "output_len": output_len,

@@ -52,6 +52,7 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
         help="share of solo speed a decoding slot keeps while prompts are read (docs/BATCHING.md)",
     )
     parser.add_argument("--max-model-len", type=int, help="context limit (default: the model's)")
+    parser.add_argument("--backend", default=defaults.backend, help="compute backends (auto, torch)")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -81,6 +82,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         block_size=args.block_size,
         decode_share=args.decode_share,
         max_model_len=args.max_model_len,
+        backend=args.backend,
     )
 
 

@@ -13,7 +13,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     `model` is an HF directory (None: the default demo model). `parallel` is the number of batch slots;
     `max_batched_tokens` the token budget of one window; `kv_memory` the bytes of the KV pool and per-slot
     recurrent state; `decode_share` the share of its solo speed a decoding slot keeps while peers' prompts
-    are read (docs/BATCHING.md).
+    are read (docs/BATCHING.md); `backend` names the compute backends (app/kernels), `auto` picks for the
+    device.
     """
 
     model: str | None = None
@@ -25,4 +26,5 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     kv_memory: int = 2 * GIB
     decode_share: float = 0.5
     max_model_len: int | None = None
+    backend: str = "auto"
     seed: int = 0

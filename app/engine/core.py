@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
@@ -14,8 +15,11 @@ from app.engine.runner import ModelRunner, Sampled
 from app.engine.sampler import Sampler
 from app.engine.scheduler import Phase, Request, Scheduler, SchedulerConfig
 from app.errors import StrataError
+from app.kernels.backends import select_backends
 from app.loading.model import open_model
 from app.text.stream import TextStream
+
+log = logging.getLogger("strata.engine")
 
 
 class EngineCore:
@@ -23,9 +27,10 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.loaded = open_model(
-            config.model or default_model_dir(), config.dtype, config.device, progress=False
-        )
+        self.backends = select_backends(config.backend, config.device)
+        log.info("backends: %s on %s", self.backends.name, config.device)
+        path = config.model or default_model_dir()
+        self.loaded = open_model(path, config.dtype, config.device, progress=False, backends=self.backends)
         model = self.loaded.model
         model_config = model.config
         dtype = model.model.embed_tokens.weight.dtype
@@ -66,6 +71,8 @@ class EngineCore:
             kv_blocks_total=self.scheduler.pool.total,
             block_size=self.config.block_size,
             eos_token_ids=list(self.loaded.eos_token_ids),
+            backends=self.backends.name,
+            device=self.config.device,
         )
 
     def add_request(self, add: AddRequest) -> list[RequestOutput]:

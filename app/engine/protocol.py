@@ -192,6 +192,8 @@ class Ready(msgspec.Struct, tag="ready", frozen=True):
     kv_blocks_total: int
     block_size: int
     eos_token_ids: list[int]
+    backends: str = ""
+    device: str = ""
 
 
 class EngineFailed(msgspec.Struct, tag="failed", frozen=True):

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from app.kernels.backends import REFERENCE, Backends
 from app.loading.checkpoint import CheckpointDir
 from app.loading.progress import Progress
 from app.loading.safetensors import CheckpointError
@@ -61,13 +62,17 @@ def tensor_sources(model: nn.Module) -> dict[str, TensorSource]:
 
 
 def load_model(
-    path: Path | str, dtype: str = "auto", device: str | torch.device = "cpu", progress: bool = True
+    path: Path | str,
+    dtype: str = "auto",
+    device: str | torch.device = "cpu",
+    progress: bool = True,
+    backends: Backends = REFERENCE,
 ) -> tuple[CausalLM, CheckpointDir]:
     """Load an HF directory into a CausalLM on `device`, checking every tensor's presence, name and shape."""
     checkpoint = CheckpointDir(path)
     target = resolve_dtype(dtype, checkpoint)
     with torch.device("meta"):
-        model = CausalLM(checkpoint.config, mtp_layers=mtp_layer_count(checkpoint))
+        model = CausalLM(checkpoint.config, mtp_layers=mtp_layer_count(checkpoint), backends=backends)
     sources = tensor_sources(model)
     params = dict(model.named_parameters())
     names = checkpoint.names()

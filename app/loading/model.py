@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from app.kernels.backends import REFERENCE, Backends
 from app.loading.checkpoint import CheckpointDir
 from app.loading.loader import load_model
 from app.models.qwen3 import CausalLM
@@ -30,10 +31,14 @@ class LoadedModel:
 
 
 def open_model(
-    path: Path | str, dtype: str = "auto", device: str = "cpu", progress: bool = True
+    path: Path | str,
+    dtype: str = "auto",
+    device: str = "cpu",
+    progress: bool = True,
+    backends: Backends = REFERENCE,
 ) -> LoadedModel:
     """Load weights and tokenizer of an HF directory; eos ids from the configs, else the tokenizer's eos."""
-    model, checkpoint = load_model(path, dtype=dtype, device=device, progress=progress)
+    model, checkpoint = load_model(path, dtype=dtype, device=device, progress=progress, backends=backends)
     tokenizer = Tokenizer.from_dir(checkpoint.path)
     eos = checkpoint.eos_token_ids()
     if not eos and tokenizer.eos_token_id is not None:

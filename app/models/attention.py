@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -9,6 +11,9 @@ from torch import nn
 from app.models.batch import ForwardBatch
 from app.models.config import ModelConfig
 from app.models.layers import RMSNorm, apply_rotary
+
+if TYPE_CHECKING:
+    from app.kernels.backends import Backends
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -27,8 +32,9 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 class Attention(nn.Module):
     """Multi-head attention over the flat batch; each sequence attends to its own past in the state."""
 
-    def __init__(self, config: ModelConfig, layer: int) -> None:
+    def __init__(self, config: ModelConfig, layer: int, backends: Backends) -> None:
         super().__init__()
+        self.attend = backends.attention
         self.layer = layer
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
@@ -60,7 +66,7 @@ class Attention(nn.Module):
         scale = self.head_dim**-0.5
         for span in batch.spans:
             keys, values = batch.state.extend_kv(self.layer, span, k[span.rows], v[span.rows])
-            out[span.rows] = causal_attention(q[span.rows], keys, values, scale)
+            out[span.rows] = self.attend(q[span.rows], keys, values, scale)
         out = out.reshape(tokens, -1)
         if gate is not None:
             out = out * torch.sigmoid(gate)

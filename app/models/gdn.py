@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -9,6 +11,9 @@ from torch import nn
 from app.models.batch import ForwardBatch
 from app.models.config import ModelConfig
 from app.models.layers import GatedRMSNorm
+
+if TYPE_CHECKING:
+    from app.kernels.backends import Backends
 
 CHUNK = 64
 
@@ -105,8 +110,10 @@ def delta_rule_chunked(
 class GatedDeltaNet(nn.Module):
     """Qwen3-Next's linear-attention token mixer over the flat batch, one state per sequence."""
 
-    def __init__(self, config: ModelConfig, layer: int) -> None:
+    def __init__(self, config: ModelConfig, layer: int, backends: Backends) -> None:
         super().__init__()
+        self.rule_prompt = backends.delta_rule_prompt
+        self.rule_step = backends.delta_rule_step
         self.layer = layer
         self.k_heads = config.linear_num_key_heads
         self.v_heads = config.linear_num_value_heads
@@ -152,7 +159,7 @@ class GatedDeltaNet(nn.Module):
             v = v.view(-1, self.v_heads, self.dv)
             if state is None:
                 state = v.new_zeros(self.v_heads, self.dk, self.dv)
-            rule = delta_rule_recurrent if span.length == 1 else delta_rule_chunked
+            rule = self.rule_step if span.length == 1 else self.rule_prompt
             core, state = rule(q, k, v, g[span.rows], beta[span.rows], state)
             batch.state.set_linear_state(self.layer, span.seq, conv_state, state)
             out[span.rows] = core.to(x.dtype)

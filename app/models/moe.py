@@ -2,12 +2,46 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from app.models.config import ModelConfig
 from app.models.layers import DenseMLP
+
+ExpertsKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def experts_reference(
+    x: torch.Tensor,
+    top_ids: torch.Tensor,
+    top_weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+) -> torch.Tensor:
+    """Reference routed experts: rows grouped by expert, SwiGLU per expert, weighted and summed per row.
+
+    x [tokens, hidden]; top_ids, top_weights [tokens, k]; gate_up [experts, 2I, hidden];
+    down [experts, hidden, I].
+    """
+    out = torch.zeros_like(x)
+    flat_ids = top_ids.flatten()
+    order = flat_ids.argsort(stable=True)
+    counts = torch.bincount(flat_ids, minlength=gate_up.shape[0]).tolist()
+    rows = order // top_ids.shape[1]
+    weights = top_weights.flatten()[order]
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        picked = rows[start : start + count]
+        gate, up = F.linear(x[picked], gate_up[expert]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, down[expert]) * weights[start : start + count, None]
+        out.index_add_(0, picked, y.to(out.dtype))
+        start += count
+    return out
 
 
 class RoutedExperts(nn.Module):
@@ -17,8 +51,9 @@ class RoutedExperts(nn.Module):
     Checkpoints store one tensor per expert and projection; `checkpoint_parts` maps them here.
     """
 
-    def __init__(self, experts: int, hidden: int, intermediate: int) -> None:
+    def __init__(self, experts: int, hidden: int, intermediate: int, kernel: ExpertsKernel) -> None:
         super().__init__()
+        self.kernel = kernel
         self.intermediate = intermediate
         self.gate_up = nn.Parameter(torch.empty(experts, 2 * intermediate, hidden))
         self.down = nn.Parameter(torch.empty(experts, hidden, intermediate))
@@ -34,34 +69,21 @@ class RoutedExperts(nn.Module):
         return parts
 
     def forward(self, x: torch.Tensor, top_ids: torch.Tensor, top_weights: torch.Tensor) -> torch.Tensor:
-        """Reference: x [tokens, hidden], top_ids/top_weights [tokens, k] -> summed expert outputs."""
-        out = torch.zeros_like(x)
-        flat_ids = top_ids.flatten()
-        order = flat_ids.argsort(stable=True)
-        counts = torch.bincount(flat_ids, minlength=self.gate_up.shape[0]).tolist()
-        rows = order // top_ids.shape[1]
-        weights = top_weights.flatten()[order]
-        start = 0
-        for expert, count in enumerate(counts):
-            if count == 0:
-                continue
-            picked = rows[start : start + count]
-            gate, up = F.linear(x[picked], self.gate_up[expert]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down[expert]) * weights[start : start + count, None]
-            out.index_add_(0, picked, y.to(out.dtype))
-            start += count
-        return out
+        """x [tokens, hidden], top_ids / top_weights [tokens, k] -> the weighted sum of expert outputs."""
+        return self.kernel(x, top_ids, top_weights, self.gate_up, self.down)
 
 
 class SparseMoE(nn.Module):
     """Router + routed experts (+ a shared expert behind a sigmoid gate, when the model has one)."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, experts_kernel: ExpertsKernel) -> None:
         super().__init__()
         self.top_k = config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
-        self.experts = RoutedExperts(config.num_experts, config.hidden_size, config.moe_intermediate_size)
+        self.experts = RoutedExperts(
+            config.num_experts, config.hidden_size, config.moe_intermediate_size, experts_kernel
+        )
         self.shared_expert: DenseMLP | None = None
         self.shared_expert_gate: nn.Linear | None = None
         if config.shared_expert_intermediate_size:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from app.kernels.backends import REFERENCE, Backends
 from app.models.attention import Attention
 from app.models.batch import ForwardBatch
 from app.models.config import LINEAR_ATTENTION, ModelConfig
@@ -20,15 +21,19 @@ from app.models.moe import SparseMoE
 class DecoderLayer(nn.Module):
     """Pre-norm residual block: token mixer (attention or Gated DeltaNet), then MLP (dense or MoE)."""
 
-    def __init__(self, config: ModelConfig, layer: int, mixer: str, moe: bool) -> None:
+    def __init__(self, config: ModelConfig, layer: int, mixer: str, moe: bool, backends: Backends) -> None:
         super().__init__()
         self.linear_attn: GatedDeltaNet | None = None
         self.self_attn: Attention | None = None
         if mixer == LINEAR_ATTENTION:
-            self.linear_attn = GatedDeltaNet(config, layer)
+            self.linear_attn = GatedDeltaNet(config, layer, backends)
         else:
-            self.self_attn = Attention(config, layer)
-        self.mlp = SparseMoE(config) if moe else DenseMLP(config.hidden_size, config.intermediate_size)
+            self.self_attn = Attention(config, layer, backends)
+        self.mlp: SparseMoE | DenseMLP
+        if moe:
+            self.mlp = SparseMoE(config, backends.experts)
+        else:
+            self.mlp = DenseMLP(config.hidden_size, config.intermediate_size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=config.offset_norm)
         self.post_attention_layernorm = RMSNorm(
             config.hidden_size, config.rms_norm_eps, offset=config.offset_norm
@@ -46,11 +51,11 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     """Embedding, decoder layers, final norm (HF's `model.*`)."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, backends: Backends) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, config.layer_types[i], config.moe_layers[i])
+            DecoderLayer(config, i, config.layer_types[i], config.moe_layers[i], backends)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=config.offset_norm)
@@ -71,7 +76,7 @@ class MTPHead(nn.Module):
     its own attention + MoE layers. Loaded with the model; drafting with it belongs to speculative decoding.
     """
 
-    def __init__(self, config: ModelConfig, layers: int) -> None:
+    def __init__(self, config: ModelConfig, layers: int, backends: Backends) -> None:
         super().__init__()
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.pre_fc_norm_embedding = RMSNorm(hidden, eps, offset=config.offset_norm)
@@ -79,7 +84,7 @@ class MTPHead(nn.Module):
         self.fc = nn.Linear(2 * hidden, hidden, bias=False)
         first = config.num_hidden_layers
         self.layers = nn.ModuleList(
-            DecoderLayer(config, first + i, "full_attention", moe=config.num_experts > 0)
+            DecoderLayer(config, first + i, "full_attention", config.num_experts > 0, backends)
             for i in range(layers)
         )
         self.norm = RMSNorm(hidden, eps, offset=config.offset_norm)
@@ -88,14 +93,15 @@ class MTPHead(nn.Module):
 class CausalLM(nn.Module):
     """A decoder with its LM head; `forward` maps a flat batch to hidden states, `logits` to vocab scores."""
 
-    def __init__(self, config: ModelConfig, mtp_layers: int = 0) -> None:
+    def __init__(self, config: ModelConfig, mtp_layers: int = 0, backends: Backends = REFERENCE) -> None:
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config)
+        self.backends = backends
+        self.model = DecoderModel(config, backends)
         self.lm_head: nn.Linear | None = None
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.mtp = MTPHead(config, mtp_layers) if mtp_layers else None
+        self.mtp = MTPHead(config, mtp_layers, backends) if mtp_layers else None
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Final hidden states [tokens, hidden] of every row, updating the batch's sequence state."""

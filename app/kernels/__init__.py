@@ -1,0 +1,1 @@
+"""Compute backends the model calls (attention, Gated DeltaNet, routed experts), chosen once at start."""

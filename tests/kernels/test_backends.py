@@ -1,0 +1,56 @@
+"""The backend interface: selection, errors, and that the model calls what it is given."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from checkpoints import write_checkpoint
+from contiguous_state import ContiguousState
+
+from app.errors import StrataError
+from app.kernels.backends import REFERENCE, select_backends
+from app.loading.loader import load_model
+from app.models.batch import ForwardBatch
+
+
+def test_auto_picks_the_reference_on_the_cpu() -> None:
+    assert select_backends("auto", "cpu") is REFERENCE
+    assert select_backends("torch", "cpu").name == "torch"
+
+
+def test_unknown_backend_is_a_one_line_error() -> None:
+    with pytest.raises(StrataError, match="unknown backend 'triton'; choose one of auto, torch"):
+        select_backends("triton", "cpu")
+
+
+def test_the_model_calls_the_backends_it_was_built_with(tmp_path: Path) -> None:
+    path = write_checkpoint(tmp_path, "qwen3_next")
+    calls: list[str] = []
+
+    def spy(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            calls.append(name)
+            return fn(*args, **kwargs)
+
+        return wrapped
+
+    traced = dataclasses.replace(
+        REFERENCE,
+        name="traced",
+        attention=spy("attention", REFERENCE.attention),
+        delta_rule_prompt=spy("prompt", REFERENCE.delta_rule_prompt),
+        delta_rule_step=spy("step", REFERENCE.delta_rule_step),
+        experts=spy("experts", REFERENCE.experts),
+    )
+    model, _ = load_model(path, dtype="float32", progress=False, backends=traced)
+    reference, _ = load_model(path, dtype="float32", progress=False)
+    ids = list(range(3, 40))
+    got = model(ForwardBatch.build([(0, ids, 0), (1, [5], 0)], ContiguousState()))
+    expected = reference(ForwardBatch.build([(0, ids, 0), (1, [5], 0)], ContiguousState()))
+    torch.testing.assert_close(got, expected)
+    assert {"attention", "prompt", "step", "experts"} <= set(calls)
