@@ -1,4 +1,4 @@
-# Two entry points: `make run` (set up, then run Strata on the default model) and `make test`.
+# Two entry points: `make run` (set up, then serve the default model on http://127.0.0.1:8000) and `make test`.
 # Setup makes a virtual environment in .venv; where no NVIDIA GPU is present it installs the CPU build of
 # torch first, so that the torch requirement does not pull a multi-GB CUDA build.
 
@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 .PHONY: run test lint setup
 
 run: $(VENV)/.runtime
-	$(BIN)/strata generate --prompt "Hello" --max-tokens 32
+	$(BIN)/strata serve
 
 test: $(VENV)/.test lint
 	$(BIN)/python -m pytest -q

@@ -93,7 +93,7 @@ def _summary(
     solo, during_reads = _observer_rates(windows)
     generated = sum(len(t.token_times) for t in timelines)
     return {
-        "device": config.device,
+        "device": ready.device,
         "model": ready.model,
         "backends": ready.backends,
         "concurrency": concurrency,

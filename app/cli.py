@@ -1,4 +1,4 @@
-"""The `strata` command line: `generate` and `bench`, both through the engine process."""
+"""The `strata` command line: `generate`, `serve` and `bench`, all through the engine process."""
 
 from __future__ import annotations
 
@@ -57,11 +57,6 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The EngineConfig the engine options describe; bad values end as a one-line error."""
-    import torch
-
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise StrataError("--device cuda: no CUDA device is available")
     checks = [
         (args.parallel >= 1, "--parallel must be at least 1"),
         (args.max_batched_tokens >= 1, "--max-batched-tokens must be at least 1"),
@@ -74,7 +69,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             raise StrataError(message)
     return EngineConfig(
         model=args.model,
-        device=device,
+        device=args.device or "auto",
         dtype=args.dtype,
         parallel=args.parallel,
         max_batched_tokens=args.max_batched_tokens,
@@ -107,6 +102,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence tokens")
     gen.add_argument("--json", action="store_true", help="print one JSON object with token_ids and text")
+
+    serve = commands.add_parser("serve", help="serve the OpenAI-compatible API")
+    _add_engine_options(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    serve.add_argument("--port", type=int, default=8000)
+    key = serve.add_mutually_exclusive_group()
+    key.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on the API and /metrics")
+    key.add_argument("--api-key-file", help="read the API key from this file")
+    serve.add_argument("--served-model-name", help="the model id clients send (default: the directory name)")
 
     bench = commands.add_parser("bench", help="measure concurrent requests offline (no HTTP)")
     _add_engine_options(bench)
@@ -152,6 +156,39 @@ def run_generate(args: argparse.Namespace) -> None:
         print(done.text)
 
 
+def run_serve(args: argparse.Namespace) -> None:
+    """`strata serve`: start the engine and the web server; Ctrl+C stops both."""
+    from pathlib import Path
+
+    import uvicorn
+
+    from webui.app import create_app
+    from webui.settings import ServerSettings
+
+    api_key = args.api_key
+    if args.api_key_file:
+        try:
+            api_key = Path(args.api_key_file).read_text(encoding="utf-8").strip()
+        except OSError as e:
+            raise StrataError(f"cannot read --api-key-file {args.api_key_file}: {e.strerror}") from None
+        if not api_key:
+            raise StrataError(f"--api-key-file {args.api_key_file} is empty")
+    if not 0 < args.port < 65536:
+        raise StrataError("--port must be in 1..65535")
+    settings = ServerSettings(
+        engine=engine_config(args),
+        host=args.host,
+        port=args.port,
+        api_key=api_key,
+        model_name=args.served_model_name,
+    )
+    app = create_app(settings, announce=True)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
+    server.run()
+    if not server.started:
+        raise StrataError(f"the server did not start on {args.host}:{args.port} (see the messages above)")
+
+
 def run_bench(args: argparse.Namespace) -> None:
     """`strata bench`: print the JSON summary of a synthetic concurrent run."""
     from app.bench import run_bench as bench
@@ -166,7 +203,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `strata` console script; errors end as one line on stderr."""
     args = build_parser().parse_args(argv)
     try:
-        {"generate": run_generate, "bench": run_bench}[args.command](args)
+        {"generate": run_generate, "serve": run_serve, "bench": run_bench}[args.command](args)
     except StrataError as e:
         print(f"strata: error: {e}", file=sys.stderr)
         return 1

@@ -195,6 +195,11 @@ class _BaseClient:
                 raise
 
     @property
+    def dead(self) -> str | None:
+        """Why no request can be submitted any more (the engine exited, failed, was shut down), or None."""
+        return self._dead
+
+    @property
     def pid(self) -> int | None:
         """The engine process's id."""
         return self._process.pid

@@ -10,7 +10,8 @@ GIB = 1 << 30
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     """What the engine process loads and how it batches.
 
-    `model` is an HF directory (None: the default demo model). `parallel` is the number of batch slots;
+    `model` is an HF directory (None: the default demo model); `device` is cpu, cuda, or auto (cuda when
+    available). `parallel` is the number of batch slots;
     `max_batched_tokens` the token budget of one window; `kv_memory` the bytes of the KV pool and per-slot
     recurrent state; `decode_share` the share of its solo speed a decoding slot keeps while peers' prompts
     are read (docs/BATCHING.md); `backend` names the compute backends (app/kernels), `auto` picks for the
@@ -18,7 +19,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     """
 
     model: str | None = None
-    device: str = "cpu"
+    device: str = "auto"
     dtype: str = "auto"
     parallel: int = 8
     max_batched_tokens: int = 2048

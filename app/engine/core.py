@@ -10,16 +10,36 @@ import torch
 from app.default_model import default_model_dir
 from app.engine.config import EngineConfig
 from app.engine.paged_state import PagedState, kv_block_bytes, slot_state_bytes
-from app.engine.protocol import AddRequest, Ready, RequestOutput, SlotStats, WindowStats, check_request
+from app.engine.protocol import (
+    EXPERT_REPORT_S,
+    AddRequest,
+    ExpertUsage,
+    Ready,
+    RequestOutput,
+    SlotStats,
+    WindowStats,
+    check_request,
+)
 from app.engine.runner import ModelRunner, Sampled
 from app.engine.sampler import Sampler
 from app.engine.scheduler import Phase, Request, Scheduler, SchedulerConfig
 from app.errors import StrataError
 from app.kernels.backends import select_backends
 from app.loading.model import open_model
+from app.models.moe import SparseMoE
 from app.text.stream import TextStream
 
 log = logging.getLogger("strata.engine")
+
+
+def resolve_device(name: str) -> str:
+    """cpu, cuda, or for auto the GPU when there is one; cuda without a GPU is an error."""
+    available = torch.cuda.is_available()
+    if name == "auto":
+        return "cuda" if available else "cpu"
+    if name == "cuda" and not available:
+        raise StrataError("--device cuda: no CUDA device is available")
+    return name
 
 
 class EngineCore:
@@ -27,10 +47,11 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.backends = select_backends(config.backend, config.device)
-        log.info("backends: %s on %s", self.backends.name, config.device)
+        self.device = resolve_device(config.device)
+        self.backends = select_backends(config.backend, self.device)
+        log.info("backends: %s on %s", self.backends.name, self.device)
         path = config.model or default_model_dir()
-        self.loaded = open_model(path, config.dtype, config.device, progress=False, backends=self.backends)
+        self.loaded = open_model(path, config.dtype, self.device, progress=False, backends=self.backends)
         model = self.loaded.model
         model_config = model.config
         dtype = model.model.embed_tokens.weight.dtype
@@ -46,7 +67,7 @@ class EngineCore:
             config.max_model_len or model_config.max_position_embeddings, model_config.max_position_embeddings
         )
         state = PagedState(
-            model_config, blocks, config.block_size, config.parallel, dtype, torch.device(config.device)
+            model_config, blocks, config.block_size, config.parallel, dtype, torch.device(self.device)
         )
         self.runner = ModelRunner(model, state, Sampler(config.seed))
         self.scheduler = Scheduler(
@@ -60,11 +81,16 @@ class EngineCore:
         )
         self.streams: dict[str, TextStream] = {}
         self.windows = 0
+        self.moe_layers = [
+            (i, layer.mlp) for i, layer in enumerate(model.model.layers) if isinstance(layer.mlp, SparseMoE)
+        ]
+        self._experts_reported = time.monotonic()
 
     def ready(self) -> Ready:
         """What clients need to know before sending requests."""
         return Ready(
             model=self.loaded.name,
+            model_path=str(self.loaded.checkpoint.path),
             max_model_len=self.max_model_len,
             vocab_size=self.loaded.model.config.vocab_size,
             parallel=self.config.parallel,
@@ -72,7 +98,7 @@ class EngineCore:
             block_size=self.config.block_size,
             eos_token_ids=list(self.loaded.eos_token_ids),
             backends=self.backends.name,
-            device=self.config.device,
+            device=self.device,
         )
 
     def add_request(self, add: AddRequest) -> list[RequestOutput]:
@@ -141,8 +167,27 @@ class EngineCore:
             kv_blocks_total=self.scheduler.pool.total,
             finished=sum(o.finished for o in outputs),
             preempted=window.preempted,
+            experts=self._expert_usage(),
         )
         return outputs, stats
+
+    def _expert_usage(self) -> ExpertUsage | None:
+        """Routing counts since the last report, at most every EXPERT_REPORT_S seconds (one device sync)."""
+        now = time.monotonic()
+        if not self.moe_layers or now - self._experts_reported < EXPERT_REPORT_S:
+            return None
+        seconds, self._experts_reported = now - self._experts_reported, now
+        experts = self.loaded.model.config.num_experts
+        counts = [moe.take_routed() for _, moe in self.moe_layers]
+        zeros = torch.zeros(experts, dtype=torch.long)
+        routed = torch.stack([zeros if c is None else c.cpu() for c in counts]).tolist()
+        where = 0 if self.device == "cuda" else 1  # every expert lives beside the model until the expert tier
+        return ExpertUsage(
+            layers=[i for i, _ in self.moe_layers],
+            routed=routed,
+            location=[[where] * experts for _ in self.moe_layers],
+            seconds=seconds,
+        )
 
     def _emit(self, sampled: Sampled) -> RequestOutput:
         request = sampled.chunk.request

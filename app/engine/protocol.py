@@ -11,6 +11,7 @@ from app.errors import StrataError
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 MAX_LOGPROBS = 20
+EXPERT_REPORT_S = 0.5
 
 
 class InvalidRequest(StrataError):
@@ -160,6 +161,18 @@ class SlotStats(msgspec.Struct, array_like=True, frozen=True):
     window_tokens: int  # tokens this slot fed in this window
 
 
+class ExpertUsage(msgspec.Struct, frozen=True):
+    """Where each routed expert lives and how often the router picked it since the previous report.
+
+    One row per MoE layer (`layers` holds the model's layer indices); `location`: 0 GPU memory, 1 host RAM.
+    """
+
+    layers: list[int]
+    routed: list[list[int]]
+    location: list[list[int]]
+    seconds: float  # the span the counts cover
+
+
 class WindowStats(msgspec.Struct, tag="stats", frozen=True):
     """The record every window emits: what ran, how long it took, the state of slots, queue and KV pool."""
 
@@ -175,6 +188,7 @@ class WindowStats(msgspec.Struct, tag="stats", frozen=True):
     kv_blocks_total: int
     finished: int = 0
     preempted: int = 0
+    experts: ExpertUsage | None = None  # sent at most every EXPERT_REPORT_S seconds
 
     @property
     def kv_usage(self) -> float:
@@ -186,6 +200,7 @@ class Ready(msgspec.Struct, tag="ready", frozen=True):
     """Sent once the engine has loaded its model and can take requests."""
 
     model: str
+    model_path: str
     max_model_len: int
     vocab_size: int
     parallel: int

@@ -80,6 +80,7 @@ class SparseMoE(nn.Module):
         super().__init__()
         self.top_k = config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
+        self.routed: torch.Tensor | None = None
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
         self.experts = RoutedExperts(
             config.num_experts, config.hidden_size, config.moe_intermediate_size, experts_kernel
@@ -89,6 +90,16 @@ class SparseMoE(nn.Module):
         if config.shared_expert_intermediate_size:
             self.shared_expert = DenseMLP(config.hidden_size, config.shared_expert_intermediate_size)
             self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
+
+    def count_routes(self, ids: torch.Tensor) -> None:
+        """Add this forward's picks to `routed` [experts]: how often the router chose each expert."""
+        picks = torch.bincount(ids.flatten(), minlength=self.gate.out_features)
+        self.routed = picks if self.routed is None else self.routed + picks
+
+    def take_routed(self) -> torch.Tensor | None:
+        """The picks counted since the last call, and start counting afresh."""
+        routed, self.routed = self.routed, None
+        return routed
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k experts per token and their weights (softmax over all experts, optionally renormalised)."""
@@ -101,6 +112,7 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.route(x)
+        self.count_routes(ids)
         out = self.experts(x, ids, weights)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)

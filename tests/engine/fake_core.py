@@ -31,6 +31,7 @@ class FakeCore:
         """The handshake."""
         return Ready(
             model="fake",
+            model_path="",
             max_model_len=MAX_MODEL_LEN,
             vocab_size=VOCAB_SIZE,
             parallel=self.config.parallel,

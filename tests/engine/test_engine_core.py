@@ -191,3 +191,17 @@ def test_pool_exhaustion_preempts_and_recomputes_exactly(checkpoint: Path) -> No
     assert sum(w.preempted for w in windows) >= 1
     for add in adds:
         assert results[add.request_id].token_ids == expected[add.request_id]
+
+
+def test_expert_usage_counts_every_routed_token(checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("app.engine.core.EXPERT_REPORT_S", 0.0)
+    core = make_core(checkpoint)
+    _, windows = run(core, [(0, request(_prompt(30, 12), max_tokens=5, temperature=0, ignore_eos=True))])
+    config = core.loaded.model.config
+    reports = [w.experts for w in windows]
+    assert all(r is not None for r in reports)
+    assert reports[0].layers == [i for i, moe in enumerate(config.moe_layers) if moe]
+    for layer in range(len(reports[0].layers)):
+        routed = sum(sum(r.routed[layer]) for r in reports)
+        assert routed == sum(w.rows for w in windows) * config.num_experts_per_tok
+    assert {code for r in reports for row in r.location for code in row} == {1}  # on the CPU: host RAM

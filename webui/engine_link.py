@@ -1,0 +1,106 @@
+"""The server's link to the engine process: streams requests, and records every request's life for metrics."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from app.engine.client import AsyncEngineClient, EngineError
+from app.engine.protocol import Ready, RequestOutput, SamplingParams, WindowStats
+from app.text.tokenizer import Tokenizer
+
+
+@dataclass
+class RequestRecord:
+    """One request's timeline and sizes, as the server saw it (times are `time.time()` seconds)."""
+
+    request_id: str
+    arrival: float
+    prompt_tokens: int
+    max_tokens: int
+    n: int = 1
+    scheduled: float | None = None  # start of the first window that ran it
+    token_times: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    finished: float | None = None
+
+    @property
+    def generation_tokens(self) -> int:
+        """Tokens generated so far."""
+        return len(self.token_times)
+
+    @property
+    def first_token(self) -> float | None:
+        """When its first token arrived."""
+        return self.token_times[0] if self.token_times else None
+
+
+class RequestObserver(Protocol):
+    """What watches the engine through the link: every window's stats and every request that ends."""
+
+    def on_window(self, stats: WindowStats) -> None:
+        """A window ran."""
+
+    def on_request_finished(self, record: RequestRecord) -> None:
+        """A request ended (finished, aborted, failed, or its client went away)."""
+
+
+class EngineLink:
+    """Owns the engine client and the tokenizer; every request goes through `stream`, so each is counted."""
+
+    def __init__(self, client: AsyncEngineClient, model_name: str, observer: RequestObserver) -> None:
+        self.client = client
+        self.ready: Ready = client.ready
+        self.model_name = model_name
+        self.tokenizer = Tokenizer.from_dir(client.ready.model_path)
+        self.observer = observer
+        self.running: dict[str, RequestRecord] = {}
+        client.add_stats_listener(self._on_window)
+
+    @property
+    def dead(self) -> str | None:
+        """Why the engine can take no more requests, or None while it runs."""
+        return self.client.dead
+
+    async def stream(
+        self, prompt_token_ids: list[int], params: SamplingParams, n: int = 1
+    ) -> AsyncIterator[RequestOutput]:
+        """Submit a request and yield its outputs; leaving early (a client gone) aborts it in the engine.
+
+        Raises InvalidRequest for values the engine would refuse and EngineError when the engine fails.
+        """
+        stream = self.client.submit(prompt_token_ids, params)
+        record = RequestRecord(stream.request_id, time.time(), len(prompt_token_ids), params.max_tokens, n)
+        self.running[record.request_id] = record
+        try:
+            async for output in stream:
+                now = time.time()
+                record.token_times.extend([now] * len(output.token_ids))
+                if output.finished:
+                    record.finish_reason = output.finish_reason
+                yield output
+        except EngineError:
+            record.finish_reason = "error"
+            raise
+        finally:
+            if record.finish_reason is None:
+                stream.abort()
+                record.finish_reason = "abort"
+            record.finished = time.time()
+            if record.scheduled is None:  # it ended within its first window
+                record.scheduled = record.first_token or record.finished
+            del self.running[record.request_id]
+            self.observer.on_request_finished(record)
+
+    def _on_window(self, stats: WindowStats) -> None:
+        for slot in stats.slots:
+            record = self.running.get(slot.request_id)
+            if record is not None and record.scheduled is None:
+                record.scheduled = stats.started
+        self.observer.on_window(stats)
+
+    async def shutdown(self) -> None:
+        """Stop the engine process."""
+        await self.client.shutdown()

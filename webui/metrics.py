@@ -1,0 +1,405 @@
+"""Server metrics at `/metrics`: vLLM's Prometheus names (`strata:` for our own), and the same as JSON."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterator
+from typing import Annotated, Any, Literal
+
+from litestar import MediaType, Request, Response, get
+from litestar.enums import ScopeType
+from litestar.middleware import ASGIMiddleware
+from litestar.params import QueryParameter
+from litestar.types import ASGIApp, Message, Receive, Scope, Send
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from app.engine.protocol import FINISH_REASONS, Ready, SlotStats, WindowStats
+from webui.auth import require_api_key
+from webui.engine_link import RequestRecord
+
+ENGINE = "0"
+LABELS = ("model_name", "engine")
+LIVE_SPAN_S = 5.0  # live_tok_s averages the windows that ended this long before the newest one
+FORGET_AFTER = 4096  # finished request ids remembered, to hide them from windows that arrive late
+
+LAT_BUCKETS = (0.3, 0.5, 0.8, 1, 1.5, 2, 2.5, 5, 10, 15, 20, 30, 40, 50, 60, 120, 240, 480, 960, 1920, 7680)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80)
+TTFT_BUCKETS = (
+    *(0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75),
+    *(1, 2.5, 5, 7.5, 10, 20, 40, 80, 160, 640, 2560),
+)
+ITERATION_TOKEN_BUCKETS = (1, *(2**power for power in range(3, 15)))
+PARAMS_N_BUCKETS = (1, 2, 5, 10, 20)
+HTTP_DURATION_BUCKETS = (0.1, 0.5, 1)  # prometheus-fastapi-instrumentator's default for this metric
+
+PROMETHEUS_TEXT = "text/plain; version=0.0.4"  # litestar appends "; charset=utf-8" to text/ types
+SLOT_STATES = {"idle": 0, "prompt": 1, "decode": 2}
+
+# (exposed name, type, help) of each unlabelled gauge and counter; its JSON key is the name after the prefix.
+SCALARS = (
+    ("vllm:num_requests_running", "gauge", "Number of requests in model execution batches."),
+    ("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed."),
+    ("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage."),
+    ("vllm:prefix_cache_queries_total", "counter", "Prefix cache queries, in queried tokens."),
+    ("vllm:prefix_cache_hits_total", "counter", "Prefix cache hits, in cached tokens."),
+    ("vllm:num_preemptions_total", "counter", "Cumulative number of preemptions from the engine."),
+    ("vllm:prompt_tokens_total", "counter", "Number of prefill tokens processed."),
+    ("vllm:generation_tokens_total", "counter", "Number of generation tokens processed."),
+    ("strata:live_tok_s", "gauge", "Tokens generated per second over the last 5 s of windows."),
+    ("strata:live_slots", "gauge", "Busy slots."),
+    ("strata:parallel", "gauge", "Slots: the most requests the engine runs at once."),
+    ("strata:window_seconds", "gauge", "Duration of the last window."),
+    ("strata:kv_blocks_used", "gauge", "KV blocks in use."),
+    ("strata:kv_blocks_total", "gauge", "KV blocks in the pool."),
+    ("strata:windows_total", "counter", "Windows the engine ran."),
+)
+SLOT_GAUGES = (
+    ("strata:slot_context_tokens", "context_tokens", "Tokens held in the slot's state."),
+    ("strata:slot_output_tokens", "output_tokens", "Tokens the slot's request generated."),
+    ("strata:slot_state", "state", "Slot state: 0 idle, 1 reading its prompt, 2 decoding."),
+)
+
+
+def buckets_1_2_5(max_value: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to max_value (vLLM's length buckets)."""
+    buckets = []
+    for power in range(len(str(max_value))):
+        buckets += [m * 10**power for m in (1, 2, 5) if m * 10**power <= max_value]
+    return buckets
+
+
+def _generated(stats: WindowStats) -> int:
+    """Tokens sampled in a window: one per slot that ran and decodes, one per request it finished."""
+    return sum(slot.phase == "decode" and slot.window_tokens > 0 for slot in stats.slots) + stats.finished
+
+
+class ServerMetrics:
+    """Every metric of the server, fed by the engine link (a `RequestObserver`) and the HTTP middleware.
+
+    The gauges and counters live in plain attributes, changed only by `on_window` and
+    `on_request_finished`; `values()` reads them once, and both the Prometheus exposition (`registry`)
+    and the JSON `snapshot()` are rendered from that. Distributions are prometheus-client histograms.
+    A window can arrive after the end of a request it lists (an abort crossing a running window), so
+    finished requests are kept out of the slots, and an empty engine holds no KV blocks and makes no tokens.
+    """
+
+    def __init__(self, model_name: str, ready: Ready) -> None:
+        self.model_name = model_name
+        self.ready = ready
+        self.registry = CollectorRegistry()
+        self.slots: dict[int, SlotStats] = {}
+        self.waiting = 0
+        self.kv_blocks_used = 0
+        self.kv_blocks_total = ready.kv_blocks_total
+        self.window_seconds = 0.0
+        self.windows_total = 0
+        self.live_tok_s = 0.0
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.num_preemptions_total = 0
+        self.request_success_total = dict.fromkeys(FINISH_REASONS, 0)
+        self._recent: deque[tuple[float, float, int]] = deque()  # (start, end, tokens) of recent windows
+        self._ended: dict[str, None] = {}  # ids of finished requests, oldest first
+        self._histograms: dict[str, Histogram] = {}
+        lengths = buckets_1_2_5(ready.max_model_len)
+        self.iteration_tokens = self._histogram(
+            "vllm:iteration_tokens_total",
+            "Histogram of number of tokens per engine step.",
+            ITERATION_TOKEN_BUCKETS,
+        )
+        self.request_prompt_tokens = self._histogram(
+            "vllm:request_prompt_tokens", "Number of prefill tokens processed.", lengths
+        )
+        self.request_generation_tokens = self._histogram(
+            "vllm:request_generation_tokens", "Number of generation tokens processed.", lengths
+        )
+        self.request_max_num_generation_tokens = self._histogram(
+            "vllm:request_max_num_generation_tokens",
+            "Histogram of maximum number of requested generation tokens.",
+            lengths,
+        )
+        self.request_params_n = self._histogram(
+            "vllm:request_params_n", "Histogram of the n request parameter.", PARAMS_N_BUCKETS
+        )
+        self.request_params_max_tokens = self._histogram(
+            "vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.", lengths
+        )
+        self.time_to_first_token = self._histogram(
+            "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS
+        )
+        self.inter_token_latency = self._histogram(
+            "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS
+        )
+        self.time_per_output_token = self._histogram(
+            "vllm:request_time_per_output_token_seconds",
+            "Histogram of time_per_output_token_seconds per request.",
+            ITL_BUCKETS,
+        )
+        self.e2e_latency = self._histogram(
+            "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", LAT_BUCKETS
+        )
+        self.queue_time = self._histogram(
+            "vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase.", LAT_BUCKETS
+        )
+        self.prefill_time = self._histogram(
+            "vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase.", LAT_BUCKETS
+        )
+        self.decode_time = self._histogram(
+            "vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase.", LAT_BUCKETS
+        )
+        self.inference_time = self._histogram(
+            "vllm:request_inference_time_seconds", "Histogram of time spent in RUNNING phase.", LAT_BUCKETS
+        )
+        self.http_requests = Counter(
+            "http_requests_total",
+            "Total number of requests by method, status and handler.",
+            ("handler", "method", "status"),
+            registry=self.registry,
+        )
+        self.http_duration = Histogram(
+            "http_request_duration_seconds",
+            "Latency with only few buckets by handler.",
+            ("handler", "method"),
+            buckets=HTTP_DURATION_BUCKETS,
+            registry=self.registry,
+        )
+        self.registry.register(_ValuesCollector(self))
+
+    def _histogram(self, name: str, documentation: str, buckets: tuple[float, ...] | list[int]) -> Histogram:
+        histogram = Histogram(name, documentation, LABELS, buckets=buckets, registry=self.registry)
+        self._histograms[name] = histogram
+        return histogram.labels(self.model_name, ENGINE)
+
+    def on_window(self, stats: WindowStats) -> None:
+        """Take the state of slots, queue and KV pool from a window, and its sizes."""
+        self.slots = {slot.slot: slot for slot in stats.slots if slot.request_id not in self._ended}
+        self.waiting = stats.waiting
+        self.kv_blocks_used = stats.kv_blocks_used
+        self.kv_blocks_total = stats.kv_blocks_total
+        self.window_seconds = stats.duration_s
+        self.windows_total = stats.window
+        self.num_preemptions_total += stats.preempted
+        self.iteration_tokens.observe(stats.rows)
+        end = stats.started + stats.duration_s
+        self._recent.append((stats.started, end, _generated(stats)))
+        while self._recent[0][1] < end - LIVE_SPAN_S:
+            self._recent.popleft()
+        span = end - self._recent[0][0]
+        self.live_tok_s = sum(tokens for *_, tokens in self._recent) / span if span > 0 else 0.0
+        if not self.slots:
+            self._idle()
+
+    def on_request_finished(self, record: RequestRecord) -> None:
+        """Count a request that ended (once each), free its slot, and observe its sizes and times.
+
+        Its prompt counts in `prompt_tokens_total` once read, that is once it made a token (as in vLLM).
+        """
+        self._ended[record.request_id] = None
+        if len(self._ended) > FORGET_AFTER:
+            del self._ended[next(iter(self._ended))]
+        freed = [index for index, slot in self.slots.items() if slot.request_id == record.request_id]
+        for index in freed:
+            del self.slots[index]
+        if not freed and not record.token_times and record.finish_reason == "abort":
+            self.waiting = max(0, self.waiting - 1)  # it left the queue
+        if not self.slots:
+            self._idle()
+        reason = record.finish_reason if record.finish_reason in FINISH_REASONS else "error"
+        self.request_success_total[reason] += 1
+        self.generation_tokens_total += record.generation_tokens
+        self.request_prompt_tokens.observe(record.prompt_tokens)
+        self.request_generation_tokens.observe(record.generation_tokens)
+        self.request_max_num_generation_tokens.observe(record.generation_tokens)
+        self.request_params_n.observe(record.n)
+        self.request_params_max_tokens.observe(record.max_tokens)
+        finished = record.finished or time.time()
+        scheduled = record.scheduled or finished
+        self.e2e_latency.observe(finished - record.arrival)
+        self.queue_time.observe(scheduled - record.arrival)
+        if record.first_token is None:
+            return
+        self.prompt_tokens_total += record.prompt_tokens
+        first, last = record.first_token, record.token_times[-1]
+        self.time_to_first_token.observe(first - record.arrival)
+        self.prefill_time.observe(first - scheduled)
+        self.decode_time.observe(last - first)
+        self.inference_time.observe(last - scheduled)
+        for before, after in zip(record.token_times, record.token_times[1:], strict=False):
+            self.inter_token_latency.observe(after - before)
+        if record.generation_tokens > 1:
+            self.time_per_output_token.observe((last - first) / (record.generation_tokens - 1))
+
+    def _idle(self) -> None:
+        """No slot is busy: no request holds KV blocks and no token is being made."""
+        self.kv_blocks_used = 0
+        self.live_tok_s = 0.0
+        self._recent.clear()
+
+    def record_http(self, handler: str, method: str, status: int, seconds: float) -> None:
+        """Count one HTTP request: its route template, method, status class ("2xx") and duration."""
+        self.http_requests.labels(handler, method, f"{status // 100}xx").inc()
+        self.http_duration.labels(handler, method).observe(seconds)
+
+    def values(self) -> dict[str, Any]:
+        """The gauges and counters, keyed by their names after `vllm:` / `strata:`."""
+        return {
+            "model_name": self.model_name,
+            "num_requests_running": len(self.slots),
+            "num_requests_waiting": self.waiting,
+            "kv_cache_usage_perc": self.kv_blocks_used / max(self.kv_blocks_total, 1),
+            "prefix_cache_queries_total": 0,
+            "prefix_cache_hits_total": 0,
+            "num_preemptions_total": self.num_preemptions_total,
+            "prompt_tokens_total": self.prompt_tokens_total,
+            "generation_tokens_total": self.generation_tokens_total,
+            "live_tok_s": self.live_tok_s,
+            "live_slots": len(self.slots),
+            "parallel": self.ready.parallel,
+            "window_seconds": self.window_seconds,
+            "kv_blocks_used": self.kv_blocks_used,
+            "kv_blocks_total": self.kv_blocks_total,
+            "windows_total": self.windows_total,
+            "request_success_total": dict(self.request_success_total),
+            "cache_config_info": {
+                "block_size": self.ready.block_size,
+                "cache_dtype": "auto",
+                "enable_prefix_caching": False,
+                "num_gpu_blocks": self.ready.kv_blocks_total,
+            },
+            "slots": [self._slot(index) for index in range(self.ready.parallel)],
+        }
+
+    def _slot(self, index: int) -> dict[str, Any]:
+        slot = self.slots.get(index)
+        if slot is None:
+            return {
+                "slot": index,
+                "state": "idle",
+                "request_id": None,
+                "context_tokens": 0,
+                "output_tokens": 0,
+                "prompt_tokens": 0,
+                "prompt_total": 0,
+            }
+        return {
+            "slot": index,
+            "state": slot.phase,
+            "request_id": slot.request_id,
+            "context_tokens": slot.context_tokens,
+            "output_tokens": slot.output_tokens,
+            "prompt_tokens": slot.prompt_tokens,
+            "prompt_total": slot.prompt_total,
+        }
+
+    def snapshot(self) -> dict[str, Any]:
+        """`values()` plus each histogram's count and sum: the JSON form of `/metrics`."""
+        histograms = {}
+        for name, histogram in self._histograms.items():
+            samples = {sample.name: sample.value for sample in histogram.collect()[0].samples}
+            histograms[name.partition(":")[2]] = {
+                "count": int(samples[f"{name}_count"]),
+                "sum": samples[f"{name}_sum"],
+            }
+        return {**self.values(), **histograms}
+
+
+class _ValuesCollector(Collector):
+    """Renders `ServerMetrics.values()` as Prometheus families, labelled with model_name and engine."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        """One family per gauge or counter, read from a single `values()` call."""
+        values = self.metrics.values()
+        base = [self.metrics.model_name, ENGINE]
+        for name, kind, documentation in SCALARS:
+            family_type = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+            family = family_type(name, documentation, labels=LABELS)
+            family.add_metric(base, values[name.partition(":")[2]])
+            yield family
+        success = CounterMetricFamily(
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            labels=[*LABELS, "finished_reason"],
+        )
+        for reason, count in values["request_success_total"].items():
+            success.add_metric([*base, reason], count)
+        yield success
+        config = {key: str(value) for key, value in values["cache_config_info"].items()}
+        info = GaugeMetricFamily(
+            "vllm:cache_config_info", "Information of the LLMEngine CacheConfig", labels=[*LABELS, *config]
+        )
+        info.add_metric([*base, *config.values()], 1)
+        yield info
+        for name, key, documentation in SLOT_GAUGES:
+            family = GaugeMetricFamily(name, documentation, labels=[*LABELS, "slot"])
+            for slot in values["slots"]:
+                value = SLOT_STATES[slot[key]] if key == "state" else slot[key]
+                family.add_metric([*base, str(slot["slot"])], value)
+            yield family
+
+
+def _wants_prometheus(output: str | None, accept: str) -> bool:
+    if output is not None:
+        return output == "prometheus"
+    return "text/plain" in accept or "application/openmetrics-text" in accept
+
+
+@get(
+    "/metrics",
+    guards=[require_api_key],
+    sync_to_thread=False,
+    summary="Server metrics: Prometheus text for scrapers, JSON otherwise",
+    description=(
+        "With `?format=prometheus`, or an Accept header naming `text/plain` or "
+        "`application/openmetrics-text` (what Prometheus sends), the answer is the Prometheus text format "
+        "0.0.4 with vLLM's metric names (`vllm:*`, labels `model_name` and `engine`), `strata:*` for the "
+        "server's own values and `http_*` for the HTTP API. Otherwise (or with `?format=json`) it is one "
+        "JSON object holding the same gauges and counters, keyed by their names without the prefix, the "
+        "state of every slot under `slots`, and each histogram's `count` and `sum`."
+    ),
+)
+def metrics_route(
+    request: Request,
+    output: Annotated[
+        Literal["prometheus", "json"] | None,
+        QueryParameter(name="format", description="prometheus or json; default: chosen by the Accept header"),
+    ] = None,
+) -> Response:
+    """Prometheus exposition or JSON snapshot of the server's metrics."""
+    metrics: ServerMetrics = request.app.state.metrics
+    if _wants_prometheus(output, request.headers.get("accept", "")):
+        return Response(generate_latest(metrics.registry), media_type=PROMETHEUS_TEXT)
+    return Response(metrics.snapshot(), media_type=MediaType.JSON)
+
+
+class HttpMetricsMiddleware(ASGIMiddleware):
+    """Times every HTTP request and counts it in `app.state.metrics` by route template, method and status."""
+
+    scopes = (ScopeType.HTTP,)
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send, next_app: ASGIApp) -> None:
+        """Pass the request on, note the status it answers with, and record it once it is done."""
+        started = time.perf_counter()
+        status = 500
+
+        async def send_noting_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await next_app(scope, receive, send_noting_status)
+        finally:
+            metrics: ServerMetrics | None = getattr(scope["app"].state, "metrics", None)
+            if metrics is not None:
+                seconds = time.perf_counter() - started
+                metrics.record_http(scope["path_template"], scope["method"], status, seconds)
+
+
+http_metrics_middleware = HttpMetricsMiddleware()

@@ -1,0 +1,472 @@
+"""The OpenAI-compatible routes: chat and text completions (whole or streamed), models, (de)tokenize."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import msgspec
+from litestar import Response, get, post
+from litestar.background_tasks import BackgroundTask
+from litestar.openapi.datastructures import ResponseSpec
+from litestar.openapi.spec import OpenAPIMediaType, OpenAPIResponse, OpenAPIType, Operation, Schema
+from litestar.response import Stream
+
+from app.engine.client import EngineError
+from app.engine.protocol import InvalidRequest, PositionLogprobs, RequestOutput, SamplingParams, check_request
+from app.text.chat_template import ChatTemplateError
+from app.text.tokenizer import TokenizerError
+from webui.auth import require_api_key
+from webui.engine_link import EngineLink
+from webui.errors import ApiError, ErrorDetail, ErrorResponse
+from webui.openai_schema import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatDelta,
+    ChatLogprobs,
+    ChatMessage,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    Model,
+    ModelList,
+    SamplingRequest,
+    TextCompletion,
+    TokenizeRequest,
+    TokenizeResponse,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
+
+logger = logging.getLogger(__name__)
+
+STARTED = int(time.time())
+EVENT_STREAM = "text/event-stream"
+STREAM_HEADERS = {
+    "content-type": f"{EVENT_STREAM}; charset=utf-8",
+    "cache-control": "no-cache",
+    "x-accel-buffering": "no",
+}
+STREAM_DESCRIPTION = (
+    "With `stream: true` the answer comes as server-sent events (text/event-stream): `data: <chunk JSON>` "
+    "events, each followed by a blank line, where a chunk has the shape of the {chunk} object; the last "
+    "chunk carries `finish_reason`; with `stream_options.include_usage` one more chunk has no choices and "
+    'the usage; then `data: [DONE]`. An engine failure mid-stream sends `data: {{"error": {{...}}}}` and '
+    "ends the stream."
+)
+
+EVENTS_SCHEMA_DESCRIPTION = "`data: <chunk JSON>` events (see the operation), then `data: [DONE]`"
+
+_ERROR_RESPONSES = {
+    status: ResponseSpec(ErrorResponse, description=description, generate_examples=False)
+    for status, description in {
+        400: "Invalid request: malformed JSON, a wrong type or value (`param` names the field), an "
+        "unsupported option, or a prompt too long for the context",
+        401: "Missing or wrong API key",
+        404: "Unknown model (code `model_not_found`)",
+        503: "The engine is not running",
+    }.items()
+}
+
+
+@dataclass
+class _EventStreamOperation(Operation):
+    """An operation whose 200 answer is JSON, or server-sent events when the request asks for a stream."""
+
+    def __post_init__(self) -> None:
+        ok = (self.responses or {}).get("200")
+        if isinstance(ok, OpenAPIResponse):
+            events = Schema(type=OpenAPIType.STRING, description=EVENTS_SCHEMA_DESCRIPTION)
+            ok.content = {**(ok.content or {}), EVENT_STREAM: OpenAPIMediaType(schema=events)}
+
+
+class _Reply(ABC):
+    """How one request's answer is written, whole or as stream chunks; chat and text completions differ.
+
+    `top_logprobs` is None when the request did not ask for log-probabilities.
+    """
+
+    prefix: ClassVar[str]
+
+    def __init__(self, link: EngineLink, top_logprobs: int | None) -> None:
+        self.id = f"{self.prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.model = link.model_name
+        self.tokenizer = link.tokenizer
+        self.wants_logprobs = top_logprobs is not None
+
+    def token_text(self, token_id: int) -> str:
+        """The text of one token, special tokens included."""
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def opening(self) -> list[msgspec.Struct]:
+        """Chunks sent before any text."""
+        return []
+
+    @abstractmethod
+    def piece(self, text: str, positions: list[PositionLogprobs]) -> msgspec.Struct:
+        """A stream chunk with new text (and its tokens' log-probabilities)."""
+
+    @abstractmethod
+    def end(self, finish_reason: str | None) -> msgspec.Struct:
+        """The stream chunk that says why the answer ended."""
+
+    @abstractmethod
+    def usage_chunk(self, usage: Usage) -> msgspec.Struct:
+        """The stream chunk with no choices and the usage."""
+
+    @abstractmethod
+    def whole(
+        self, text: str, positions: list[PositionLogprobs], finish_reason: str | None, usage: Usage
+    ) -> msgspec.Struct:
+        """The non-streamed answer."""
+
+
+class _ChatReply(_Reply):
+    """`chat.completion` answers and `chat.completion.chunk` stream chunks."""
+
+    prefix = "chatcmpl"
+
+    def _logprobs(self, positions: list[PositionLogprobs]) -> ChatLogprobs | None:
+        if not self.wants_logprobs:
+            return None
+        content = []
+        for position in positions:
+            top = [self._top(entry.token_id, entry.logprob) for entry in position.top]
+            chosen = self._top(position.chosen.token_id, position.chosen.logprob)
+            content.append(TokenLogprob(chosen.token, chosen.logprob, chosen.bytes, top))
+        return ChatLogprobs(content)
+
+    def _top(self, token_id: int, logprob: float) -> TopLogprob:
+        text = self.token_text(token_id)
+        return TopLogprob(text, logprob, list(text.encode()))
+
+    def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | msgspec.UnsetType) -> ChatCompletionChunk:
+        return ChatCompletionChunk(self.id, self.created, self.model, choices, usage=usage)
+
+    def opening(self) -> list[msgspec.Struct]:
+        """The first chunk: the assistant's role and empty content."""
+        return [self._chunk([ChatChunkChoice(0, ChatDelta("assistant", ""), None, None)], msgspec.UNSET)]
+
+    def piece(self, text: str, positions: list[PositionLogprobs]) -> msgspec.Struct:
+        """A content delta."""
+        choice = ChatChunkChoice(0, ChatDelta(content=text), self._logprobs(positions), None)
+        return self._chunk([choice], msgspec.UNSET)
+
+    def end(self, finish_reason: str | None) -> msgspec.Struct:
+        """An empty delta with the finish reason."""
+        return self._chunk([ChatChunkChoice(0, ChatDelta(), None, finish_reason)], msgspec.UNSET)
+
+    def usage_chunk(self, usage: Usage) -> msgspec.Struct:
+        """No choices, and the usage."""
+        return self._chunk([], usage)
+
+    def whole(
+        self, text: str, positions: list[PositionLogprobs], finish_reason: str | None, usage: Usage
+    ) -> msgspec.Struct:
+        """A `chat.completion`."""
+        choice = ChatChoice(0, AssistantMessage(text), self._logprobs(positions), finish_reason)
+        return ChatCompletion(self.id, self.created, self.model, [choice], usage)
+
+
+class _CompletionReply(_Reply):
+    """`text_completion` answers and stream chunks (the same object, one piece of text each)."""
+
+    prefix = "cmpl"
+
+    def __init__(self, link: EngineLink, top_logprobs: int | None) -> None:
+        super().__init__(link, top_logprobs)
+        self.text_offset = 0  # where the next token's text starts in the whole answer
+
+    def _logprobs(self, positions: list[PositionLogprobs]) -> CompletionLogprobs | None:
+        if not self.wants_logprobs:
+            return None
+        logprobs = CompletionLogprobs([], [], [], [])
+        for position in positions:
+            token = self.token_text(position.chosen.token_id)
+            logprobs.tokens.append(token)
+            logprobs.token_logprobs.append(position.chosen.logprob)
+            logprobs.top_logprobs.append({self.token_text(e.token_id): e.logprob for e in position.top})
+            logprobs.text_offset.append(self.text_offset)
+            self.text_offset += len(token)
+        return logprobs
+
+    def _completion(
+        self, choices: list[CompletionChoice], usage: Usage | msgspec.UnsetType
+    ) -> TextCompletion:
+        return TextCompletion(self.id, self.created, self.model, choices, usage=usage)
+
+    def piece(self, text: str, positions: list[PositionLogprobs]) -> msgspec.Struct:
+        """A piece of text."""
+        return self._completion([CompletionChoice(0, text, self._logprobs(positions), None)], msgspec.UNSET)
+
+    def end(self, finish_reason: str | None) -> msgspec.Struct:
+        """No text, and the finish reason."""
+        return self._completion([CompletionChoice(0, "", None, finish_reason)], msgspec.UNSET)
+
+    def usage_chunk(self, usage: Usage) -> msgspec.Struct:
+        """No choices, and the usage."""
+        return self._completion([], usage)
+
+    def whole(
+        self, text: str, positions: list[PositionLogprobs], finish_reason: str | None, usage: Usage
+    ) -> msgspec.Struct:
+        """A `text_completion`."""
+        return self._completion([CompletionChoice(0, text, self._logprobs(positions), finish_reason)], usage)
+
+
+def context_tokens(link: EngineLink) -> int:
+    """The most tokens one request may hold: the model's context, or less when the KV pool is smaller."""
+    ready = link.ready
+    return min(ready.max_model_len, ready.kv_blocks_total * ready.block_size)
+
+
+def _check_model(link: EngineLink, model: str | None) -> None:
+    """404 model_not_found unless `model` is absent or names the served model."""
+    if model is not None and model != link.model_name:
+        raise ApiError(
+            404,
+            f"the model '{model}' does not exist: this server serves '{link.model_name}'",
+            "invalid_request_error",
+            "model",
+            "model_not_found",
+        )
+
+
+def _chat_prompt(
+    link: EngineLink,
+    messages: Sequence[ChatMessage],
+    add_generation_prompt: bool,
+    template_kwargs: dict[str, Any] | None,
+) -> list[int]:
+    """The token ids of `messages` rendered with the model's chat template."""
+    if not messages:
+        raise InvalidRequest("messages must not be empty", "messages")
+    rendered = []
+    for message in messages:
+        content = message.content
+        if isinstance(content, list):
+            content = "\n".join(part.text for part in content)
+        entry = {"role": message.role, "content": content or ""}
+        if message.name is not None:
+            entry["name"] = message.name
+        rendered.append(entry)
+    try:
+        return link.tokenizer.encode_chat(rendered, add_generation_prompt, **(template_kwargs or {}))
+    except (ChatTemplateError, TokenizerError) as exc:
+        raise InvalidRequest(f"the chat template cannot render the messages: {exc}", "messages") from None
+
+
+def _completion_prompt(link: EngineLink, prompt: str | list[str | int | list[int]]) -> list[int]:
+    """The token ids of a completion prompt: text, token ids, or a one-element list of either."""
+    if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return link.tokenizer.encode(prompt)
+    if all(isinstance(token, int) for token in prompt):
+        return prompt
+    raise InvalidRequest(
+        "batched prompts are not supported: send one prompt (a string or a list of token ids) per request",
+        "prompt",
+    )
+
+
+def _sampling_params(
+    link: EngineLink,
+    request: SamplingRequest,
+    prompt: list[int],
+    prompt_param: str,
+    max_tokens_param: str,
+    logprobs: int | None,
+) -> SamplingParams:
+    """The engine's parameters for a request, checked against the model; InvalidRequest names the field."""
+    if request.n != 1:
+        raise InvalidRequest("only n=1 is supported", "n")
+    max_tokens: int | None = getattr(request, max_tokens_param)
+    context = context_tokens(link)
+    params = SamplingParams(
+        max_tokens=max_tokens if max_tokens is not None else max(1, context - len(prompt)),
+        temperature=request.temperature,
+        top_p=request.top_p,
+        top_k=0 if request.top_k == -1 else request.top_k,
+        min_p=request.min_p,
+        seed=request.seed,
+        presence_penalty=request.presence_penalty,
+        frequency_penalty=request.frequency_penalty,
+        repetition_penalty=request.repetition_penalty,
+        stop=[request.stop] if isinstance(request.stop, str) else list(request.stop or []),
+        stop_token_ids=list(request.stop_token_ids or []),
+        ignore_eos=request.ignore_eos,
+        logprobs=logprobs,
+        skip_special_tokens=request.skip_special_tokens,
+        include_stop_str_in_output=request.include_stop_str_in_output,
+    )
+    try:
+        check_request(prompt, params, link.ready.vocab_size, context)
+    except InvalidRequest as exc:
+        if exc.param == "prompt" or (exc.param == "max_tokens" and max_tokens is None):
+            raise InvalidRequest(str(exc), prompt_param) from None
+        if exc.param == "max_tokens":
+            raise InvalidRequest(str(exc).replace("max_tokens", max_tokens_param), max_tokens_param) from None
+        raise
+    return params
+
+
+def _event(body: msgspec.Struct) -> bytes:
+    """One server-sent event carrying `body` as JSON."""
+    return b"data: " + msgspec.json.encode(body) + b"\n\n"
+
+
+async def _events(
+    link: EngineLink, prompt: list[int], params: SamplingParams, reply: _Reply, include_usage: bool
+) -> AsyncIterator[bytes]:
+    """The server-sent events of a streamed answer; closing it early aborts the request in the engine."""
+    completion_tokens = 0
+    try:
+        for chunk in reply.opening():
+            yield _event(chunk)
+        async with aclosing(link.stream(prompt, params)) as outputs:
+            async for output in outputs:
+                completion_tokens += len(output.token_ids)
+                if output.text or output.logprobs:
+                    yield _event(reply.piece(output.text, output.logprobs))
+                if output.finished:
+                    yield _event(reply.end(output.finish_reason))
+    except EngineError as exc:
+        yield _event(ErrorResponse(ErrorDetail(f"the engine failed: {exc}", "service_unavailable")))
+        return
+    except Exception as exc:
+        logger.exception("streaming %s failed", reply.id)
+        yield _event(ErrorResponse(ErrorDetail(f"internal error: {type(exc).__name__}", "internal_error")))
+        return
+    if include_usage:
+        yield _event(reply.usage_chunk(_usage(prompt, completion_tokens)))
+    yield b"data: [DONE]\n\n"
+
+
+def _usage(prompt: list[int], completion_tokens: int) -> Usage:
+    return Usage(len(prompt), completion_tokens, len(prompt) + completion_tokens)
+
+
+async def _whole(
+    link: EngineLink, prompt: list[int], params: SamplingParams, reply: _Reply
+) -> msgspec.Struct:
+    """Run a request to its end and return the whole answer."""
+    outputs: list[RequestOutput] = []
+    async with aclosing(link.stream(prompt, params)) as stream:
+        async for output in stream:
+            outputs.append(output)
+    token_count = sum(len(output.token_ids) for output in outputs)
+    return reply.whole(
+        "".join(output.text for output in outputs),
+        [position for output in outputs for position in output.logprobs],
+        outputs[-1].finish_reason if outputs else None,
+        _usage(prompt, token_count),
+    )
+
+
+async def _answer(
+    link: EngineLink, request: SamplingRequest, prompt: list[int], params: SamplingParams, reply: _Reply
+) -> Response[Any]:
+    """The whole answer as JSON, or a stream of server-sent events when the request asks for one."""
+    if link.dead:
+        raise EngineError(link.dead)
+    if not request.stream:
+        return Response(await _whole(link, prompt, params, reply))
+    include_usage = request.stream_options is not None and request.stream_options.include_usage
+    events = _events(link, prompt, params, reply, include_usage)
+    # Closing the events after the response (sent, or cut short by the client leaving) aborts an unfinished
+    # request at once instead of whenever the generator is garbage-collected.
+    return Stream(events, headers=STREAM_HEADERS, background=BackgroundTask(events.aclose))
+
+
+_COMPLETION_ROUTE: dict[str, Any] = {
+    "guards": [require_api_key],
+    "status_code": 200,
+    "responses": _ERROR_RESPONSES,
+    "operation_class": _EventStreamOperation,
+    "tags": ["OpenAI"],
+}
+
+
+@post(
+    "/v1/chat/completions",
+    summary="Chat completion",
+    description=STREAM_DESCRIPTION.format(chunk="`chat.completion.chunk`"),
+    **_COMPLETION_ROUTE,
+)
+async def chat_completions(data: ChatCompletionRequest, link: EngineLink) -> Response[ChatCompletion]:
+    """Answer a conversation rendered with the model's chat template."""
+    _check_model(link, data.model)
+    if data.top_logprobs is not None and not data.logprobs:
+        raise InvalidRequest("top_logprobs requires logprobs to be true", "top_logprobs")
+    prompt = _chat_prompt(link, data.messages, True, data.chat_template_kwargs)
+    logprobs = (data.top_logprobs or 0) if data.logprobs else None
+    max_tokens_param = "max_completion_tokens" if data.max_completion_tokens is not None else "max_tokens"
+    params = _sampling_params(link, data, prompt, "messages", max_tokens_param, logprobs)
+    return await _answer(link, data, prompt, params, _ChatReply(link, logprobs))
+
+
+@post(
+    "/v1/completions",
+    summary="Text completion",
+    description=STREAM_DESCRIPTION.format(chunk="`text_completion`"),
+    **_COMPLETION_ROUTE,
+)
+async def completions(data: CompletionRequest, link: EngineLink) -> Response[TextCompletion]:
+    """Continue a prompt given as text or token ids."""
+    _check_model(link, data.model)
+    if data.echo:
+        raise InvalidRequest("echo is not supported", "echo")
+    prompt = _completion_prompt(link, data.prompt)
+    params = _sampling_params(link, data, prompt, "prompt", "max_tokens", data.logprobs)
+    return await _answer(link, data, prompt, params, _CompletionReply(link, data.logprobs))
+
+
+_ROUTE: dict[str, Any] = {"guards": [require_api_key], "responses": _ERROR_RESPONSES, "tags": ["OpenAI"]}
+
+
+@get("/v1/models", summary="The served model", **_ROUTE)
+async def list_models(link: EngineLink) -> ModelList:
+    """List the one model this server serves."""
+    return ModelList([Model(link.model_name, STARTED, context_tokens(link))])
+
+
+@post("/tokenize", summary="Text or chat messages to token ids", status_code=200, **_ROUTE)
+async def tokenize(data: TokenizeRequest, link: EngineLink) -> TokenizeResponse:
+    """Token ids of a prompt, or of chat messages rendered as the chat endpoint renders them."""
+    _check_model(link, data.model)
+    if (data.prompt is None) == (data.messages is None):
+        raise InvalidRequest("send exactly one of prompt and messages", "prompt")
+    if data.messages is not None:
+        tokens = _chat_prompt(link, data.messages, data.add_generation_prompt, data.chat_template_kwargs)
+    else:
+        tokens = link.tokenizer.encode(data.prompt, add_special_tokens=data.add_special_tokens)
+    return TokenizeResponse(len(tokens), context_tokens(link), tokens)
+
+
+@post("/detokenize", summary="Token ids to text", status_code=200, **_ROUTE)
+async def detokenize(data: DetokenizeRequest, link: EngineLink) -> DetokenizeResponse:
+    """The text of token ids, special tokens included."""
+    _check_model(link, data.model)
+    vocab_size = link.ready.vocab_size
+    bad = next((token for token in data.tokens if not 0 <= token < vocab_size), None)
+    if bad is not None:
+        raise InvalidRequest(f"token id {bad} is outside the vocabulary [0, {vocab_size})", "tokens")
+    return DetokenizeResponse(link.tokenizer.decode(data.tokens, skip_special_tokens=False))
+
+
+ROUTES = [chat_completions, completions, list_models, tokenize, detokenize]

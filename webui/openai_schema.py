@@ -1,0 +1,265 @@
+"""Request and response bodies of the OpenAI-compatible API: msgspec structs, which make the OpenAPI schema.
+
+Nullable fields with a non-null default take that default when a client sends null, as OpenAI's do.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+
+class _Body(msgspec.Struct, kw_only=True):
+    """A request body whose explicit nulls mean "the default"."""
+
+    def __post_init__(self) -> None:
+        for field in msgspec.structs.fields(self):
+            if getattr(self, field.name) is None and field.default not in (None, msgspec.NODEFAULT):
+                setattr(self, field.name, field.default)
+
+
+class TextPart(msgspec.Struct):
+    """One part of a message's content; only text parts are supported."""
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(msgspec.Struct, kw_only=True):
+    """One message of a conversation: a string, or a list of text parts (joined by newlines)."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class StreamOptions(msgspec.Struct, kw_only=True):
+    """Options of a streamed answer."""
+
+    include_usage: bool = False
+
+
+class SamplingRequest(_Body, kw_only=True):
+    """The fields chat and text completions share: the model, how to sample, when to stop, how to answer.
+
+    `max_tokens` defaults to what is left of the context after the prompt. top_k, min_p,
+    repetition_penalty, stop_token_ids, ignore_eos, skip_special_tokens and include_stop_str_in_output
+    are vLLM's extensions; top_k -1 or 0 turns it off. Only n=1 is supported.
+    """
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = 1.0
+    top_p: float | None = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    repetition_penalty: float = 1.0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    n: int | None = 1
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+
+class ChatCompletionRequest(SamplingRequest, kw_only=True):
+    """POST /v1/chat/completions: `messages` rendered with the model's chat template.
+
+    `max_completion_tokens` wins over `max_tokens`; `logprobs` asks for the chosen tokens' log-probabilities
+    and `top_logprobs` (0-20) for that many alternatives each. `chat_template_kwargs` reach the template
+    (e.g. `enable_thinking`).
+    """
+
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class CompletionRequest(SamplingRequest, kw_only=True):
+    """POST /v1/completions: `prompt` is a string, a list of token ids, or a one-element list of either.
+
+    `logprobs` (0-20) asks for the chosen tokens' log-probabilities and that many alternatives each; `echo`
+    is not supported.
+    """
+
+    prompt: str | list[str | int | list[int]]
+    logprobs: int | None = None
+    echo: bool | None = False
+
+
+class Usage(msgspec.Struct):
+    """Token counts of a request."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class TopLogprob(msgspec.Struct):
+    """An alternative token at one position: its text, log-probability and UTF-8 bytes."""
+
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(msgspec.Struct):
+    """The chosen token at one position and the most likely alternatives there."""
+
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(msgspec.Struct):
+    """Log-probabilities of a chat answer's tokens."""
+
+    content: list[TokenLogprob]
+
+
+class AssistantMessage(msgspec.Struct):
+    """The generated message."""
+
+    content: str
+    role: Literal["assistant"] = "assistant"
+
+
+class ChatChoice(msgspec.Struct):
+    """The answer: its message, log-probabilities when asked for, and why it ended (stop or length)."""
+
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+
+
+class ChatCompletion(msgspec.Struct):
+    """A whole chat answer."""
+
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    object: Literal["chat.completion"] = "chat.completion"
+
+
+class ChatDelta(msgspec.Struct, omit_defaults=True):
+    """What a streamed chat chunk adds to the message (the first carries the role; the last is empty)."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(msgspec.Struct):
+    """A piece of the streamed answer; `finish_reason` is set on the last one."""
+
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+
+
+class ChatCompletionChunk(msgspec.Struct):
+    """One server-sent event of a streamed chat answer; the usage chunk (the last) has no choices."""
+
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    usage: Usage | msgspec.UnsetType = msgspec.UNSET
+
+
+class CompletionLogprobs(msgspec.Struct):
+    """Log-probabilities of a completion's tokens, position by position (the legacy OpenAI shape)."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(msgspec.Struct):
+    """The generated text (whole, or a streamed piece), its log-probabilities, and why it ended."""
+
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: str | None
+
+
+class TextCompletion(msgspec.Struct):
+    """A whole completion, or one server-sent event of a streamed one.
+
+    The whole one has the usage; of the events, only the last one, asked for with `include_usage`.
+    """
+
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    object: Literal["text_completion"] = "text_completion"
+    usage: Usage | msgspec.UnsetType = msgspec.UNSET
+
+
+class Model(msgspec.Struct):
+    """The served model."""
+
+    id: str
+    created: int
+    max_model_len: int
+    object: Literal["model"] = "model"
+    owned_by: str = "strata"
+
+
+class ModelList(msgspec.Struct):
+    """GET /v1/models: the one served model."""
+
+    data: list[Model]
+    object: Literal["list"] = "list"
+
+
+class TokenizeRequest(msgspec.Struct, kw_only=True):
+    """POST /tokenize: either `prompt` text, or chat `messages` rendered as the chat endpoint renders them.
+
+    `add_special_tokens` applies to `prompt` only (with messages the template places the special tokens).
+    """
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class TokenizeResponse(msgspec.Struct):
+    """The token ids, how many, and the context limit."""
+
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True):
+    """POST /detokenize: token ids to turn back into text (special tokens kept)."""
+
+    tokens: list[int]
+    model: str | None = None
+
+
+class DetokenizeResponse(msgspec.Struct):
+    """The text of the token ids."""
+
+    prompt: str
