@@ -66,6 +66,8 @@ class EngineCore:
         self.max_model_len = min(
             config.max_model_len or model_config.max_position_embeddings, model_config.max_position_embeddings
         )
+        # More blocks than every slot filled to the context could ever use would only sit idle.
+        blocks = min(blocks, config.parallel * -(-self.max_model_len // config.block_size))
         state = PagedState(
             model_config, blocks, config.block_size, config.parallel, dtype, torch.device(self.device)
         )

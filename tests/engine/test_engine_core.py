@@ -205,3 +205,8 @@ def test_expert_usage_counts_every_routed_token(checkpoint: Path, monkeypatch: p
         routed = sum(sum(r.routed[layer]) for r in reports)
         assert routed == sum(w.rows for w in windows) * config.num_experts_per_tok
     assert {code for r in reports for row in r.location for code in row} == {1}  # on the CPU: host RAM
+
+
+def test_the_pool_holds_no_more_than_full_slots_can_use(checkpoint: Path) -> None:
+    core = make_core(checkpoint, parallel=2, max_model_len=1000, kv_memory=256 << 20)
+    assert core.scheduler.pool.total == 2 * 63  # 1000 tokens need 63 blocks of 16
