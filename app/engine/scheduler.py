@@ -148,33 +148,23 @@ class Scheduler:
             if request.phase is Phase.DECODE:
                 window.chunks.append(self._chunk(request, 1))
                 budget -= 1
-        budget = min(budget, self._prompt_budget(len(window.chunks), budget))
+        share = _Share(self, decode_rows=len(window.chunks), tokens=budget)
         for request in [r for r in self.running if r.phase is Phase.PROMPT]:
-            if budget <= 0:
+            take = share.take(request.pending)
+            if take <= 0:
                 break
-            take = min(request.pending, budget)
             window.chunks.append(self._chunk(request, take))
-            budget -= take
-        while budget > 0 and self.waiting and self.free_slots:
+        while self.waiting and self.free_slots and share.tokens > 0:
             request = self.waiting[0]
             if not self.pool.grow(request.blocks, len(request.tokens) + 1):
                 break
+            take = share.take(request.pending)
+            if take <= 0:
+                break
             self.waiting.popleft()
             self._admit(request)
-            take = min(request.pending, budget)
             window.chunks.append(self._chunk(request, take))
-            budget -= take
         return window
-
-    def _prompt_budget(self, decode_rows: int, left: int) -> int:
-        """Prompt tokens this window may take so decoding slots keep their share of solo speed."""
-        if decode_rows == 0:
-            return left
-        if not self.cost.calibrated:
-            return min(UNCALIBRATED_CHUNK, left)
-        solo = self.cost.predict(decode_rows)
-        allowed = self.cost.tokens_within(solo / self.config.decode_share) - decode_rows
-        return max(min(allowed, left), self.config.block_size)
 
     def _chunk(self, request: Request, take: int) -> Chunk:
         start = request.computed
@@ -218,7 +208,7 @@ class Scheduler:
             request.computed += len(chunk.tokens)
             if chunk.samples:
                 request.phase = Phase.DECODE
-        self.cost.observe(sum(len(c.tokens) for c in window.chunks), seconds)
+        self.cost.observe(sum(len(c.tokens) for c in window.chunks), len(window.chunks), seconds)
 
     def append_token(self, request: Request, token: int) -> None:
         """Record a sampled token; the next window feeds it."""
@@ -234,3 +224,37 @@ class Scheduler:
         if request in self.waiting:
             self.waiting.remove(request)
         self.requests.pop(request.request_id, None)
+
+
+class _Share:
+    """The prompt rows one window may still take: its token budget, and while slots decode, a time budget.
+
+    With d decode rows the window may last predict(d) / decode_share; a prompt chunk costs its rows and one
+    sequence. The first prompt chunk gets at least one block so prompts always progress. Until the window cost
+    is calibrated, prompt chunks beside decoding slots take at most UNCALIBRATED_CHUNK tokens in all.
+    """
+
+    def __init__(self, scheduler: Scheduler, decode_rows: int, tokens: int) -> None:
+        self.cost = scheduler.cost
+        self.minimum = scheduler.config.block_size
+        self.rows, self.sequences = decode_rows, decode_rows
+        self.tokens = tokens
+        self.limit: float | None = None
+        self.first = True
+        if decode_rows and self.cost.calibrated:
+            self.limit = self.cost.predict(decode_rows, decode_rows) / scheduler.config.decode_share
+        elif decode_rows:
+            self.tokens = min(tokens, UNCALIBRATED_CHUNK)
+
+    def take(self, pending: int) -> int:
+        """How many of `pending` prompt tokens the next chunk takes (0: none), and account for them."""
+        take = min(pending, self.tokens)
+        if self.limit is not None:
+            afford = self.cost.rows_within(self.limit - self.cost.predict(self.rows, self.sequences))
+            take = min(take, max(afford, self.minimum) if self.first else afford)
+        if take > 0:
+            self.first = False
+            self.tokens -= take
+            self.rows += take
+            self.sequences += 1
+        return take

@@ -1,57 +1,64 @@
-"""How long a window takes as a function of its tokens, learned from the windows that ran."""
+"""How long a window takes as a function of its rows and sequences, learned from the windows that ran."""
 
 from __future__ import annotations
 
 
-class WindowCost:
-    """Fits seconds = fixed + per_token * tokens by exponentially weighted least squares.
+def _solve3(m: list[list[float]], v: list[float]) -> list[float] | None:
+    """Solve the 3x3 system m x = v by Gaussian elimination; None when it is (nearly) singular."""
+    a = [[*row, rhs] for row, rhs in zip(m, v, strict=True)]
+    for col in range(3):
+        pivot = max(range(col, 3), key=lambda r: abs(a[r][col]))
+        if abs(a[pivot][col]) < 1e-12:
+            return None
+        a[col], a[pivot] = a[pivot], a[col]
+        for r in range(3):
+            if r != col:
+                f = a[r][col] / a[col][col]
+                a[r] = [x - f * y for x, y in zip(a[r], a[col], strict=True)]
+    return [a[i][3] / a[i][i] for i in range(3)]
 
-    Recent windows weigh more (`decay` per window), so the fit follows the machine and the context length.
-    Until two windows of clearly different sizes have run, `per_token` is unknown and `calibrated` is False.
+
+class WindowCost:
+    """Fits seconds = fixed + per_row * rows + per_sequence * sequences by weighted least squares.
+
+    Recent windows weigh more (`decay` per window), so the fit follows the machine and the context lengths. A
+    window pays per row (projections, experts) and per sequence in it (attention and recurrent-state work run
+    once per sequence). Until windows of different shapes have run, `calibrated` is False.
     """
 
     def __init__(self, decay: float = 0.95) -> None:
         self.decay = decay
-        self._n = self._sx = self._sy = self._sxx = self._sxy = 0.0
+        self._xtx = [[0.0] * 3 for _ in range(3)]
+        self._xty = [0.0] * 3
+        self._fit: tuple[float, float, float] | None = None
 
-    def observe(self, tokens: int, seconds: float) -> None:
+    def observe(self, rows: int, sequences: int, seconds: float) -> None:
         """Add one window's size and duration."""
-        d = self.decay
-        self._n = d * self._n + 1
-        self._sx = d * self._sx + tokens
-        self._sy = d * self._sy + seconds
-        self._sxx = d * self._sxx + tokens * tokens
-        self._sxy = d * self._sxy + tokens * seconds
-
-    def _fit(self) -> tuple[float, float] | None:
-        if self._n == 0:
-            return None
-        mean_x, mean_y = self._sx / self._n, self._sy / self._n
-        var_x = self._sxx / self._n - mean_x * mean_x
-        if var_x < 1.0:
-            return None
-        slope = (self._sxy / self._n - mean_x * mean_y) / var_x
-        if slope <= 0:
-            return None
-        return mean_y - slope * mean_x, slope
+        x = (1.0, float(rows), float(sequences))
+        for i in range(3):
+            self._xty[i] = self.decay * self._xty[i] + x[i] * seconds
+            for j in range(3):
+                self._xtx[i][j] = self.decay * self._xtx[i][j] + x[i] * x[j]
+        solution = _solve3(self._xtx, self._xty)
+        ok = solution is not None and solution[1] > 0 and solution[2] >= 0
+        self._fit = (max(solution[0], 0.0), solution[1], solution[2]) if ok else None
 
     @property
     def calibrated(self) -> bool:
-        """True once both the fixed cost and the per-token cost are known."""
-        return self._fit() is not None
+        """True once the fixed, per-row and per-sequence costs are known."""
+        return self._fit is not None
 
-    def predict(self, tokens: int) -> float:
-        """Expected seconds of a window of `tokens` tokens (requires `calibrated`)."""
-        fit = self._fit()
-        if fit is None:
-            raise ValueError("window cost is not calibrated yet")
-        fixed, slope = fit
-        return max(fixed, 0.0) + slope * tokens
+    def predict(self, rows: int, sequences: int) -> float:
+        """Expected seconds of a window (requires `calibrated`)."""
+        fixed, per_row, per_sequence = self._require()
+        return fixed + per_row * rows + per_sequence * sequences
 
-    def tokens_within(self, seconds: float) -> int:
-        """The most tokens a window can hold and still finish within `seconds` (requires `calibrated`)."""
-        fit = self._fit()
-        if fit is None:
+    def rows_within(self, seconds: float) -> int:
+        """The most rows one more sequence may add to a window within `seconds` (requires `calibrated`)."""
+        _, per_row, per_sequence = self._require()
+        return max(int((seconds - per_sequence) / per_row), 0)
+
+    def _require(self) -> tuple[float, float, float]:
+        if self._fit is None:
             raise ValueError("window cost is not calibrated yet")
-        fixed, slope = fit
-        return max(int((seconds - max(fixed, 0.0)) / slope), 0)
+        return self._fit

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from app.engine.protocol import SamplingParams
 from app.engine.scheduler import Phase, Request, Scheduler, SchedulerConfig, Window
+from app.engine.window_cost import WindowCost
 
 
 def _scheduler(**overrides: object) -> Scheduler:
@@ -80,17 +81,29 @@ def test_a_decoding_slot_gets_a_row_in_every_window_while_a_long_prompt_is_read(
     assert sum(len(c.tokens) for w in windows for c in w.chunks if c.request.request_id == "long") == 2000
 
 
+def test_window_cost_recovers_fixed_per_row_and_per_sequence_costs() -> None:
+    cost = WindowCost()
+    assert not cost.calibrated
+    for rows, sequences in [(1, 1), (100, 1), (400, 2), (2000, 3), (50, 5), (8, 8)]:
+        cost.observe(rows, sequences, 0.010 + 0.0001 * rows + 0.001 * sequences)
+    assert cost.calibrated
+    assert abs(cost.predict(300, 4) - (0.010 + 0.030 + 0.004)) < 1e-9
+    assert cost.rows_within(0.0111) == 100  # one more sequence (1 ms) and 100 rows (10 ms)
+
+
 def test_decode_share_limits_prompt_chunks_once_window_cost_is_known() -> None:
     scheduler = _scheduler(max_batched_tokens=4096, decode_share=0.5)
-    for tokens in (1, 100, 400, 2000):  # windows of 10 ms + 0.1 ms per token
-        scheduler.cost.observe(tokens, 0.010 + 0.0001 * tokens)
+    for rows, sequences in [(1, 1), (100, 1), (400, 2), (2000, 3), (50, 5), (8, 8)]:
+        scheduler.cost.observe(rows, sequences, 0.010 + 0.0001 * rows + 0.001 * sequences)
     scheduler.add(_request("a", 4, max_tokens=1000))
     _run(scheduler)
     scheduler.add(_request("long", 3000))
+    scheduler.add(_request("next", 3000))
     window = scheduler.schedule()
-    prompt = sum(len(c.tokens) for c in window.chunks if not c.decode)
-    # A decode-only window takes ~10.1 ms; at share 0.5 the window may take ~20.2 ms, so ~100 prompt tokens.
-    assert 95 <= prompt <= 105
+    # A decode-only window takes 11.1 ms; at share 0.5 the window may take 22.2 ms: one prompt sequence (1 ms)
+    # and ~100 rows (0.1 ms each); no room is left for a second prompt sequence.
+    prompt = [(c.request.request_id, len(c.tokens)) for c in window.chunks if not c.decode]
+    assert len(prompt) == 1 and prompt[0][0] == "long" and 95 <= prompt[0][1] <= 105
 
 
 def test_pool_exhaustion_preempts_the_newest_request_which_is_read_again_later() -> None:
