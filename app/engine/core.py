@@ -214,7 +214,7 @@ class EngineCore:
             return "stop"
         if token in self.loaded.eos_token_ids and not params.ignore_eos:
             return "stop"
-        if len(request.output) >= params.max_tokens or len(request.tokens) >= self.max_model_len:
+        if len(request.output) >= params.max_tokens or request.length >= self.max_model_len:
             return "length"
         return None
 

@@ -49,14 +49,23 @@ class Request:
     admitted_order: int = 0
 
     @property
-    def tokens(self) -> list[int]:
-        """Prompt and generated tokens."""
-        return self.prompt + self.output
+    def length(self) -> int:
+        """Prompt and generated tokens so far."""
+        return len(self.prompt) + len(self.output)
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + generated, without building the whole sequence."""
+        split = len(self.prompt)
+        if end <= split:
+            return self.prompt[start:end]
+        if start >= split:
+            return self.output[start - split : end - split]
+        return self.prompt[start:] + self.output[: end - split]
 
     @property
     def pending(self) -> int:
         """Tokens not yet in the model state."""
-        return len(self.prompt) + len(self.output) - self.computed
+        return self.length - self.computed
 
 
 @dataclass(frozen=True)
@@ -156,7 +165,7 @@ class Scheduler:
             window.chunks.append(self._chunk(request, take))
         while self.waiting and self.free_slots and share.tokens > 0:
             request = self.waiting[0]
-            if not self.pool.grow(request.blocks, len(request.tokens) + 1):
+            if not self.pool.grow(request.blocks, request.length + 1):
                 break
             take = share.take(request.pending)
             if take <= 0:
@@ -168,7 +177,7 @@ class Scheduler:
 
     def _chunk(self, request: Request, take: int) -> Chunk:
         start = request.computed
-        tokens = request.tokens[start : start + take]
+        tokens = request.token_slice(start, start + take)
         return Chunk(
             request=request,
             slot=request.slot,

@@ -7,15 +7,13 @@ a browser. Without that binary the browser tests skip; the WebSocket tests need 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
-import sys
 from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 from checkpoints import write_checkpoint
 from playwright.sync_api import Browser, Error, Page, sync_playwright
+from serving import API_KEY, Server, start_server, stop_server
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = [
@@ -29,23 +27,6 @@ CHROMIUM_ARGS = [
 ]
 
 
-def _server_helpers() -> ModuleType:
-    """tests/webui/conftest.py (start_server, stop_server), loaded under a name of its own."""
-    name = "webui_server_helpers"
-    if name not in sys.modules:
-        path = Path(__file__).parent.parent / "webui" / "conftest.py"
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-servers = _server_helpers()
-Server = servers.Server
-API_KEY = servers.API_KEY
-
-
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny qwen3_next checkpoint with a tokenizer and chat template."""
@@ -55,17 +36,17 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def live_server(model_dir: Path) -> Iterator[Server]:
     """An open server with 4 slots."""
-    running = servers.start_server(model_dir, "--parallel", "4")
+    running = start_server(model_dir, "--parallel", "4")
     yield running
-    servers.stop_server(running)
+    stop_server(running)
 
 
 @pytest.fixture(scope="session")
 def keyed_live_server(model_dir: Path) -> Iterator[Server]:
     """A server that requires API_KEY."""
-    running = servers.start_server(model_dir, "--parallel", "2", api_key=API_KEY)
+    running = start_server(model_dir, "--parallel", "2", api_key=API_KEY)
     yield running
-    servers.stop_server(running)
+    stop_server(running)
 
 
 @pytest.fixture(scope="module")

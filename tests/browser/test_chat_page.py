@@ -6,8 +6,8 @@ import json
 import time
 
 import httpx
-from conftest import Server
 from playwright.sync_api import Page, expect
+from serving import Server
 
 ANSWER_TIMEOUT_MS = 180_000
 

@@ -8,7 +8,7 @@ import time
 
 import httpx
 import pytest
-from conftest import Server
+from serving import Server
 from websockets.exceptions import InvalidStatus
 from websockets.sync.client import ClientConnection, connect
 

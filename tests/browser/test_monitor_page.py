@@ -5,57 +5,18 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 
-import httpx
-from conftest import Server
 from playwright.sync_api import Page, expect
+from serving import Server, streaming_requests
 
 BUSY_TIMEOUT_MS = 180_000
-
-
-@contextmanager
-def streaming_requests(server: Server, count: int) -> Iterator[None]:
-    """`count` long streamed chat requests running; leaving the block closes them (which aborts them)."""
-    release = threading.Event()
-    failures: list[BaseException] = []
-
-    def run(index: int) -> None:
-        body = {
-            "messages": [{"role": "user", "content": f"Tell story number {index}"}],
-            "max_tokens": 3000,
-            "ignore_eos": True,
-            "stream": True,
-        }
-        url = f"{server.url}/v1/chat/completions"
-        try:
-            with httpx.stream("POST", url, json=body, timeout=300) as response:
-                response.raise_for_status()
-                for _ in response.iter_lines():
-                    if release.is_set():
-                        return
-        except BaseException as exc:
-            failures.append(exc)
-
-    threads = [threading.Thread(target=run, args=(index,), daemon=True) for index in range(count)]
-    for thread in threads:
-        thread.start()
-    try:
-        yield
-    finally:
-        release.set()
-        for thread in threads:
-            thread.join(timeout=120)
-    assert not failures, failures
 
 
 def test_monitor_shows_busy_slots_then_idle(page: Page, live_server: Server) -> None:
     config = json.loads((live_server.model_dir / "config.json").read_text())
     slots = page.locator("#slots li.slot")
     busy = page.locator("#slots li.slot[data-busy='true']")
-    with streaming_requests(live_server, 3):
+    with streaming_requests(live_server.url, 3):
         page.goto(live_server.url + "/monitor")
         expect(page.locator("#connection")).to_have_attribute("data-state", "open")
         expect(slots).to_have_count(4)

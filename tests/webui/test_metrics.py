@@ -9,7 +9,6 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import Server
 from litestar import Litestar, get
 from litestar.datastructures import State
 from litestar.params import FromPath
@@ -17,6 +16,7 @@ from litestar.testing import TestClient
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
+from serving import Server
 
 from app.engine.protocol import Ready, SlotStats, WindowStats
 from webui.engine_link import RequestRecord

@@ -10,7 +10,7 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import API_KEY, Server
+from serving import API_KEY, Server
 
 from app.cli import main
 from app.engine.client import EngineError
