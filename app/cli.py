@@ -52,7 +52,17 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
         help="share of solo speed a decoding slot keeps while prompts are read (docs/BATCHING.md)",
     )
     parser.add_argument("--max-model-len", type=int, help="context limit (default: the model's)")
-    parser.add_argument("--backend", default=defaults.backend, help="compute backends (auto, torch)")
+    parser.add_argument(
+        "--backend",
+        default=defaults.backend,
+        help="compute backends (auto, triton, torch; auto: triton on CUDA)",
+    )
+    parser.add_argument(
+        "--exact",
+        action="store_true",
+        help="batch-independent kernel tiles: a row's output never depends on its batch (docs/KERNELS.md)",
+    )
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode windows")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -78,6 +88,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         decode_share=args.decode_share,
         max_model_len=args.max_model_len,
         backend=args.backend,
+        exact=args.exact,
+        enforce_eager=args.enforce_eager,
     )
 
 

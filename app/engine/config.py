@@ -15,7 +15,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     `max_batched_tokens` the token budget of one window; `kv_memory` the bytes of the KV pool and per-slot
     recurrent state; `decode_share` the share of its solo speed a decoding slot keeps while peers' prompts
     are read (docs/BATCHING.md); `backend` names the compute backends (app/kernels), `auto` picks for the
-    device.
+    device; `exact` asks for kernels whose rows never depend on the rest of the batch (docs/KERNELS.md);
+    `enforce_eager` turns off CUDA graphs of decode windows.
     """
 
     model: str | None = None
@@ -28,4 +29,6 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     decode_share: float = 0.5
     max_model_len: int | None = None
     backend: str = "auto"
+    exact: bool = False
+    enforce_eager: bool = False
     seed: int = 0

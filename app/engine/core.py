@@ -9,6 +9,7 @@ import torch
 
 from app.default_model import default_model_dir
 from app.engine.config import EngineConfig
+from app.engine.cuda_graphs import DecodeGraphs
 from app.engine.paged_state import PagedState, kv_block_bytes, slot_state_bytes
 from app.engine.protocol import (
     EXPERT_REPORT_S,
@@ -25,7 +26,7 @@ from app.engine.sampler import Sampler
 from app.engine.scheduler import Phase, Request, Scheduler, SchedulerConfig
 from app.errors import StrataError
 from app.kernels.backends import select_backends
-from app.loading.model import open_model
+from app.loading.model import LoadedModel, open_model
 from app.models.moe import SparseMoE
 from app.text.stream import TextStream
 
@@ -45,13 +46,16 @@ def resolve_device(name: str) -> str:
 class EngineCore:
     """The engine's loop body: owns the model, the scheduler and each request's text stream."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        """Load `config.model` (or use `loaded`, a model already built with `self.backends`'s kernels)."""
         self.config = config
         self.device = resolve_device(config.device)
-        self.backends = select_backends(config.backend, self.device)
+        self.backends = select_backends(config.backend, self.device, exact=config.exact)
         log.info("backends: %s on %s", self.backends.name, self.device)
-        path = config.model or default_model_dir()
-        self.loaded = open_model(path, config.dtype, self.device, progress=False, backends=self.backends)
+        if loaded is None:
+            path = config.model or default_model_dir()
+            loaded = open_model(path, config.dtype, self.device, progress=False, backends=self.backends)
+        self.loaded = loaded
         model = self.loaded.model
         model_config = model.config
         dtype = model.model.embed_tokens.weight.dtype
@@ -71,7 +75,11 @@ class EngineCore:
         state = PagedState(
             model_config, blocks, config.block_size, config.parallel, dtype, torch.device(self.device)
         )
-        self.runner = ModelRunner(model, state, Sampler(config.seed))
+        graphs = None
+        if self.device == "cuda" and self.backends.paged_attention is not None and not config.enforce_eager:
+            graphs = DecodeGraphs(model, state, config.parallel, -(-self.max_model_len // config.block_size))
+            graphs.capture()
+        self.runner = ModelRunner(model, state, Sampler(config.seed), graphs)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 parallel=config.parallel,

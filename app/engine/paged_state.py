@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from app.models.batch import SequenceSpan
+from app.models.batch import PagedLayout, SequenceSpan
 from app.models.config import ATTENTION, LINEAR_ATTENTION, ModelConfig
 
 STATE_DTYPE = torch.float32  # Gated DeltaNet recurrent state is carried in fp32
@@ -31,10 +31,12 @@ def slot_state_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
 
 
 class PagedState:
-    """Implements the model's `SequenceState` over slots: `seq` in a span is the slot index.
+    """Implements the model's `PagedStatePools` over slots: `seq` in a span is the slot index.
 
     Keys and values live in blocks [blocks, block_size, kv_heads, head_dim] per attention layer; each slot's
-    block table (set per window by the runner) maps its positions to blocks.
+    block table (set per window by the runner) maps its positions to blocks. One block and one slot beyond
+    the given counts (`scratch_block`, `scratch_slot`) belong to no request: padding rows of a CUDA graph's
+    bucket write there.
     """
 
     def __init__(
@@ -47,13 +49,16 @@ class PagedState:
         device: torch.device,
     ) -> None:
         self.block_size = block_size
+        self.scratch_block = blocks
+        self.scratch_slot = slots
+        self.device = device
         self._kv_layer = {
             i: n for n, i in enumerate(i for i, t in enumerate(config.layer_types) if t == ATTENTION)
         }
         self._gdn_layer = {
             i: n for n, i in enumerate(i for i, t in enumerate(config.layer_types) if t == LINEAR_ATTENTION)
         }
-        kv_shape = (len(self._kv_layer), blocks, block_size, config.num_key_value_heads, config.head_dim)
+        kv_shape = (len(self._kv_layer), blocks + 1, block_size, config.num_key_value_heads, config.head_dim)
         self.keys = torch.zeros(kv_shape, dtype=dtype, device=device)
         self.values = torch.zeros(kv_shape, dtype=dtype, device=device)
         conv_dim = 2 * config.linear_num_key_heads * config.linear_key_head_dim + (
@@ -61,21 +66,67 @@ class PagedState:
         )
         gdn = len(self._gdn_layer)
         self.conv = torch.zeros(
-            gdn, slots, conv_dim, config.linear_conv_kernel_dim - 1, dtype=dtype, device=device
+            gdn, slots + 1, conv_dim, config.linear_conv_kernel_dim - 1, dtype=dtype, device=device
         )
         recurrent_shape = (
             gdn,
-            slots,
+            slots + 1,
             config.linear_num_value_heads,
             config.linear_key_head_dim,
             config.linear_value_head_dim,
         )
         self.recurrent = torch.zeros(recurrent_shape, dtype=STATE_DTYPE, device=device)
-        self.block_tables: dict[int, torch.Tensor] = {}
+        self.block_tables: dict[int, list[int]] = {}
+        self._device_tables: dict[int, torch.Tensor] = {}
 
     def set_block_table(self, slot: int, blocks: list[int]) -> None:
         """The blocks holding a slot's positions, in order (for the coming window)."""
-        self.block_tables[slot] = torch.tensor(blocks, dtype=torch.long, device=self.keys.device)
+        self.block_tables[slot] = list(blocks)
+        self._device_tables.pop(slot, None)
+
+    def layout(self, spans: list[SequenceSpan]) -> PagedLayout:
+        """The batch's `PagedLayout` from the spans and the slots' block tables (one copy to the device)."""
+        seqs = len(spans)
+        size = self.block_size
+        width = max(-(-(s.past + s.length) // size) for s in spans)
+        starts = [0]
+        tables = torch.full((seqs, width), self.scratch_block, dtype=torch.int64)
+        slot_mapping = []
+        for i, span in enumerate(spans):
+            table = self.block_tables[span.seq][: -(-(span.past + span.length) // size)]
+            tables[i, : len(table)] = torch.tensor(table, dtype=torch.int64)
+            positions = torch.arange(span.past, span.past + span.length)
+            slot_mapping.append(tables[i, positions // size] * size + positions % size)
+            starts.append(starts[-1] + span.length)
+        small = torch.tensor(
+            [*starts, *(s.past + s.length for s in spans), *(s.seq for s in spans)], dtype=torch.int64
+        )
+        packed = torch.cat((small, tables.flatten(), *slot_mapping)).to(self.device, non_blocking=True)
+        query_start, seq_lens, state_slots, table, mapping = packed.split(
+            [seqs + 1, seqs, seqs, seqs * width, starts[-1]]
+        )
+        return PagedLayout(
+            query_start=query_start.to(torch.int32),
+            seq_lens=seq_lens.to(torch.int32),
+            block_table=table.view(seqs, width).to(torch.int32),
+            slot_mapping=mapping,
+            state_slots=state_slots,
+            max_query_len=max(s.length for s in spans),
+        )
+
+    def kv_cache(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        kv = self._kv_layer[layer]
+        return self.keys[kv], self.values[kv]
+
+    def write_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Store k, v [tokens, kv_heads, head_dim] at flat cache slots (block * block_size + offset)."""
+        kv = self._kv_layer[layer]
+        self.keys[kv].view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k)
+        self.values[kv].view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)
+
+    def linear_pools(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        n = self._gdn_layer[layer]
+        return self.conv[n], self.recurrent[n]
 
     def reset_slot(self, slot: int) -> None:
         """Start a slot's recurrent state empty (a new request, or one read again after preemption)."""
@@ -83,8 +134,10 @@ class PagedState:
         self.recurrent[:, slot].zero_()
 
     def _positions(self, slot: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        positions = torch.arange(start, end, device=self.keys.device)
-        return self.block_tables[slot][positions // self.block_size], positions % self.block_size
+        if slot not in self._device_tables:
+            self._device_tables[slot] = torch.tensor(self.block_tables[slot], device=self.device)
+        positions = torch.arange(start, end, device=self.device)
+        return self._device_tables[slot][positions // self.block_size], positions % self.block_size
 
     def extend_kv(
         self, layer: int, span: SequenceSpan, k: torch.Tensor, v: torch.Tensor

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from app.engine.cuda_graphs import DecodeGraphs, DecodeRow
 from app.engine.paged_state import PagedState
 from app.engine.protocol import PositionLogprobs
 from app.engine.sampler import RowSampling, Sampler
@@ -24,12 +25,20 @@ class Sampled:
 
 
 class ModelRunner:
-    """Flattens a window into one varlen batch (prompt chunks and decode rows together), runs it, samples."""
+    """Flattens a window into one varlen batch (prompt chunks and decode rows together), runs it, samples.
 
-    def __init__(self, model: CausalLM, state: PagedState, sampler: Sampler) -> None:
+    With whole-batch kernels the batch carries a `PagedLayout`; with `graphs`, decode windows replay a
+    captured CUDA graph instead of running eagerly.
+    """
+
+    def __init__(
+        self, model: CausalLM, state: PagedState, sampler: Sampler, graphs: DecodeGraphs | None = None
+    ) -> None:
         self.model = model
         self.state = state
         self.sampler = sampler
+        self.graphs = graphs
+        self.paged = model.backends.paged_attention is not None
         self.device = model.model.embed_tokens.weight.device
 
     @torch.inference_mode()
@@ -39,18 +48,17 @@ class ModelRunner:
             if chunk.fresh:
                 self.state.reset_slot(chunk.slot)
             self.state.set_block_table(chunk.slot, chunk.request.blocks)
-        batch = ForwardBatch.build(
-            [(c.slot, c.tokens, c.past) for c in window.chunks], self.state, self.device
-        )
-        hidden = self.model(batch)
-        sampling = [
-            (span, chunk) for span, chunk in zip(batch.spans, window.chunks, strict=True) if chunk.samples
-        ]
+        chunks = window.chunks
+        if self.graphs is not None and self.graphs.fits(len(chunks)) and all(c.decode for c in chunks):
+            sampling = chunks
+            logits = self.graphs.run(
+                [DecodeRow(c.tokens[0], c.past, c.slot, c.request.blocks) for c in chunks]
+            )
+        else:
+            sampling, logits = self._eager(chunks)
         if not sampling:
             return []
-        rows = torch.tensor([span.start + span.length - 1 for span, _ in sampling], device=self.device)
-        logits = self.model.logits(hidden[rows])
-        requests = [chunk.request for _, chunk in sampling]
+        requests = [chunk.request for chunk in sampling]
         result = self.sampler(
             logits,
             [
@@ -65,5 +73,17 @@ class ModelRunner:
         )
         return [
             Sampled(chunk, token, logprobs)
-            for (_, chunk), token, logprobs in zip(sampling, result.token_ids, result.logprobs, strict=True)
+            for chunk, token, logprobs in zip(sampling, result.token_ids, result.logprobs, strict=True)
         ]
+
+    def _eager(self, chunks: list[Chunk]) -> tuple[list[Chunk], torch.Tensor]:
+        """One forward over the flat batch; the chunks that sample and their logits."""
+        batch = ForwardBatch.build([(c.slot, c.tokens, c.past) for c in chunks], self.state, self.device)
+        if self.paged:
+            batch.layout = self.state.layout(batch.spans)
+        hidden = self.model(batch)
+        sampling = [(span, chunk) for span, chunk in zip(batch.spans, chunks, strict=True) if chunk.samples]
+        if not sampling:
+            return [], hidden[:0]
+        rows = torch.tensor([span.start + span.length - 1 for span, _ in sampling], device=self.device)
+        return [chunk for _, chunk in sampling], self.model.logits(hidden[rows])

@@ -180,6 +180,8 @@ class Sampler:
         processed = apply_penalties(logits, rows)
         tokens = torch.empty(len(rows), dtype=torch.long, device=device)
         greedy = [i for i, row in enumerate(rows) if row.params.greedy]
+        if len(greedy) == len(rows):
+            return _result(logits, processed.argmax(-1), rows)
         if greedy:
             idx = _index(greedy, device)
             tokens[idx] = processed[idx].argmax(-1)

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from app.models.batch import ForwardBatch
+from app.models.batch import ForwardBatch, PagedStatePools
 from app.models.config import ModelConfig
 from app.models.layers import RMSNorm, apply_rotary
 
@@ -35,38 +35,64 @@ class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer: int, backends: Backends) -> None:
         super().__init__()
         self.attend = backends.attention
+        self.paged_attend = backends.paged_attention
         self.layer = layer
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         self.gated = config.gated_attention
-        q_out = self.heads * self.head_dim * (2 if self.gated else 1)
+        self.q_out = self.heads * self.head_dim * (2 if self.gated else 1)
+        self.kv_out = self.kv_heads * self.head_dim
         bias = config.attention_bias
-        self.q_proj = nn.Linear(config.hidden_size, q_out, bias=bias)
-        self.k_proj = nn.Linear(config.hidden_size, self.kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(config.hidden_size, self.kv_heads * self.head_dim, bias=bias)
+        # q, k and v projections in one weight (one matmul); checkpoints keep them apart (`checkpoint_parts`).
+        self.qkv_weight = nn.Parameter(torch.empty(self.q_out + 2 * self.kv_out, config.hidden_size))
+        self.qkv_bias = nn.Parameter(torch.empty(self.q_out + 2 * self.kv_out)) if bias else None
         self.o_proj = nn.Linear(self.heads * self.head_dim, config.hidden_size, bias=bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, offset=config.offset_norm)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, offset=config.offset_norm)
+        self.qk_norm_rope = backends.qk_norm_rope
+
+    def checkpoint_parts(self, prefix: str) -> dict[str, tuple[str, tuple]]:
+        """Checkpoint tensor name -> (parameter name, index into it) for the q, k and v projections."""
+        q, kv = self.q_out, self.kv_out
+        rows = {"q_proj": slice(0, q), "k_proj": slice(q, q + kv), "v_proj": slice(q + kv, q + 2 * kv)}
+        parts: dict[str, tuple[str, tuple]] = {}
+        for name, part in rows.items():
+            parts[f"{prefix}{name}.weight"] = ("qkv_weight", (part,))
+            if self.qkv_bias is not None:
+                parts[f"{prefix}{name}.bias"] = ("qkv_bias", (part,))
+        return parts
 
     def forward(
         self, x: torch.Tensor, batch: ForwardBatch, cos_sin: tuple[torch.Tensor, torch.Tensor]
     ) -> torch.Tensor:
         tokens = x.shape[0]
-        q = self.q_proj(x)
+        q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split(
+            [self.q_out, self.kv_out, self.kv_out], -1
+        )
         gate = None
         if self.gated:
             q, gate = q.view(tokens, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
             gate = gate.reshape(tokens, -1)
-        q = self.q_norm(q.reshape(tokens, self.heads, self.head_dim))
-        k = self.k_norm(self.k_proj(x).view(tokens, self.kv_heads, self.head_dim))
-        v = self.v_proj(x).view(tokens, self.kv_heads, self.head_dim)
-        q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
-        out = torch.empty_like(q)
+        q = q.reshape(tokens, self.heads, self.head_dim)
+        k = k.reshape(tokens, self.kv_heads, self.head_dim)
+        v = v.reshape(tokens, self.kv_heads, self.head_dim)
+        if self.qk_norm_rope is not None:
+            norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.q_norm.offset)
+            q, k = self.qk_norm_rope(q, k, *norms, *cos_sin)
+        else:
+            q, k = apply_rotary(self.q_norm(q), *cos_sin), apply_rotary(self.k_norm(k), *cos_sin)
         scale = self.head_dim**-0.5
-        for span in batch.spans:
-            keys, values = batch.state.extend_kv(self.layer, span, k[span.rows], v[span.rows])
-            out[span.rows] = self.attend(q[span.rows], keys, values, scale)
+        if batch.layout is not None and self.paged_attend is not None:
+            state = cast(PagedStatePools, batch.state)
+            state.write_kv(self.layer, k, v, batch.layout.slot_mapping)
+            keys, values = state.kv_cache(self.layer)
+            out = self.paged_attend(q, keys, values, batch.layout, scale)
+        else:
+            out = torch.empty_like(q)
+            for span in batch.spans:
+                keys, values = batch.state.extend_kv(self.layer, span, k[span.rows], v[span.rows])
+                out[span.rows] = self.attend(q[span.rows], keys, values, scale)
         out = out.reshape(tokens, -1)
         if gate is not None:
             out = out * torch.sigmoid(gate)

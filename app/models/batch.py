@@ -47,14 +47,53 @@ class SequenceState(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class PagedLayout:
+    """The flat batch described in device tensors, for kernels that read paged state in one launch.
+
+    query_start [seqs + 1] int32: row offsets of the sequences (the last entry is the number of rows);
+    seq_lens [seqs] int32: keys per sequence once this batch's rows are written (past + length);
+    block_table [seqs, max_blocks] int32: the KV blocks of each sequence, in position order;
+    slot_mapping [tokens] int64: where each row's key and value go in the cache seen as [blocks * block_size];
+    state_slots [seqs] int64: each sequence's Gated DeltaNet state slot;
+    max_query_len: the longest span (host int, sizes kernel grids);
+    live_rows [tokens] int64 or None: 1 for real rows, 0 for padding rows (a CUDA graph's bucket), so that
+    padding is not counted as routed tokens.
+    """
+
+    query_start: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+    state_slots: torch.Tensor
+    max_query_len: int
+    live_rows: torch.Tensor | None = None
+
+
+class PagedStatePools(SequenceState, Protocol):
+    """A `SequenceState` whose storage whole-batch kernels address directly through a `PagedLayout`."""
+
+    def kv_cache(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's key and value caches [blocks, block_size, kv_heads, head_dim]."""
+        ...
+
+    def linear_pools(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's conv state [slots, channels, kernel-1] and recurrent state [slots, heads, dk, dv]."""
+        ...
+
+
 @dataclass
 class ForwardBatch:
-    """Inputs of one forward pass: token ids and positions [tokens], the spans, and the state to use."""
+    """Inputs of one forward pass: token ids and positions [tokens], the spans, and the state to use.
+
+    `layout` is set when the state is paged and the backends read it in whole-batch kernels.
+    """
 
     input_ids: torch.Tensor
     positions: torch.Tensor
     spans: list[SequenceSpan]
     state: SequenceState
+    layout: PagedLayout | None = None
 
     @classmethod
     def build(

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from app.models.batch import ForwardBatch
+from app.models.batch import ForwardBatch, PagedLayout, PagedStatePools
 from app.models.config import ModelConfig
 from app.models.layers import GatedRMSNorm
 
@@ -114,6 +114,8 @@ class GatedDeltaNet(nn.Module):
         super().__init__()
         self.rule_prompt = backends.delta_rule_prompt
         self.rule_step = backends.delta_rule_step
+        self.conv_varlen = backends.conv_varlen
+        self.rule_varlen = backends.delta_rule_varlen
         self.layer = layer
         self.k_heads = config.linear_num_key_heads
         self.v_heads = config.linear_num_value_heads
@@ -130,7 +132,7 @@ class GatedDeltaNet(nn.Module):
         )
         self.dt_bias = nn.Parameter(torch.ones(self.v_heads))
         self.A_log = nn.Parameter(torch.zeros(self.v_heads))
-        self.norm = GatedRMSNorm(self.dv, config.rms_norm_eps)
+        self.norm = GatedRMSNorm(self.dv, config.rms_norm_eps, backends.gated_rms_norm)
         self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
 
     def _split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -148,8 +150,50 @@ class GatedDeltaNet(nn.Module):
         beta = b.float().sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         weight = self.conv1d.weight[:, 0, :]
+        if batch.layout is not None and self.conv_varlen is not None and self.rule_varlen is not None:
+            out = self._whole_batch(mixed, weight, g, beta, batch.layout, cast(PagedStatePools, batch.state))
+        else:
+            out = self._per_sequence(mixed, weight, g, beta, batch)
+        out = self.norm(out.to(x.dtype).reshape(-1, self.dv), z.reshape(-1, self.dv)).view(x.shape[0], -1)
+        return self.out_proj(out)
+
+    def _whole_batch(
+        self,
+        mixed: torch.Tensor,
+        weight: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        layout: PagedLayout,
+        state: PagedStatePools,
+    ) -> torch.Tensor:
+        """Conv and delta rule of every sequence in one launch each, on the state pools in place."""
+        tokens = mixed.shape[0]
+        conv_state, recurrent = state.linear_pools(self.layer)
+        assert self.conv_varlen is not None and self.rule_varlen is not None
+        conv_out = self.conv_varlen(mixed, weight, conv_state, layout.query_start, layout.state_slots)
+        q, k, v = conv_out.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        return self.rule_varlen(
+            q.view(tokens, self.k_heads, self.dk),
+            k.view(tokens, self.k_heads, self.dk),
+            v.view(tokens, self.v_heads, self.dv),
+            g,
+            beta,
+            recurrent,
+            layout.query_start,
+            layout.state_slots,
+        )
+
+    def _per_sequence(
+        self,
+        mixed: torch.Tensor,
+        weight: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
+        """The reference path: conv and delta rule sequence by sequence through the `SequenceState`."""
         per = self.v_heads // self.k_heads
-        out = x.new_empty(x.shape[0], self.v_heads, self.dv)
+        out = mixed.new_empty(mixed.shape[0], self.v_heads, self.dv, dtype=torch.float32)
         for span in batch.spans:
             conv_state, state = batch.state.linear_state(self.layer, span.seq)
             conv_out, conv_state = causal_conv(mixed[span.rows], weight, conv_state)
@@ -162,6 +206,5 @@ class GatedDeltaNet(nn.Module):
             rule = self.rule_step if span.length == 1 else self.rule_prompt
             core, state = rule(q, k, v, g[span.rows], beta[span.rows], state)
             batch.state.set_linear_state(self.layer, span.seq, conv_state, state)
-            out[span.rows] = core.to(x.dtype)
-        out = self.norm(out.reshape(-1, self.dv), z.reshape(-1, self.dv)).view(x.shape[0], -1)
-        return self.out_proj(out)
+            out[span.rows] = core
+        return out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -10,17 +11,44 @@ from torch import nn
 
 from app.models.config import RopeConfig
 
+NormKernel = Callable[[torch.Tensor, torch.Tensor, float, bool], torch.Tensor]
+AddNormKernel = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, float, bool], tuple[torch.Tensor, torch.Tensor]
+]
+GatedNormKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+
 
 class RMSNorm(nn.Module):
-    """RMSNorm; with `offset` the scale is (1 + weight) and applied in fp32 (Qwen3-Next)."""
+    """RMSNorm; with `offset` the scale is (1 + weight) and applied in fp32 (Qwen3-Next).
 
-    def __init__(self, dim: int, eps: float, offset: bool = False) -> None:
+    `kernel` / `add_kernel` are fused versions (norm of rows; residual add then norm) with the same rounding.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        eps: float,
+        offset: bool = False,
+        kernel: NormKernel | None = None,
+        add_kernel: AddNormKernel | None = None,
+    ) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
         self.eps = eps
         self.offset = offset
+        self.kernel = kernel
+        self.add_kernel = add_kernel
+
+    def add_forward(self, h: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream after adding `h` [tokens, dim], normalised; and that stream."""
+        if self.add_kernel is not None:
+            return self.add_kernel(h, residual, self.weight, self.eps, self.offset)
+        residual = residual + h
+        return self(residual), residual
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None:
+            return self.kernel(x.reshape(-1, x.shape[-1]), self.weight, self.eps, self.offset).view(x.shape)
         normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
         if self.offset:
             return (normed * (1.0 + self.weight.float())).type_as(x)
@@ -28,14 +56,17 @@ class RMSNorm(nn.Module):
 
 
 class GatedRMSNorm(nn.Module):
-    """RMSNorm followed by a SiLU gate, used on Gated DeltaNet outputs."""
+    """RMSNorm followed by a SiLU gate, used on Gated DeltaNet outputs (`kernel`: a fused version)."""
 
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, kernel: GatedNormKernel | None = None) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.kernel = kernel
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None:
+            return self.kernel(x, gate, self.weight, self.eps)
         dtype = x.dtype
         normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
         out = (self.weight * normed.to(dtype)) * F.silu(gate.float())

@@ -12,6 +12,9 @@ from app.models.config import ModelConfig
 from app.models.layers import DenseMLP
 
 ExpertsKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+RouteKernel = Callable[
+    [torch.Tensor, int, bool, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]
+]
 
 
 def experts_reference(
@@ -76,8 +79,11 @@ class RoutedExperts(nn.Module):
 class SparseMoE(nn.Module):
     """Router + routed experts (+ a shared expert behind a sigmoid gate, when the model has one)."""
 
-    def __init__(self, config: ModelConfig, experts_kernel: ExpertsKernel) -> None:
+    def __init__(
+        self, config: ModelConfig, experts_kernel: ExpertsKernel, route_kernel: RouteKernel | None = None
+    ) -> None:
         super().__init__()
+        self.route_kernel = route_kernel
         self.top_k = config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
         self.routed: torch.Tensor | None = None
@@ -91,28 +97,49 @@ class SparseMoE(nn.Module):
             self.shared_expert = DenseMLP(config.hidden_size, config.shared_expert_intermediate_size)
             self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
 
-    def count_routes(self, ids: torch.Tensor) -> None:
-        """Add this forward's picks to `routed` [experts]: how often the router chose each expert."""
-        picks = torch.bincount(ids.flatten(), minlength=self.gate.out_features)
-        self.routed = picks if self.routed is None else self.routed + picks
+    def _counter(self, device: torch.device) -> torch.Tensor:
+        """The routing counter [experts] int64, made on first use (an inference tensor, updated in place)."""
+        if self.routed is None:
+            with torch.inference_mode():
+                self.routed = torch.zeros(self.gate.out_features, dtype=torch.int64, device=device)
+        return self.routed
+
+    def count_routes(self, ids: torch.Tensor, live: torch.Tensor | None = None) -> None:
+        """Add this forward's picks to `routed` [experts]: how often the router chose each expert.
+
+        Counted in place on the device (no host sync, so a CUDA graph can replay it); `live` [tokens] is 0 on
+        padding rows, which are not counted.
+        """
+        counter = self._counter(ids.device)
+        with torch.inference_mode():
+            picks = torch.ones_like(ids) if live is None else live[:, None].expand_as(ids)
+            counter.scatter_add_(0, ids.flatten(), picks.flatten())
 
     def take_routed(self) -> torch.Tensor | None:
-        """The picks counted since the last call, and start counting afresh."""
-        routed, self.routed = self.routed, None
+        """The picks counted since the last call (None before the first forward); counting starts afresh."""
+        if self.routed is None:
+            return None
+        with torch.inference_mode():
+            routed = self.routed.clone()
+            self.routed.zero_()
         return routed
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k experts per token and their weights (softmax over all experts, optionally renormalised)."""
-        logits = self.gate(x)  # [tokens, experts]
         probs = torch.softmax(logits, dim=-1, dtype=torch.float)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return ids, weights.to(logits.dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ids, weights = self.route(x)
-        self.count_routes(ids)
+    def forward(self, x: torch.Tensor, live: torch.Tensor | None = None) -> torch.Tensor:
+        logits = self.gate(x)
+        if self.route_kernel is not None:
+            counter = self._counter(x.device)
+            ids, weights = self.route_kernel(logits, self.top_k, self.norm_topk_prob, counter, live)
+        else:
+            ids, weights = self.route(logits)
+            self.count_routes(ids, live)
         out = self.experts(x, ids, weights)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)

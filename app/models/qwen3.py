@@ -18,6 +18,11 @@ from app.models.layers import DenseMLP, RMSNorm, RotaryEmbedding
 from app.models.moe import SparseMoE
 
 
+def norm(config: ModelConfig, dim: int, backends: Backends) -> RMSNorm:
+    """An RMSNorm of the model's kind (offset or not) with the backends' fused kernels."""
+    return RMSNorm(dim, config.rms_norm_eps, config.offset_norm, backends.rms_norm, backends.add_rms_norm)
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm residual block: token mixer (attention or Gated DeltaNet), then MLP (dense or MoE)."""
 
@@ -31,21 +36,21 @@ class DecoderLayer(nn.Module):
             self.self_attn = Attention(config, layer, backends)
         self.mlp: SparseMoE | DenseMLP
         if moe:
-            self.mlp = SparseMoE(config, backends.experts)
+            self.mlp = SparseMoE(config, backends.experts, backends.route)
         else:
             self.mlp = DenseMLP(config.hidden_size, config.intermediate_size)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=config.offset_norm)
-        self.post_attention_layernorm = RMSNorm(
-            config.hidden_size, config.rms_norm_eps, offset=config.offset_norm
-        )
+        self.input_layernorm = norm(config, config.hidden_size, backends)
+        self.post_attention_layernorm = norm(config, config.hidden_size, backends)
 
     def forward(
         self, x: torch.Tensor, batch: ForwardBatch, cos_sin: tuple[torch.Tensor, torch.Tensor]
     ) -> torch.Tensor:
         h = self.input_layernorm(x)
         h = self.linear_attn(h, batch) if self.linear_attn is not None else self.self_attn(h, batch, cos_sin)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h, x = self.post_attention_layernorm.add_forward(h, x)
+        if isinstance(self.mlp, SparseMoE):
+            return x + self.mlp(h, batch.layout.live_rows if batch.layout is not None else None)
+        return x + self.mlp(h)
 
 
 class DecoderModel(nn.Module):
@@ -58,7 +63,7 @@ class DecoderModel(nn.Module):
             DecoderLayer(config, i, config.layer_types[i], config.moe_layers[i], backends)
             for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=config.offset_norm)
+        self.norm = norm(config, config.hidden_size, backends)
         self.rotary = RotaryEmbedding(config.rope, config.rotary_dim)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
@@ -78,16 +83,16 @@ class MTPHead(nn.Module):
 
     def __init__(self, config: ModelConfig, layers: int, backends: Backends) -> None:
         super().__init__()
-        hidden, eps = config.hidden_size, config.rms_norm_eps
-        self.pre_fc_norm_embedding = RMSNorm(hidden, eps, offset=config.offset_norm)
-        self.pre_fc_norm_hidden = RMSNorm(hidden, eps, offset=config.offset_norm)
+        hidden = config.hidden_size
+        self.pre_fc_norm_embedding = norm(config, hidden, backends)
+        self.pre_fc_norm_hidden = norm(config, hidden, backends)
         self.fc = nn.Linear(2 * hidden, hidden, bias=False)
         first = config.num_hidden_layers
         self.layers = nn.ModuleList(
             DecoderLayer(config, first + i, "full_attention", config.num_experts > 0, backends)
             for i in range(layers)
         )
-        self.norm = RMSNorm(hidden, eps, offset=config.offset_norm)
+        self.norm = norm(config, hidden, backends)
 
 
 class CausalLM(nn.Module):

@@ -18,14 +18,24 @@ from app.loading.loader import load_model
 from app.models.batch import ForwardBatch
 
 
-def test_auto_picks_the_reference_on_the_cpu() -> None:
+def test_auto_picks_the_reference_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     assert select_backends("auto", "cpu") is REFERENCE
     assert select_backends("torch", "cpu").name == "torch"
+    # Triton runs on CPU tensors only in its interpreter, which the tests switch on.
+    assert select_backends("triton", "cpu").name == "triton"
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(StrataError, match="backend 'triton' does not run on cpu"):
+        select_backends("triton", "cpu")
+
+
+def test_exact_backends_name_themselves() -> None:
+    assert select_backends("triton", "cpu", exact=True).name == "triton+exact"
+    assert select_backends("torch", "cpu", exact=True).exact
 
 
 def test_unknown_backend_is_a_one_line_error() -> None:
-    with pytest.raises(StrataError, match="unknown backend 'triton'; choose one of auto, torch"):
-        select_backends("triton", "cpu")
+    with pytest.raises(StrataError, match="unknown backend 'cutlass'; choose one of auto, triton, torch"):
+        select_backends("cutlass", "cpu")
 
 
 def test_the_model_calls_the_backends_it_was_built_with(tmp_path: Path) -> None:

@@ -1,0 +1,309 @@
+"""Gated DeltaNet over a flat varlen batch: the causal conv and the gated delta rule, one launch each.
+
+The rows of a batch are the tokens of several sequences back to back (`query_start` [seqs + 1] int32 holds
+their offsets); each sequence continues the conv and recurrent state in its slot (`state_slots` [seqs]) and
+leaves its new state there. A decode row is a sequence of length one; a prompt chunk is a longer one.
+
+Every program works on one sequence only and its arithmetic is fixed by the model's sizes, never by the
+batch: a sequence's outputs and state are bit-identical alone or batched. Sequence bounds and slots are read
+inside the kernels, so nothing synchronises with the host and both launches can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+L2NORM_EPS = 1e-6
+CONV_BLOCK_T = 16  # tokens per step of the conv's loop over a sequence
+CONV_BLOCK_C = 128  # channels per conv program
+CONV_WARPS = 4
+RULE_BLOCK_V = 8  # value columns of the recurrent state per delta-rule program
+RULE_WARPS = 1
+
+
+@triton.jit
+def _causal_conv_kernel(
+    x_ptr,
+    w_ptr,
+    state_ptr,
+    out_ptr,
+    query_start_ptr,
+    slots_ptr,
+    channels,
+    stride_xt,
+    stride_xc,
+    stride_wc,
+    stride_wk,
+    stride_ss,
+    stride_sc,
+    stride_sk,
+    stride_ot,
+    stride_oc,
+    KERNEL: tl.constexpr,
+    STATE_PAD: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """SiLU(depthwise causal conv) of one sequence over BLOCK_C channels, then its new conv state.
+
+    Position p of the sequence reads input p - (KERNEL-1) + j for tap j; negative positions come from the
+    carried state, whose column KERNEL-1+p holds input p.
+    """
+    seq = tl.program_id(0)
+    start = tl.load(query_start_ptr + seq).to(tl.int64)
+    length = tl.load(query_start_ptr + seq + 1).to(tl.int64) - start
+    slot = tl.load(slots_ptr + seq).to(tl.int64)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = c < channels
+    state_row = state_ptr + slot * stride_ss + c * stride_sc  # [BLOCK_C]
+    state_ty = state_ptr.dtype.element_ty
+    for t0 in range(0, length, BLOCK_T):
+        t = t0 + tl.arange(0, BLOCK_T)
+        live = (t < length)[:, None] & c_ok[None, :]
+        acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
+        for j in tl.static_range(KERNEL):
+            p = (t - (KERNEL - 1) + j)[:, None]
+            from_x = tl.load(
+                x_ptr + (start + p) * stride_xt + c[None, :] * stride_xc, mask=live & (p >= 0), other=0.0
+            )
+            from_state = tl.load(
+                state_row[None, :] + (KERNEL - 1 + p) * stride_sk, mask=live & (p < 0), other=0.0
+            )
+            tap = tl.where(p >= 0, from_x.to(state_ty), from_state).to(tl.float32)
+            weight = tl.load(w_ptr + c * stride_wc + j * stride_wk, mask=c_ok, other=0.0).to(tl.float32)
+            acc += tap * weight[None, :]
+        out = acc * tl.sigmoid(acc)
+        tl.store(
+            out_ptr + (start + t[:, None]) * stride_ot + c[None, :] * stride_oc,
+            out.to(out_ptr.dtype.element_ty),
+            mask=live,
+        )
+    # The new state: the last KERNEL-1 inputs, reaching back into the old state for short sequences.
+    col = tl.arange(0, STATE_PAD)
+    p = length - (KERNEL - 1) + col
+    keep = c_ok[:, None] & (col < KERNEL - 1)[None, :]
+    from_x = tl.load(
+        x_ptr + (start + p[None, :]) * stride_xt + c[:, None] * stride_xc,
+        mask=keep & (p >= 0)[None, :],
+        other=0.0,
+    )
+    from_state = tl.load(
+        state_row[:, None] + (length + col)[None, :] * stride_sk, mask=keep & (p < 0)[None, :], other=0.0
+    )
+    new_state = tl.where((p >= 0)[None, :], from_x.to(state_ty), from_state)
+    # Every thread has read the old state (above and in the loop) before any thread overwrites it.
+    tl.debug_barrier()
+    tl.store(state_row[:, None] + col[None, :] * stride_sk, new_state, mask=keep)
+
+
+@triton.jit
+def _gated_delta_rule_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    g_ptr,
+    beta_ptr,
+    state_ptr,
+    out_ptr,
+    query_start_ptr,
+    slots_ptr,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_kt,
+    stride_kh,
+    stride_kd,
+    stride_vt,
+    stride_vh,
+    stride_vd,
+    stride_gt,
+    stride_gh,
+    stride_bt,
+    stride_bh,
+    stride_ss,
+    stride_sh,
+    stride_sk,
+    stride_sv,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    scale,
+    eps,
+    HEAD_RATIO: tl.constexpr,
+    DK: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    """The gated delta rule of one sequence and value head over BLOCK_V value columns, token by token.
+
+    The [DK, BLOCK_V] slice of the state stays in registers in fp32 for the whole sequence; q and k are
+    l2-normalised here (q also scaled), value head h reading key head h // HEAD_RATIO.
+    """
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    k_head = head // HEAD_RATIO
+    start = tl.load(query_start_ptr + seq).to(tl.int64)
+    end = tl.load(query_start_ptr + seq + 1).to(tl.int64)
+    slot = tl.load(slots_ptr + seq).to(tl.int64)
+    dk = tl.arange(0, DK)
+    dv = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    state_base = state_ptr + slot * stride_ss + head * stride_sh
+    state = tl.load(state_base + dk[:, None] * stride_sk + dv[None, :] * stride_sv)
+    q_row = q_ptr + k_head * stride_qh + dk * stride_qd
+    k_row = k_ptr + k_head * stride_kh + dk * stride_kd
+    v_row = v_ptr + head * stride_vh + dv * stride_vd
+    out_row = out_ptr + head * stride_oh + dv * stride_od
+    g_row = g_ptr + head * stride_gh
+    beta_row = beta_ptr + head * stride_bh
+    # Token t's inputs are loaded during step t-1, so their latency overlaps the previous step's arithmetic.
+    # Row indices are clamped into the batch instead of masked: past the sequence's end they are unused.
+    last = tl.maximum(end - 1, 0)
+    row = tl.minimum(start, last)
+    next_q = tl.load(q_row + row * stride_qt)
+    next_k = tl.load(k_row + row * stride_kt)
+    next_v = tl.load(v_row + row * stride_vt)
+    next_g = tl.load(g_row + row * stride_gt)
+    next_beta = tl.load(beta_row + row * stride_bt)
+    for t in range(start, end):
+        q = next_q.to(tl.float32)
+        k = next_k.to(tl.float32)
+        v = next_v.to(tl.float32)
+        decay = tl.exp(next_g.to(tl.float32))
+        beta = next_beta.to(tl.float32)
+        row = tl.minimum(t + 1, last)
+        next_q = tl.load(q_row + row * stride_qt)
+        next_k = tl.load(k_row + row * stride_kt)
+        next_v = tl.load(v_row + row * stride_vt)
+        next_g = tl.load(g_row + row * stride_gt)
+        next_beta = tl.load(beta_row + row * stride_bt)
+        q = q * tl.math.rsqrt(tl.sum(q * q, 0) + eps) * scale
+        k = k * tl.math.rsqrt(tl.sum(k * k, 0) + eps)
+        state = state * decay
+        predicted = tl.sum(state * k[:, None], 0)
+        delta = (v - predicted) * beta
+        state = state + k[:, None] * delta[None, :]
+        tl.store(out_row + t * stride_ot, tl.sum(state * q[:, None], 0))
+    # Every thread has read the old state before any thread overwrites it.
+    tl.debug_barrier()
+    tl.store(state_base + dk[:, None] * stride_sk + dv[None, :] * stride_sv, state)
+
+
+def _check_layout(query_start: torch.Tensor, state_slots: torch.Tensor) -> int:
+    """The number of sequences, after checking the layout tensors' shapes and types."""
+    if query_start.dim() != 1 or query_start.dtype != torch.int32:
+        raise ValueError("query_start must be a 1-d int32 tensor of seqs + 1 offsets")
+    seqs = query_start.shape[0] - 1
+    if state_slots.shape != (seqs,) or state_slots.dtype != torch.int64:
+        raise ValueError("state_slots must be a 1-d int64 tensor with one slot per sequence")
+    return seqs
+
+
+def causal_conv_varlen(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    query_start: torch.Tensor,
+    state_slots: torch.Tensor,
+) -> torch.Tensor:
+    """SiLU of the depthwise causal conv of every sequence in a flat batch, continuing each one's state.
+
+    x [tokens, channels] (the mixed qkv projections); weight [channels, kernel]; conv_state
+    [slots, channels, kernel-1], where each sequence's slot is read and then overwritten in place with its
+    last kernel-1 inputs; query_start [seqs + 1] int32; state_slots [seqs] int64.
+    Returns [tokens, channels] in the dtype of x: per sequence `causal_conv`, accumulated in fp32.
+    """
+    seqs = _check_layout(query_start, state_slots)
+    channels, kernel = weight.shape
+    if kernel < 2 or x.shape[1] != channels or conv_state.shape[1:] != (channels, kernel - 1):
+        raise ValueError("x, weight and conv_state disagree on channels or kernel size")
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if seqs == 0 or x.shape[0] == 0:
+        return out
+    grid = (seqs, triton.cdiv(channels, CONV_BLOCK_C))
+    _causal_conv_kernel[grid](
+        x,
+        weight,
+        conv_state,
+        out,
+        query_start,
+        state_slots,
+        channels,
+        x.stride(0),
+        x.stride(1),
+        weight.stride(0),
+        weight.stride(1),
+        conv_state.stride(0),
+        conv_state.stride(1),
+        conv_state.stride(2),
+        out.stride(0),
+        out.stride(1),
+        KERNEL=kernel,
+        STATE_PAD=triton.next_power_of_2(kernel - 1),
+        BLOCK_T=CONV_BLOCK_T,
+        BLOCK_C=CONV_BLOCK_C,
+        num_warps=CONV_WARPS,
+    )
+    return out
+
+
+def gated_delta_rule_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    query_start: torch.Tensor,
+    state_slots: torch.Tensor,
+) -> torch.Tensor:
+    """The gated delta rule of every sequence in a flat batch, token by token, continuing each one's state.
+
+    q, k [tokens, k_heads, dk] raw (l2-normalised here, q also scaled by dk**-0.5); v [tokens, v_heads, dv],
+    value head h reading key head h // (v_heads // k_heads); g (log decay), beta [tokens, v_heads] fp32;
+    state [slots, v_heads, dk, dv] fp32, each sequence's slot read and then overwritten in place with its
+    final state; query_start [seqs + 1] int32; state_slots [seqs] int64. Any of the inputs may be strided
+    views. Returns [tokens, v_heads, dv] fp32: per sequence `delta_rule_recurrent` to fp32 rounding.
+    A sequence of no rows leaves its state as it was.
+    """
+    seqs = _check_layout(query_start, state_slots)
+    tokens, k_heads, dk = q.shape
+    v_heads, dv = v.shape[1], v.shape[2]
+    if k.shape != q.shape or v.shape[0] != tokens or v_heads % k_heads != 0:
+        raise ValueError("q, k and v disagree on tokens or heads")
+    if g.shape != (tokens, v_heads) or beta.shape != (tokens, v_heads):
+        raise ValueError("g and beta must be [tokens, v_heads]")
+    if state.shape[1:] != (v_heads, dk, dv) or state.dtype != torch.float32:
+        raise ValueError("state must be fp32 [slots, v_heads, dk, dv]")
+    if dk & (dk - 1) or dv & (dv - 1):
+        raise ValueError("head dimensions must be powers of two")
+    out = torch.empty(tokens, v_heads, dv, dtype=torch.float32, device=v.device)
+    if seqs == 0 or tokens == 0:
+        return out
+    block_v = min(dv, RULE_BLOCK_V)
+    grid = (seqs, v_heads, dv // block_v)
+    _gated_delta_rule_kernel[grid](
+        q,
+        k,
+        v,
+        g,
+        beta,
+        state,
+        out,
+        query_start,
+        state_slots,
+        *q.stride(),
+        *k.stride(),
+        *v.stride(),
+        *g.stride(),
+        *beta.stride(),
+        *state.stride(),
+        *out.stride(),
+        dk**-0.5,
+        L2NORM_EPS,
+        HEAD_RATIO=v_heads // k_heads,
+        DK=dk,
+        BLOCK_V=block_v,
+        num_warps=RULE_WARPS,
+    )
+    return out

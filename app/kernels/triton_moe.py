@@ -1,0 +1,361 @@
+"""Routed experts in two grouped-matmul launches that read each expert's weights in place.
+
+The (token, expert) pairs of a batch are grouped by expert into tiles of `block_m` rows (`align_routes`);
+each tile multiplies its rows by its expert's weights straight from the stacked [experts, n, k] tensor, with
+no gather of weights per token. The first launch computes SwiGLU(gate, up) per pair, the second the down
+projection scaled by the routing weight; a last launch sums each token's pairs in a fixed order.
+
+A pair's arithmetic depends only on the tile configuration (`MoeTiles`), never on which other pairs share
+its tile: `exact` tiles are the same for every batch, so a row's output is bit-identical alone or batched.
+Nothing here synchronises with the host, so the whole block can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+
+@dataclass(frozen=True)
+class MoeTiles:
+    """Tile sizes of the grouped matmuls: rows per tile, output columns per program, reduction step."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+EXACT_TILES = MoeTiles(block_m=16, block_n=64, block_k=64)
+
+
+def moe_tiles(tokens: int, exact: bool) -> MoeTiles:
+    """The tiles for a batch of `tokens` rows; with `exact` the same for every batch size."""
+    if exact or tokens <= 64:
+        return EXACT_TILES
+    return MoeTiles(block_m=64, block_n=128, block_k=64, num_warps=8)
+
+
+@dataclass(frozen=True)
+class Routes:
+    """The pairs of a batch grouped by expert.
+
+    rows [blocks * block_m] int32: pair ids (token * top_k + choice) tile by tile, `pairs` marking padding;
+    block_expert [blocks] int32: the expert of each tile, -1 for tiles left unused.
+    """
+
+    rows: torch.Tensor
+    block_expert: torch.Tensor
+    pairs: int
+    block_m: int
+
+
+@triton.jit
+def _count_pairs(ids_ptr, counts_ptr, pairs, BLOCK: tl.constexpr):
+    """counts[expert] = how many pairs picked this program's expert."""
+    expert = tl.program_id(0)
+    total = 0
+    for start in range(0, pairs, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        ids = tl.load(ids_ptr + offs, mask=offs < pairs, other=-1)
+        total += tl.sum((ids == expert).to(tl.int32), axis=0)
+    tl.store(counts_ptr + expert, total)
+
+
+@triton.jit
+def _place_pairs(
+    ids_ptr,
+    counts_ptr,
+    rows_ptr,
+    block_expert_ptr,
+    pairs,
+    experts,
+    BLOCK_M: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
+    """Write this program's expert's pairs (in pair order) and padding into its tiles, and name the tiles."""
+    expert = tl.program_id(0)
+    all_experts = tl.arange(0, BLOCK_E)
+    counts = tl.load(counts_ptr + all_experts, mask=all_experts < experts, other=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    first_row = tl.sum(tl.where(all_experts < expert, padded, 0), axis=0)
+    mine = tl.sum(tl.where(all_experts == expert, counts, 0), axis=0)
+    if mine == 0:
+        return
+    seen = 0
+    for start in range(0, pairs, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        hit = (tl.load(ids_ptr + offs, mask=offs < pairs, other=-1) == expert).to(tl.int32)
+        rank = seen + tl.cumsum(hit, axis=0) - hit
+        tl.store(rows_ptr + first_row + rank, offs, mask=hit == 1)
+        seen += tl.sum(hit, axis=0)
+    tail = tl.arange(0, BLOCK_M)
+    mine_padded = (mine + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    tl.store(rows_ptr + first_row + mine + tail, pairs, mask=mine + tail < mine_padded)
+    tiles = mine_padded // BLOCK_M
+    for start in range(0, tiles, BLOCK_M):
+        t = start + tl.arange(0, BLOCK_M)
+        tl.store(block_expert_ptr + first_row // BLOCK_M + t, expert, mask=t < tiles)
+
+
+def align_routes(top_ids: torch.Tensor, experts: int, block_m: int) -> Routes:
+    """Group the pairs of `top_ids` [tokens, top_k] by expert into tiles of `block_m` rows (three launches).
+
+    Sizes are bounds known from the shapes alone (at most ceil(pairs / block_m) + min(pairs, experts) tiles),
+    so no value is read back to the host; within an expert, pairs keep their order.
+    """
+    flat = top_ids.flatten()
+    pairs = flat.numel()
+    device = flat.device
+    blocks = -(-pairs // block_m) + min(pairs, experts)
+    counts = torch.empty(experts, dtype=torch.int32, device=device)
+    rows = torch.empty(blocks * block_m, dtype=torch.int32, device=device)
+    block_expert = torch.full((blocks,), -1, dtype=torch.int32, device=device)
+    block = min(1024, triton.next_power_of_2(pairs))
+    _count_pairs[(experts,)](flat, counts, pairs, BLOCK=block)
+    _place_pairs[(experts,)](
+        flat,
+        counts,
+        rows,
+        block_expert,
+        pairs,
+        experts,
+        BLOCK_M=block_m,
+        BLOCK=block,
+        BLOCK_E=triton.next_power_of_2(experts),
+    )
+    return Routes(rows=rows, block_expert=block_expert, pairs=pairs, block_m=block_m)
+
+
+@triton.jit
+def _route(
+    logits_ptr,
+    ids_ptr,
+    weights_ptr,
+    counts_ptr,
+    live_ptr,
+    experts,
+    stride_row,
+    TOP_K: tl.constexpr,
+    RENORM: tl.constexpr,
+    HAS_LIVE: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Softmax over a token's router logits, its top-k experts and weights; adds the picks to `counts`."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_E)
+    ok = cols < experts
+    x = tl.load(logits_ptr + row * stride_row + cols, mask=ok, other=float("-inf")).to(tl.float32)
+    p = tl.exp(x - tl.max(x, axis=0))
+    p = p / tl.sum(p, axis=0)
+    p = tl.where(ok, p, -1.0)
+    slots = tl.arange(0, BLOCK_K)
+    chosen = tl.zeros((BLOCK_K,), dtype=tl.int32)
+    weights = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    live = tl.load(live_ptr + row).to(tl.int64) if HAS_LIVE else tl.full((), 1, dtype=tl.int64)
+    for k in tl.static_range(TOP_K):
+        best = tl.argmax(p, axis=0)
+        chosen = tl.where(slots == k, best, chosen)
+        weights = tl.where(slots == k, tl.max(p, axis=0), weights)
+        p = tl.where(cols == best, -1.0, p)
+    keep = slots < TOP_K
+    tl.atomic_add(counts_ptr + chosen, tl.full((BLOCK_K,), 1, tl.int64) * live, mask=keep)
+    if RENORM:
+        weights = weights / tl.sum(weights, axis=0)
+    tl.store(ids_ptr + row * TOP_K + slots, chosen.to(tl.int64), mask=keep)
+    tl.store(weights_ptr + row * TOP_K + slots, weights.to(weights_ptr.dtype.element_ty), mask=keep)
+
+
+def route_top_k(
+    logits: torch.Tensor, top_k: int, renormalize: bool, counts: torch.Tensor, live: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k experts [tokens, top_k] (int64) and weights (logits' dtype) from router logits [tokens, experts].
+
+    Same contract as `SparseMoE.route` (softmax over all experts in fp32, optionally renormalised over the
+    picks); also adds each real row's picks to `counts` [experts] int64 (`live` [tokens]: 0 on padding).
+    """
+    tokens, experts = logits.shape
+    ids = torch.empty(tokens, top_k, dtype=torch.int64, device=logits.device)
+    weights = torch.empty(tokens, top_k, dtype=logits.dtype, device=logits.device)
+    _route[(tokens,)](
+        logits,
+        ids,
+        weights,
+        counts,
+        live if live is not None else counts,
+        experts,
+        logits.stride(0),
+        TOP_K=top_k,
+        RENORM=renormalize,
+        HAS_LIVE=live is not None,
+        BLOCK_E=triton.next_power_of_2(experts),
+        BLOCK_K=triton.next_power_of_2(top_k),
+        num_warps=1 if experts <= 256 else 2,
+    )
+    return ids, weights
+
+
+@triton.jit
+def _grouped_matmul(
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    rows_ptr,
+    block_expert_ptr,
+    scale_ptr,
+    pairs,
+    n,
+    k,
+    up_offset,
+    stride_xm,
+    stride_we,
+    stride_wn,
+    stride_om,
+    X_ROW_DIV: tl.constexpr,
+    SWIGLU: tl.constexpr,
+    SCALE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """out[pair, cols] = act(x[pair // X_ROW_DIV] @ w[expert].T) for one tile of pairs and BLOCK_N columns."""
+    tile = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + tile)
+    if expert < 0:
+        return
+    rows = tl.load(rows_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = rows < pairs
+    x_rows = (rows // X_ROW_DIV).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < n
+    w_base = w_ptr + expert.to(tl.int64) * stride_we
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SWIGLU:
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for start in range(0, k, BLOCK_K):
+        ks = start + tl.arange(0, BLOCK_K)
+        k_ok = ks < k
+        a = tl.load(
+            x_ptr + x_rows[:, None] * stride_xm + ks[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0
+        )
+        w_mask = k_ok[:, None] & col_ok[None, :]
+        b = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None], mask=w_mask, other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        if SWIGLU:
+            b_up = tl.load(
+                w_base + (cols[None, :] + up_offset) * stride_wn + ks[:, None], mask=w_mask, other=0.0
+            )
+            acc_up = tl.dot(a, b_up, acc_up, input_precision=PRECISION)
+    if SWIGLU:
+        acc = acc * tl.sigmoid(acc) * acc_up
+    if SCALE:
+        acc = acc * tl.load(scale_ptr + rows, mask=valid, other=0.0).to(tl.float32)[:, None]
+    out_rows = rows.to(tl.int64)
+    tl.store(
+        out_ptr + out_rows[:, None] * stride_om + cols[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=valid[:, None] & col_ok[None, :],
+    )
+
+
+@triton.jit
+def _sum_choices(y_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    """out[token] = sum over its TOP_K pair rows of y, added in choice order in fp32."""
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < hidden
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for choice in tl.static_range(TOP_K):
+        acc += tl.load(y_ptr + (token * TOP_K + choice) * hidden + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + token * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def _launch(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    out: torch.Tensor,
+    routes: Routes,
+    tiles: MoeTiles,
+    n: int,
+    x_row_div: int,
+    scale: torch.Tensor | None,
+    up_offset: int = 0,
+) -> None:
+    """One grouped matmul over the tiles of `routes`."""
+    if x.stride(-1) != 1 or w.stride(-1) != 1:
+        raise ValueError("grouped matmul needs rows with unit stride")
+    grid = (routes.block_expert.numel(), triton.cdiv(n, tiles.block_n))
+    _grouped_matmul[grid](
+        x,
+        w,
+        out,
+        routes.rows,
+        routes.block_expert,
+        scale if scale is not None else out,
+        routes.pairs,
+        n,
+        x.shape[-1],
+        up_offset,
+        x.stride(0),
+        w.stride(0),
+        w.stride(1),
+        out.stride(0),
+        X_ROW_DIV=x_row_div,
+        SWIGLU=up_offset > 0,
+        SCALE=scale is not None,
+        BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n,
+        BLOCK_K=tiles.block_k,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
+    )
+
+
+def fused_experts(
+    x: torch.Tensor,
+    top_ids: torch.Tensor,
+    top_weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    exact: bool = False,
+    tiles: MoeTiles | None = None,
+) -> torch.Tensor:
+    """The weighted sum of each token's routed experts (same contract as `experts_reference`).
+
+    x [tokens, hidden]; top_ids, top_weights [tokens, top_k]; gate_up [experts, 2I, hidden] (gate rows
+    first); down [experts, hidden, I]. `tiles` overrides the choice of `moe_tiles` (for tuning).
+    """
+    tokens, hidden = x.shape
+    top_k = top_ids.shape[1]
+    experts, intermediate = gate_up.shape[0], down.shape[2]
+    tiles = tiles or moe_tiles(tokens, exact)
+    routes = align_routes(top_ids, experts, tiles.block_m)
+    pairs = tokens * top_k
+    x = x.contiguous()
+    act = x.new_empty(pairs, intermediate)
+    _launch(x, gate_up, act, routes, tiles, intermediate, top_k, None, up_offset=intermediate)
+    y = x.new_empty(pairs, hidden)
+    _launch(act, down, y, routes, tiles, hidden, 1, top_weights.flatten().contiguous())
+    out = torch.empty_like(x)
+    block = 1024
+    _sum_choices[(tokens, triton.cdiv(hidden, block))](y, out, hidden, TOP_K=top_k, BLOCK=block)
+    return out
+
+
+def exact_fused_experts(
+    x: torch.Tensor,
+    top_ids: torch.Tensor,
+    top_weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+) -> torch.Tensor:
+    """`fused_experts` with the batch-independent tiles."""
+    return fused_experts(x, top_ids, top_weights, gate_up, down, exact=True)

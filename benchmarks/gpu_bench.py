@@ -1,0 +1,223 @@
+"""Full-size random-weight models on one GPU: Strata's engine against the roofline and HF transformers.
+
+    python benchmarks/gpu_bench.py --shape q30-half [--shape q30 ...] [--skip-hf] [--out results.jsonl]
+
+For each shape: the copy bandwidth of the card, HF transformers on the same shape (built, timed, freed), then
+Strata's engine in-process (Triton kernels, decode CUDA graphs) on a model built straight on the GPU with
+random bf16 weights: decode tok/s at batch 1, 8 and 32 (prompts of 128 tokens), an 8K-token prompt read in one
+window, TTFT and ITL, and the roofline (bytes a decode step must read over the measured bandwidth). Ends with
+one JSON line per shape. Routing is that of a random router (close to uniform), the costly case for the
+expert weights read per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from app.engine.config import EngineConfig
+from app.engine.core import EngineCore
+from app.engine.protocol import AddRequest, SamplingParams
+from app.kernels.backends import Backends, select_backends
+from app.loading.checkpoint import CheckpointDir
+from app.loading.model import LoadedModel
+from app.models.config import ModelConfig
+from app.models.qwen3 import CausalLM
+from app.text.tokenizer import Tokenizer
+from benchmarks.hf_reference import run_reference
+from benchmarks.roofline import measure_copy_bandwidth, roofline_tok_s
+from benchmarks.shapes import fit_layers, param_bytes, shape
+
+DECODE_BATCHES = (1, 8, 32)
+PROMPT_LEN = 128
+DECODE_STEPS = 64
+PREFILL_LEN = 8192
+WEIGHT_BUDGET = 118e9  # what a shape's weights may take of a 141 GB card, leaving room for KV and activations
+
+
+def write_model_dir(path: Path, config: dict[str, Any]) -> None:
+    """config.json, a weightless safetensors file and a word-level tokenizer covering the vocabulary.
+
+    The weights are built in memory (`build_model`); the directory gives the engine its name and tokenizer
+    (it detokenizes every generated token).
+    """
+    from safetensors.torch import save_file
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models, pre_tokenizers
+
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    save_file({}, str(path / "model.safetensors"))
+    vocab = {f"t{i}": i for i in range(config["vocab_size"])}
+    tokenizer = HFTokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+
+
+def build_model(config: dict[str, Any], backends: Backends, device: str) -> CausalLM:
+    """The model built on the GPU in bf16 with random weights (std 0.02), norms as initialised."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            model = CausalLM(ModelConfig.from_dict(config), backends=backends)
+    finally:
+        torch.set_default_dtype(previous)
+    model.model.rotary.to(device)
+    generator = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() >= 2:
+                parameter.normal_(0.0, 0.02, generator=generator)
+    return model.eval()
+
+
+def _decode(core: EngineCore, batch: int, vocab: int) -> dict[str, float]:
+    """`batch` requests of PROMPT_LEN tokens read together, then DECODE_STEPS decode windows timed."""
+    generator = torch.Generator().manual_seed(batch)
+    params = SamplingParams(max_tokens=DECODE_STEPS + 2, temperature=0, ignore_eos=True)
+    for i in range(batch):
+        prompt = torch.randint(3, vocab, (PROMPT_LEN,), generator=generator).tolist()
+        core.add_request(AddRequest(f"d{batch}-{i}", prompt, params))
+    windows = []
+    while core.has_work():
+        _, stats = core.step()
+        if stats.prompt_tokens == 0 and stats.decode_tokens == batch:
+            windows.append(stats.duration_s)
+    steady = windows[1:]  # the first decode window may still carry one-off work
+    return {
+        "tok_s": batch * len(steady) / sum(steady),
+        "itl_ms_median": 1000 * statistics.median(steady),
+    }
+
+
+def _prefill(core: EngineCore, vocab: int) -> dict[str, float]:
+    """One PREFILL_LEN-token prompt read in one window: tokens/s of that window, and time to first token."""
+    prompt = torch.randint(3, vocab, (PREFILL_LEN,), generator=torch.Generator().manual_seed(7)).tolist()
+    results = {}
+    for attempt in range(2):  # the first run compiles kernels for the shapes of a long prompt
+        began = time.perf_counter()
+        rejected = core.add_request(
+            AddRequest(f"p{attempt}", prompt, SamplingParams(max_tokens=1, temperature=0))
+        )
+        if rejected:
+            raise RuntimeError(rejected[0].error)
+        duration = 0.0
+        while core.has_work():
+            _, stats = core.step()
+            duration += stats.duration_s
+        results = {"tok_s": PREFILL_LEN / duration, "ttft_s": time.perf_counter() - began}
+    return results
+
+
+def open_engine(config: dict[str, Any], exact: bool, eager: bool) -> EngineCore:
+    """An in-process engine core on a random-weight model of the shape, built straight on the GPU."""
+    device = "cuda"
+    backends = select_backends("auto", device, exact=exact)
+    model = build_model(config, backends, device)
+    path = Path(tempfile.mkdtemp(prefix="strata-bench-")) / "random"
+    write_model_dir(path, config)
+    loaded = LoadedModel(model, Tokenizer.from_dir(path), CheckpointDir(path), (), torch.device(device))
+    engine = EngineConfig(
+        model=str(path),
+        device=device,
+        dtype="bfloat16",
+        parallel=max(DECODE_BATCHES),
+        max_batched_tokens=PREFILL_LEN,
+        kv_memory=8 << 30,
+        max_model_len=PREFILL_LEN + 64,
+        exact=exact,
+        enforce_eager=eager,
+    )
+    return EngineCore(engine, loaded)
+
+
+def run_strata(config: dict[str, Any], exact: bool, eager: bool) -> dict[str, Any]:
+    """Start an engine core on the random model, and time decode and prefill."""
+    began = time.perf_counter()
+    core = open_engine(config, exact, eager)
+    torch.cuda.synchronize()
+    vocab = config["vocab_size"]
+    result: dict[str, Any] = {"backends": core.backends.name, "start_s": time.perf_counter() - began}
+    for batch in DECODE_BATCHES:
+        result[f"decode_bs{batch}"] = _decode(core, batch, vocab)
+    result["prefill_8k"] = _prefill(core, vocab)
+    shutil.rmtree(core.loaded.checkpoint.path.parent, ignore_errors=True)
+    del core
+    torch.cuda.empty_cache()
+    return result
+
+
+def bench_shape(name: str, skip_hf: bool, exact: bool, eager: bool) -> dict[str, Any]:
+    """Every figure for one shape, as one flat JSON-ready dict."""
+    config = shape(name)
+    if param_bytes(config) > WEIGHT_BUDGET:
+        config = shape(name, layers=fit_layers(config, WEIGHT_BUDGET))
+    bandwidth = measure_copy_bandwidth("cuda")
+    line: dict[str, Any] = {
+        "shape": name,
+        "layers": config["num_hidden_layers"],
+        "device": torch.cuda.get_device_name(),
+        "date": time.strftime("%Y-%m-%d"),
+        "copy_bandwidth_tb_s": bandwidth / 1e12,
+        "weights_gb": param_bytes(config) / 1e9,
+    }
+    for batch in DECODE_BATCHES:
+        line[f"roofline_bs{batch}_tok_s"] = roofline_tok_s(
+            config, batch, PROMPT_LEN + DECODE_STEPS, bandwidth
+        )
+    if not skip_hf:
+        hf = run_reference(config, "cuda", batches=(1, 8), prefill_len=PREFILL_LEN)
+        line["hf_decode_bs1_tok_s"] = hf["decode_tok_s"][1]
+        line["hf_decode_bs8_tok_s"] = hf["decode_tok_s"][8]
+        line["hf_prefill_8k_tok_s"] = hf["prefill_tok_s"]
+        torch.cuda.empty_cache()
+    ours = run_strata(config, exact, eager)
+    line["backends"] = ours["backends"]
+    line["start_s"] = ours["start_s"]
+    for batch in DECODE_BATCHES:
+        line[f"decode_bs{batch}_tok_s"] = ours[f"decode_bs{batch}"]["tok_s"]
+        line[f"itl_bs{batch}_ms"] = ours[f"decode_bs{batch}"]["itl_ms_median"]
+    line["prefill_8k_tok_s"] = ours["prefill_8k"]["tok_s"]
+    line["ttft_8k_s"] = ours["prefill_8k"]["ttft_s"]
+    line["roofline_ratio_bs1"] = line["decode_bs1_tok_s"] / line["roofline_bs1_tok_s"]
+    if "hf_decode_bs1_tok_s" in line:
+        line["speedup_vs_hf_bs1"] = line["decode_bs1_tok_s"] / line["hf_decode_bs1_tok_s"]
+    return line
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shape", action="append", required=True, help="q30, q30-half or qnext (repeatable)")
+    parser.add_argument("--skip-hf", action="store_true", help="leave out HF transformers")
+    parser.add_argument("--exact", action="store_true", help="run the engine with --exact")
+    parser.add_argument("--enforce-eager", action="store_true", help="run the engine without CUDA graphs")
+    parser.add_argument("--out", help="also append the JSON lines to this file")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("gpu_bench needs a CUDA device")
+    for name in args.shape:
+        line = json.dumps(bench_shape(name, args.skip_hf, args.exact, args.enforce_eager))
+        print(line, flush=True)
+        if args.out:
+            with open(args.out, "a") as out:
+                out.write(line + "\n")
+
+
+if __name__ == "__main__":
+    main()

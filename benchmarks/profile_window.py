@@ -1,0 +1,102 @@
+"""Where a window's time goes: kernel times of decode windows (batch 1 and 32) and of an 8K prompt window.
+
+    python benchmarks/profile_window.py --shape q30-half
+
+Builds the shape with random weights (as gpu_bench.py), then for each case prints the time of a whole engine
+step, of the bare CUDA-graph replay (decode), and the kernels that took the most GPU time per window.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from app.engine.protocol import AddRequest, SamplingParams
+from benchmarks.gpu_bench import open_engine
+from benchmarks.shapes import shape
+
+
+def _kernel_table(prof: profile, windows: int, top: int) -> None:
+    """Kernels by total GPU time, per window."""
+    events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    total = sum(e.self_device_time_total for e in events)
+    print(f"  GPU time per window: {total / windows / 1000:.3f} ms")
+    for e in sorted(events, key=lambda e: e.self_device_time_total, reverse=True)[:top]:
+        share = e.self_device_time_total / total
+        per = e.self_device_time_total / windows / 1000
+        print(f"  {per:8.3f} ms {share:6.1%} x{e.count // windows:<4} {e.key[:90]}")
+
+
+def _decode_case(core, batch: int, vocab: int, windows: int = 10, top: int = 25) -> None:
+    generator = torch.Generator().manual_seed(batch)
+    params = SamplingParams(max_tokens=2000, temperature=0, ignore_eos=True)
+    ids = []
+    for i in range(batch):
+        prompt = torch.randint(3, vocab, (128,), generator=generator).tolist()
+        core.add_request(AddRequest(f"prof{batch}-{i}", prompt, params))
+        ids.append(f"prof{batch}-{i}")
+    for _ in range(5):
+        core.step()
+    began = time.perf_counter()
+    for _ in range(windows):
+        core.step()
+    step_ms = (time.perf_counter() - began) / windows * 1000
+    graphs = core.runner.graphs
+    replay_ms = float("nan")
+    if graphs is not None:
+        bucket = next(b for b in graphs.buckets if b >= batch)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(20):
+            graphs.graphs[bucket].replay()
+        end.record()
+        torch.cuda.synchronize()
+        replay_ms = start.elapsed_time(end) / 20
+    print(f"decode batch {batch}: engine step {step_ms:.3f} ms, graph replay {replay_ms:.3f} ms")
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(windows):
+            core.step()
+    _kernel_table(prof, windows, top)
+    for request_id in ids:
+        core.abort_request(request_id)
+    while core.has_work():
+        core.step()
+
+
+def _prefill_case(core, vocab: int, length: int = 8192, top: int = 25) -> None:
+    prompt = torch.randint(3, vocab, (length,), generator=torch.Generator().manual_seed(3)).tolist()
+    for attempt in range(2):
+        core.add_request(AddRequest(f"pre{attempt}", prompt, SamplingParams(max_tokens=1, temperature=0)))
+        if attempt == 1:
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                while core.has_work():
+                    core.step()
+        while core.has_work():
+            core.step()
+    print(f"prompt of {length} tokens:")
+    _kernel_table(prof, 1, top)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shape", default="q30-half")
+    parser.add_argument("--batch", type=int, action="append", help="decode batch sizes (default 1 and 32)")
+    parser.add_argument("--exact", action="store_true")
+    parser.add_argument("--enforce-eager", action="store_true")
+    args = parser.parse_args()
+    config = shape(args.shape)
+    core = open_engine(config, args.exact, args.enforce_eager)
+    for batch in args.batch or [1, 32]:
+        _decode_case(core, batch, config["vocab_size"])
+    _prefill_case(core, config["vocab_size"])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""Times the routed-experts kernels under several tile choices at Qwen3-30B-A3B's expert shapes.
+
+    python benchmarks/tune_moe.py
+
+For each batch size (tokens) and tile choice: the median time of `fused_experts` (routing alignment, both
+grouped matmuls and the sum) and the bandwidth it reaches on the expert weights it must read, against the
+copy bandwidth of the card. Prints one table; the tiles in app/kernels/triton_moe.py come from it.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import triton.testing
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from app.kernels.triton_moe import MoeTiles, fused_experts
+from benchmarks.roofline import expected_experts, measure_copy_bandwidth
+
+EXPERTS, TOP_K, HIDDEN, INTER = 128, 8, 2048, 768
+CANDIDATES = {
+    "16x64x64 w4 s3": MoeTiles(16, 64, 64, 4, 3),
+    "16x32x128 w4 s4": MoeTiles(16, 32, 128, 4, 4),
+    "16x64x128 w4 s4": MoeTiles(16, 64, 128, 4, 4),
+    "16x128x64 w4 s4": MoeTiles(16, 128, 64, 4, 4),
+    "16x32x256 w4 s3": MoeTiles(16, 32, 256, 4, 3),
+    "64x128x64 w8 s3": MoeTiles(64, 128, 64, 8, 3),
+    "64x128x64 w4 s4": MoeTiles(64, 128, 64, 4, 4),
+    "128x128x64 w8 s3": MoeTiles(128, 128, 64, 8, 3),
+    "64x256x64 w8 s3": MoeTiles(64, 256, 64, 8, 3),
+}
+
+
+def _time(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    sets: list[tuple[torch.Tensor, torch.Tensor]],
+    tiles: MoeTiles,
+) -> float:
+    """Median milliseconds of one call, weights taken from the sets in turn."""
+    turn = iter(range(10**9))
+
+    def run() -> None:
+        gate_up, down = sets[next(turn) % len(sets)]
+        fused_experts(x, ids, weights, gate_up, down, tiles=tiles)
+
+    return triton.testing.do_bench(run, warmup=25, rep=100, return_mode="median")
+
+
+def main() -> None:
+    bandwidth = measure_copy_bandwidth("cuda")
+    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
+    sets = []
+    for copy in range(4):  # rotate weights so repeats do not run from L2
+        g = torch.Generator(device="cuda").manual_seed(copy)
+        gate_up = (torch.randn(EXPERTS, 2 * INTER, HIDDEN, device="cuda", generator=g) * 0.02).bfloat16()
+        down = (torch.randn(EXPERTS, HIDDEN, INTER, device="cuda", generator=g) * 0.02).bfloat16()
+        sets.append((gate_up, down))
+    expert_bytes = 3 * INTER * HIDDEN * 2
+    for tokens in (1, 8, 32, 8192):
+        x = torch.randn(tokens, HIDDEN, device="cuda").bfloat16()
+        weights, ids = torch.randn(tokens, EXPERTS, device="cuda").softmax(-1).topk(TOP_K, dim=-1)
+        weights = weights.bfloat16()
+        moved = expected_experts(EXPERTS, TOP_K, tokens) * expert_bytes
+        for name, tiles in CANDIDATES.items():
+            if tokens > 64 and tiles.block_m == 16 and tiles.block_k > 128:
+                continue
+            ms = _time(x, ids, weights, sets, tiles)
+            print(
+                f"tokens {tokens:5d} {name:18s} {ms * 1000:9.1f} us  "
+                f"{moved / ms / 1e9:6.2f} TB/s ({moved / ms / 1e9 / (bandwidth / 1e12):.0%} of copy)"
+            )
+
+
+if __name__ == "__main__":
+    main()

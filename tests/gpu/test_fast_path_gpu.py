@@ -1,0 +1,69 @@
+"""The engine on the GPU with the Triton kernels and decode graphs: batch = solo, graphs = eager = torch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from checkpoints import write_checkpoint
+from engine_helpers import complete, make_core, request, run
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", "qwen3_next"])
+def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_checkpoint(
+        tmp_path_factory.mktemp(request.param), request.param, max_position_embeddings=4096
+    )
+
+
+def _prompt(length: int, seed: int) -> list[int]:
+    return torch.randint(3, 512, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("exact", [True, False], ids=["exact", "default"])
+def test_eight_conversations_together_equal_each_alone(checkpoint: Path, exact: bool) -> None:
+    core = make_core(
+        checkpoint, device="cuda", dtype="bfloat16", parallel=8, max_batched_tokens=96, exact=exact
+    )
+    assert core.backends.name.startswith("triton") and core.runner.graphs is not None
+    arrivals = [
+        (i, request(_prompt(15 + 23 * i, i), max_tokens=30, temperature=0, ignore_eos=True)) for i in range(8)
+    ]
+    together, windows = run(core, arrivals)
+    assert max(len(w.slots) for w in windows) >= 6
+    for _, add in arrivals:
+        alone = complete(core, add.prompt_token_ids, max_tokens=30, temperature=0, ignore_eos=True)
+        assert together[add.request_id].token_ids == alone.token_ids
+
+
+def test_triton_and_graphs_give_the_tokens_of_the_torch_reference(checkpoint: Path) -> None:
+    prompt = _prompt(40, 5)
+    tokens = {}
+    for name, options in {
+        "torch": {"backend": "torch"},
+        "eager": {"enforce_eager": True},
+        "graphs": {},
+    }.items():
+        core = make_core(checkpoint, device="cuda", **options)
+        tokens[name] = complete(core, prompt, max_tokens=32, temperature=0, ignore_eos=True).token_ids
+    assert tokens["eager"] == tokens["torch"]
+    assert tokens["graphs"] == tokens["torch"]
+
+
+def test_graph_padding_rows_are_not_counted_as_routed(
+    checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("app.engine.core.EXPERT_REPORT_S", 0.0)
+    core = make_core(checkpoint, device="cuda", parallel=8)
+    adds = [request(_prompt(30, 12 + i), max_tokens=5, temperature=0, ignore_eos=True) for i in range(3)]
+    _, windows = run(core, [(0, a) for a in adds])
+    config = core.loaded.model.config
+    for layer in range(len(windows[0].experts.layers)):
+        routed = sum(sum(w.experts.routed[layer]) for w in windows)
+        assert routed == sum(w.rows for w in windows) * config.num_experts_per_tok

@@ -1,0 +1,52 @@
+"""The grouped-matmul routed experts on the GPU at Qwen3-30B-A3B's expert shapes, in bf16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from app.kernels.triton_moe import fused_experts
+from app.models.moe import experts_reference
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+EXPERTS, TOP_K, HIDDEN, INTER = 128, 8, 2048, 768
+
+
+def _inputs(tokens: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(tokens, HIDDEN, device="cuda", generator=g).bfloat16()
+    logits = torch.randn(tokens, EXPERTS, device="cuda", generator=g)
+    weights, ids = logits.softmax(-1).topk(TOP_K, dim=-1)
+    gate_up = (torch.randn(EXPERTS, 2 * INTER, HIDDEN, device="cuda", generator=g) * 0.02).bfloat16()
+    down = (torch.randn(EXPERTS, HIDDEN, INTER, device="cuda", generator=g) * 0.02).bfloat16()
+    return x, ids, weights.bfloat16(), gate_up, down
+
+
+@pytest.mark.parametrize("tokens", [1, 8, 32, 300, 2048])
+def test_fused_experts_match_the_fp32_reference(tokens: int) -> None:
+    x, ids, weights, gate_up, down = _inputs(tokens)
+    got = fused_experts(x, ids, weights, gate_up, down).float()
+    expected = experts_reference(x.float(), ids, weights.float(), gate_up.float(), down.float())
+    error = (got - expected).abs().max() / expected.abs().max()
+    assert error < 2e-2
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_a_row_is_bit_identical_alone_and_batched(exact: bool) -> None:
+    x, ids, weights, gate_up, down = _inputs(32)
+    batched = fused_experts(x, ids, weights, gate_up, down, exact=exact)
+    for row in (0, 13, 31):
+        one = slice(row, row + 1)
+        alone = fused_experts(x[one], ids[one], weights[one], gate_up, down, exact=exact)
+        assert torch.equal(alone[0], batched[row])
+
+
+def test_exact_rows_do_not_change_inside_a_prompt_sized_batch() -> None:
+    x, ids, weights, gate_up, down = _inputs(1000)
+    batched = fused_experts(x, ids, weights, gate_up, down, exact=True)
+    alone = fused_experts(x[7:8], ids[7:8], weights[7:8], gate_up, down, exact=True)
+    assert torch.equal(alone[0], batched[7])

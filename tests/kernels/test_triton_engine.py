@@ -1,0 +1,43 @@
+"""The engine on the Triton kernels (Triton's interpreter, CPU tensors) against the torch reference."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from checkpoints import write_checkpoint
+from engine_helpers import complete, make_core, request, run
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", "qwen3_next"])
+def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_checkpoint(
+        tmp_path_factory.mktemp(request.param), request.param, max_position_embeddings=1024
+    )
+
+
+def _prompt(length: int, seed: int) -> list[int]:
+    return torch.randint(3, 512, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_triton_kernels_give_the_tokens_and_logprobs_of_the_reference(checkpoint: Path) -> None:
+    prompt = _prompt(70, 1)
+    params = {"max_tokens": 12, "temperature": 0, "ignore_eos": True, "logprobs": 2}
+    fast = complete(make_core(checkpoint, backend="triton"), prompt, **params)
+    reference = complete(make_core(checkpoint, backend="torch"), prompt, **params)
+    assert fast.token_ids == reference.token_ids
+    for got, expected in zip(fast.logprobs, reference.logprobs, strict=True):
+        assert got.chosen.logprob == pytest.approx(expected.chosen.logprob, abs=1e-4)
+
+
+def test_prompts_and_decode_rows_in_one_window_equal_each_alone(checkpoint: Path) -> None:
+    core = make_core(checkpoint, backend="triton", parallel=4, max_batched_tokens=64)
+    arrivals = [
+        (i, request(_prompt(10 + 17 * i, i), max_tokens=8, temperature=0, ignore_eos=True)) for i in range(4)
+    ]
+    together, windows = run(core, arrivals)
+    assert any(w.prompt_tokens and w.decode_tokens for w in windows)  # mixed windows really happened
+    for _, add in arrivals:
+        alone = complete(core, add.prompt_token_ids, max_tokens=8, temperature=0, ignore_eos=True)
+        assert together[add.request_id].token_ids == alone.token_ids

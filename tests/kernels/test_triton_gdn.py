@@ -1,0 +1,237 @@
+"""The varlen Gated DeltaNet kernels against the per-sequence torch reference, in Triton's interpreter."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from app.kernels.triton_gdn import causal_conv_varlen, gated_delta_rule_varlen
+from app.models.gdn import causal_conv, delta_rule_chunked, delta_rule_recurrent, l2norm
+
+SLOTS = 7
+KERNEL = 4
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Head counts and dimensions of a tiny Gated DeltaNet layer."""
+
+    k_heads: int
+    v_heads: int
+    dk: int
+    dv: int
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.k_heads * self.dk + self.v_heads * self.dv
+
+
+SIZES = [Sizes(2, 4, 16, 16), Sizes(2, 2, 32, 16), Sizes(1, 2, 16, 32)]
+
+
+def _layout(lengths: list[int], slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    offsets = [0]
+    for length in lengths:
+        offsets.append(offsets[-1] + length)
+    return torch.tensor(offsets, dtype=torch.int32), torch.tensor(slots, dtype=torch.int64)
+
+
+def _states(
+    sizes: Sizes, generator: torch.Generator, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Conv and recurrent pools with random contents, except slots 0 and 2, which start empty."""
+    conv = torch.randn(SLOTS, sizes.conv_dim, KERNEL - 1, generator=generator).to(dtype)
+    recurrent = 0.3 * torch.randn(SLOTS, sizes.v_heads, sizes.dk, sizes.dv, generator=generator)
+    conv[[0, 2]] = 0
+    recurrent[[0, 2]] = 0
+    return conv, recurrent
+
+
+def _inputs(sizes: Sizes, tokens: int, generator: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """Mixed qkv [tokens, conv_dim], conv weight, and g, beta [tokens, v_heads] as the layer makes them."""
+    mixed = torch.randn(tokens, sizes.conv_dim, generator=generator)
+    weight = 0.5 * torch.randn(sizes.conv_dim, KERNEL, generator=generator)
+    g = -F.softplus(torch.randn(tokens, sizes.v_heads, generator=generator)) * 0.5
+    beta = torch.randn(tokens, sizes.v_heads, generator=generator).sigmoid()
+    return mixed, weight, g, beta
+
+
+def _split(sizes: Sizes, conv_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Strided q, k [tokens, k_heads, dk] and v [tokens, v_heads, dv] views of the conv output."""
+    key_dim = sizes.k_heads * sizes.dk
+    q, k, v = conv_out.split([key_dim, key_dim, sizes.v_heads * sizes.dv], dim=-1)
+    tokens = conv_out.shape[0]
+    return (
+        q.view(tokens, sizes.k_heads, sizes.dk),
+        k.view(tokens, sizes.k_heads, sizes.dk),
+        v.view(tokens, sizes.v_heads, sizes.dv),
+    )
+
+
+def _reference_rule(
+    sizes: Sizes,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    query_start: torch.Tensor,
+    slots: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer's reference path sequence by sequence: l2norm, scaling, head repeat, then the delta rule."""
+    per = sizes.v_heads // sizes.k_heads
+    out = torch.empty(v.shape, dtype=torch.float32)
+    state = state.clone()
+    bounds = query_start.tolist()
+    for seq, slot in enumerate(slots.tolist()):
+        rows = slice(bounds[seq], bounds[seq + 1])
+        qn = l2norm(q[rows].float()).repeat_interleave(per, dim=1) * sizes.dk**-0.5
+        kn = l2norm(k[rows].float()).repeat_interleave(per, dim=1)
+        rule = delta_rule_recurrent if rows.stop - rows.start == 1 else delta_rule_chunked
+        out[rows], state[slot] = rule(qn, kn, v[rows].float(), g[rows], beta[rows], state[slot])
+    return out, state
+
+
+def _reference_conv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    query_start: torch.Tensor,
+    slots: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    out = torch.empty_like(x)
+    conv_state = conv_state.clone()
+    bounds = query_start.tolist()
+    for seq, slot in enumerate(slots.tolist()):
+        rows = slice(bounds[seq], bounds[seq + 1])
+        out[rows], conv_state[slot] = causal_conv(x[rows], weight, conv_state[slot])
+    return out, conv_state
+
+
+# Decode rows and prompt chunks mixed; slots out of sequence order, two of them starting empty.
+LENGTHS = [1, 13, 1, 20, 2, 1]
+SLOT_ORDER = [3, 0, 6, 2, 5, 1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_conv_matches_the_reference_per_sequence(dtype: torch.dtype) -> None:
+    generator = torch.Generator().manual_seed(0)
+    sizes = SIZES[0]
+    query_start, slots = _layout(LENGTHS, SLOT_ORDER)
+    mixed, weight, _, _ = _inputs(sizes, sum(LENGTHS), generator)
+    conv_state, _ = _states(sizes, generator, dtype)
+    x, weight = mixed.to(dtype), weight.to(dtype)
+    expected, expected_state = _reference_conv(
+        x.float(), weight.float(), conv_state.float(), query_start, slots
+    )
+
+    got = causal_conv_varlen(x, weight, conv_state, query_start, slots)
+    assert got.dtype == dtype
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(got.float(), expected, rtol=tolerance, atol=tolerance)
+    # The new state is a copy of inputs: exact, and slots not in the batch (4) untouched.
+    assert torch.equal(conv_state.float(), expected_state)
+
+
+@pytest.mark.parametrize("sizes", SIZES, ids=str)
+def test_delta_rule_matches_the_reference_per_sequence(sizes: Sizes) -> None:
+    generator = torch.Generator().manual_seed(1)
+    query_start, slots = _layout(LENGTHS, SLOT_ORDER)
+    mixed, _, g, beta = _inputs(sizes, sum(LENGTHS), generator)
+    q, k, v = _split(sizes, mixed)  # strided views, as the layer passes them
+    _, state = _states(sizes, generator, torch.float32)
+    expected, expected_state = _reference_rule(sizes, q, k, v, g, beta, state, query_start, slots)
+    untouched = state[4].clone()
+
+    got = gated_delta_rule_varlen(q, k, v, g, beta, state, query_start, slots)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(state, expected_state, rtol=1e-4, atol=1e-4)
+    assert torch.equal(state[4], untouched)
+
+
+def test_the_layer_path_conv_then_delta_rule() -> None:
+    """Conv output split into strided q, k, v views feeds the delta rule, as in the layer."""
+    generator = torch.Generator().manual_seed(2)
+    sizes = SIZES[0]
+    query_start, slots = _layout(LENGTHS, SLOT_ORDER)
+    mixed, weight, g, beta = _inputs(sizes, sum(LENGTHS), generator)
+    conv_state, state = _states(sizes, generator, torch.float32)
+    conv_expected, conv_state_expected = _reference_conv(mixed, weight, conv_state, query_start, slots)
+    expected, state_expected = _reference_rule(
+        sizes, *_split(sizes, conv_expected), g, beta, state, query_start, slots
+    )
+
+    conv_out = causal_conv_varlen(mixed, weight, conv_state, query_start, slots)
+    got = gated_delta_rule_varlen(*_split(sizes, conv_out), g, beta, state, query_start, slots)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(state, state_expected, rtol=1e-4, atol=1e-4)
+    assert torch.equal(conv_state, conv_state_expected)
+
+
+def test_two_chunks_continue_one_sequence() -> None:
+    """A prompt cut into pieces (two chunks and a decode row) gives what it gives in one piece."""
+    generator = torch.Generator().manual_seed(3)
+    sizes = SIZES[0]
+    mixed, weight, g, beta = _inputs(sizes, 20, generator)
+    conv_state, state = _states(sizes, generator, torch.float32)
+    whole_conv, whole_state = conv_state.clone(), state.clone()
+    whole = gated_delta_rule_varlen(
+        *_split(sizes, causal_conv_varlen(mixed, weight, whole_conv, *_layout([20], [5]))),
+        g,
+        beta,
+        whole_state,
+        *_layout([20], [5]),
+    )
+    pieces = []
+    for rows in (slice(0, 2), slice(2, 19), slice(19, 20)):
+        layout = _layout([rows.stop - rows.start], [5])
+        conv_out = causal_conv_varlen(mixed[rows], weight, conv_state, *layout)
+        pieces.append(gated_delta_rule_varlen(*_split(sizes, conv_out), g[rows], beta[rows], state, *layout))
+    torch.testing.assert_close(torch.cat(pieces), whole, rtol=1e-5, atol=1e-5)
+    assert torch.equal(conv_state, whole_conv)
+    torch.testing.assert_close(state, whole_state, rtol=1e-5, atol=1e-5)
+
+
+def test_a_sequence_is_bit_identical_alone_or_batched() -> None:
+    generator = torch.Generator().manual_seed(4)
+    sizes = SIZES[0]
+    mixed, weight, g, beta = _inputs(sizes, sum(LENGTHS), generator)
+    conv_state, state = _states(sizes, generator, torch.float32)
+    query_start, slots = _layout(LENGTHS, SLOT_ORDER)
+    batch_conv, batch_state = conv_state.clone(), state.clone()
+    conv_out = causal_conv_varlen(mixed, weight, batch_conv, query_start, slots)
+    batched = gated_delta_rule_varlen(*_split(sizes, conv_out), g, beta, batch_state, query_start, slots)
+
+    bounds = query_start.tolist()
+    for seq, slot in [(2, 6), (3, 2)]:
+        rows = slice(bounds[seq], bounds[seq + 1])
+        alone_conv, alone_state = conv_state.clone(), state.clone()
+        layout = _layout([rows.stop - rows.start], [slot])
+        alone_conv_out = causal_conv_varlen(mixed[rows].clone(), weight, alone_conv, *layout)
+        alone = gated_delta_rule_varlen(
+            *_split(sizes, alone_conv_out), g[rows].clone(), beta[rows].clone(), alone_state, *layout
+        )
+        assert torch.equal(alone_conv_out, conv_out[rows])
+        assert torch.equal(alone, batched[rows])
+        assert torch.equal(alone_conv[slot], batch_conv[slot])
+        assert torch.equal(alone_state[slot], batch_state[slot])
+
+
+def test_slots_outside_the_batch_are_untouched_and_empty_sequences_keep_their_state() -> None:
+    generator = torch.Generator().manual_seed(5)
+    sizes = SIZES[2]
+    mixed, weight, g, beta = _inputs(sizes, 3, generator)
+    conv_state, state = _states(sizes, generator, torch.float32)
+    before_conv, before_state = conv_state.clone(), state.clone()
+    query_start, slots = _layout([0, 3, 0], [4, 1, 6])
+    conv_out = causal_conv_varlen(mixed, weight, conv_state, query_start, slots)
+    gated_delta_rule_varlen(*_split(sizes, conv_out), g, beta, state, query_start, slots)
+    untouched = [0, 2, 3, 4, 5, 6]
+    assert torch.equal(conv_state[untouched], before_conv[untouched])
+    assert torch.equal(state[untouched], before_state[untouched])
+    assert not torch.equal(state[1], before_state[1])
