@@ -163,11 +163,17 @@ def run_strata(config: dict[str, Any], exact: bool, eager: bool) -> dict[str, An
     return result
 
 
-def bench_shape(name: str, skip_hf: bool, exact: bool, eager: bool) -> dict[str, Any]:
-    """Every figure for one shape, as one flat JSON-ready dict."""
+def bench_config(name: str) -> dict[str, Any]:
+    """The named shape, cut to as many layers as fit WEIGHT_BUDGET when the whole does not."""
     config = shape(name)
     if param_bytes(config) > WEIGHT_BUDGET:
         config = shape(name, layers=fit_layers(config, WEIGHT_BUDGET))
+    return config
+
+
+def bench_shape(name: str, skip_hf: bool, exact: bool, eager: bool) -> dict[str, Any]:
+    """Every figure for one shape, as one flat JSON-ready dict."""
+    config = bench_config(name)
     bandwidth = measure_copy_bandwidth("cuda")
     line: dict[str, Any] = {
         "shape": name,

@@ -19,8 +19,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from app.engine.protocol import AddRequest, SamplingParams
-from benchmarks.gpu_bench import open_engine
-from benchmarks.shapes import shape
+from benchmarks.gpu_bench import bench_config, open_engine
 
 
 def _kernel_table(prof: profile, windows: int, top: int) -> None:
@@ -90,12 +89,14 @@ def main() -> None:
     parser.add_argument("--batch", type=int, action="append", help="decode batch sizes (default 1 and 32)")
     parser.add_argument("--exact", action="store_true")
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--no-prefill", action="store_true", help="leave out the 8K prompt window")
     args = parser.parse_args()
-    config = shape(args.shape)
+    config = bench_config(args.shape)
     core = open_engine(config, args.exact, args.enforce_eager)
     for batch in args.batch or [1, 32]:
         _decode_case(core, batch, config["vocab_size"])
-    _prefill_case(core, config["vocab_size"])
+    if not args.no_prefill:
+        _prefill_case(core, config["vocab_size"])
 
 
 if __name__ == "__main__":

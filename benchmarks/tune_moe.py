@@ -1,10 +1,11 @@
-"""Times the routed-experts kernels under several tile choices at Qwen3-30B-A3B's expert shapes.
+"""Times the routed-experts kernels under several tile choices at Qwen3-30B-A3B's expert shapes (graphs).
 
     python benchmarks/tune_moe.py
 
-For each batch size (tokens) and tile choice: the median time of `fused_experts` (routing alignment, both
-grouped matmuls and the sum) and the bandwidth it reaches on the expert weights it must read, against the
-copy bandwidth of the card. Prints one table; the tiles in app/kernels/triton_moe.py come from it.
+For each batch size (tokens) and tile choice: the time of `fused_experts` (routing alignment, both grouped
+matmuls and the sum) replayed from a CUDA graph, as decode windows run it, and the bandwidth it reaches on the
+expert weights it must read, against the copy bandwidth of the card. The tiles in app/kernels/triton_moe.py
+come from its table.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import sys
 from pathlib import Path
 
 import torch
-import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -40,15 +40,29 @@ def _time(
     weights: torch.Tensor,
     sets: list[tuple[torch.Tensor, torch.Tensor]],
     tiles: MoeTiles,
+    replays: int = 40,
 ) -> float:
-    """Median milliseconds of one call, weights taken from the sets in turn."""
-    turn = iter(range(10**9))
+    """Mean milliseconds of one call replayed from CUDA graphs (as decode windows run it).
 
-    def run() -> None:
-        gate_up, down = sets[next(turn) % len(sets)]
-        fused_experts(x, ids, weights, gate_up, down, tiles=tiles)
-
-    return triton.testing.do_bench(run, warmup=25, rep=100, return_mode="median")
+    One graph per weight set, replayed in turn, so that repeats do not read the weights from L2.
+    """
+    graphs = []
+    for gate_up, down in sets:
+        fused_experts(x, ids, weights, gate_up, down, tiles=tiles)  # compiles outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fused_experts(x, ids, weights, gate_up, down, tiles=tiles)
+        graphs.append(graph)
+    for graph in graphs:
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for i in range(replays):
+        graphs[i % len(graphs)].replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / replays
 
 
 def main() -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from app.engine.paged_state import PagedState
@@ -50,8 +51,10 @@ class DecodeGraphs:
         # Static inputs: int64 ones in one tensor, int32 ones in another, each filled by one copy per window.
         self._long = torch.zeros(5 * rows, dtype=torch.int64, device=device)
         self._int = torch.zeros(rows + rows * max_blocks, dtype=torch.int32, device=device)
-        self._long_host = torch.zeros(5 * rows, dtype=torch.int64).pin_memory()
-        self._int_host = torch.zeros(rows + rows * max_blocks, dtype=torch.int32).pin_memory()
+        self._long_host = torch.zeros(5 * rows, dtype=torch.int64)
+        self._int_host = torch.zeros(rows + rows * max_blocks, dtype=torch.int32)
+        if device.type == "cuda":  # pinned, so the copies to the device are asynchronous
+            self._long_host, self._int_host = self._long_host.pin_memory(), self._int_host.pin_memory()
         parts = self._long.split(rows)
         self.input_ids, self.positions, self.slot_mapping = parts[0], parts[1], parts[2]
         self.state_slots, self.live = parts[3], parts[4]
@@ -63,33 +66,37 @@ class DecodeGraphs:
         self._fill([])
 
     def _fill(self, rows: list[DecodeRow]) -> None:
-        """Write `rows` into the static inputs, padding the rest onto the scratch block and slot."""
-        size = self.state.block_size
+        """Write `rows` into the static inputs, padding the rest onto the scratch block and slot.
+
+        Filled through numpy views of the pinned host buffers (no per-row torch calls), then copied over.
+        """
+        n, size = len(rows), self.state.block_size
         scratch = self.state.scratch_block
-        long_host = self._long_host.view(5, self.max_rows)
-        long_host[0].zero_()
-        long_host[1].zero_()
-        long_host[2].fill_(scratch * size)
-        long_host[3].fill_(self.state.scratch_slot)
-        long_host[4].zero_()
-        seq_lens = self._int_host[: self.max_rows]
-        seq_lens.fill_(1)
-        table = self._int_host[self.max_rows :].view(self.max_rows, self.max_blocks)
-        table[:, 0] = scratch
-        for i, row in enumerate(rows):
-            used = row.position // size + 1
-            long_host[0, i] = row.token
-            long_host[1, i] = row.position
-            long_host[2, i] = row.blocks[row.position // size] * size + row.position % size
-            long_host[3, i] = row.slot
-            long_host[4, i] = 1
-            seq_lens[i] = row.position + 1
-            table[i, :used] = torch.tensor(row.blocks[:used], dtype=torch.int32)
+        long_host = self._long_host.numpy().reshape(5, self.max_rows)
+        int_host = self._int_host.numpy()
+        seq_lens = int_host[: self.max_rows]
+        table = int_host[self.max_rows :].reshape(self.max_rows, self.max_blocks)
+        long_host[:, n:] = np.array([0, 0, scratch * size, self.state.scratch_slot, 0])[:, None]
+        seq_lens[n:] = 1
+        table[n:, 0] = scratch
+        if n:
+            positions = np.fromiter((r.position for r in rows), np.int64, n)
+            current = np.fromiter((r.blocks[r.position // size] for r in rows), np.int64, n)
+            long_host[0, :n] = np.fromiter((r.token for r in rows), np.int64, n)
+            long_host[1, :n] = positions
+            long_host[2, :n] = current * size + positions % size
+            long_host[3, :n] = np.fromiter((r.slot for r in rows), np.int64, n)
+            long_host[4, :n] = 1
+            seq_lens[:n] = positions + 1
+            for i, row in enumerate(rows):
+                used = row.position // size + 1
+                table[i, :used] = row.blocks[:used]
         self._long.copy_(self._long_host, non_blocking=True)
-        self.seq_lens.copy_(seq_lens, non_blocking=True)
+        self.seq_lens.copy_(self._int_host[: self.max_rows], non_blocking=True)
         # Rows read only the columns their length covers: copy no more than the widest row needs.
         width = max((r.position // size + 1 for r in rows), default=1)
-        self.block_table[:, :width].copy_(table[:, :width], non_blocking=True)
+        host_table = self._int_host[self.max_rows :].view(self.max_rows, self.max_blocks)
+        self.block_table[:, :width].copy_(host_table[:, :width], non_blocking=True)
 
     def _batch(self, rows: int) -> ForwardBatch:
         """A forward batch over the first `rows` static rows."""

@@ -30,14 +30,16 @@ class MoeTiles:
     num_stages: int = 3
 
 
-EXACT_TILES = MoeTiles(block_m=16, block_n=64, block_k=64)
+# From benchmarks/tune_moe.py on an H200 (docs/KERNELS.md): 16-row tiles read decode batches' experts at
+# 51% (1 token), 87% (8) and 93% (32) of copy bandwidth; 128-row tiles are fastest for long prompts.
+EXACT_TILES = MoeTiles(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4)
 
 
 def moe_tiles(tokens: int, exact: bool) -> MoeTiles:
     """The tiles for a batch of `tokens` rows; with `exact` the same for every batch size."""
     if exact or tokens <= 64:
         return EXACT_TILES
-    return MoeTiles(block_m=64, block_n=128, block_k=64, num_warps=8)
+    return MoeTiles(block_m=128, block_n=128, block_k=64, num_warps=8)
 
 
 @dataclass(frozen=True)
@@ -55,9 +57,14 @@ class Routes:
 
 
 @triton.jit
-def _count_pairs(ids_ptr, counts_ptr, pairs, BLOCK: tl.constexpr):
-    """counts[expert] = how many pairs picked this program's expert."""
+def _count_pairs(ids_ptr, counts_ptr, block_expert_ptr, pairs, blocks, per_program, BLOCK: tl.constexpr):
+    """counts[expert] = how many pairs picked this program's expert; also marks its share of tiles unused."""
     expert = tl.program_id(0)
+    for start in range(0, per_program, BLOCK):
+        tile = expert * per_program + start + tl.arange(0, BLOCK)
+        tl.store(
+            block_expert_ptr + tile, -1, mask=(tile < blocks) & (start + tl.arange(0, BLOCK) < per_program)
+        )
     total = 0
     for start in range(0, pairs, BLOCK):
         offs = start + tl.arange(0, BLOCK)
@@ -104,7 +111,7 @@ def _place_pairs(
 
 
 def align_routes(top_ids: torch.Tensor, experts: int, block_m: int) -> Routes:
-    """Group the pairs of `top_ids` [tokens, top_k] by expert into tiles of `block_m` rows (three launches).
+    """Group the pairs of `top_ids` [tokens, top_k] by expert into tiles of `block_m` rows (two launches).
 
     Sizes are bounds known from the shapes alone (at most ceil(pairs / block_m) + min(pairs, experts) tiles),
     so no value is read back to the host; within an expert, pairs keep their order.
@@ -115,9 +122,9 @@ def align_routes(top_ids: torch.Tensor, experts: int, block_m: int) -> Routes:
     blocks = -(-pairs // block_m) + min(pairs, experts)
     counts = torch.empty(experts, dtype=torch.int32, device=device)
     rows = torch.empty(blocks * block_m, dtype=torch.int32, device=device)
-    block_expert = torch.full((blocks,), -1, dtype=torch.int32, device=device)
+    block_expert = torch.empty(blocks, dtype=torch.int32, device=device)
     block = min(1024, triton.next_power_of_2(pairs))
-    _count_pairs[(experts,)](flat, counts, pairs, BLOCK=block)
+    _count_pairs[(experts,)](flat, counts, block_expert, pairs, blocks, -(-blocks // experts), BLOCK=block)
     _place_pairs[(experts,)](
         flat,
         counts,

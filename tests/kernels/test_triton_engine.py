@@ -34,10 +34,10 @@ def test_triton_kernels_give_the_tokens_and_logprobs_of_the_reference(checkpoint
 def test_prompts_and_decode_rows_in_one_window_equal_each_alone(checkpoint: Path) -> None:
     core = make_core(checkpoint, backend="triton", parallel=4, max_batched_tokens=64)
     arrivals = [
-        (i, request(_prompt(10 + 17 * i, i), max_tokens=8, temperature=0, ignore_eos=True)) for i in range(4)
+        (i, request(_prompt(10 + 12 * i, i), max_tokens=6, temperature=0, ignore_eos=True)) for i in range(4)
     ]
     together, windows = run(core, arrivals)
     assert any(w.prompt_tokens and w.decode_tokens for w in windows)  # mixed windows really happened
     for _, add in arrivals:
-        alone = complete(core, add.prompt_token_ids, max_tokens=8, temperature=0, ignore_eos=True)
+        alone = complete(core, add.prompt_token_ids, max_tokens=6, temperature=0, ignore_eos=True)
         assert together[add.request_id].token_ids == alone.token_ids

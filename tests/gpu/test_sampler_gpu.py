@@ -1,0 +1,46 @@
+"""Sampling on the GPU: a window synchronises with the host once for greedy rows, never once per row."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from app.engine.protocol import SamplingParams
+from app.engine.sampler import RowSampling, Sampler
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+def _syncs(sampler: Sampler, logits: torch.Tensor, rows: list[RowSampling]) -> int:
+    """How many synchronising CUDA calls one sampler call makes (torch's sync debug mode)."""
+    sampler(logits, rows)  # warm-up: generators, caches
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            sampler(logits, rows)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message).lower() for w in caught)
+
+
+def _rows(count: int, **params: object) -> list[RowSampling]:
+    return [RowSampling(SamplingParams(**params), i, [1, 2], []) for i in range(count)]
+
+
+def test_a_greedy_window_reads_back_once() -> None:
+    logits = torch.randn(16, 4096, device="cuda")
+    assert _syncs(Sampler(0), logits, _rows(16, temperature=0)) == 1
+
+
+def test_sampling_rows_cost_the_same_synchronisations_for_2_and_16_rows() -> None:
+    sampler = Sampler(0)
+    few = _syncs(sampler, torch.randn(2, 4096, device="cuda"), _rows(2, temperature=0.8, top_p=0.9))
+    many = _syncs(sampler, torch.randn(16, 4096, device="cuda"), _rows(16, temperature=0.8, top_p=0.9))
+    assert few == many
