@@ -27,20 +27,22 @@ def _syncs(sampler: Sampler, logits: torch.Tensor, rows: list[RowSampling]) -> i
             sampler(logits, rows)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    return sum("synchroniz" in str(w.message).lower() for w in caught)
+    return sum("called a synchronizing CUDA operation" in str(w.message) for w in caught)
 
 
 def _rows(count: int, **params: object) -> list[RowSampling]:
     return [RowSampling(SamplingParams(**params), i, [1, 2], []) for i in range(count)]
 
 
-def test_a_greedy_window_reads_back_once() -> None:
-    logits = torch.randn(16, 4096, device="cuda")
-    assert _syncs(Sampler(0), logits, _rows(16, temperature=0)) == 1
-
-
-def test_sampling_rows_cost_the_same_synchronisations_for_2_and_16_rows() -> None:
+@pytest.mark.parametrize(
+    "params", [{"temperature": 0}, {"temperature": 0.8, "top_p": 0.9}], ids=["greedy", "sampled"]
+)
+def test_synchronisations_do_not_grow_with_the_rows(params: dict) -> None:
     sampler = Sampler(0)
-    few = _syncs(sampler, torch.randn(2, 4096, device="cuda"), _rows(2, temperature=0.8, top_p=0.9))
-    many = _syncs(sampler, torch.randn(16, 4096, device="cuda"), _rows(16, temperature=0.8, top_p=0.9))
+    few = _syncs(sampler, torch.randn(2, 4096, device="cuda"), _rows(2, **params))
+    many = _syncs(sampler, torch.randn(16, 4096, device="cuda"), _rows(16, **params))
     assert few == many
+
+
+def test_a_greedy_window_synchronises_once_to_read_its_tokens() -> None:
+    assert _syncs(Sampler(0), torch.randn(16, 4096, device="cuda"), _rows(16, temperature=0)) == 1
