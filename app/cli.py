@@ -60,7 +60,7 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--exact",
         action="store_true",
-        help="batch-independent kernel tiles: a row's output never depends on its batch (docs/KERNELS.md)",
+        help="expert tiles fixed for every window size (what stays batch-invariant: docs/KERNELS.md)",
     )
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode windows")
 

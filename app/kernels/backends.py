@@ -45,7 +45,7 @@ class Backends:
     Fusions with the reference's rounding: rms_norm(x, weight, eps, offset); add_rms_norm(h, residual, ...)
     -> (norm of residual + h, residual + h); gated_rms_norm(x, gate, weight, eps); qk_norm_rope(q, k,
     q_weight, k_weight, eps, offset, cos, sin) -> (q, k) normalised per head and rotated.
-    `exact` marks a set whose every row is computed the same whatever else shares its batch.
+    `exact` marks a set whose kernels never choose tiles by the batch (dense projections stay on cuBLAS).
     """
 
     name: str
