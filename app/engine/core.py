@@ -80,6 +80,7 @@ class EngineCore:
             graphs = DecodeGraphs(model, state, config.parallel, -(-self.max_model_len // config.block_size))
             graphs.capture()
         self.runner = ModelRunner(model, state, Sampler(config.seed), graphs)
+        self.runner.warm_up()
         self.scheduler = Scheduler(
             SchedulerConfig(
                 parallel=config.parallel,

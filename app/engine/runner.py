@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +41,26 @@ class ModelRunner:
         self.graphs = graphs
         self.paged = model.backends.paged_attention is not None
         self.device = model.model.embed_tokens.weight.device
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Compile the kernel variants of eager windows on a GPU before the first request arrives.
+
+        Triton compiles a kernel on first use for each specialisation (tile sizes, whether sizes are multiples
+        of 16); without this, the first windows that read a prompt would stall every decoding slot while they
+        compile. Runs prompt chunks beside decode rows on the scratch block and slot; nothing is counted.
+        """
+        if not self.paged or self.device.type != "cuda":
+            return
+        scratch, size = self.state.scratch_slot, self.state.block_size
+        self.state.set_block_table(scratch, [self.state.scratch_block] * (-(-160 // size)))
+        for lengths in ((97, 1, 1, 1), (96, 1, 1), (160,), (1, 1)):
+            batch = ForwardBatch.build([(scratch, [0] * n, 0) for n in lengths], self.state, self.device)
+            layout = self.state.layout(batch.spans)
+            batch.layout = dataclasses.replace(layout, live_rows=torch.zeros_like(layout.slot_mapping))
+            self.model.logits(self.model(batch)[-1:])
+        self.state.reset_slot(scratch)
+        torch.cuda.synchronize()
 
     @torch.inference_mode()
     def execute(self, window: Window) -> list[Sampled]:

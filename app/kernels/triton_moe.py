@@ -123,7 +123,7 @@ def align_routes(top_ids: torch.Tensor, experts: int, block_m: int) -> Routes:
     counts = torch.empty(experts, dtype=torch.int32, device=device)
     rows = torch.empty(blocks * block_m, dtype=torch.int32, device=device)
     block_expert = torch.empty(blocks, dtype=torch.int32, device=device)
-    block = min(1024, triton.next_power_of_2(pairs))
+    block = 256 if pairs <= 256 else 1024  # two compiled variants, whatever the window size
     _count_pairs[(experts,)](flat, counts, block_expert, pairs, blocks, -(-blocks // experts), BLOCK=block)
     _place_pairs[(experts,)](
         flat,
