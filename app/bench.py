@@ -117,7 +117,11 @@ def _summary(
 
 
 def _observer_rates(windows: list[WindowStats]) -> tuple[float | None, float | None]:
-    """Request 0's decode speed in windows where it decoded alone, and where peers' prompts were read."""
+    """Request 0's decode speed in windows where it decoded alone, and while peers' prompts were being read.
+
+    The second counts every window from the peers' arrival until their prompts are read, also the windows that
+    read none of them (the scheduler may let decoding slots run ahead, then read a large chunk).
+    """
     observer = next((s.request_id for w in windows for s in w.slots), None)
     solo_time = read_time = 0.0
     solo_rows = read_rows = 0
@@ -125,7 +129,8 @@ def _observer_rates(windows: list[WindowStats]) -> tuple[float | None, float | N
         decoding = any(s.request_id == observer and s.phase == "decode" for s in w.slots)
         if not decoding or w.decode_tokens == 0:
             continue
-        if w.prompt_tokens:
+        peers_reading = w.waiting > 0 or any(s.phase == "prompt" for s in w.slots)
+        if peers_reading or w.prompt_tokens:
             read_time += w.duration_s
             read_rows += 1
         elif len(w.slots) == 1:

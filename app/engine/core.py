@@ -161,7 +161,7 @@ class EngineCore:
         started, clock = time.time(), time.perf_counter()
         sampled = self.runner.execute(window) if window.chunks else []
         seconds = time.perf_counter() - clock
-        self.scheduler.advance(window, seconds)
+        self.scheduler.advance(window, seconds, replayed=self.runner.last_replayed)
         fed = {c.request.request_id: len(c.tokens) for c in window.chunks}
         outputs = [self._emit(s) for s in sampled]
         self.windows += 1

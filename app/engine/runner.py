@@ -40,6 +40,7 @@ class ModelRunner:
         self.sampler = sampler
         self.graphs = graphs
         self.paged = model.backends.paged_attention is not None
+        self.last_replayed = False  # whether the last window replayed a CUDA graph
         self.device = model.model.embed_tokens.weight.device
 
     @torch.inference_mode()
@@ -69,12 +70,11 @@ class ModelRunner:
             if chunk.fresh:
                 self.state.reset_slot(chunk.slot)
             self.state.set_block_table(chunk.slot, chunk.request.blocks)
-        chunks = window.chunks
-        if self.graphs is not None and self.graphs.fits(len(chunks)) and all(c.decode for c in chunks):
+        chunks, graphs = window.chunks, self.graphs
+        self.last_replayed = graphs is not None and graphs.fits(len(chunks)) and all(c.decode for c in chunks)
+        if graphs is not None and self.last_replayed:
             sampling = chunks
-            logits = self.graphs.run(
-                [DecodeRow(c.tokens[0], c.past, c.slot, c.request.blocks) for c in chunks]
-            )
+            logits = graphs.run([DecodeRow(c.tokens[0], c.past, c.slot, c.request.blocks) for c in chunks])
         else:
             sampling, logits = self._eager(chunks)
         if not sampling:

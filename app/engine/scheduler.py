@@ -2,7 +2,8 @@
 
 Each window: decode rows first (one token per decoding slot), then prompt chunks of partially read requests
 and of waiting requests, FIFO, within the window's token budget. While slots are decoding, the prompt budget
-is cut so that a window lasts at most 1 / decode_share times a decode-only window (docs/BATCHING.md).
+is cut so that decoding slots keep decode_share of their solo speed (docs/BATCHING.md): a window lasts at most
+1 / decode_share times a decode-only window, plus what earlier windows left unused while prompts waited.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import dataclass, field
 
 from app.engine.blocks import BlockPool
 from app.engine.protocol import SamplingParams
-from app.engine.window_cost import WindowCost
+from app.engine.window_cost import DecodeWindowCost, WindowCost
 
 UNCALIBRATED_CHUNK = 256
 
@@ -122,6 +123,8 @@ class Scheduler:
         self.config = config
         self.pool = BlockPool(config.kv_blocks, config.block_size)
         self.cost = WindowCost()
+        self.decode_cost = DecodeWindowCost()
+        self.credit = 0.0  # seconds decoding slots are ahead of their share while prompts wait (may be < 0)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order
         self.free_slots = list(range(config.parallel - 1, -1, -1))
@@ -210,14 +213,50 @@ class Scheduler:
         if request in self.running:
             self.running.remove(request)
 
-    def advance(self, window: Window, seconds: float) -> None:
-        """Account for a window that ran: its chunks are now in the state."""
+    def advance(self, window: Window, seconds: float, replayed: bool = False) -> None:
+        """Account for a window that ran: its chunks are now in the state.
+
+        `replayed` says the window replayed a CUDA graph: its time then says nothing about eager windows.
+        """
         for chunk in window.chunks:
             request = chunk.request
             request.computed += len(chunk.tokens)
             if chunk.samples:
                 request.phase = Phase.DECODE
-        self.cost.observe(sum(len(c.tokens) for c in window.chunks), len(window.chunks), seconds)
+        rows = sum(len(c.tokens) for c in window.chunks)
+        decode = window.decode_tokens
+        if not replayed:
+            self.cost.observe(rows, len(window.chunks), seconds)
+        if decode and rows == decode:
+            self.decode_cost.observe(decode, seconds)
+        self._settle_credit(decode, seconds)
+
+    def solo_seconds(self, decode_rows: int) -> float | None:
+        """Expected seconds of a window of `decode_rows` decode rows alone, None while unknown."""
+        solo = self.decode_cost.predict(decode_rows)
+        if solo is None and self.cost.calibrated:
+            solo = self.cost.predict(decode_rows, decode_rows)
+        return solo
+
+    def credit_cap(self, decode_rows: int, allowed: float) -> float:
+        """The most credit decoding slots may build: what a window with a full token budget costs."""
+        if not self.cost.calibrated:
+            return allowed
+        return max(allowed, self.cost.predict(decode_rows + self.config.max_batched_tokens, decode_rows + 1))
+
+    def _settle_credit(self, decode_rows: int, seconds: float) -> None:
+        """Credit decoding slots with what this window left of their share, or charge what it took beyond it.
+
+        Credit builds only while prompts wait to be read, from -allowed up to `credit_cap`.
+        """
+        solo = self.solo_seconds(decode_rows) if decode_rows else None
+        waiting = bool(self.waiting) or any(r.phase is Phase.PROMPT for r in self.running)
+        if solo is None or not waiting:
+            self.credit = 0.0
+            return
+        allowed = solo / self.config.decode_share
+        cap = self.credit_cap(decode_rows, allowed)
+        self.credit = min(max(self.credit + allowed - seconds, -allowed), cap)
 
     def append_token(self, request: Request, token: int) -> None:
         """Record a sampled token; the next window feeds it."""
@@ -238,9 +277,13 @@ class Scheduler:
 class _Share:
     """The prompt rows one window may still take: its token budget, and while slots decode, a time budget.
 
-    With d decode rows the window may last predict(d) / decode_share; a prompt chunk costs its rows and one
-    sequence. The first prompt chunk gets at least one block so prompts always progress. Until the window cost
-    is calibrated, prompt chunks beside decoding slots take at most UNCALIBRATED_CHUNK tokens in all.
+    With d decode rows the window may last solo(d) / decode_share plus the scheduler's credit; a prompt chunk
+    costs its rows and one sequence. The first prompt chunk gets at least one block so prompts always
+    progress, unless even one block would overrun the share (windows with prompt rows cost far more than
+    decode-only ones, as eager windows beside replayed CUDA graphs): then windows decode only, building
+    credit, until it pays for a whole chunk (the request's pending tokens or the token budget) or is capped.
+    Until the window cost is calibrated, prompt chunks beside decoding slots take at most UNCALIBRATED_CHUNK
+    tokens in all.
     """
 
     def __init__(self, scheduler: Scheduler, decode_rows: int, tokens: int) -> None:
@@ -250,8 +293,14 @@ class _Share:
         self.tokens = tokens
         self.limit: float | None = None
         self.first = True
-        if decode_rows and self.cost.calibrated:
-            self.limit = self.cost.predict(decode_rows, decode_rows) / scheduler.config.decode_share
+        self.saving = False
+        solo = scheduler.solo_seconds(decode_rows) if decode_rows else None
+        if solo is not None and self.cost.calibrated:
+            allowed = solo / scheduler.config.decode_share
+            self.limit = allowed + scheduler.credit
+            one_block = self.cost.predict(decode_rows + self.minimum, decode_rows + 1)
+            capped = scheduler.credit >= scheduler.credit_cap(decode_rows, allowed)
+            self.saving = one_block > allowed and scheduler.config.decode_share < 1 and not capped
         elif decode_rows:
             self.tokens = min(tokens, UNCALIBRATED_CHUNK)
 
@@ -260,7 +309,10 @@ class _Share:
         take = min(pending, self.tokens)
         if self.limit is not None:
             afford = self.cost.rows_within(self.limit - self.cost.predict(self.rows, self.sequences))
-            take = min(take, max(afford, self.minimum) if self.first else afford)
+            if self.first and self.saving:
+                take = take if afford >= take else 0
+            else:
+                take = min(take, max(afford, self.minimum) if self.first else afford)
         if take > 0:
             self.first = False
             self.tokens -= take

@@ -23,7 +23,8 @@ class WindowCost:
 
     Recent windows weigh more (`decay` per window), so the fit follows the machine and the context lengths. A
     window pays per row (projections, experts) and per sequence in it (attention and recurrent-state work run
-    once per sequence). Until windows of different shapes have run, `calibrated` is False.
+    once per sequence). Until windows of two different sizes have run, `calibrated` is False; while rows and
+    sequences cannot be told apart, the per-sequence cost is taken as 0.
     """
 
     def __init__(self, decay: float = 0.95) -> None:
@@ -40,8 +41,19 @@ class WindowCost:
             for j in range(3):
                 self._xtx[i][j] = self.decay * self._xtx[i][j] + x[i] * x[j]
         solution = _solve3(self._xtx, self._xty)
-        ok = solution is not None and solution[1] > 0 and solution[2] >= 0
-        self._fit = (max(solution[0], 0.0), solution[1], solution[2]) if ok else None
+        if solution is not None and solution[1] > 0 and solution[2] >= 0:
+            self._fit = (max(solution[0], 0.0), solution[1], solution[2])
+            return
+        # Windows of only two shapes (say a prompt alone, then the same chunk beside the same decode rows)
+        # cannot separate rows from sequences: fit fixed + per_row alone until they can.
+        (a, b), (c, d) = self._xtx[0][:2], self._xtx[1][:2]
+        det = a * d - b * c
+        if abs(det) < 1e-12:
+            self._fit = None
+            return
+        fixed = (d * self._xty[0] - b * self._xty[1]) / det
+        per_row = (a * self._xty[1] - c * self._xty[0]) / det
+        self._fit = (max(fixed, 0.0), per_row, 0.0) if per_row > 0 else None
 
     @property
     def calibrated(self) -> bool:
@@ -62,3 +74,27 @@ class WindowCost:
         if self._fit is None:
             raise ValueError("window cost is not calibrated yet")
         return self._fit
+
+
+class DecodeWindowCost:
+    """Seconds of windows that hold only decode rows, per row count (a recency-weighted mean).
+
+    Kept apart from `WindowCost`: on a GPU such windows replay a CUDA graph and cost a fraction of an eager
+    window of the same rows, so one linear fit cannot describe both.
+    """
+
+    def __init__(self, decay: float = 0.8) -> None:
+        self.decay = decay
+        self._seconds: dict[int, float] = {}
+
+    def observe(self, rows: int, seconds: float) -> None:
+        """Add one decode-only window's duration."""
+        last = self._seconds.get(rows)
+        self._seconds[rows] = seconds if last is None else self.decay * last + (1 - self.decay) * seconds
+
+    def predict(self, rows: int) -> float | None:
+        """Expected seconds of a decode-only window of `rows` rows (the nearest row count seen), or None."""
+        if not self._seconds:
+            return None
+        nearest = min(self._seconds, key=lambda seen: (abs(seen - rows), seen))
+        return self._seconds[nearest]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from app.engine.protocol import SamplingParams
 from app.engine.scheduler import Phase, Request, Scheduler, SchedulerConfig, Window
-from app.engine.window_cost import WindowCost
+from app.engine.window_cost import DecodeWindowCost, WindowCost
 
 
 def _scheduler(**overrides: object) -> Scheduler:
@@ -130,3 +130,63 @@ def test_finish_frees_slot_and_blocks() -> None:
     assert scheduler.pool.used == 3 and not scheduler.free_slots
     scheduler.finish(scheduler.requests["a"], "abort")
     assert scheduler.pool.used == 0 and scheduler.free_slots == [0] and not scheduler.has_work()
+
+
+def test_decode_window_cost_is_kept_per_row_count() -> None:
+    cost = DecodeWindowCost(decay=0.5)
+    assert cost.predict(4) is None
+    cost.observe(1, 0.002)
+    cost.observe(8, 0.004)
+    cost.observe(8, 0.006)
+    assert cost.predict(8) == 0.005
+    assert cost.predict(2) == 0.002 and cost.predict(7) == 0.005  # the nearest row count seen
+
+
+def _simulate(scheduler: Scheduler, windows: int, eager: WindowCost, replayed_seconds: float) -> list[tuple]:
+    """Run windows whose time comes from a model: decode-only windows replay graphs, others run eagerly."""
+    log = []
+    for _ in range(windows):
+        window = scheduler.schedule()
+        if not window.chunks:
+            break
+        rows = sum(len(c.tokens) for c in window.chunks)
+        replayed = rows == window.decode_tokens
+        seconds = replayed_seconds if replayed else eager.predict(rows, len(window.chunks))
+        scheduler.advance(window, seconds, replayed=replayed)
+        for chunk in window.chunks:
+            if chunk.samples:
+                scheduler.append_token(chunk.request, 7)
+        log.append((window.decode_tokens, window.prompt_tokens, seconds))
+    return log
+
+
+def test_expensive_prompt_windows_alternate_with_decode_only_ones_and_keep_the_share() -> None:
+    # Eager windows cost 8 ms before their rows; a decode-only window replays a graph in 1 ms. Not even one
+    # block fits beside the decode row within the share, so windows decode only until their credit pays for a
+    # whole chunk: decoding keeps half its solo speed on average and the prompt is read in full-budget chunks.
+    eager = WindowCost()
+    for rows, sequences in [(1, 1), (100, 1), (400, 2), (2000, 3), (50, 5), (8, 8)]:
+        eager.observe(rows, sequences, 0.008 + 0.00001 * rows + 0.0001 * sequences)
+    scheduler = _scheduler(max_batched_tokens=512, decode_share=0.5)
+    for rows, sequences in [(1, 1), (100, 1), (400, 2), (2000, 3), (50, 5), (8, 8)]:
+        scheduler.cost.observe(rows, sequences, eager.predict(rows, sequences))
+    scheduler.add(_request("a", 4, max_tokens=10_000))
+    _simulate(scheduler, 3, eager, 0.001)
+    scheduler.add(_request("long", 3000))
+    log = _simulate(scheduler, 400, eager, 0.001)
+    reading = log[: max(i for i, w in enumerate(log) if w[1]) + 1]
+    decode_tokens = sum(w[0] for w in reading)
+    share = decode_tokens * 0.001 / sum(w[2] for w in reading)
+    assert 0.45 <= share <= 0.6
+    chunks = [w[1] for w in reading if w[1]]
+    assert sum(chunks) == 3000 and all(c == 511 for c in chunks[:-1])
+    assert all(w[0] == 1 for w in reading)  # "a" got a token in every window
+
+
+def test_credit_is_dropped_once_no_prompt_waits() -> None:
+    scheduler = _scheduler(decode_share=0.5)
+    scheduler.add(_request("a", 4, max_tokens=1000))
+    _run(scheduler)
+    for _ in range(5):
+        _run(scheduler, seconds=0.001)
+    assert scheduler.credit == 0.0
