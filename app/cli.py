@@ -60,7 +60,7 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--exact",
         action="store_true",
-        help="expert tiles fixed for every window size (what stays batch-invariant: docs/KERNELS.md)",
+        help="fixed kernel tiles for every window size, dense projections included (docs/KERNELS.md)",
     )
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode windows")
 

@@ -15,8 +15,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     `max_batched_tokens` the token budget of one window; `kv_memory` the bytes of the KV pool and per-slot
     recurrent state; `decode_share` the share of its solo speed a decoding slot keeps while peers' prompts
     are read (docs/BATCHING.md); `backend` names the compute backends (app/kernels), `auto` picks for the
-    device; `exact` fixes the expert tiles for every window size (docs/KERNELS.md);
-    `enforce_eager` turns off CUDA graphs of decode windows.
+    device; `exact` fixes the kernels' tiles for every window size, dense projections included
+    (docs/KERNELS.md); `enforce_eager` turns off CUDA graphs of decode windows.
     """
 
     model: str | None = None

@@ -17,7 +17,7 @@ from app.errors import StrataError
 from app.models.attention import causal_attention
 from app.models.batch import PagedLayout
 from app.models.gdn import delta_rule_chunked, delta_rule_recurrent
-from app.models.layers import AddNormKernel, GatedNormKernel, NormKernel
+from app.models.layers import AddNormKernel, GatedNormKernel, LinearKernel, NormKernel
 from app.models.moe import RouteKernel, experts_reference
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
@@ -45,7 +45,8 @@ class Backends:
     Fusions with the reference's rounding: rms_norm(x, weight, eps, offset); add_rms_norm(h, residual, ...)
     -> (norm of residual + h, residual + h); gated_rms_norm(x, gate, weight, eps); qk_norm_rope(q, k,
     q_weight, k_weight, eps, offset, cos, sin) -> (q, k) normalised per head and rotated.
-    `exact` marks a set whose kernels never choose tiles by the batch (dense projections stay on cuBLAS).
+    linear(x, weight, bias) -> x @ weight.T + bias for the dense projections (None: torch, i.e. cuBLAS).
+    `exact` marks a set whose kernels never choose their tiles by the batch.
     """
 
     name: str
@@ -61,6 +62,7 @@ class Backends:
     add_rms_norm: AddNormKernel | None = None
     gated_rms_norm: GatedNormKernel | None = None
     qk_norm_rope: QKNormRopeFn | None = None
+    linear: LinearKernel | None = None
     exact: bool = False
 
 
@@ -98,12 +100,18 @@ def triton_backends() -> Backends:
 
 
 def exact_backends(backends: Backends) -> Backends:
-    """The same set with batch-independent tiles wherever a kernel's tiles could follow the batch size."""
+    """The same set with batch-independent tiles wherever a kernel's tiles could follow the batch size.
+
+    The routed experts keep their decode tiles for every window, and the dense projections leave cuBLAS (which
+    picks its algorithm by matrix shape) for the same grouped matmul with one group.
+    """
     if backends.exact or backends.name == "torch":
         return replace(backends, exact=True)
-    from app.kernels.triton_moe import exact_fused_experts
+    from app.kernels.triton_moe import exact_fused_experts, exact_linear
 
-    return replace(backends, name=f"{backends.name}+exact", experts=exact_fused_experts, exact=True)
+    return replace(
+        backends, name=f"{backends.name}+exact", experts=exact_fused_experts, linear=exact_linear, exact=True
+    )
 
 
 def _triton(device: torch.device) -> Backends | None:

@@ -366,3 +366,25 @@ def exact_fused_experts(
 ) -> torch.Tensor:
     """`fused_experts` with the batch-independent tiles."""
     return fused_experts(x, top_ids, top_weights, gate_up, down, exact=True)
+
+
+def exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [rows, k] @ weight [n, k].T (+ bias) as a grouped matmul with one group and the exact tiles.
+
+    Every row is computed by the same tile program whatever the number of rows, so a row's result does not
+    depend on its batch (cuBLAS picks its algorithm by matrix shape).
+    """
+    rows, n = x.shape[0], weight.shape[0]
+    tiles = EXACT_TILES
+    blocks = -(-rows // tiles.block_m)
+    routes = Routes(
+        rows=torch.arange(blocks * tiles.block_m, dtype=torch.int32, device=x.device),
+        block_expert=torch.zeros(blocks, dtype=torch.int32, device=x.device),
+        pairs=rows,
+        block_m=tiles.block_m,
+    )
+    x = x.contiguous()
+    out = x.new_empty(rows, n)
+    if rows:
+        _launch(x, weight.unsqueeze(0), out, routes, tiles, n, 1, None)
+    return out if bias is None else out + bias

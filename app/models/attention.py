@@ -10,7 +10,7 @@ from torch import nn
 
 from app.models.batch import ForwardBatch, PagedStatePools
 from app.models.config import ModelConfig
-from app.models.layers import RMSNorm, apply_rotary
+from app.models.layers import Linear, RMSNorm, apply_rotary, linear
 
 if TYPE_CHECKING:
     from app.kernels.backends import Backends
@@ -47,7 +47,8 @@ class Attention(nn.Module):
         # q, k and v projections in one weight (one matmul); checkpoints keep them apart (`checkpoint_parts`).
         self.qkv_weight = nn.Parameter(torch.empty(self.q_out + 2 * self.kv_out, config.hidden_size))
         self.qkv_bias = nn.Parameter(torch.empty(self.q_out + 2 * self.kv_out)) if bias else None
-        self.o_proj = nn.Linear(self.heads * self.head_dim, config.hidden_size, bias=bias)
+        self.linear_kernel = backends.linear
+        self.o_proj = Linear(self.heads * self.head_dim, config.hidden_size, bias, backends.linear)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, offset=config.offset_norm)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, offset=config.offset_norm)
         self.qk_norm_rope = backends.qk_norm_rope
@@ -67,7 +68,7 @@ class Attention(nn.Module):
         self, x: torch.Tensor, batch: ForwardBatch, cos_sin: tuple[torch.Tensor, torch.Tensor]
     ) -> torch.Tensor:
         tokens = x.shape[0]
-        q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split(
+        q, k, v = linear(x, self.qkv_weight, self.qkv_bias, self.linear_kernel).split(
             [self.q_out, self.kv_out, self.kv_out], -1
         )
         gate = None

@@ -10,7 +10,7 @@ from torch import nn
 
 from app.models.batch import ForwardBatch, PagedLayout, PagedStatePools
 from app.models.config import ModelConfig
-from app.models.layers import GatedRMSNorm
+from app.models.layers import GatedRMSNorm, Linear
 
 if TYPE_CHECKING:
     from app.kernels.backends import Backends
@@ -125,15 +125,15 @@ class GatedDeltaNet(nn.Module):
         self.value_dim = self.v_heads * self.dv
         conv_dim = 2 * self.key_dim + self.value_dim
         hidden = config.hidden_size
-        self.in_proj_qkvz = nn.Linear(hidden, 2 * self.key_dim + 2 * self.value_dim, bias=False)
-        self.in_proj_ba = nn.Linear(hidden, 2 * self.v_heads, bias=False)
+        self.in_proj_qkvz = Linear(hidden, 2 * self.key_dim + 2 * self.value_dim, kernel=backends.linear)
+        self.in_proj_ba = Linear(hidden, 2 * self.v_heads, kernel=backends.linear)
         self.conv1d = nn.Conv1d(
             conv_dim, conv_dim, config.linear_conv_kernel_dim, groups=conv_dim, bias=False
         )
         self.dt_bias = nn.Parameter(torch.ones(self.v_heads))
         self.A_log = nn.Parameter(torch.zeros(self.v_heads))
         self.norm = GatedRMSNorm(self.dv, config.rms_norm_eps, backends.gated_rms_norm)
-        self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
+        self.out_proj = Linear(self.value_dim, hidden, kernel=backends.linear)
 
     def _split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Projections grouped per key head -> mixed qkv [tokens, conv_dim], z [tokens, v_heads, dv], b, a."""

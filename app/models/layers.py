@@ -16,6 +16,29 @@ AddNormKernel = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, float, bool], tuple[torch.Tensor, torch.Tensor]
 ]
 GatedNormKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+LinearKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernel: LinearKernel | None
+) -> torch.Tensor:
+    """x @ weight.T (+ bias) over the last dimension, through `kernel` [rows, k] when one is given."""
+    if kernel is None:
+        return F.linear(x, weight, bias)
+    return kernel(x.reshape(-1, x.shape[-1]), weight, bias).view(*x.shape[:-1], weight.shape[0])
+
+
+class Linear(nn.Linear):
+    """`nn.Linear` (same parameters, same checkpoint names) whose matmul may be a backend kernel."""
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool = False, kernel: LinearKernel | None = None
+    ) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.kernel = kernel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, self.kernel)
 
 
 class RMSNorm(nn.Module):
@@ -76,11 +99,11 @@ class GatedRMSNorm(nn.Module):
 class DenseMLP(nn.Module):
     """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, hidden: int, intermediate: int) -> None:
+    def __init__(self, hidden: int, intermediate: int, kernel: LinearKernel | None = None) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_proj = Linear(hidden, intermediate, kernel=kernel)
+        self.up_proj = Linear(hidden, intermediate, kernel=kernel)
+        self.down_proj = Linear(intermediate, hidden, kernel=kernel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from app.models.config import ModelConfig
-from app.models.layers import DenseMLP
+from app.models.layers import DenseMLP, Linear, LinearKernel
 
 ExpertsKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 RouteKernel = Callable[
@@ -80,22 +80,28 @@ class SparseMoE(nn.Module):
     """Router + routed experts (+ a shared expert behind a sigmoid gate, when the model has one)."""
 
     def __init__(
-        self, config: ModelConfig, experts_kernel: ExpertsKernel, route_kernel: RouteKernel | None = None
+        self,
+        config: ModelConfig,
+        experts_kernel: ExpertsKernel,
+        route_kernel: RouteKernel | None = None,
+        linear_kernel: LinearKernel | None = None,
     ) -> None:
         super().__init__()
         self.route_kernel = route_kernel
         self.top_k = config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
         self.routed: torch.Tensor | None = None
-        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        self.gate = Linear(config.hidden_size, config.num_experts, kernel=linear_kernel)
         self.experts = RoutedExperts(
             config.num_experts, config.hidden_size, config.moe_intermediate_size, experts_kernel
         )
         self.shared_expert: DenseMLP | None = None
         self.shared_expert_gate: nn.Linear | None = None
         if config.shared_expert_intermediate_size:
-            self.shared_expert = DenseMLP(config.hidden_size, config.shared_expert_intermediate_size)
-            self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
+            self.shared_expert = DenseMLP(
+                config.hidden_size, config.shared_expert_intermediate_size, linear_kernel
+            )
+            self.shared_expert_gate = Linear(config.hidden_size, 1, kernel=linear_kernel)
 
     def _counter(self, device: torch.device) -> torch.Tensor:
         """The routing counter [experts] int64, made on first use (an inference tensor, updated in place)."""

@@ -14,7 +14,7 @@ from app.models.attention import Attention
 from app.models.batch import ForwardBatch
 from app.models.config import LINEAR_ATTENTION, ModelConfig
 from app.models.gdn import GatedDeltaNet
-from app.models.layers import DenseMLP, RMSNorm, RotaryEmbedding
+from app.models.layers import DenseMLP, Linear, RMSNorm, RotaryEmbedding, linear
 from app.models.moe import SparseMoE
 
 
@@ -36,9 +36,9 @@ class DecoderLayer(nn.Module):
             self.self_attn = Attention(config, layer, backends)
         self.mlp: SparseMoE | DenseMLP
         if moe:
-            self.mlp = SparseMoE(config, backends.experts, backends.route)
+            self.mlp = SparseMoE(config, backends.experts, backends.route, backends.linear)
         else:
-            self.mlp = DenseMLP(config.hidden_size, config.intermediate_size)
+            self.mlp = DenseMLP(config.hidden_size, config.intermediate_size, backends.linear)
         self.input_layernorm = norm(config, config.hidden_size, backends)
         self.post_attention_layernorm = norm(config, config.hidden_size, backends)
 
@@ -86,7 +86,7 @@ class MTPHead(nn.Module):
         hidden = config.hidden_size
         self.pre_fc_norm_embedding = norm(config, hidden, backends)
         self.pre_fc_norm_hidden = norm(config, hidden, backends)
-        self.fc = nn.Linear(2 * hidden, hidden, bias=False)
+        self.fc = Linear(2 * hidden, hidden, kernel=backends.linear)
         first = config.num_hidden_layers
         self.layers = nn.ModuleList(
             DecoderLayer(config, first + i, "full_attention", config.num_experts > 0, backends)
@@ -103,9 +103,9 @@ class CausalLM(nn.Module):
         self.config = config
         self.backends = backends
         self.model = DecoderModel(config, backends)
-        self.lm_head: nn.Linear | None = None
+        self.lm_head: Linear | None = None
         if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, kernel=backends.linear)
         self.mtp = MTPHead(config, mtp_layers, backends) if mtp_layers else None
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
@@ -115,4 +115,4 @@ class CausalLM(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Vocabulary logits [rows, vocab] in fp32."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()
+        return linear(hidden, weight, None, self.backends.linear).float()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from app.kernels.triton_moe import fused_experts
+from app.kernels.triton_moe import exact_linear, fused_experts
 from app.models.moe import experts_reference
 
 pytestmark = [
@@ -50,3 +50,14 @@ def test_exact_rows_do_not_change_inside_a_prompt_sized_batch() -> None:
     batched = fused_experts(x, ids, weights, gate_up, down, exact=True)
     alone = fused_experts(x[7:8], ids[7:8], weights[7:8], gate_up, down, exact=True)
     assert torch.equal(alone[0], batched[7])
+
+
+def test_exact_linear_rows_are_bit_identical_alone_and_batched() -> None:
+    g = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(300, HIDDEN, device="cuda", generator=g).bfloat16()
+    weight = (torch.randn(4096, HIDDEN, device="cuda", generator=g) * 0.02).bfloat16()
+    batched = exact_linear(x, weight)
+    expected = torch.nn.functional.linear(x.float(), weight.float())
+    assert ((batched.float() - expected).abs().max() / expected.abs().max()) < 2e-2
+    for rows in (slice(0, 1), slice(5, 13), slice(0, 32)):
+        assert torch.equal(exact_linear(x[rows], weight), batched[rows])

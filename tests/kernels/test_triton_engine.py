@@ -41,3 +41,12 @@ def test_prompts_and_decode_rows_in_one_window_equal_each_alone(checkpoint: Path
     for _, add in arrivals:
         alone = complete(core, add.prompt_token_ids, max_tokens=6, temperature=0, ignore_eos=True)
         assert together[add.request_id].token_ids == alone.token_ids
+
+
+def test_exact_kernels_give_the_tokens_of_the_reference(checkpoint: Path) -> None:
+    prompt = _prompt(30, 2)
+    params = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    exact = make_core(checkpoint, backend="triton", exact=True)
+    assert exact.backends.name == "triton+exact" and exact.backends.linear is not None
+    reference = complete(make_core(checkpoint, backend="torch"), prompt, **params)
+    assert complete(exact, prompt, **params).token_ids == reference.token_ids

@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from app.kernels.triton_moe import EXACT_TILES, align_routes, fused_experts, moe_tiles, route_top_k
+from app.kernels.triton_moe import (
+    EXACT_TILES,
+    align_routes,
+    exact_linear,
+    fused_experts,
+    moe_tiles,
+    route_top_k,
+)
 from app.models.moe import experts_reference
 
 
@@ -71,3 +78,17 @@ def test_routing_matches_the_reference_and_counts_live_rows(renormalize: bool) -
     torch.testing.assert_close(weights, expected_weights)
     expected_counts = torch.bincount(expected_ids[live.bool()].flatten(), minlength=20)
     assert torch.equal(counts, expected_counts)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_exact_linear_matches_torch_and_a_row_never_depends_on_the_batch(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(37, 96, generator=g).to(dtype)
+    weight = (torch.randn(80, 96, generator=g) * 0.1).to(dtype)
+    bias = torch.randn(80, generator=g).to(dtype)
+    got = exact_linear(x, weight, bias)
+    expected = torch.nn.functional.linear(x.float(), weight.float(), bias.float())
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(got.float(), expected, atol=tolerance, rtol=tolerance)
+    for row in (0, 20, 36):
+        assert torch.equal(exact_linear(x[row : row + 1], weight, bias)[0], got[row])
