@@ -66,10 +66,6 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, window: Window) -> list[Sampled]:
         """Run the window's forward pass; return one sampled token per chunk that ends at its newest token."""
-        for chunk in window.chunks:
-            if chunk.fresh:
-                self.state.reset_slot(chunk.slot)
-            self.state.set_block_table(chunk.slot, chunk.request.blocks)
         chunks, graphs = window.chunks, self.graphs
         self.last_replayed = graphs is not None and graphs.fits(len(chunks)) and all(c.decode for c in chunks)
         if graphs is not None and self.last_replayed:
@@ -98,7 +94,14 @@ class ModelRunner:
         ]
 
     def _eager(self, chunks: list[Chunk]) -> tuple[list[Chunk], torch.Tensor]:
-        """One forward over the flat batch; the chunks that sample and their logits."""
+        """One forward over the flat batch; the chunks that sample and their logits.
+
+        Replayed decode windows read their rows' block tables themselves; eager ones go through the state's.
+        """
+        for chunk in chunks:
+            if chunk.fresh:
+                self.state.reset_slot(chunk.slot)
+            self.state.set_block_table(chunk.slot, chunk.request.blocks)
         batch = ForwardBatch.build([(c.slot, c.tokens, c.past) for c in chunks], self.state, self.device)
         if self.paged:
             batch.layout = self.state.layout(batch.spans)
