@@ -27,6 +27,8 @@ from app.engine.scheduler import Phase, Request, Scheduler, SchedulerConfig
 from app.errors import StrataError
 from app.kernels.backends import select_backends
 from app.loading.model import LoadedModel, open_model
+from app.models.config import LINEAR_ATTENTION
+from app.models.gdn import CHUNK
 from app.models.moe import SparseMoE
 from app.text.stream import TextStream
 
@@ -88,6 +90,7 @@ class EngineCore:
                 block_size=config.block_size,
                 kv_blocks=blocks,
                 decode_share=config.decode_share,
+                prompt_align=CHUNK if LINEAR_ATTENTION in model_config.layer_types else 1,
             )
         )
         self.streams: dict[str, TextStream] = {}

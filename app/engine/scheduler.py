@@ -107,13 +107,19 @@ class Window:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Slots, window budget, KV pool size and the decode-share target."""
+    """Slots, window budget, KV pool size and the decode-share target.
+
+    `prompt_align`: a prompt chunk that stops before the request's newest token stops at a multiple of this
+    many tokens of the sequence (models whose layers read prompts in fixed chunks compute a prompt exactly
+    the same whichever windows it is read in only if its pieces end on their chunk boundaries).
+    """
 
     parallel: int
     max_batched_tokens: int
     block_size: int
     kv_blocks: int
     decode_share: float = 0.5
+    prompt_align: int = 1
 
 
 class Scheduler:
@@ -162,7 +168,7 @@ class Scheduler:
                 budget -= 1
         share = _Share(self, decode_rows=len(window.chunks), tokens=budget)
         for request in [r for r in self.running if r.phase is Phase.PROMPT]:
-            take = share.take(request.pending)
+            take = share.take(request.pending, request.computed)
             if take <= 0:
                 break
             window.chunks.append(self._chunk(request, take))
@@ -170,7 +176,7 @@ class Scheduler:
             request = self.waiting[0]
             if not self.pool.grow(request.blocks, request.length + 1):
                 break
-            take = share.take(request.pending)
+            take = share.take(request.pending, request.computed)
             if take <= 0:
                 break
             self.waiting.popleft()
@@ -283,12 +289,14 @@ class _Share:
     decode-only ones, as eager windows beside replayed CUDA graphs): then windows decode only, building
     credit, until it pays for a whole chunk (the request's pending tokens or the token budget) or is capped.
     Until the window cost is calibrated, prompt chunks beside decoding slots take at most UNCALIBRATED_CHUNK
-    tokens in all.
+    tokens in all. A chunk that stops short of its request's end stops at a multiple of `prompt_align`
+    positions; the first one reaches the next such multiple even past the token budget, so that it progresses.
     """
 
     def __init__(self, scheduler: Scheduler, decode_rows: int, tokens: int) -> None:
         self.cost = scheduler.cost
         self.minimum = scheduler.config.block_size
+        self.align = scheduler.config.prompt_align
         self.rows, self.sequences = decode_rows, decode_rows
         self.tokens = tokens
         self.limit: float | None = None
@@ -304,8 +312,11 @@ class _Share:
         elif decode_rows:
             self.tokens = min(tokens, UNCALIBRATED_CHUNK)
 
-    def take(self, pending: int) -> int:
-        """How many of `pending` prompt tokens the next chunk takes (0: none), and account for them."""
+    def take(self, pending: int, past: int) -> int:
+        """How many of `pending` prompt tokens after position `past` the next chunk takes (0: none).
+
+        The taken rows are accounted for.
+        """
         take = min(pending, self.tokens)
         if self.limit is not None:
             afford = self.cost.rows_within(self.limit - self.cost.predict(self.rows, self.sequences))
@@ -313,6 +324,9 @@ class _Share:
                 take = take if afford >= take else 0
             else:
                 take = min(take, max(afford, self.minimum) if self.first else afford)
+        if 0 < take < pending:
+            aligned = (past + take) // self.align * self.align - past
+            take = aligned if aligned > 0 or not self.first else min(pending, self.align - past % self.align)
         if take > 0:
             self.first = False
             self.tokens -= take

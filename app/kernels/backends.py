@@ -40,7 +40,8 @@ class Backends:
     Whole-batch kernels, used when the state is paged (the batch then carries a `PagedLayout`):
     paged_attention(q, key_cache, value_cache, layout, scale) -> [tokens, heads, d] over keys already
     written; conv_varlen(x, weight, conv_state, query_start, state_slots) and
-    delta_rule_varlen(q, k, v, g, beta, state, query_start, state_slots) update the state pools in place.
+    delta_rule_varlen(q, k, v, g, beta, state, layout) update the state pools in place (the delta rule reads
+    sequences of several rows in chunks ending at multiples of app.models.gdn.CHUNK positions).
     route(logits, top_k, renormalize, counts, live) -> (ids, weights): the router's picks in one launch.
     Fusions with the reference's rounding: rms_norm(x, weight, eps, offset); add_rms_norm(h, residual, ...)
     -> (norm of residual + h, residual + h); gated_rms_norm(x, gate, weight, eps); qk_norm_rope(q, k,
@@ -78,7 +79,7 @@ REFERENCE = Backends(
 def triton_backends() -> Backends:
     """The Triton kernels (CUDA; on CPU tensors only under TRITON_INTERPRET=1, for tests)."""
     from app.kernels.triton_attention import paged_attention
-    from app.kernels.triton_gdn import causal_conv_varlen, gated_delta_rule_varlen
+    from app.kernels.triton_gdn import causal_conv_varlen, gated_delta_rule_paged
     from app.kernels.triton_moe import fused_experts, route_top_k
     from app.kernels.triton_norm import add_rms_norm, gated_rms_norm, qk_norm_rope, rms_norm
 
@@ -90,7 +91,7 @@ def triton_backends() -> Backends:
         experts=fused_experts,
         paged_attention=paged_attention,
         conv_varlen=causal_conv_varlen,
-        delta_rule_varlen=gated_delta_rule_varlen,
+        delta_rule_varlen=gated_delta_rule_paged,
         route=route_top_k,
         rms_norm=rms_norm,
         add_rms_norm=add_rms_norm,

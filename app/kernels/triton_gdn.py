@@ -6,7 +6,12 @@ leaves its new state there. A decode row is a sequence of length one; a prompt c
 
 Every program works on one sequence only and its arithmetic is fixed by the model's sizes, never by the
 batch: a sequence's outputs and state are bit-identical alone or batched. Sequence bounds and slots are read
-inside the kernels, so nothing synchronises with the host and both launches can be captured in a CUDA graph.
+inside the kernels, so nothing synchronises with the host and the launches can be captured in a CUDA graph.
+
+`gated_delta_rule_varlen` runs the rule token by token (decode rows). `gated_delta_rule_paged`, the engine's
+entry, reads prompt chunks (sequences of more than one row) in the chunked form instead: chunks of CHUNK
+tokens ending at multiples of CHUNK positions of the sequence, each folded into one triangular solve, in
+parallel over chunks and heads; a second kernel then carries the state across a sequence's chunks.
 """
 
 from __future__ import annotations
@@ -15,12 +20,22 @@ import torch
 import triton
 import triton.language as tl
 
+from app.models.batch import PagedLayout
+from app.models.gdn import CHUNK
+
 L2NORM_EPS = 1e-6
 CONV_BLOCK_T = 16  # tokens per step of the conv's loop over a sequence
 CONV_BLOCK_C = 128  # channels per conv program
 CONV_WARPS = 4
 RULE_BLOCK_V = 8  # value columns of the recurrent state per delta-rule program
 RULE_WARPS = 1
+PREPARE_WARPS = 8
+CARRY_BLOCK_V = 32  # value columns of the state per program of the chunk-carrying kernel
+CARRY_WARPS = 4
+CARRY_STAGES = 1  # one chunk's fp32 tiles in shared memory at a time: two would not fit
+PREPARE_PRECISION = "tf32"
+SOLVE_PRECISION = "tf32"  # the chunk's triangular system (measured: tf32x3 and ieee no closer, and slower)
+CARRY_PRECISION = "tf32"
 
 
 @triton.jit
@@ -134,17 +149,21 @@ def _gated_delta_rule_kernel(
     HEAD_RATIO: tl.constexpr,
     DK: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    SINGLE_ROWS_ONLY: tl.constexpr,
 ):
     """The gated delta rule of one sequence and value head over BLOCK_V value columns, token by token.
 
     The [DK, BLOCK_V] slice of the state stays in registers in fp32 for the whole sequence; q and k are
-    l2-normalised here (q also scaled), value head h reading key head h // HEAD_RATIO.
+    l2-normalised here (q also scaled), value head h reading key head h // HEAD_RATIO. With
+    SINGLE_ROWS_ONLY, sequences of more than one row are left to the chunked kernels.
     """
     seq = tl.program_id(0)
     head = tl.program_id(1)
     k_head = head // HEAD_RATIO
     start = tl.load(query_start_ptr + seq).to(tl.int64)
     end = tl.load(query_start_ptr + seq + 1).to(tl.int64)
+    if SINGLE_ROWS_ONLY and end - start > 1:
+        return
     slot = tl.load(slots_ptr + seq).to(tl.int64)
     dk = tl.arange(0, DK)
     dv = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -184,6 +203,194 @@ def _gated_delta_rule_kernel(
         delta = (v - predicted) * beta
         state = state + k[:, None] * delta[None, :]
         tl.store(out_row + t * stride_ot, tl.sum(state * q[:, None], 0))
+    # Every thread has read the old state before any thread overwrites it.
+    tl.debug_barrier()
+    tl.store(state_base + dk[:, None] * stride_sk + dv[None, :] * stride_sv, state)
+
+
+@triton.jit
+def _chunk_bounds(past, length, chunk, C: tl.constexpr):
+    """Positions [lo, hi) of a sequence's `chunk`-th chunk and `base`, the multiple of C where it starts."""
+    base = (past // C + chunk) * C
+    lo = tl.maximum(past, base)
+    hi = tl.minimum(past + length, base + C)
+    return base, lo, hi
+
+
+@triton.jit
+def _chunk_prepare_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    g_ptr,
+    beta_ptr,
+    w_ptr,
+    u_ptr,
+    qd_ptr,
+    kd_ptr,
+    inner_ptr,
+    decay_ptr,
+    query_start_ptr,
+    seq_lens_ptr,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_kt,
+    stride_kh,
+    stride_kd,
+    stride_vt,
+    stride_vh,
+    stride_vd,
+    stride_gt,
+    stride_gh,
+    stride_bt,
+    stride_bh,
+    v_heads,
+    scale,
+    eps,
+    HEAD_RATIO: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    C: tl.constexpr,
+    LOG2_C: tl.constexpr,
+    PRECISION: tl.constexpr,
+    SOLVE_PRECISION: tl.constexpr,
+):
+    """Everything of one chunk and value head that does not need the state carried into the chunk.
+
+    Tile row i holds position base + i of the sequence; rows outside [lo, hi) are zero. With the chunk's
+    cumulative log decay G, the triangular system T = (I + L)^-1, L[i, j] = beta_i (k_i . k_j) e^(G_i - G_j)
+    for j < i, gives w = T (beta e^G k) and u = T (beta v); the kernel also stores q e^G (q scaled),
+    k e^(G_end - G), the causal score matrix (q_i . k_j) e^(G_i - G_j) for j <= i, and G_end per row.
+    All workspace tensors are [tokens, v_heads, ...] fp32, indexed by the rows of the batch.
+    """
+    seq = tl.program_id(0)
+    chunk = tl.program_id(1)
+    head = tl.program_id(2)
+    start = tl.load(query_start_ptr + seq)
+    length = tl.load(query_start_ptr + seq + 1) - start
+    past = tl.load(seq_lens_ptr + seq) - length
+    base, lo, hi = _chunk_bounds(past, length, chunk, C)
+    if (length <= 1) | (lo >= hi):
+        return
+    i = tl.arange(0, C)
+    live = (base + i >= lo) & (base + i < hi)
+    row = tl.where(live, start + base + i - past, start).to(tl.int64)
+    k_head = head // HEAD_RATIO
+    dk = tl.arange(0, DK)
+    dv = tl.arange(0, DV)
+    q = tl.load(
+        q_ptr + row[:, None] * stride_qt + k_head * stride_qh + dk[None, :] * stride_qd,
+        mask=live[:, None],
+        other=0.0,
+    ).to(tl.float32)
+    k = tl.load(
+        k_ptr + row[:, None] * stride_kt + k_head * stride_kh + dk[None, :] * stride_kd,
+        mask=live[:, None],
+        other=0.0,
+    ).to(tl.float32)
+    v = tl.load(
+        v_ptr + row[:, None] * stride_vt + head * stride_vh + dv[None, :] * stride_vd,
+        mask=live[:, None],
+        other=0.0,
+    ).to(tl.float32)
+    g = tl.load(g_ptr + row * stride_gt + head * stride_gh, mask=live, other=0.0)
+    beta = tl.load(beta_ptr + row * stride_bt + head * stride_bh, mask=live, other=0.0)
+    q = q * (tl.math.rsqrt(tl.sum(q * q, 1) + eps) * scale)[:, None]
+    k = k * tl.math.rsqrt(tl.sum(k * k, 1) + eps)[:, None]
+    decay = tl.cumsum(g, 0)
+    decay_end = tl.sum(tl.where(i == hi - base - 1, decay, 0.0), 0)
+    below = i[:, None] >= i[None, :]
+    pair = tl.where(below, tl.exp(tl.where(below, decay[:, None] - decay[None, :], 0.0)), 0.0)
+    kk = tl.dot(k, tl.trans(k), input_precision=PRECISION)
+    lower = tl.where(i[:, None] > i[None, :], kk * pair * beta[:, None], 0.0)
+    # L is nilpotent (L^C = 0), so (I + L)^-1 = (I - L)(I + L^2)(I + L^4)...(I + L^(C/2)): log2(C) squarings.
+    power = -lower
+    solve = tl.where(i[:, None] == i[None, :], 1.0, 0.0) + power
+    for _ in tl.static_range(LOG2_C - 1):
+        power = tl.dot(power, power, input_precision=SOLVE_PRECISION)
+        solve += tl.dot(solve, power, input_precision=SOLVE_PRECISION)
+    w = tl.dot(solve, k * (beta * tl.exp(decay))[:, None], input_precision=PRECISION)
+    u = tl.dot(solve, v * beta[:, None], input_precision=PRECISION)
+    scores = tl.where(below, tl.dot(q, tl.trans(k), input_precision=PRECISION) * pair, 0.0)
+    out_k = row[:, None] * (v_heads * DK) + head * DK + dk[None, :]
+    store = live[:, None]
+    tl.store(w_ptr + out_k, w, mask=store)
+    tl.store(qd_ptr + out_k, q * tl.exp(decay)[:, None], mask=store)
+    tl.store(kd_ptr + out_k, k * tl.exp(decay_end - decay)[:, None], mask=store)
+    tl.store(u_ptr + row[:, None] * (v_heads * DV) + head * DV + dv[None, :], u, mask=store)
+    tl.store(inner_ptr + row[:, None] * (v_heads * C) + head * C + i[None, :], scores, mask=store)
+    tl.store(decay_ptr + row * v_heads + head, tl.full((C,), 0.0, tl.float32) + decay_end, mask=live)
+
+
+@triton.jit
+def _chunk_carry_kernel(
+    w_ptr,
+    u_ptr,
+    qd_ptr,
+    kd_ptr,
+    inner_ptr,
+    decay_ptr,
+    state_ptr,
+    out_ptr,
+    query_start_ptr,
+    seq_lens_ptr,
+    slots_ptr,
+    v_heads,
+    stride_ss,
+    stride_sh,
+    stride_sk,
+    stride_sv,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    C: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """One sequence's chunks in order for one value head and BLOCK_V value columns of the state.
+
+    Per chunk: the new values u - w S, the outputs (q e^G) S + scores (u - w S), and the state carried to the
+    chunk's end, S e^G_end + (k e^(G_end - G))^T (u - w S).
+    """
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    start = tl.load(query_start_ptr + seq)
+    length = tl.load(query_start_ptr + seq + 1) - start
+    if length <= 1:
+        return
+    past = tl.load(seq_lens_ptr + seq) - length
+    slot = tl.load(slots_ptr + seq).to(tl.int64)
+    i = tl.arange(0, C)
+    dk = tl.arange(0, DK)
+    dv = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    state_base = state_ptr + slot * stride_ss + head * stride_sh
+    state = tl.load(state_base + dk[:, None] * stride_sk + dv[None, :] * stride_sv)
+    chunks = (past + length - 1) // C - past // C + 1
+    for chunk in range(chunks):
+        base, lo, hi = _chunk_bounds(past, length, chunk, C)
+        live = (base + i >= lo) & (base + i < hi)
+        row = tl.where(live, start + base + i - past, start).to(tl.int64)
+        at_k = row[:, None] * (v_heads * DK) + head * DK + dk[None, :]
+        w = tl.load(w_ptr + at_k, mask=live[:, None], other=0.0)
+        qd = tl.load(qd_ptr + at_k, mask=live[:, None], other=0.0)
+        kd = tl.load(kd_ptr + at_k, mask=live[:, None], other=0.0)
+        at_v = row[:, None] * (v_heads * DV) + head * DV + dv[None, :]
+        u = tl.load(u_ptr + at_v, mask=live[:, None], other=0.0)
+        scores = tl.load(
+            inner_ptr + row[:, None] * (v_heads * C) + head * C + i[None, :], mask=live[:, None], other=0.0
+        )
+        decay_end = tl.load(decay_ptr + (start + lo - past).to(tl.int64) * v_heads + head)
+        fresh = u - tl.dot(w, state, input_precision=PRECISION)
+        out = tl.dot(qd, state, input_precision=PRECISION) + tl.dot(scores, fresh, input_precision=PRECISION)
+        tl.store(
+            out_ptr + row[:, None] * stride_ot + head * stride_oh + dv[None, :] * stride_od,
+            out,
+            mask=live[:, None],
+        )
+        state = state * tl.exp(decay_end) + tl.dot(tl.trans(kd), fresh, input_precision=PRECISION)
     # Every thread has read the old state before any thread overwrites it.
     tl.debug_barrier()
     tl.store(state_base + dk[:, None] * stride_sk + dv[None, :] * stride_sv, state)
@@ -247,6 +454,26 @@ def causal_conv_varlen(
     return out
 
 
+def _check_rule_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+) -> None:
+    tokens, k_heads, dk = q.shape
+    v_heads, dv = v.shape[1], v.shape[2]
+    if k.shape != q.shape or v.shape[0] != tokens or v_heads % k_heads != 0:
+        raise ValueError("q, k and v disagree on tokens or heads")
+    if g.shape != (tokens, v_heads) or beta.shape != (tokens, v_heads):
+        raise ValueError("g and beta must be [tokens, v_heads]")
+    if state.shape[1:] != (v_heads, dk, dv) or state.dtype != torch.float32:
+        raise ValueError("state must be fp32 [slots, v_heads, dk, dv]")
+    if dk & (dk - 1) or dv & (dv - 1):
+        raise ValueError("head dimensions must be powers of two")
+
+
 def gated_delta_rule_varlen(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -267,22 +494,120 @@ def gated_delta_rule_varlen(
     A sequence of no rows leaves its state as it was.
     """
     seqs = _check_layout(query_start, state_slots)
+    _check_rule_inputs(q, k, v, g, beta, state)
+    out = torch.empty(*v.shape, dtype=torch.float32, device=v.device)
+    _step_rows(q, k, v, g, beta, state, out, query_start, state_slots, seqs, single_rows_only=False)
+    return out
+
+
+def gated_delta_rule_paged(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    layout: PagedLayout,
+) -> torch.Tensor:
+    """The gated delta rule of a paged batch: single rows token by token, longer sequences in chunks.
+
+    Inputs and state as for `gated_delta_rule_varlen`; the layout gives each sequence's rows
+    (`query_start`), its position (`seq_lens` minus its rows) and its state slot. A sequence of several rows
+    is read in chunks ending at multiples of CHUNK positions (`delta_rule_chunked` with its offset, to fp32
+    rounding), so a prompt read in pieces cut at those multiples is computed as in one piece.
+    """
+    query_start, state_slots = layout.query_start, layout.state_slots
+    seqs = _check_layout(query_start, state_slots)
+    _check_rule_inputs(q, k, v, g, beta, state)
     tokens, k_heads, dk = q.shape
     v_heads, dv = v.shape[1], v.shape[2]
-    if k.shape != q.shape or v.shape[0] != tokens or v_heads % k_heads != 0:
-        raise ValueError("q, k and v disagree on tokens or heads")
-    if g.shape != (tokens, v_heads) or beta.shape != (tokens, v_heads):
-        raise ValueError("g and beta must be [tokens, v_heads]")
-    if state.shape[1:] != (v_heads, dk, dv) or state.dtype != torch.float32:
-        raise ValueError("state must be fp32 [slots, v_heads, dk, dv]")
-    if dk & (dk - 1) or dv & (dv - 1):
-        raise ValueError("head dimensions must be powers of two")
     out = torch.empty(tokens, v_heads, dv, dtype=torch.float32, device=v.device)
+    chunked = layout.max_query_len > 1
+    if chunked and seqs:
+        w, qd, kd, u, inner, decay = (
+            torch.empty(tokens, v_heads, width, dtype=torch.float32, device=v.device)
+            for width in (dk, dk, dk, dv, CHUNK, 1)
+        )
+        max_chunks = triton.cdiv(layout.max_query_len, CHUNK) + 1
+        _chunk_prepare_kernel[(seqs, max_chunks, v_heads)](
+            q,
+            k,
+            v,
+            g,
+            beta,
+            w,
+            u,
+            qd,
+            kd,
+            inner,
+            decay,
+            query_start,
+            layout.seq_lens,
+            *q.stride(),
+            *k.stride(),
+            *v.stride(),
+            *g.stride(),
+            *beta.stride(),
+            v_heads,
+            dk**-0.5,
+            L2NORM_EPS,
+            HEAD_RATIO=v_heads // k_heads,
+            DK=dk,
+            DV=dv,
+            C=CHUNK,
+            LOG2_C=CHUNK.bit_length() - 1,
+            PRECISION=PREPARE_PRECISION,
+            SOLVE_PRECISION=SOLVE_PRECISION,
+            num_warps=PREPARE_WARPS,
+        )
+        block_v = min(dv, CARRY_BLOCK_V)
+        _chunk_carry_kernel[(seqs, v_heads, dv // block_v)](
+            w,
+            u,
+            qd,
+            kd,
+            inner,
+            decay,
+            state,
+            out,
+            query_start,
+            layout.seq_lens,
+            state_slots,
+            v_heads,
+            *state.stride(),
+            *out.stride(),
+            DK=dk,
+            DV=dv,
+            BLOCK_V=block_v,
+            C=CHUNK,
+            PRECISION=CARRY_PRECISION,
+            num_warps=CARRY_WARPS,
+            num_stages=CARRY_STAGES,
+        )
+    _step_rows(q, k, v, g, beta, state, out, query_start, state_slots, seqs, single_rows_only=chunked)
+    return out
+
+
+def _step_rows(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    out: torch.Tensor,
+    query_start: torch.Tensor,
+    state_slots: torch.Tensor,
+    seqs: int,
+    single_rows_only: bool,
+) -> None:
+    """The token-by-token kernel over the batch's sequences (only its single rows, if asked), into `out`."""
+    tokens, k_heads, dk = q.shape
+    v_heads, dv = v.shape[1], v.shape[2]
     if seqs == 0 or tokens == 0:
-        return out
+        return
     block_v = min(dv, RULE_BLOCK_V)
-    grid = (seqs, v_heads, dv // block_v)
-    _gated_delta_rule_kernel[grid](
+    _gated_delta_rule_kernel[(seqs, v_heads, dv // block_v)](
         q,
         k,
         v,
@@ -304,6 +629,6 @@ def gated_delta_rule_varlen(
         HEAD_RATIO=v_heads // k_heads,
         DK=dk,
         BLOCK_V=block_v,
+        SINGLE_ROWS_ONLY=single_rows_only,
         num_warps=RULE_WARPS,
     )
-    return out

@@ -69,16 +69,20 @@ def delta_rule_chunked(
     g: torch.Tensor,
     beta: torch.Tensor,
     state: torch.Tensor,
+    offset: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gated delta rule over chunks of CHUNK tokens (the prompt form); same contract as the recurrent form.
 
     Within a chunk the delta-rule updates are folded into one triangular solve (the WY form); across chunks
-    the state is carried.
+    the state is carried. Chunks end at multiples of CHUNK positions of the sequence: `offset` is the position
+    of the first token (the state holds that many), so a prompt read in pieces cut at such multiples is
+    computed exactly as in one piece. Rows before `offset` in its chunk are zero (no key, no value, no decay).
     """
     length = q.shape[0]
-    pad = (-length) % CHUNK
+    front = offset % CHUNK
+    pad = (-(front + length)) % CHUNK
     q, k, v, g, beta = (
-        F.pad(t.transpose(0, 1), (0, 0) * (t.dim() - 2) + (0, pad)) for t in (q, k, v, g, beta)
+        F.pad(t.transpose(0, 1), (0, 0) * (t.dim() - 2) + (front, pad)) for t in (q, k, v, g, beta)
     )
     heads = q.shape[0]
     n = q.shape[1] // CHUNK
@@ -103,7 +107,7 @@ def delta_rule_chunked(
         fresh = u[:, i] - w[:, i] @ state
         out[:, i] = q_decayed[:, i] @ state + inner[:, i] @ fresh
         state = state * decay[:, i, -1].exp()[:, None, None] + k_to_end[:, i].transpose(-1, -2) @ fresh
-    out = out.reshape(heads, n * CHUNK, -1)[:, :length].transpose(0, 1)
+    out = out.reshape(heads, n * CHUNK, -1)[:, front : front + length].transpose(0, 1)
     return out, state
 
 
@@ -179,8 +183,7 @@ class GatedDeltaNet(nn.Module):
             g,
             beta,
             recurrent,
-            layout.query_start,
-            layout.state_slots,
+            layout,
         )
 
     def _per_sequence(
@@ -203,8 +206,11 @@ class GatedDeltaNet(nn.Module):
             v = v.view(-1, self.v_heads, self.dv)
             if state is None:
                 state = v.new_zeros(self.v_heads, self.dk, self.dv)
-            rule = self.rule_step if span.length == 1 else self.rule_prompt
-            core, state = rule(q, k, v, g[span.rows], beta[span.rows], state)
+            decay, gate = g[span.rows], beta[span.rows]
+            if span.length == 1:
+                core, state = self.rule_step(q, k, v, decay, gate, state)
+            else:
+                core, state = self.rule_prompt(q, k, v, decay, gate, state, offset=span.past)
             batch.state.set_linear_state(self.layer, span.seq, conv_state, state)
             out[span.rows] = core
         return out

@@ -190,3 +190,25 @@ def test_credit_is_dropped_once_no_prompt_waits() -> None:
     for _ in range(5):
         _run(scheduler, seconds=0.001)
     assert scheduler.credit == 0.0
+
+
+def test_prompt_chunks_that_stop_short_end_on_multiples_of_the_alignment() -> None:
+    scheduler = _scheduler(max_batched_tokens=100, prompt_align=64)
+    scheduler.add(_request("a", 5))
+    _run(scheduler)
+    scheduler.add(_request("b", 300))
+    scheduler.add(_request("c", 90))
+    pieces: dict[str, list[tuple[int, int]]] = {"b": [], "c": []}
+    while any(scheduler.requests[n].phase is not Phase.DECODE for n in pieces):
+        for chunk in _run(scheduler).chunks:
+            if not chunk.decode:
+                pieces[chunk.request.request_id].append((chunk.past, chunk.past + len(chunk.tokens)))
+    assert pieces["b"] == [(0, 64), (64, 128), (128, 192), (192, 256), (256, 300)]
+    assert all(end % 64 == 0 or end == 90 for _, end in pieces["c"]) and pieces["c"][-1][1] == 90
+
+
+def test_a_budget_below_the_alignment_still_reads_prompts() -> None:
+    scheduler = _scheduler(max_batched_tokens=20, prompt_align=64)
+    scheduler.add(_request("a", 150))
+    window = _run(scheduler)
+    assert [(c.past, len(c.tokens)) for c in window.chunks] == [(0, 64)]

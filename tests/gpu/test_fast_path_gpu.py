@@ -28,8 +28,15 @@ def _prompt(length: int, seed: int) -> list[int]:
 
 @pytest.mark.parametrize("exact", [True, False], ids=["exact", "default"])
 def test_eight_conversations_together_equal_each_alone(checkpoint: Path, exact: bool) -> None:
+    # A small decode share lets prompts be read beside decoding slots at once, so that all eight overlap.
     core = make_core(
-        checkpoint, device="cuda", dtype="bfloat16", parallel=8, max_batched_tokens=96, exact=exact
+        checkpoint,
+        device="cuda",
+        dtype="bfloat16",
+        parallel=8,
+        max_batched_tokens=96,
+        exact=exact,
+        decode_share=0.01,
     )
     assert core.backends.name.startswith("triton") and core.runner.graphs is not None
     arrivals = [
@@ -40,6 +47,34 @@ def test_eight_conversations_together_equal_each_alone(checkpoint: Path, exact: 
     for _, add in arrivals:
         alone = complete(core, add.prompt_token_ids, max_tokens=30, temperature=0, ignore_eos=True)
         assert together[add.request_id].token_ids == alone.token_ids
+
+
+def test_prompts_cut_into_other_pieces_beside_others_give_bit_identical_logprobs(checkpoint: Path) -> None:
+    """With --exact, a conversation's logprobs do not depend on the windows its prompt was read in.
+
+    The prompts are longer than the budget, so they are cut into other pieces together than alone (at
+    multiples of the Gated DeltaNet chunk on qwen3_next).
+    """
+    core = make_core(
+        checkpoint,
+        device="cuda",
+        dtype="bfloat16",
+        parallel=4,
+        max_batched_tokens=200,
+        exact=True,
+        decode_share=0.01,
+    )
+    params = {"max_tokens": 12, "temperature": 0, "ignore_eos": True, "logprobs": 1}
+    arrivals = [
+        (at, request(_prompt(n, 40 + at), **params)) for at, n in [(0, 500), (1, 650), (2, 300), (4, 900)]
+    ]
+    together, windows = run(core, arrivals)
+    assert any(w.prompt_tokens and w.decode_tokens for w in windows)
+    for _, add in arrivals:
+        alone = complete(core, add.prompt_token_ids, **params)
+        assert together[add.request_id].token_ids == alone.token_ids
+        got = [p.chosen.logprob for p in together[add.request_id].logprobs]
+        assert got == [p.chosen.logprob for p in alone.logprobs]
 
 
 def test_triton_and_graphs_give_the_tokens_of_the_torch_reference(checkpoint: Path) -> None:

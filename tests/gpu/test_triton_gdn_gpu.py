@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from app.kernels.triton_gdn import causal_conv_varlen, gated_delta_rule_varlen
+from app.kernels.triton_gdn import causal_conv_varlen, gated_delta_rule_paged, gated_delta_rule_varlen
+from app.models.batch import PagedLayout
 from app.models.gdn import causal_conv, delta_rule_recurrent, l2norm
 
 pytestmark = [
@@ -72,6 +73,17 @@ def _run(
     return conv_out, out
 
 
+def _recurrent_reference(
+    conv_out: torch.Tensor, before: dict[str, torch.Tensor], rows: slice, slot: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp32 token-by-token delta rule of one sequence's conv output, from the state before the batch."""
+    per = V_HEADS // K_HEADS
+    q, k, v = (t.float() for t in _split(conv_out))
+    q = l2norm(q).repeat_interleave(per, dim=1) * DK**-0.5
+    k = l2norm(k).repeat_interleave(per, dim=1)
+    return delta_rule_recurrent(q, k, v, before["g"][rows], before["beta"][rows], before["state"][slot])
+
+
 def _copy(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {name: tensor.clone() for name, tensor in inputs.items()}
 
@@ -83,7 +95,6 @@ def test_matches_the_fp32_reference() -> None:
     conv_out, out = _run(inputs, query_start, slots)
     assert conv_out.dtype == torch.bfloat16 and out.dtype == torch.float32
 
-    per = V_HEADS // K_HEADS
     bounds = query_start.tolist()
     weight = before["weight"].float()
     for seq, slot in enumerate(SLOT_ORDER):
@@ -95,12 +106,7 @@ def test_matches_the_fp32_reference() -> None:
         assert torch.equal(inputs["conv_state"][slot], expected_conv_state.bfloat16())
 
         # The delta rule from the same bf16 conv output, in fp32 token by token.
-        q, k, v = (t.float() for t in _split(conv_out[rows]))
-        q = l2norm(q).repeat_interleave(per, dim=1) * DK**-0.5
-        k = l2norm(k).repeat_interleave(per, dim=1)
-        expected, expected_state = delta_rule_recurrent(
-            q, k, v, before["g"][rows], before["beta"][rows], before["state"][slot]
-        )
+        expected, expected_state = _recurrent_reference(conv_out[rows], before, rows, slot)
         torch.testing.assert_close(out[rows], expected, rtol=2e-3, atol=2e-3)
         torch.testing.assert_close(inputs["state"][slot], expected_state, rtol=2e-3, atol=2e-3)
 
@@ -153,3 +159,82 @@ def test_runs_inside_a_cuda_graph() -> None:
     assert torch.equal(out, expected)
     assert torch.equal(static["conv_state"], eager["conv_state"])
     assert torch.equal(static["state"], eager["state"])
+
+
+def _paged(lengths: list[int], pasts: list[int], slots: list[int]) -> PagedLayout:
+    query_start, state_slots = _layout(lengths, slots)
+    return PagedLayout(
+        query_start=query_start,
+        seq_lens=torch.tensor(
+            [p + n for p, n in zip(pasts, lengths, strict=True)], dtype=torch.int32, device="cuda"
+        ),
+        block_table=torch.zeros(len(lengths), 1, dtype=torch.int32, device="cuda"),
+        slot_mapping=torch.zeros(sum(lengths), dtype=torch.int64, device="cuda"),
+        state_slots=state_slots,
+        max_query_len=max(lengths),
+    )
+
+
+# Decode rows beside prompt chunks starting on, inside and across chunk boundaries.
+PAGED_LENGTHS = [1, 1000, 1, 300, 1, 64]
+PAGED_PASTS = [40, 0, 7, 37, 500, 128]
+PAGED_SLOTS = [9, 0, 14, 5, 2, 11]
+
+
+def _run_paged(inputs: dict[str, torch.Tensor], layout: PagedLayout) -> torch.Tensor:
+    conv_out = causal_conv_varlen(
+        inputs["mixed"], inputs["weight"], inputs["conv_state"], layout.query_start, layout.state_slots
+    )
+    return gated_delta_rule_paged(*_split(conv_out), inputs["g"], inputs["beta"], inputs["state"], layout)
+
+
+def test_paged_rule_matches_the_fp32_recurrent_reference() -> None:
+    layout = _paged(PAGED_LENGTHS, PAGED_PASTS, PAGED_SLOTS)
+    inputs = _inputs(sum(PAGED_LENGTHS), seed=3)
+    before = _copy(inputs)
+    out = _run_paged(inputs, layout)
+    conv_out = causal_conv_varlen(
+        before["mixed"],
+        before["weight"],
+        before["conv_state"].clone(),
+        layout.query_start,
+        layout.state_slots,
+    )
+    bounds = layout.query_start.tolist()
+    for seq, slot in enumerate(PAGED_SLOTS):
+        rows = slice(bounds[seq], bounds[seq + 1])
+        expected, expected_state = _recurrent_reference(conv_out[rows], before, rows, slot)
+        torch.testing.assert_close(out[rows], expected, rtol=2e-3, atol=2e-3)
+        torch.testing.assert_close(inputs["state"][slot], expected_state, rtol=2e-3, atol=2e-3)
+
+
+def test_paged_sequences_are_bit_identical_alone_or_batched() -> None:
+    layout = _paged(PAGED_LENGTHS, PAGED_PASTS, PAGED_SLOTS)
+    inputs = _inputs(sum(PAGED_LENGTHS), seed=4)
+    batched = _copy(inputs)
+    out = _run_paged(batched, layout)
+    bounds = layout.query_start.tolist()
+    for seq in (1, 3, 4):
+        rows = slice(bounds[seq], bounds[seq + 1])
+        slot = PAGED_SLOTS[seq]
+        alone = _copy(inputs)
+        for name in ("mixed", "g", "beta"):
+            alone[name] = inputs[name][rows].clone()
+        alone_out = _run_paged(alone, _paged([PAGED_LENGTHS[seq]], [PAGED_PASTS[seq]], [slot]))
+        assert torch.equal(alone_out, out[rows])
+        assert torch.equal(alone["state"][slot], batched["state"][slot])
+
+
+def test_a_prompt_cut_at_chunk_multiples_is_bit_identical_to_one_piece() -> None:
+    inputs = _inputs(1000, seed=5)
+    whole = _copy(inputs)
+    expected = _run_paged(whole, _paged([1000], [0], [3]))
+    pieces = []
+    for rows in (slice(0, 128), slice(128, 192), slice(192, 960), slice(960, 1000)):
+        piece = _copy(inputs)
+        piece["conv_state"], piece["state"] = inputs["conv_state"], inputs["state"]
+        for name in ("mixed", "g", "beta"):
+            piece[name] = inputs[name][rows].clone()
+        pieces.append(_run_paged(piece, _paged([rows.stop - rows.start], [rows.start], [3])))
+    assert torch.equal(torch.cat(pieces), expected)
+    assert torch.equal(inputs["state"][3], whole["state"][3])

@@ -31,18 +31,6 @@ def test_triton_kernels_give_the_tokens_and_logprobs_of_the_reference(checkpoint
         assert got.chosen.logprob == pytest.approx(expected.chosen.logprob, abs=1e-4)
 
 
-def test_prompts_and_decode_rows_in_one_window_equal_each_alone(checkpoint: Path) -> None:
-    core = make_core(checkpoint, backend="triton", parallel=4, max_batched_tokens=64)
-    arrivals = [
-        (i, request(_prompt(10 + 12 * i, i), max_tokens=6, temperature=0, ignore_eos=True)) for i in range(4)
-    ]
-    together, windows = run(core, arrivals)
-    assert any(w.prompt_tokens and w.decode_tokens for w in windows)  # mixed windows really happened
-    for _, add in arrivals:
-        alone = complete(core, add.prompt_token_ids, max_tokens=6, temperature=0, ignore_eos=True)
-        assert together[add.request_id].token_ids == alone.token_ids
-
-
 def test_exact_kernels_give_the_tokens_of_the_reference(checkpoint: Path) -> None:
     prompt = _prompt(30, 2)
     params = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
@@ -50,3 +38,18 @@ def test_exact_kernels_give_the_tokens_of_the_reference(checkpoint: Path) -> Non
     assert exact.backends.name == "triton+exact" and exact.backends.linear is not None
     reference = complete(make_core(checkpoint, backend="torch"), prompt, **params)
     assert complete(exact, prompt, **params).token_ids == reference.token_ids
+
+
+def test_long_prompts_cut_into_other_pieces_beside_others_equal_each_alone(checkpoint: Path) -> None:
+    """Prompts longer than the budget are read in other windows and pieces together than alone.
+
+    Tokens only: on the CPU torch's vectorised sigmoid / softplus / SiLU round an element by its place in the
+    vector, so bits can differ with the batch (tests/gpu checks the bits on a GPU).
+    """
+    core = make_core(checkpoint, backend="triton", parallel=3, max_batched_tokens=72, decode_share=0.01)
+    params = {"max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    arrivals = [(at, request(_prompt(length, at), **params)) for at, length in [(0, 100), (1, 110), (2, 90)]]
+    together, windows = run(core, arrivals)
+    assert any(w.prompt_tokens and w.decode_tokens for w in windows)
+    for _, add in arrivals:
+        assert together[add.request_id].token_ids == complete(core, add.prompt_token_ids, **params).token_ids

@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from app.kernels.triton_gdn import causal_conv_varlen, gated_delta_rule_varlen
+from app.kernels.triton_gdn import causal_conv_varlen, gated_delta_rule_paged, gated_delta_rule_varlen
+from app.models.batch import PagedLayout
 from app.models.gdn import causal_conv, delta_rule_chunked, delta_rule_recurrent, l2norm
 
 SLOTS = 7
@@ -81,8 +82,13 @@ def _reference_rule(
     state: torch.Tensor,
     query_start: torch.Tensor,
     slots: torch.Tensor,
+    pasts: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The layer's reference path sequence by sequence: l2norm, scaling, head repeat, then the delta rule."""
+    """The layer's reference path sequence by sequence: l2norm, scaling, head repeat, then the delta rule.
+
+    Prompt chunks (more than one row) use the chunked form with chunks at multiples of CHUNK positions after
+    each sequence's past (`pasts`, zero when None); single rows the recurrent form.
+    """
     per = sizes.v_heads // sizes.k_heads
     out = torch.empty(v.shape, dtype=torch.float32)
     state = state.clone()
@@ -91,8 +97,11 @@ def _reference_rule(
         rows = slice(bounds[seq], bounds[seq + 1])
         qn = l2norm(q[rows].float()).repeat_interleave(per, dim=1) * sizes.dk**-0.5
         kn = l2norm(k[rows].float()).repeat_interleave(per, dim=1)
-        rule = delta_rule_recurrent if rows.stop - rows.start == 1 else delta_rule_chunked
-        out[rows], state[slot] = rule(qn, kn, v[rows].float(), g[rows], beta[rows], state[slot])
+        inputs = (qn, kn, v[rows].float(), g[rows], beta[rows], state[slot])
+        if rows.stop - rows.start == 1:
+            out[rows], state[slot] = delta_rule_recurrent(*inputs)
+        else:
+            out[rows], state[slot] = delta_rule_chunked(*inputs, offset=pasts[seq] if pasts else 0)
     return out, state
 
 
@@ -235,3 +244,95 @@ def test_slots_outside_the_batch_are_untouched_and_empty_sequences_keep_their_st
     assert torch.equal(conv_state[untouched], before_conv[untouched])
     assert torch.equal(state[untouched], before_state[untouched])
     assert not torch.equal(state[1], before_state[1])
+
+
+# The engine's entry: prompt chunks at several positions of their sequences (inside a chunk, on a boundary,
+# across several chunks) beside decode rows.
+PAGED_LENGTHS = [1, 70, 1, 3, 130, 64, 2]
+PAGED_PASTS = [5, 0, 9, 62, 100, 128, 0]
+PAGED_SLOTS = [3, 0, 6, 2, 5, 1, 4]
+
+
+def _paged(lengths: list[int], pasts: list[int], slots: list[int]) -> PagedLayout:
+    """A layout with what the delta rule reads: rows, positions (seq_lens - rows) and state slots."""
+    query_start, state_slots = _layout(lengths, slots)
+    return PagedLayout(
+        query_start=query_start,
+        seq_lens=torch.tensor([p + n for p, n in zip(pasts, lengths, strict=True)], dtype=torch.int32),
+        block_table=torch.zeros(len(lengths), 1, dtype=torch.int32),
+        slot_mapping=torch.zeros(sum(lengths), dtype=torch.int64),
+        state_slots=state_slots,
+        max_query_len=max(lengths, default=0),
+    )
+
+
+@pytest.mark.parametrize("sizes", SIZES, ids=str)
+def test_paged_rule_reads_prompt_chunks_in_the_chunked_form(sizes: Sizes) -> None:
+    generator = torch.Generator().manual_seed(6)
+    layout = _paged(PAGED_LENGTHS, PAGED_PASTS, PAGED_SLOTS)
+    mixed, _, g, beta = _inputs(sizes, sum(PAGED_LENGTHS), generator)
+    q, k, v = _split(sizes, mixed)
+    _, state = _states(sizes, generator, torch.float32)
+    expected, expected_state = _reference_rule(
+        sizes, q, k, v, g, beta, state, layout.query_start, layout.state_slots, PAGED_PASTS
+    )
+    untouched = state[[s for s in range(SLOTS) if s not in PAGED_SLOTS]].clone()
+
+    got = gated_delta_rule_paged(q, k, v, g, beta, state, layout)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(state, expected_state, rtol=1e-4, atol=1e-4)
+    assert torch.equal(state[[s for s in range(SLOTS) if s not in PAGED_SLOTS]], untouched)
+
+
+def _run_paged(
+    sizes: Sizes,
+    inputs: tuple[torch.Tensor, ...],
+    state: torch.Tensor,
+    rows: slice,
+    layout: PagedLayout,
+) -> torch.Tensor:
+    """The paged rule on a copy of `rows` of the inputs (mixed, g, beta), updating `state`."""
+    mixed, g, beta = (t[rows].clone() for t in inputs)
+    return gated_delta_rule_paged(*_split(sizes, mixed), g, beta, state, layout)
+
+
+@pytest.mark.parametrize("past", [0, 10])
+def test_paged_prompt_cut_at_chunk_multiples_is_bit_identical_to_one_piece(past: int) -> None:
+    generator = torch.Generator().manual_seed(7)
+    sizes = SIZES[0]
+    mixed, _, g, beta = _inputs(sizes, 200, generator)
+    _, state = _states(sizes, generator, torch.float32)
+    whole_state = state.clone()
+    whole = _run_paged(sizes, (mixed, g, beta), whole_state, slice(0, 200), _paged([200], [past], [5]))
+    pieces = []
+    for rows in (slice(0, 64 - past), slice(64 - past, 192 - past), slice(192 - past, 200)):
+        length = rows.stop - rows.start
+        pieces.append(
+            _run_paged(sizes, (mixed, g, beta), state, rows, _paged([length], [past + rows.start], [5]))
+        )
+    assert torch.equal(torch.cat(pieces), whole)
+    assert torch.equal(state, whole_state)
+
+
+def test_paged_sequences_are_bit_identical_alone_or_batched() -> None:
+    generator = torch.Generator().manual_seed(8)
+    sizes = SIZES[1]
+    mixed, _, g, beta = _inputs(sizes, sum(PAGED_LENGTHS), generator)
+    _, state = _states(sizes, generator, torch.float32)
+    batch_state = state.clone()
+    batched = _run_paged(
+        sizes,
+        (mixed, g, beta),
+        batch_state,
+        slice(0, len(mixed)),
+        _paged(PAGED_LENGTHS, PAGED_PASTS, PAGED_SLOTS),
+    )
+    bounds = _layout(PAGED_LENGTHS, PAGED_SLOTS)[0].tolist()
+    for seq in (0, 3, 4):
+        rows = slice(bounds[seq], bounds[seq + 1])
+        slot = PAGED_SLOTS[seq]
+        alone_state = state.clone()
+        layout = _paged([PAGED_LENGTHS[seq]], [PAGED_PASTS[seq]], [slot])
+        alone = _run_paged(sizes, (mixed, g, beta), alone_state, rows, layout)
+        assert torch.equal(alone, batched[rows])
+        assert torch.equal(alone_state[slot], batch_state[slot])
