@@ -63,6 +63,12 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
         help="fixed kernel tiles for every window size, dense projections included (docs/KERNELS.md)",
     )
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode windows")
+    parser.add_argument(
+        "--no-prefix-cache",
+        dest="prefix_cache",
+        action="store_false",
+        help="read every prompt from its start (no KV blocks or recurrent states reused across requests)",
+    )
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -90,6 +96,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         backend=args.backend,
         exact=args.exact,
         enforce_eager=args.enforce_eager,
+        prefix_cache=args.prefix_cache,
     )
 
 

@@ -100,6 +100,8 @@ class ServerMetrics:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.num_preemptions_total = 0
+        self.prefix_cache_queries_total = 0
+        self.prefix_cache_hits_total = 0
         self.request_success_total = dict.fromkeys(FINISH_REASONS, 0)
         self._recent: deque[tuple[float, float, int]] = deque()  # (start, end, tokens) of recent windows
         self._ended: dict[str, None] = {}  # ids of finished requests, oldest first
@@ -182,6 +184,8 @@ class ServerMetrics:
         self.window_seconds = stats.duration_s
         self.windows_total = stats.window
         self.num_preemptions_total += stats.preempted
+        self.prefix_cache_queries_total += stats.prefix_cache_queries
+        self.prefix_cache_hits_total += stats.prefix_cache_hits
         self.iteration_tokens.observe(stats.rows)
         end = stats.started + stats.duration_s
         self._recent.append((stats.started, end, _generated(stats)))
@@ -250,8 +254,8 @@ class ServerMetrics:
             "num_requests_running": len(self.slots),
             "num_requests_waiting": self.waiting,
             "kv_cache_usage_perc": self.kv_blocks_used / max(self.kv_blocks_total, 1),
-            "prefix_cache_queries_total": 0,
-            "prefix_cache_hits_total": 0,
+            "prefix_cache_queries_total": self.prefix_cache_queries_total,
+            "prefix_cache_hits_total": self.prefix_cache_hits_total,
             "num_preemptions_total": self.num_preemptions_total,
             "prompt_tokens_total": self.prompt_tokens_total,
             "generation_tokens_total": self.generation_tokens_total,

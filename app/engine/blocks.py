@@ -1,25 +1,69 @@
-"""The KV block pool's bookkeeping: which fixed-size blocks are free, which belong to which request."""
+"""The KV block pool's bookkeeping: which fixed-size blocks are free, which belong to which request, and the
+prefix cache: full blocks remembered by the chain of tokens that filled them, so that a later request with
+the same prefix takes them instead of reading those tokens again.
+"""
 
 from __future__ import annotations
 
+import hashlib
+from array import array
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+ROOT = b""  # the chain hash before the first block
+
+
+def chain_hash(parent: bytes, tokens: list[int] | tuple[int, ...]) -> bytes:
+    """The hash of a full block: its parent's chain hash and its token ids (stable across runs)."""
+    return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
+
+
+@dataclass
+class _Cached:
+    """What a cached block holds: its chain hash, its parent's, and its tokens (re-compared on a hit)."""
+
+    key: bytes
+    parent: bytes
+    tokens: tuple[int, ...]
+
 
 class BlockPool:
-    """A free list of `total` KV blocks of `block_size` tokens each (the tensors live in the runner)."""
+    """`total` KV blocks of `block_size` tokens each (the tensors live in the runner).
 
-    def __init__(self, total: int, block_size: int) -> None:
+    A block is held by every request whose table lists it (a reference count). With `caching`, a full block
+    whose contents are computed is registered under its chain hash (`commit`); when no request holds it any
+    more it stays cached, evictable, until a new block is needed and it is the least recently released one.
+    Only full, committed blocks are ever shared, and nobody writes into a full block, so sharing is safe.
+    """
+
+    def __init__(self, total: int, block_size: int, caching: bool = False) -> None:
         self.total = total
         self.block_size = block_size
-        self._free = list(range(total - 1, -1, -1))
+        self.caching = caching
+        self._free = list(range(total - 1, -1, -1))  # blocks holding nothing worth keeping
+        self._refs = [0] * total
+        self._cached: dict[bytes, int] = {}
+        self._meta: dict[int, _Cached] = {}
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached blocks no one holds, oldest first
+        self._pins: dict[int, int] = {}  # holds on blocks that are not requests' (saved states' tails)
+        self.reclaim: Callable[[], bool] | None = None  # drops one pin when blocks run short; False: none
 
     @property
     def free(self) -> int:
-        """Blocks not held by any request."""
-        return len(self._free)
+        """Blocks no request holds (cached ones included: they are given out when nothing else is left)."""
+        return len(self._free) + len(self._evictable)
 
     @property
     def used(self) -> int:
         """Blocks held by requests."""
-        return self.total - len(self._free)
+        pinned_only = sum(1 for block, pins in self._pins.items() if self._refs[block] == pins)
+        return self.total - self.free - pinned_only
+
+    @property
+    def cached(self) -> int:
+        """Blocks registered in the prefix cache, held or not."""
+        return len(self._meta)
 
     def blocks_for(self, tokens: int) -> int:
         """How many blocks hold `tokens` tokens."""
@@ -30,12 +74,105 @@ class BlockPool:
         needed = self.blocks_for(tokens) - len(table)
         if needed <= 0:
             return True
-        if needed > len(self._free):
+        while needed > self.free and self.reclaim is not None and self.reclaim():
+            pass
+        if needed > self.free:
             return False
-        table.extend(self._free.pop() for _ in range(needed))
+        for _ in range(needed):
+            block = self._free.pop() if self._free else self._evict()
+            self._refs[block] = 1
+            table.append(block)
         return True
 
     def release(self, table: list[int]) -> None:
-        """Return a table's blocks to the pool and empty it."""
-        self._free.extend(reversed(table))
+        """Drop a table's hold on its blocks and empty it; its last blocks are the first to be evicted."""
+        for block in reversed(table):
+            self._refs[block] -= 1
+            if self._refs[block] == 0:
+                if block in self._meta:
+                    self._evictable[block] = None
+                else:
+                    self._free.append(block)
         table.clear()
+
+    def match(self, tokens: list[int], limit: int) -> list[int]:
+        """The cached blocks holding the longest prefix of `tokens` of at most `limit` tokens, in order.
+
+        Each block's tokens and parent are compared, not only its hash. Nothing is taken yet (`take`).
+        """
+        if not self.caching:
+            return []
+        found: list[int] = []
+        parent = ROOT
+        size = self.block_size
+        for start in range(0, limit - size + 1, size):
+            block_tokens = tuple(tokens[start : start + size])
+            key = chain_hash(parent, block_tokens)
+            block = self._cached.get(key)
+            if block is None:
+                break
+            meta = self._meta[block]
+            if meta.parent != parent or meta.tokens != block_tokens:
+                break
+            found.append(block)
+            parent = key
+        return found
+
+    def prefix_keys(self, tokens: list[int], blocks: int) -> list[bytes]:
+        """The chain hashes of the first `blocks` full blocks of `tokens`."""
+        keys, parent, size = [], ROOT, self.block_size
+        for start in range(0, blocks * size, size):
+            parent = chain_hash(parent, tokens[start : start + size])
+            keys.append(parent)
+        return keys
+
+    def take(self, table: list[int], blocks: list[int]) -> None:
+        """Append cached `blocks` (from `match`) to an empty or matching table and hold them."""
+        for block in blocks:
+            if self._refs[block] == 0:
+                del self._evictable[block]
+            self._refs[block] += 1
+            table.append(block)
+
+    def pin(self, block: int) -> None:
+        """Hold a block for something other than a request (it does not count as used)."""
+        self.take([], [block])
+        self._pins[block] = self._pins.get(block, 0) + 1
+
+    def unpin(self, block: int) -> None:
+        """Drop a `pin`."""
+        self._pins[block] -= 1
+        if not self._pins[block]:
+            del self._pins[block]
+        self.release([block])
+
+    def commit(
+        self, table: list[int], tokens: list[int], computed: int, done: int, parent: bytes
+    ) -> tuple[int, bytes]:
+        """Register the table's full blocks among its first `computed` tokens, once their contents exist.
+
+        `done` blocks of the table are registered already, the last under `parent`; returns the new pair.
+        A block whose chain hash is already cached (another request read the same prefix at the same time)
+        stays private, and registering stops there.
+        """
+        if not self.caching:
+            return done, parent
+        size = self.block_size
+        for index in range(done, min(computed // size, len(table))):
+            block = table[index]
+            block_tokens = tuple(tokens[index * size : (index + 1) * size])
+            key = chain_hash(parent, block_tokens)
+            if key in self._cached:
+                if self._cached[key] != block:
+                    return index, parent
+            else:
+                self._cached[key] = block
+                self._meta[block] = _Cached(key, parent, block_tokens)
+            done, parent = index + 1, key
+        return done, parent
+
+    def _evict(self) -> int:
+        """Forget the least recently released cached block and give it out."""
+        block, _ = self._evictable.popitem(last=False)
+        del self._cached[self._meta.pop(block).key]
+        return block

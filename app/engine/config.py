@@ -16,7 +16,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     recurrent state; `decode_share` the share of its solo speed a decoding slot keeps while peers' prompts
     are read (docs/BATCHING.md); `backend` names the compute backends (app/kernels), `auto` picks for the
     device; `exact` fixes the kernels' tiles for every window size, dense projections included
-    (docs/KERNELS.md); `enforce_eager` turns off CUDA graphs of decode windows.
+    (docs/KERNELS.md); `enforce_eager` turns off CUDA graphs of decode windows; `prefix_cache` lets
+    requests continue from cached KV blocks and saved recurrent states (docs/BATCHING.md).
     """
 
     model: str | None = None
@@ -31,4 +32,5 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     backend: str = "auto"
     exact: bool = False
     enforce_eager: bool = False
+    prefix_cache: bool = True
     seed: int = 0

@@ -33,6 +33,7 @@ from app.models.moe import SparseMoE
 from app.text.stream import TextStream
 
 log = logging.getLogger("strata.engine")
+CHECKPOINTS_PER_SLOT = 1  # recurrent-state checkpoints kept for the prefix cache, per batch slot
 
 
 def resolve_device(name: str) -> str:
@@ -61,13 +62,16 @@ class EngineCore:
         model = self.loaded.model
         model_config = model.config
         dtype = model.model.embed_tokens.weight.dtype
-        state_bytes = slot_state_bytes(model_config, dtype) * config.parallel
+        recurrent = LINEAR_ATTENTION in model_config.layer_types
+        checkpoints = CHECKPOINTS_PER_SLOT * config.parallel if recurrent and config.prefix_cache else 0
+        state_bytes = slot_state_bytes(model_config, dtype) * (config.parallel + checkpoints)
         block_bytes = kv_block_bytes(model_config, config.block_size, dtype)
         blocks = (config.kv_memory - state_bytes) // block_bytes
         if blocks < 1:
             raise StrataError(
-                f"--kv-memory {config.kv_memory} bytes is too small: {config.parallel} slots of recurrent "
-                f"state take {state_bytes} and one KV block {block_bytes}"
+                f"--kv-memory {config.kv_memory} bytes is too small: {config.parallel} slots and "
+                f"{checkpoints} checkpoints of recurrent state take {state_bytes} and one KV block "
+                f"{block_bytes}"
             )
         self.max_model_len = min(
             config.max_model_len or model_config.max_position_embeddings, model_config.max_position_embeddings
@@ -75,7 +79,13 @@ class EngineCore:
         # More blocks than every slot filled to the context could ever use would only sit idle.
         blocks = min(blocks, config.parallel * -(-self.max_model_len // config.block_size))
         state = PagedState(
-            model_config, blocks, config.block_size, config.parallel, dtype, torch.device(self.device)
+            model_config,
+            blocks,
+            config.block_size,
+            config.parallel,
+            dtype,
+            torch.device(self.device),
+            checkpoints=checkpoints,
         )
         graphs = None
         if self.device == "cuda" and self.backends.paged_attention is not None and not config.enforce_eager:
@@ -90,7 +100,10 @@ class EngineCore:
                 block_size=config.block_size,
                 kv_blocks=blocks,
                 decode_share=config.decode_share,
-                prompt_align=CHUNK if LINEAR_ATTENTION in model_config.layer_types else 1,
+                prompt_align=CHUNK if recurrent else 1,
+                prefix_cache=config.prefix_cache,
+                checkpoint_slots=state.checkpoint_slots,
+                recurrent=recurrent,
             )
         )
         self.streams: dict[str, TextStream] = {}
@@ -179,6 +192,8 @@ class EngineCore:
             waiting=len(self.scheduler.waiting),
             kv_blocks_used=self.scheduler.pool.used,
             kv_blocks_total=self.scheduler.pool.total,
+            prefix_cache_queries=window.cache_queries,
+            prefix_cache_hits=window.cache_hits,
             finished=sum(o.finished for o in outputs),
             preempted=window.preempted,
             experts=self._expert_usage(),

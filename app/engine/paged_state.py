@@ -36,7 +36,8 @@ class PagedState:
     Keys and values live in blocks [blocks, block_size, kv_heads, head_dim] per attention layer; each slot's
     block table (set per window by the runner) maps its positions to blocks. One block and one slot beyond
     the given counts (`scratch_block`, `scratch_slot`) belong to no request: padding rows of a CUDA graph's
-    bucket write there.
+    bucket write there. The Gated DeltaNet pools hold `checkpoints` more slots after the scratch one
+    (`checkpoint_slots`), where the prefix cache keeps states that requests can continue from.
     """
 
     def __init__(
@@ -47,10 +48,12 @@ class PagedState:
         slots: int,
         dtype: torch.dtype,
         device: torch.device,
+        checkpoints: int = 0,
     ) -> None:
         self.block_size = block_size
         self.scratch_block = blocks
         self.scratch_slot = slots
+        self.checkpoint_slots = tuple(range(slots + 1, slots + 1 + checkpoints))
         self.device = device
         self._kv_layer = {
             i: n for n, i in enumerate(i for i, t in enumerate(config.layer_types) if t == ATTENTION)
@@ -65,12 +68,13 @@ class PagedState:
             config.linear_num_value_heads * config.linear_value_head_dim
         )
         gdn = len(self._gdn_layer)
+        pool_slots = slots + 1 + checkpoints
         self.conv = torch.zeros(
-            gdn, slots + 1, conv_dim, config.linear_conv_kernel_dim - 1, dtype=dtype, device=device
+            gdn, pool_slots, conv_dim, config.linear_conv_kernel_dim - 1, dtype=dtype, device=device
         )
         recurrent_shape = (
             gdn,
-            slots + 1,
+            pool_slots,
             config.linear_num_value_heads,
             config.linear_key_head_dim,
             config.linear_value_head_dim,
@@ -127,6 +131,16 @@ class PagedState:
     def linear_pools(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         n = self._gdn_layer[layer]
         return self.conv[n], self.recurrent[n]
+
+    def copy_slot(self, source: int, target: int) -> None:
+        """Copy one slot's conv and recurrent state over another's (checkpoints are slots too)."""
+        self.conv[:, target] = self.conv[:, source]
+        self.recurrent[:, target] = self.recurrent[:, source]
+
+    def copy_block(self, source: int, target: int) -> None:
+        """Copy one KV block's keys and values, in every attention layer, over another's."""
+        self.keys[:, target] = self.keys[:, source]
+        self.values[:, target] = self.values[:, source]
 
     def reset_slot(self, slot: int) -> None:
         """Start a slot's recurrent state empty (a new request, or one read again after preemption)."""

@@ -189,6 +189,8 @@ class WindowStats(msgspec.Struct, tag="stats", frozen=True):
     finished: int = 0
     preempted: int = 0
     experts: ExpertUsage | None = None  # sent at most every EXPERT_REPORT_S seconds
+    prefix_cache_queries: int = 0  # tokens of the requests admitted in this window
+    prefix_cache_hits: int = 0  # of which taken from the prefix cache
 
     @property
     def kv_usage(self) -> float:

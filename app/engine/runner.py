@@ -66,6 +66,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, window: Window) -> list[Sampled]:
         """Run the window's forward pass; return one sampled token per chunk that ends at its newest token."""
+        self._copy_state(window)
         chunks, graphs = window.chunks, self.graphs
         self.last_replayed = graphs is not None and graphs.fits(len(chunks)) and all(c.decode for c in chunks)
         if graphs is not None and self.last_replayed:
@@ -92,6 +93,15 @@ class ModelRunner:
             Sampled(chunk, token, logprobs)
             for chunk, token, logprobs in zip(sampling, result.token_ids, result.logprobs, strict=True)
         ]
+
+    def _copy_state(self, window: Window) -> None:
+        """The window's checkpoint saves, block copies and restores, in that order (before its forward)."""
+        for slot, checkpoint in window.saves:
+            self.state.copy_slot(slot, checkpoint)
+        for source, target in window.block_copies:
+            self.state.copy_block(source, target)
+        for checkpoint, slot in window.restores:
+            self.state.copy_slot(checkpoint, slot)
 
     def _eager(self, chunks: list[Chunk]) -> tuple[list[Chunk], torch.Tensor]:
         """One forward over the flat batch; the chunks that sample and their logits.

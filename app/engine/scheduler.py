@@ -12,7 +12,8 @@ import enum
 from collections import deque
 from dataclasses import dataclass, field
 
-from app.engine.blocks import BlockPool
+from app.engine.blocks import ROOT, BlockPool
+from app.engine.prefix_cache import PrefixHit, StateCheckpoints
 from app.engine.protocol import SamplingParams
 from app.engine.window_cost import DecodeWindowCost, WindowCost
 
@@ -48,6 +49,8 @@ class Request:
     phase: Phase = Phase.WAITING
     finish_reason: str | None = None
     admitted_order: int = 0
+    cached_blocks: int = 0  # blocks of `blocks` registered in the prefix cache, the last under `chain_key`
+    chain_key: bytes = ROOT
 
     @property
     def length(self) -> int:
@@ -67,6 +70,11 @@ class Request:
     def pending(self) -> int:
         """Tokens not yet in the model state."""
         return self.length - self.computed
+
+    @property
+    def tokens(self) -> list[int]:
+        """Prompt and generated tokens, as one list."""
+        return self.prompt + self.output
 
 
 @dataclass(frozen=True)
@@ -89,10 +97,21 @@ class Chunk:
 
 @dataclass
 class Window:
-    """What one forward pass runs, decode rows first."""
+    """What one forward pass runs, decode rows first, and the state copies to make before it.
+
+    Before the forward, in this order: `saves` copy a slot's recurrent state into a checkpoint slot (for a
+    request that finished, or read a piece of its prompt, in an earlier window), `block_copies` copy a KV
+    block into another, `restores` copy a checkpoint into a slot (a request continuing from it).
+    `cache_queries` / `cache_hits`: prompt tokens of the requests admitted, and how many came from the cache.
+    """
 
     chunks: list[Chunk]
     preempted: int = 0
+    saves: list[tuple[int, int]] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    restores: list[tuple[int, int]] = field(default_factory=list)
+    cache_queries: int = 0
+    cache_hits: int = 0
 
     @property
     def prompt_tokens(self) -> int:
@@ -112,6 +131,8 @@ class SchedulerConfig:
     `prompt_align`: a prompt chunk that stops before the request's newest token stops at a multiple of this
     many tokens of the sequence (models whose layers read prompts in fixed chunks compute a prompt exactly
     the same whichever windows it is read in only if its pieces end on their chunk boundaries).
+    `prefix_cache`: requests continue from cached blocks; on a model with `recurrent` state only where a
+    checkpoint was saved, in one of the state pools' `checkpoint_slots` (app/engine/prefix_cache.py).
     """
 
     parallel: int
@@ -120,6 +141,9 @@ class SchedulerConfig:
     kv_blocks: int
     decode_share: float = 0.5
     prompt_align: int = 1
+    prefix_cache: bool = False
+    checkpoint_slots: tuple[int, ...] = ()
+    recurrent: bool = False
 
 
 class Scheduler:
@@ -127,7 +151,11 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
-        self.pool = BlockPool(config.kv_blocks, config.block_size)
+        self.pool = BlockPool(config.kv_blocks, config.block_size, caching=config.prefix_cache)
+        self.checkpoints: StateCheckpoints | None = None
+        if config.prefix_cache and config.recurrent:
+            self.checkpoints = StateCheckpoints(self.pool, list(config.checkpoint_slots))
+        self._saves: list[tuple[int, int]] = []  # (slot, checkpoint slot) to copy before the next forward
         self.cost = WindowCost()
         self.decode_cost = DecodeWindowCost()
         self.credit = 0.0  # seconds decoding slots are ahead of their share while prompts wait (may be < 0)
@@ -174,15 +202,64 @@ class Scheduler:
             window.chunks.append(self._chunk(request, take))
         while self.waiting and self.free_slots and share.tokens > 0:
             request = self.waiting[0]
+            hit = self._prefix_hit(request)
+            start = hit.position if hit else 0
+            if hit:
+                self.pool.take(request.blocks, hit.blocks)
             if not self.pool.grow(request.blocks, request.length + 1):
+                self.pool.release(request.blocks)
                 break
-            take = share.take(request.pending, request.computed)
+            take = share.take(request.length - start, start)
             if take <= 0:
+                self.pool.release(request.blocks)
                 break
             self.waiting.popleft()
             self._admit(request)
+            request.computed = start
+            if hit:
+                self._continue(window, request, hit)
+            if self.pool.caching:
+                window.cache_queries += request.length
+                window.cache_hits += start
             window.chunks.append(self._chunk(request, take))
+        if window.chunks:
+            window.saves, self._saves = self._saves, []
         return window
+
+    def _prefix_hit(self, request: Request) -> PrefixHit | None:
+        """Where a request being admitted can start instead of 0 (at least its last token is read)."""
+        if not self.pool.caching:
+            return None
+        limit = request.length - 1
+        if self.checkpoints is not None:
+            return self.checkpoints.find(request.tokens, limit)
+        blocks = self.pool.match(request.tokens, limit)
+        return PrefixHit(blocks=blocks, position=len(blocks) * self.pool.block_size) if blocks else None
+
+    def _continue(self, window: Window, request: Request, hit: PrefixHit) -> None:
+        """Set up an admitted request to continue at its hit: registered blocks, state and tail copies."""
+        request.cached_blocks = len(hit.blocks)
+        request.chain_key = self.pool.prefix_keys(request.tokens, len(hit.blocks))[-1] if hit.blocks else ROOT
+        checkpoint = hit.checkpoint
+        if checkpoint is None:
+            return
+        assert request.slot is not None
+        window.restores.append((checkpoint.slot, request.slot))
+        if checkpoint.tail_block is not None:
+            window.block_copies.append(
+                (checkpoint.tail_block, request.blocks[checkpoint.position // self.pool.block_size])
+            )
+
+    def _save_state(self, request: Request) -> None:
+        """Checkpoint the recurrent state of a request's slot at its computed position (copied next window).
+
+        Called where the request can be continued: a prompt piece ending on a chunk multiple, or its end.
+        """
+        if self.checkpoints is None or request.slot is None or request.computed == 0:
+            return
+        checkpoint = self.checkpoints.save(request.tokens, request.computed, request.blocks)
+        if checkpoint is not None:
+            self._saves.append((request.slot, checkpoint.slot))
 
     def _chunk(self, request: Request, take: int) -> Chunk:
         start = request.computed
@@ -208,6 +285,7 @@ class Scheduler:
         """Free a running request's slot and blocks; it waits at the head of the queue to be read again."""
         self._release(request)
         request.computed = 0
+        request.cached_blocks, request.chain_key = 0, ROOT
         request.phase = Phase.WAITING
         self.waiting.appendleft(request)
 
@@ -224,11 +302,18 @@ class Scheduler:
 
         `replayed` says the window replayed a CUDA graph: its time then says nothing about eager windows.
         """
+        align = self.config.prompt_align
         for chunk in window.chunks:
             request = chunk.request
             request.computed += len(chunk.tokens)
             if chunk.samples:
                 request.phase = Phase.DECODE
+            if self.pool.caching:
+                request.cached_blocks, request.chain_key = self.pool.commit(
+                    request.blocks, request.tokens, request.computed, request.cached_blocks, request.chain_key
+                )
+                if not chunk.decode and request.computed % align == 0:
+                    self._save_state(request)
         rows = sum(len(c.tokens) for c in window.chunks)
         decode = window.decode_tokens
         if not replayed:
@@ -272,6 +357,7 @@ class Scheduler:
         """End a request (stop, length, abort, error) and free what it held."""
         if request.phase is Phase.FINISHED:
             return
+        self._save_state(request)  # where a follow-up turn continues
         request.finish_reason = reason
         request.phase = Phase.FINISHED
         self._release(request)

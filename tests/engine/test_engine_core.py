@@ -1,4 +1,4 @@
-"""The engine core in-process on tiny fp32 models: batch = solo, windows, sampling features, limits."""
+"""The engine core in-process on tiny fp32 models: batch = solo, windows, sampling, limits, prefix cache."""
 
 from __future__ import annotations
 
@@ -163,7 +163,8 @@ def test_text_streams_without_splitting_characters(checkpoint: Path) -> None:
 
 def test_requests_that_cannot_run_get_a_clear_error(checkpoint: Path) -> None:
     config = make_core(checkpoint).loaded.model.config
-    memory = 40 * kv_block_bytes(config, 16, torch.float32) + 8 * slot_state_bytes(config, torch.float32)
+    # 8 slots and 8 prefix-cache checkpoints of recurrent state (none on attention-only models), 40 blocks.
+    memory = 40 * kv_block_bytes(config, 16, torch.float32) + 16 * slot_state_bytes(config, torch.float32)
     core = make_core(checkpoint, kv_memory=memory, max_model_len=1000)
     too_long = complete(core, _prompt(990, 1), max_tokens=20)
     assert too_long.finish_reason == "error" and "exceeds the context of 1000 tokens" in too_long.error
@@ -184,7 +185,7 @@ def test_pool_exhaustion_preempts_and_recomputes_exactly(checkpoint: Path) -> No
     adds = [request(_prompt(60, 20 + i), **params) for i in range(3)]
     expected = {a.request_id: _solo(roomy, a.prompt_token_ids, **params).token_ids for a in adds}
     config = roomy.loaded.model.config  # 70 blocks of 4: 280 tokens for three requests that grow to 120 each
-    memory = 70 * kv_block_bytes(config, 4, torch.float32) + 8 * slot_state_bytes(config, torch.float32)
+    memory = 70 * kv_block_bytes(config, 4, torch.float32) + 16 * slot_state_bytes(config, torch.float32)
     tight = make_core(checkpoint, kv_memory=memory, block_size=4)
     assert tight.scheduler.pool.total == 70
     results, windows = run(tight, [(0, a) for a in adds])
@@ -210,3 +211,52 @@ def test_expert_usage_counts_every_routed_token(checkpoint: Path, monkeypatch: p
 def test_the_pool_holds_no_more_than_full_slots_can_use(checkpoint: Path) -> None:
     core = make_core(checkpoint, parallel=2, max_model_len=1000, kv_memory=256 << 20)
     assert core.scheduler.pool.total == 2 * 63  # 1000 tokens need 63 blocks of 16
+
+
+def test_a_follow_up_continues_where_its_conversation_ended(checkpoint: Path) -> None:
+    params = {"max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    cached, fresh = make_core(checkpoint), make_core(checkpoint, prefix_cache=False)
+    first = _prompt(150, 1)
+    answer = complete(cached, first, **params).token_ids
+    follow_up = [*first, *answer, *_prompt(30, 2)]
+    add = request(follow_up, **params)
+    results, windows = run(cached, [(0, add)])
+    computed_before = len(first) + len(answer) - 1  # the last token generated was never fed
+    hits = sum(w.prefix_cache_hits for w in windows)
+    if cached.scheduler.checkpoints is None:  # attention only: whole blocks
+        assert hits == computed_before // 16 * 16
+    else:  # the state where the first turn ended
+        assert hits == computed_before
+    assert sum(w.prompt_tokens for w in windows) == len(follow_up) - hits
+    assert results[add.request_id].token_ids == complete(fresh, follow_up, **params).token_ids
+
+
+def test_a_shared_system_prompt_is_read_once(checkpoint: Path) -> None:
+    """Eight requests share 1,000 tokens; attention-only models read them once, hybrid ones up to the last
+    checkpoint of the first request's prompt pieces (chunk multiples where its windows ended)."""
+    system = _prompt(1000, 3)
+    core = make_core(checkpoint, max_batched_tokens=256)
+    params = {"max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    adds = [request([*system, *_prompt(20, 10 + i)], **params) for i in range(8)]
+    results, windows = run(core, [(0, adds[0])] + [(8, add) for add in adds[1:]])
+    assert all(results[a.request_id].finish_reason == "length" for a in adds)
+    queries = sum(w.prefix_cache_queries for w in windows)
+    hits = sum(w.prefix_cache_hits for w in windows)
+    assert queries == 8 * 1020
+    if core.scheduler.checkpoints is None:
+        assert hits == 7 * (1000 // 16 * 16)
+    else:  # the first prompt's pieces end at 256, 512, 768; later pieces may leave checkpoints further on
+        assert 7 * 768 <= hits <= 7 * 960
+    assert sum(w.prompt_tokens for w in windows) == 8 * 1020 - hits
+    fresh = make_core(checkpoint, prefix_cache=False)
+    for add in adds[1::3]:
+        assert results[add.request_id].token_ids == complete(fresh, add.prompt_token_ids, **params).token_ids
+
+
+def test_no_prefix_cache_reads_everything_and_counts_no_queries(checkpoint: Path) -> None:
+    core = make_core(checkpoint, prefix_cache=False)
+    prompt = _prompt(100, 4)
+    complete(core, prompt, max_tokens=2, temperature=0)
+    _, windows = run(core, [(0, request(prompt, max_tokens=2, temperature=0))])
+    assert sum(w.prompt_tokens for w in windows) == 100
+    assert sum(w.prefix_cache_queries + w.prefix_cache_hits for w in windows) == 0

@@ -102,3 +102,16 @@ def test_graph_padding_rows_are_not_counted_as_routed(
     for layer in range(len(windows[0].experts.layers)):
         routed = sum(sum(w.experts.routed[layer]) for w in windows)
         assert routed == sum(w.rows for w in windows) * config.num_experts_per_tok
+
+
+def test_a_follow_up_from_the_prefix_cache_gives_the_tokens_of_reading_it_all(checkpoint: Path) -> None:
+    params = {"max_tokens": 16, "temperature": 0, "ignore_eos": True}
+    cached = make_core(checkpoint, device="cuda")
+    fresh = make_core(checkpoint, device="cuda", prefix_cache=False)
+    first = _prompt(300, 50)
+    answer = complete(cached, first, **params).token_ids
+    follow_up = [*first, *answer, *_prompt(40, 51)]
+    add = request(follow_up, **params)
+    results, windows = run(cached, [(0, add)])
+    assert sum(w.prefix_cache_hits for w in windows) >= 300
+    assert results[add.request_id].token_ids == complete(fresh, follow_up, **params).token_ids
