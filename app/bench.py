@@ -1,17 +1,24 @@
-"""`strata bench`: synthetic concurrent requests through the engine process, summarised as one JSON object.
+"""`strata bench`: synthetic requests through the engine process, summarised as one JSON object.
 
-Request 0 starts alone; once it decodes, the other `concurrency - 1` arrive together. The summary has the
-aggregate and per-request speed, time to first token and inter-token latency, and how fast request 0 decoded
-alone and while its peers' prompts were read (the share `--decode-share` protects).
+The default scenario: request 0 starts alone; once it decodes, the other `concurrency - 1` arrive together.
+The summary has the aggregate and per-request speed, time to first token and inter-token latency, and how
+fast request 0 decoded alone and while its peers' prompts were read (the share `--decode-share` protects).
+
+`--follow-up`: a conversation of `prompt_len` tokens, then a follow-up turn, timed to its first token when
+the conversation is still in the device's prefix cache, when it comes back from a park file after an engine
+restart, and when it is read again from its start (`--no-prefix-cache`).
 """
 
 from __future__ import annotations
 
 import random
 import statistics
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
+
+import msgspec
 
 from app.engine.client import EngineClient
 from app.engine.config import EngineConfig
@@ -141,3 +148,59 @@ def _observer_rates(windows: list[WindowStats]) -> tuple[float | None, float | N
 
 def _round(value: float | None) -> float | None:
     return None if value is None else round(value, 4)
+
+
+FOLLOW_UP_TOKENS = 32  # new tokens of the follow-up turn
+
+
+def _first_token(client: EngineClient, prompt: list[int], max_tokens: int) -> tuple[float, list[int]]:
+    """Seconds from submitting `prompt` to its first token, and the tokens it generated."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    timeline = Timeline()
+    tokens: list[int] = []
+    timeline.submitted = time.perf_counter()
+    for output in client.submit(prompt, params):
+        if not timeline.token_times and output.token_ids:
+            timeline.token_times.append(time.perf_counter())
+        tokens += output.token_ids
+    return timeline.token_times[0] - timeline.submitted, tokens
+
+
+def run_follow_up(config: EngineConfig, prompt_len: int, output_len: int, seed: int = 0) -> dict:
+    """Time a follow-up turn's first token: from the device cache, from a park file, and read again."""
+    rng = random.Random(seed)
+    with tempfile.TemporaryDirectory(prefix="strata-bench-park-") as scratch:
+        parking = msgspec.structs.replace(
+            config,
+            prefix_cache=True,
+            park_memory=max(config.park_memory, 1 << 30),
+            park_dir=scratch,
+            park_disk=max(config.park_disk, 64 << 30),
+        )
+        restores: list[WindowStats] = []
+        with EngineClient.start(parking) as client:
+            vocab = client.ready.vocab_size
+            first = [rng.randrange(3, vocab) for _ in range(prompt_len)]
+            ttft_first, answer = _first_token(client, first, output_len)
+            follow_up = first + answer + [rng.randrange(3, vocab) for _ in range(FOLLOW_UP_TOKENS)]
+            ttft_cached, cached_tokens = _first_token(client, follow_up, output_len)
+            ready = client.ready
+        with EngineClient.start(parking) as client:  # a restart: only the park files remain
+            client.add_stats_listener(restores.append)
+            ttft_restored, restored_tokens = _first_token(client, follow_up, output_len)
+        with EngineClient.start(msgspec.structs.replace(config, prefix_cache=False)) as client:
+            ttft_reread, reread_tokens = _first_token(client, follow_up, output_len)
+    parked = next((w.parking for w in reversed(restores) if w.parking is not None), None)
+    return {
+        "device": ready.device,
+        "model": ready.model,
+        "backends": ready.backends,
+        "conversation_tokens": len(first) + len(answer),
+        "follow_up_tokens": len(follow_up),
+        "ttft_first_turn_s": round(ttft_first, 4),
+        "ttft_follow_up_cached_s": round(ttft_cached, 4),
+        "ttft_follow_up_restored_from_disk_s": round(ttft_restored, 4),
+        "restore_s": _round(parked.restore_seconds if parked else None),
+        "ttft_follow_up_read_again_s": round(ttft_reread, 4),
+        "same_tokens": cached_tokens == restored_tokens == reread_tokens,
+    }

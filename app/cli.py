@@ -7,8 +7,9 @@ import json
 import re
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
-from app.engine.config import EngineConfig
+from app.engine.config import PARK_DISK, PARK_MEMORY, EngineConfig, default_park_dir
 from app.errors import StrataError
 
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -69,6 +70,24 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
         action="store_false",
         help="read every prompt from its start (no KV blocks or recurrent states reused across requests)",
     )
+    parser.add_argument(
+        "--park-memory",
+        type=_size,
+        default=PARK_MEMORY,
+        help="host RAM for finished conversations awaiting a follow-up, e.g. 4GiB (0: none)",
+    )
+    parser.add_argument(
+        "--park-dir",
+        type=Path,
+        default=default_park_dir(),
+        help="where parked conversations are kept across restarts (default: the user cache directory)",
+    )
+    parser.add_argument(
+        "--park-disk",
+        type=_size,
+        default=PARK_DISK,
+        help="disk budget of --park-dir, e.g. 20GiB (0: no files)",
+    )
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -97,6 +116,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         exact=args.exact,
         enforce_eager=args.enforce_eager,
         prefix_cache=args.prefix_cache,
+        park_memory=args.park_memory,
+        park_dir=str(args.park_dir),
+        park_disk=args.park_disk,
     )
 
 
@@ -137,6 +159,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--prompt-len", type=int, default=512)
     bench.add_argument("--output-len", type=int, default=64)
     bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument(
+        "--follow-up",
+        action="store_true",
+        help="time a follow-up turn of a --prompt-len conversation: cached, restored from disk, read again",
+    )
     return parser
 
 
@@ -211,10 +238,14 @@ def run_serve(args: argparse.Namespace) -> None:
 def run_bench(args: argparse.Namespace) -> None:
     """`strata bench`: print the JSON summary of a synthetic concurrent run."""
     from app.bench import run_bench as bench
+    from app.bench import run_follow_up
 
     if args.concurrency < 1 or args.prompt_len < 1 or args.output_len < 1:
         raise StrataError("--concurrency, --prompt-len and --output-len must be at least 1")
-    summary = bench(engine_config(args), args.concurrency, args.prompt_len, args.output_len, args.seed)
+    if args.follow_up:
+        summary = run_follow_up(engine_config(args), args.prompt_len, args.output_len, args.seed)
+    else:
+        summary = bench(engine_config(args), args.concurrency, args.prompt_len, args.output_len, args.seed)
     print(json.dumps(summary))
 
 

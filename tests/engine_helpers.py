@@ -6,6 +6,8 @@ import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from app.engine.config import EngineConfig
 from app.engine.core import EngineCore
 from app.engine.protocol import AddRequest, PositionLogprobs, SamplingParams, WindowStats
@@ -22,6 +24,11 @@ class Completion:
     logprobs: list[PositionLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
+
+
+def random_prompt(length: int, seed: int) -> list[int]:
+    """`length` token ids drawn from the tiny models' vocabulary, the same for the same seed."""
+    return torch.randint(3, 512, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def make_core(path: Path, **overrides: object) -> EngineCore:

@@ -13,7 +13,8 @@ import torch
 from checkpoints import hf_model, write_checkpoint
 from transformers import AutoTokenizer
 
-from app.cli import main
+from app.cli import build_parser, engine_config, main
+from app.engine.config import PARK_DISK, PARK_MEMORY, default_park_dir
 
 
 def _generate(capsys: pytest.CaptureFixture[str], *args: str) -> dict:
@@ -118,3 +119,29 @@ def test_default_model_is_written_once_and_used(tmp_path: Path) -> None:
     assert (model_dir / "model.safetensors").stat().st_mtime_ns == written
     assert json.loads(first.stdout) == json.loads(second.stdout)
     assert len(json.loads(first.stdout)["token_ids"]) == 6
+
+
+def test_parking_options_reach_the_engine_config(tmp_path: Path) -> None:
+    parser = build_parser()
+    defaults = engine_config(parser.parse_args(["generate", "--prompt", "x"]))
+    assert defaults.prefix_cache and defaults.park_memory == PARK_MEMORY and defaults.park_disk == PARK_DISK
+    assert defaults.park_dir == str(default_park_dir())
+    args = ["generate", "--prompt", "x", "--no-prefix-cache", "--park-memory", "512MiB", "--park-disk", "0"]
+    config = engine_config(parser.parse_args([*args, "--park-dir", str(tmp_path)]))
+    assert not config.prefix_cache and config.park_memory == 512 << 20 and config.park_disk == 0
+    assert config.park_dir == str(tmp_path)
+
+
+def test_a_second_generate_continues_from_the_parked_first(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Two commands, two engines: the second prompt extends the first and is read from its park file."""
+    path = write_checkpoint(tmp_path / "model", "qwen3_next")
+    options = ["--model", str(path), "--dtype", "float32", "--max-tokens", "6", "--temperature", "0"]
+    options += ["--park-dir", str(tmp_path / "parked")]
+    first = _generate(capsys, *options, "--prompt-token-ids", ",".join(str(3 + i % 400) for i in range(120)))
+    assert len(list((tmp_path / "parked").glob("*.park"))) == 1
+    follow = ",".join(str(3 + i % 400) for i in range(120)) + "," + ",".join(map(str, first["token_ids"]))
+    again = _generate(capsys, *options, "--prompt-token-ids", follow + ",7,8,9")
+    fresh = _generate(capsys, *options, "--no-prefix-cache", "--prompt-token-ids", follow + ",7,8,9")
+    assert again["token_ids"] == fresh["token_ids"]

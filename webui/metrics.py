@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from app.engine.protocol import FINISH_REASONS, Ready, SlotStats, WindowStats
+from app.engine.protocol import FINISH_REASONS, ParkingStats, Ready, SlotStats, WindowStats
 from webui.auth import require_api_key
 from webui.engine_link import RequestRecord
 
@@ -55,6 +55,13 @@ SCALARS = (
     ("strata:kv_blocks_used", "gauge", "KV blocks in use."),
     ("strata:kv_blocks_total", "gauge", "KV blocks in the pool."),
     ("strata:windows_total", "counter", "Windows the engine ran."),
+    ("strata:parked_conversations_ram", "gauge", "Conversations parked in host RAM."),
+    ("strata:parked_conversations_disk", "gauge", "Conversations parked on disk."),
+    ("strata:parked_bytes_ram", "gauge", "Host RAM held by parked conversations."),
+    ("strata:parked_bytes_disk", "gauge", "Disk held by parked conversations."),
+    ("strata:park_restores_total", "counter", "Parked conversations brought back for a follow-up."),
+    ("strata:park_restore_seconds_total", "counter", "Time spent bringing parked conversations back."),
+    ("strata:park_copied_bytes_total", "counter", "Bytes copied from the device to park conversations."),
 )
 SLOT_GAUGES = (
     ("strata:slot_context_tokens", "context_tokens", "Tokens held in the slot's state."),
@@ -102,6 +109,7 @@ class ServerMetrics:
         self.num_preemptions_total = 0
         self.prefix_cache_queries_total = 0
         self.prefix_cache_hits_total = 0
+        self.parking = ParkingStats(0, 0, 0, 0, 0, 0.0, 0)
         self.request_success_total = dict.fromkeys(FINISH_REASONS, 0)
         self._recent: deque[tuple[float, float, int]] = deque()  # (start, end, tokens) of recent windows
         self._ended: dict[str, None] = {}  # ids of finished requests, oldest first
@@ -186,6 +194,8 @@ class ServerMetrics:
         self.num_preemptions_total += stats.preempted
         self.prefix_cache_queries_total += stats.prefix_cache_queries
         self.prefix_cache_hits_total += stats.prefix_cache_hits
+        if stats.parking is not None:
+            self.parking = stats.parking
         self.iteration_tokens.observe(stats.rows)
         end = stats.started + stats.duration_s
         self._recent.append((stats.started, end, _generated(stats)))
@@ -266,11 +276,18 @@ class ServerMetrics:
             "kv_blocks_used": self.kv_blocks_used,
             "kv_blocks_total": self.kv_blocks_total,
             "windows_total": self.windows_total,
+            "parked_conversations_ram": self.parking.conversations_ram,
+            "parked_conversations_disk": self.parking.conversations_disk,
+            "parked_bytes_ram": self.parking.bytes_ram,
+            "parked_bytes_disk": self.parking.bytes_disk,
+            "park_restores_total": self.parking.restores,
+            "park_restore_seconds_total": self.parking.restore_seconds,
+            "park_copied_bytes_total": self.parking.copied_bytes,
             "request_success_total": dict(self.request_success_total),
             "cache_config_info": {
                 "block_size": self.ready.block_size,
                 "cache_dtype": "auto",
-                "enable_prefix_caching": False,
+                "enable_prefix_caching": self.ready.prefix_cache,
                 "num_gpu_blocks": self.ready.kv_blocks_total,
             },
             "slots": [self._slot(index) for index in range(self.ready.parallel)],

@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import msgspec
+import platformdirs
 
 GIB = 1 << 30
+PARK_MEMORY = GIB  # the command line's defaults for parking (an EngineConfig parks only when asked)
+PARK_DISK = 8 * GIB
+
+
+def default_park_dir() -> Path:
+    """Where the command line parks conversations by default: in the user cache directory."""
+    return Path(platformdirs.user_cache_dir("strata")) / "parked"
 
 
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -17,7 +27,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     are read (docs/BATCHING.md); `backend` names the compute backends (app/kernels), `auto` picks for the
     device; `exact` fixes the kernels' tiles for every window size, dense projections included
     (docs/KERNELS.md); `enforce_eager` turns off CUDA graphs of decode windows; `prefix_cache` lets
-    requests continue from cached KV blocks and saved recurrent states (docs/BATCHING.md).
+    requests continue from cached KV blocks and saved recurrent states (docs/BATCHING.md); `park_memory`
+    bytes of host RAM hold finished turns for their follow-ups, and with `park_dir` up to `park_disk` bytes
+    of files (surviving restarts).
     """
 
     model: str | None = None
@@ -33,4 +45,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     exact: bool = False
     enforce_eager: bool = False
     prefix_cache: bool = True
+    park_memory: int = 0
+    park_dir: str | None = None
+    park_disk: int = 0
     seed: int = 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 
 import torch
 
@@ -11,6 +12,7 @@ from app.default_model import default_model_dir
 from app.engine.config import EngineConfig
 from app.engine.cuda_graphs import DecodeGraphs
 from app.engine.paged_state import PagedState, kv_block_bytes, slot_state_bytes
+from app.engine.parking import ConversationPark, model_identity
 from app.engine.protocol import (
     EXPERT_REPORT_S,
     AddRequest,
@@ -93,7 +95,7 @@ class EngineCore:
             graphs.capture()
         self.runner = ModelRunner(model, state, Sampler(config.seed), graphs)
         self.runner.warm_up()
-        self.scheduler = Scheduler(
+        scheduler = Scheduler(
             SchedulerConfig(
                 parallel=config.parallel,
                 max_batched_tokens=config.max_batched_tokens,
@@ -106,12 +108,30 @@ class EngineCore:
                 recurrent=recurrent,
             )
         )
+        self.park: ConversationPark | None = None
+        if config.prefix_cache and (config.park_memory > 0 or (config.park_dir and config.park_disk > 0)):
+            self.park = ConversationPark(
+                state,
+                scheduler.pool,
+                f"{model_identity(self.loaded.checkpoint.path)}:{dtype}",
+                config.park_memory,
+                Path(config.park_dir) if config.park_dir else None,
+                config.park_disk,
+            )
+            scheduler.parked = self.park
+            self.runner.park = self.park
+        self.scheduler = scheduler
         self.streams: dict[str, TextStream] = {}
         self.windows = 0
         self.moe_layers = [
             (i, layer.mlp) for i, layer in enumerate(model.model.layers) if isinstance(layer.mlp, SparseMoE)
         ]
         self._experts_reported = time.monotonic()
+
+    def close(self) -> None:
+        """Finish what must outlive the process: parked conversations still being written to disk."""
+        if self.park is not None:
+            self.park.flush()
 
     def ready(self) -> Ready:
         """What clients need to know before sending requests."""
@@ -126,6 +146,7 @@ class EngineCore:
             eos_token_ids=list(self.loaded.eos_token_ids),
             backends=self.backends.name,
             device=self.device,
+            prefix_cache=self.config.prefix_cache,
         )
 
     def add_request(self, add: AddRequest) -> list[RequestOutput]:
@@ -194,6 +215,7 @@ class EngineCore:
             kv_blocks_total=self.scheduler.pool.total,
             prefix_cache_queries=window.cache_queries,
             prefix_cache_hits=window.cache_hits,
+            parking=self.park.stats() if self.park is not None else None,
             finished=sum(o.finished for o in outputs),
             preempted=window.preempted,
             experts=self._expert_usage(),
@@ -231,6 +253,8 @@ class EngineCore:
             return output
         if not stream.stopped:
             output.text += stream.finish()
+        if self.park is not None and request.slot is not None:
+            self.park.park(request.tokens[: request.computed], request.blocks, request.slot)
         self.scheduler.finish(request, reason)
         del self.streams[request.request_id]
         return self._final(request, output)

@@ -73,6 +73,9 @@ def run_engine(core_factory: str, config_bytes: bytes, address: str) -> None:
     except Exception as exc:
         _fail(conn, exc)
     serve(core, conn)
+    close = getattr(core, "close", None)  # optional: work to finish before exit (EngineCore: park files)
+    if callable(close):
+        close()
     conn.close()
 
 

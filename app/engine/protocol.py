@@ -173,6 +173,19 @@ class ExpertUsage(msgspec.Struct, frozen=True):
     seconds: float  # the span the counts cover
 
 
+class ParkingStats(msgspec.Struct, array_like=True, frozen=True):
+    """The conversation park's state after a window: conversations and bytes in RAM and on disk, restores
+    and their total time, bytes copied to the host (a conversation parked again copies only new blocks)."""
+
+    conversations_ram: int
+    conversations_disk: int
+    bytes_ram: int
+    bytes_disk: int
+    restores: int
+    restore_seconds: float
+    copied_bytes: int
+
+
 class WindowStats(msgspec.Struct, tag="stats", frozen=True):
     """The record every window emits: what ran, how long it took, the state of slots, queue and KV pool."""
 
@@ -191,6 +204,7 @@ class WindowStats(msgspec.Struct, tag="stats", frozen=True):
     experts: ExpertUsage | None = None  # sent at most every EXPERT_REPORT_S seconds
     prefix_cache_queries: int = 0  # tokens of the requests admitted in this window
     prefix_cache_hits: int = 0  # of which taken from the prefix cache
+    parking: ParkingStats | None = None  # when conversations are parked
 
     @property
     def kv_usage(self) -> float:
@@ -211,6 +225,7 @@ class Ready(msgspec.Struct, tag="ready", frozen=True):
     eos_token_ids: list[int]
     backends: str = ""
     device: str = ""
+    prefix_cache: bool = False
 
 
 class EngineFailed(msgspec.Struct, tag="failed", frozen=True):

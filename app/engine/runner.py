@@ -9,6 +9,7 @@ import torch
 
 from app.engine.cuda_graphs import DecodeGraphs, DecodeRow
 from app.engine.paged_state import PagedState
+from app.engine.parking import ConversationPark, Parked
 from app.engine.protocol import PositionLogprobs
 from app.engine.sampler import RowSampling, Sampler
 from app.engine.scheduler import Chunk, Window
@@ -33,9 +34,15 @@ class ModelRunner:
     """
 
     def __init__(
-        self, model: CausalLM, state: PagedState, sampler: Sampler, graphs: DecodeGraphs | None = None
+        self,
+        model: CausalLM,
+        state: PagedState,
+        sampler: Sampler,
+        graphs: DecodeGraphs | None = None,
+        park: ConversationPark | None = None,
     ) -> None:
         self.model = model
+        self.park = park
         self.state = state
         self.sampler = sampler
         self.graphs = graphs
@@ -95,13 +102,16 @@ class ModelRunner:
         ]
 
     def _copy_state(self, window: Window) -> None:
-        """The window's checkpoint saves, block copies and restores, in that order (before its forward)."""
+        """Before the forward: the window's checkpoint saves, block copies, restores and unparks, in order."""
         for slot, checkpoint in window.saves:
             self.state.copy_slot(slot, checkpoint)
         for source, target in window.block_copies:
             self.state.copy_block(source, target)
         for checkpoint, slot in window.restores:
             self.state.copy_slot(checkpoint, slot)
+        for parked, slot, blocks in window.unparks:
+            assert self.park is not None and isinstance(parked, Parked)
+            self.park.restore(parked, slot, blocks)
 
     def _eager(self, chunks: list[Chunk]) -> tuple[list[Chunk], torch.Tensor]:
         """One forward over the flat batch; the chunks that sample and their logits.

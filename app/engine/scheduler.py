@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from app.engine.blocks import ROOT, BlockPool
 from app.engine.prefix_cache import PrefixHit, StateCheckpoints
@@ -18,6 +19,7 @@ from app.engine.protocol import SamplingParams
 from app.engine.window_cost import DecodeWindowCost, WindowCost
 
 UNCALIBRATED_CHUNK = 256
+PARK_MIN_GAIN = 256  # tokens a parked conversation must reach beyond the device's prefix cache to be restored
 
 
 class Phase(enum.Enum):
@@ -103,6 +105,7 @@ class Window:
     request that finished, or read a piece of its prompt, in an earlier window), `block_copies` copy a KV
     block into another, `restores` copy a checkpoint into a slot (a request continuing from it).
     `cache_queries` / `cache_hits`: prompt tokens of the requests admitted, and how many came from the cache.
+    `unparks`: (parked conversation, slot, block table) to copy back from the host, after the restores.
     """
 
     chunks: list[Chunk]
@@ -112,6 +115,7 @@ class Window:
     restores: list[tuple[int, int]] = field(default_factory=list)
     cache_queries: int = 0
     cache_hits: int = 0
+    unparks: list[tuple[object, int, list[int]]] = field(default_factory=list)
 
     @property
     def prompt_tokens(self) -> int:
@@ -146,11 +150,24 @@ class SchedulerConfig:
     recurrent: bool = False
 
 
-class Scheduler:
-    """Admits requests into slots, plans windows, and frees what finished requests held."""
+class ParkedStore(Protocol):
+    """Conversations parked off the device (app/engine/parking.py), as the scheduler sees them."""
 
-    def __init__(self, config: SchedulerConfig) -> None:
+    def find(self, tokens: list[int], limit: int) -> tuple[int, object] | None:
+        """The longest parked state that `tokens[:limit]` continues: (its length, a handle), or None."""
+        ...
+
+
+class Scheduler:
+    """Admits requests into slots, plans windows, and frees what finished requests held.
+
+    With a `parked` store, a request being admitted continues from a parked conversation when that reaches
+    further than the device's prefix cache.
+    """
+
+    def __init__(self, config: SchedulerConfig, parked: ParkedStore | None = None) -> None:
         self.config = config
+        self.parked = parked
         self.pool = BlockPool(config.kv_blocks, config.block_size, caching=config.prefix_cache)
         self.checkpoints: StateCheckpoints | None = None
         if config.prefix_cache and config.recurrent:
@@ -204,6 +221,9 @@ class Scheduler:
             request = self.waiting[0]
             hit = self._prefix_hit(request)
             start = hit.position if hit else 0
+            unpark = self._parked_hit(request, start)
+            if unpark is not None:
+                hit, start = None, unpark[0]
             if hit:
                 self.pool.take(request.blocks, hit.blocks)
             if not self.pool.grow(request.blocks, request.length + 1):
@@ -218,6 +238,9 @@ class Scheduler:
             request.computed = start
             if hit:
                 self._continue(window, request, hit)
+            if unpark is not None:
+                assert request.slot is not None
+                window.unparks.append((unpark[1], request.slot, request.blocks))
             if self.pool.caching:
                 window.cache_queries += request.length
                 window.cache_hits += start
@@ -235,6 +258,16 @@ class Scheduler:
             return self.checkpoints.find(request.tokens, limit)
         blocks = self.pool.match(request.tokens, limit)
         return PrefixHit(blocks=blocks, position=len(blocks) * self.pool.block_size) if blocks else None
+
+    def _parked_hit(self, request: Request, reached: int) -> tuple[int, object] | None:
+        """A parked conversation that takes the request more than PARK_MIN_GAIN tokens beyond `reached`.
+
+        Bringing a conversation back copies all of it, so a device cache that reaches nearly as far wins.
+        """
+        if self.parked is None or not self.pool.caching:
+            return None
+        found = self.parked.find(request.tokens, request.length - 1)
+        return found if found is not None and found[0] > reached + PARK_MIN_GAIN else None
 
     def _continue(self, window: Window, request: Request, hit: PrefixHit) -> None:
         """Set up an admitted request to continue at its hit: registered blocks, state and tail copies."""

@@ -6,25 +6,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from checkpoints import write_checkpoint
-from engine_helpers import Completion, complete, make_core, request, run
+from engine_helpers import Completion, complete, make_core, random_prompt, request, run
 
 from app.engine.core import EngineCore
 from app.engine.paged_state import kv_block_bytes, slot_state_bytes
 from app.text.tokenizer import Tokenizer
-
-ARCHS = ["qwen3_moe", "qwen3_next"]
-
-
-@pytest.fixture(scope="module", params=ARCHS)
-def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_checkpoint(
-        tmp_path_factory.mktemp(request.param), request.param, max_position_embeddings=4096
-    )
-
-
-def _prompt(length: int, seed: int) -> list[int]:
-    return torch.randint(3, 512, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def _solo(core: EngineCore, prompt: list[int], **params: object) -> Completion:
@@ -41,9 +27,12 @@ def _solo(core: EngineCore, prompt: list[int], **params: object) -> Completion:
     ids=["greedy", "seeded", "seeded-penalties"],
 )
 def test_eight_conversations_together_equal_each_alone(checkpoint: Path, params: dict) -> None:
-    core = make_core(checkpoint, parallel=8, max_batched_tokens=96)
+    # A small decode share reads prompts beside decoding slots at once, whatever windows cost on this machine,
+    # so that all eight overlap.
+    core = make_core(checkpoint, parallel=8, max_batched_tokens=96, decode_share=0.01)
     arrivals = [
-        (i, request(_prompt(15 + 23 * i, i), max_tokens=30, ignore_eos=True, **params)) for i in range(8)
+        (i, request(random_prompt(15 + 23 * i, i), max_tokens=30, ignore_eos=True, **params))
+        for i in range(8)
     ]
     together, windows = run(core, arrivals)
     assert max(len(w.slots) for w in windows) >= 6  # they really shared windows
@@ -57,8 +46,8 @@ def test_a_decoding_request_gets_a_token_in_every_window_while_a_long_prompt_is_
     checkpoint: Path,
 ) -> None:
     core = make_core(checkpoint, max_batched_tokens=256)
-    early = request(_prompt(10, 1), max_tokens=200, temperature=0, ignore_eos=True)
-    long = request(_prompt(2000, 2), max_tokens=4, temperature=0, ignore_eos=True)
+    early = request(random_prompt(10, 1), max_tokens=200, temperature=0, ignore_eos=True)
+    long = request(random_prompt(2000, 2), max_tokens=4, temperature=0, ignore_eos=True)
     _, windows = run(core, [(0, early), (1, long)])
     reading = [
         w for w in windows if any(s.request_id == long.request_id and s.phase == "prompt" for s in w.slots)
@@ -71,7 +60,7 @@ def test_a_decoding_request_gets_a_token_in_every_window_while_a_long_prompt_is_
 
 def test_four_prompts_arriving_together_share_windows(checkpoint: Path) -> None:
     core = make_core(checkpoint, max_batched_tokens=512)
-    adds = [request(_prompt(300, i), max_tokens=3, temperature=0) for i in range(4)]
+    adds = [request(random_prompt(300, i), max_tokens=3, temperature=0) for i in range(4)]
     _, windows = run(core, [(0, a) for a in adds])
     shared = [w for w in windows if sum(s.window_tokens > 1 for s in w.slots) >= 2]
     assert shared, "no window read two prompts"
@@ -80,8 +69,8 @@ def test_four_prompts_arriving_together_share_windows(checkpoint: Path) -> None:
 
 def test_abort_frees_slot_and_blocks_and_the_next_request_is_unaffected(checkpoint: Path) -> None:
     core = make_core(checkpoint, parallel=1)
-    victim = request(_prompt(40, 5), max_tokens=100, temperature=0, ignore_eos=True)
-    after = request(_prompt(25, 6), max_tokens=10, temperature=0, ignore_eos=True)
+    victim = request(random_prompt(40, 5), max_tokens=100, temperature=0, ignore_eos=True)
+    after = request(random_prompt(25, 6), max_tokens=10, temperature=0, ignore_eos=True)
     results, windows = run(core, [(0, victim), (3, after)], aborts={3: [victim.request_id]})
     assert results[victim.request_id].finish_reason == "abort"
     assert len(results[victim.request_id].token_ids) == 3  # windows 0, 1 and 2 ran before the abort
@@ -94,7 +83,7 @@ def test_abort_frees_slot_and_blocks_and_the_next_request_is_unaffected(checkpoi
 
 def test_stop_strings_are_never_leaked(checkpoint: Path) -> None:
     core = make_core(checkpoint)
-    prompt = _prompt(12, 8)
+    prompt = random_prompt(12, 8)
     full = _solo(core, prompt, max_tokens=30, temperature=0, ignore_eos=True)
     stop = full.text[10:13]
     assert stop and stop in full.text
@@ -115,7 +104,7 @@ def test_stop_strings_are_never_leaked(checkpoint: Path) -> None:
 
 def test_stop_token_ids_eos_and_max_tokens(checkpoint: Path) -> None:
     core = make_core(checkpoint)
-    prompt = _prompt(12, 9)
+    prompt = random_prompt(12, 9)
     full = _solo(core, prompt, max_tokens=16, temperature=0, ignore_eos=True)
     assert full.finish_reason == "length" and len(full.token_ids) == 16
     target = full.token_ids[5]
@@ -137,14 +126,14 @@ def test_penalties_see_the_prompt_and_the_tokens_generated_so_far(checkpoint: Pa
         return sampler(logits, rows)
 
     core.runner.sampler = spy
-    prompt = _prompt(12, 10)
+    prompt = random_prompt(12, 10)
     done = _solo(core, prompt, max_tokens=6, temperature=0, ignore_eos=True, frequency_penalty=1.0)
     assert seen == [(prompt, done.token_ids[:i], 12 + i) for i in range(6)]
 
 
 def test_logprobs_with_alternatives(checkpoint: Path) -> None:
     core = make_core(checkpoint)
-    done = _solo(core, _prompt(12, 11), max_tokens=5, temperature=0, ignore_eos=True, logprobs=3)
+    done = _solo(core, random_prompt(12, 11), max_tokens=5, temperature=0, ignore_eos=True, logprobs=3)
     assert len(done.logprobs) == 5
     for token, position in zip(done.token_ids, done.logprobs, strict=True):
         assert position.chosen.token_id == token
@@ -166,11 +155,11 @@ def test_requests_that_cannot_run_get_a_clear_error(checkpoint: Path) -> None:
     # 8 slots and 8 prefix-cache checkpoints of recurrent state (none on attention-only models), 40 blocks.
     memory = 40 * kv_block_bytes(config, 16, torch.float32) + 16 * slot_state_bytes(config, torch.float32)
     core = make_core(checkpoint, kv_memory=memory, max_model_len=1000)
-    too_long = complete(core, _prompt(990, 1), max_tokens=20)
+    too_long = complete(core, random_prompt(990, 1), max_tokens=20)
     assert too_long.finish_reason == "error" and "exceeds the context of 1000 tokens" in too_long.error
     capacity = core.scheduler.capacity_tokens()
     assert capacity == 640
-    too_big = complete(core, _prompt(capacity - 5, 1), max_tokens=10)
+    too_big = complete(core, random_prompt(capacity - 5, 1), max_tokens=10)
     assert too_big.finish_reason == "error" and "exceeds the KV pool" in too_big.error
     empty = complete(core, [], max_tokens=4)
     assert empty.error == "prompt must not be empty"
@@ -182,7 +171,7 @@ def test_requests_that_cannot_run_get_a_clear_error(checkpoint: Path) -> None:
 def test_pool_exhaustion_preempts_and_recomputes_exactly(checkpoint: Path) -> None:
     roomy = make_core(checkpoint)
     params = {"max_tokens": 60, "temperature": 0.8, "seed": 5, "ignore_eos": True}
-    adds = [request(_prompt(60, 20 + i), **params) for i in range(3)]
+    adds = [request(random_prompt(60, 20 + i), **params) for i in range(3)]
     expected = {a.request_id: _solo(roomy, a.prompt_token_ids, **params).token_ids for a in adds}
     config = roomy.loaded.model.config  # 70 blocks of 4: 280 tokens for three requests that grow to 120 each
     memory = 70 * kv_block_bytes(config, 4, torch.float32) + 16 * slot_state_bytes(config, torch.float32)
@@ -197,7 +186,9 @@ def test_pool_exhaustion_preempts_and_recomputes_exactly(checkpoint: Path) -> No
 def test_expert_usage_counts_every_routed_token(checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("app.engine.core.EXPERT_REPORT_S", 0.0)
     core = make_core(checkpoint)
-    _, windows = run(core, [(0, request(_prompt(30, 12), max_tokens=5, temperature=0, ignore_eos=True))])
+    _, windows = run(
+        core, [(0, request(random_prompt(30, 12), max_tokens=5, temperature=0, ignore_eos=True))]
+    )
     config = core.loaded.model.config
     reports = [w.experts for w in windows]
     assert all(r is not None for r in reports)
@@ -216,9 +207,9 @@ def test_the_pool_holds_no_more_than_full_slots_can_use(checkpoint: Path) -> Non
 def test_a_follow_up_continues_where_its_conversation_ended(checkpoint: Path) -> None:
     params = {"max_tokens": 12, "temperature": 0, "ignore_eos": True}
     cached, fresh = make_core(checkpoint), make_core(checkpoint, prefix_cache=False)
-    first = _prompt(150, 1)
+    first = random_prompt(150, 1)
     answer = complete(cached, first, **params).token_ids
-    follow_up = [*first, *answer, *_prompt(30, 2)]
+    follow_up = [*first, *answer, *random_prompt(30, 2)]
     add = request(follow_up, **params)
     results, windows = run(cached, [(0, add)])
     computed_before = len(first) + len(answer) - 1  # the last token generated was never fed
@@ -234,10 +225,10 @@ def test_a_follow_up_continues_where_its_conversation_ended(checkpoint: Path) ->
 def test_a_shared_system_prompt_is_read_once(checkpoint: Path) -> None:
     """Eight requests share 1,000 tokens; attention-only models read them once, hybrid ones up to the last
     checkpoint of the first request's prompt pieces (chunk multiples where its windows ended)."""
-    system = _prompt(1000, 3)
+    system = random_prompt(1000, 3)
     core = make_core(checkpoint, max_batched_tokens=256)
     params = {"max_tokens": 3, "temperature": 0, "ignore_eos": True}
-    adds = [request([*system, *_prompt(20, 10 + i)], **params) for i in range(8)]
+    adds = [request([*system, *random_prompt(20, 10 + i)], **params) for i in range(8)]
     results, windows = run(core, [(0, adds[0])] + [(8, add) for add in adds[1:]])
     assert all(results[a.request_id].finish_reason == "length" for a in adds)
     queries = sum(w.prefix_cache_queries for w in windows)
@@ -255,7 +246,7 @@ def test_a_shared_system_prompt_is_read_once(checkpoint: Path) -> None:
 
 def test_no_prefix_cache_reads_everything_and_counts_no_queries(checkpoint: Path) -> None:
     core = make_core(checkpoint, prefix_cache=False)
-    prompt = _prompt(100, 4)
+    prompt = random_prompt(100, 4)
     complete(core, prompt, max_tokens=2, temperature=0)
     _, windows = run(core, [(0, request(prompt, max_tokens=2, temperature=0))])
     assert sum(w.prompt_tokens for w in windows) == 100

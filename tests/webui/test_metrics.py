@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 from serving import Server
 
-from app.engine.protocol import Ready, SlotStats, WindowStats
+from app.engine.protocol import ParkingStats, Ready, SlotStats, WindowStats
 from webui.engine_link import RequestRecord
 from webui.metrics import ServerMetrics, buckets_1_2_5, http_metrics_middleware, metrics_route
 from webui.settings import ServerSettings
@@ -264,6 +264,22 @@ def test_windows_set_slots_queue_kv_and_live_rate() -> None:
     }
     metrics.on_window(window(3, 20.0, slots))  # the windows before 15.5 drop out of the rate
     assert metrics.snapshot()["live_tok_s"] == 1 / 0.5
+
+
+def test_prefix_cache_and_park_figures_come_from_the_windows() -> None:
+    metrics = ServerMetrics("tiny", READY)
+    parking = ParkingStats(3, 5, 1000, 9000, 2, 0.25, 4096)
+    metrics.on_window(window(1, 1.0, [], prefix_cache_queries=1020, prefix_cache_hits=992, parking=parking))
+    metrics.on_window(window(2, 2.0, [], prefix_cache_queries=1020, prefix_cache_hits=768))
+    snap = metrics.snapshot()
+    assert snap["prefix_cache_queries_total"] == 2040 and snap["prefix_cache_hits_total"] == 1760
+    assert snap["parked_conversations_ram"] == 3 and snap["parked_conversations_disk"] == 5
+    assert snap["parked_bytes_ram"] == 1000 and snap["parked_bytes_disk"] == 9000
+    assert snap["park_restores_total"] == 2 and snap["park_restore_seconds_total"] == 0.25
+    assert snap["park_copied_bytes_total"] == 4096
+    text = generate_latest(metrics.registry).decode()
+    assert 'strata:park_restores_total{engine="0",model_name="tiny"} 2.0' in text
+    assert 'vllm:prefix_cache_hits_total{engine="0",model_name="tiny"} 1760.0' in text
 
 
 def test_finished_requests_free_their_slots_even_when_a_late_window_lists_them() -> None:

@@ -1,0 +1,412 @@
+"""Parked conversations: a finished turn's KV blocks and recurrent state in pinned host RAM and on disk.
+
+When a request ends, its state (the keys and values of every position it holds, and on hybrid models the
+Gated DeltaNet state of its slot) is copied to the host, so that a follow-up turn can continue from it even
+after the device's prefix cache has reused those blocks. Full blocks are kept by chain hash and shared between
+parked conversations: parking a conversation again copies only its new blocks. RAM holds up to `ram_budget`
+bytes, least recently used first out; with a directory, every parked conversation is also written there by a
+background thread (one file each, up to `disk_budget` bytes, least recently used deleted first), and the files
+are found again after a restart. A file is read whole and checked (format, model identity, block size and
+shapes, token ids, checksum) before anything is copied to the device; a corrupt one is deleted and one of
+another model left alone, each with a log line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import queue
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from app.engine.blocks import BlockPool
+from app.engine.paged_state import PagedState
+from app.engine.protocol import ParkingStats
+
+log = logging.getLogger("strata.parking")
+
+MAGIC = b"STRATA-PARKED-1\n"
+SUFFIX = ".park"
+SAMPLE = 1 << 16  # bytes read from each end of a weight file for the model identity
+
+
+def model_identity(path: Path) -> str:
+    """A fingerprint of a model directory: its config and, per weight file, name, size and both ends."""
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update((path / "config.json").read_bytes())
+    for weights in sorted([*path.glob("*.safetensors"), *path.glob("*.gguf")]):
+        size = weights.stat().st_size
+        digest.update(f"{weights.name}:{size}".encode())
+        with weights.open("rb") as f:
+            digest.update(f.read(SAMPLE))
+            f.seek(max(size - SAMPLE, 0))
+            digest.update(f.read(SAMPLE))
+    return digest.hexdigest()
+
+
+@dataclass
+class Parked:
+    """One parked conversation: the state after its first `len(tokens)` tokens.
+
+    `block_keys`: chain hashes of its full blocks (their keys and values are in the park's block store);
+    `tail` [2, attention layers, rest, kv heads, head dim]: keys and values of the positions after them;
+    `conv`, `recurrent`: the Gated DeltaNet state of every such layer (None on attention-only models).
+    """
+
+    tokens: list[int]
+    block_keys: list[bytes]
+    tail: torch.Tensor
+    conv: torch.Tensor | None
+    recurrent: torch.Tensor | None
+    own_bytes: int
+
+
+class ConversationPark:
+    """Parks finished turns to host RAM (and a directory) and brings them back for their follow-ups."""
+
+    def __init__(
+        self,
+        state: PagedState,
+        pool: BlockPool,
+        identity: str,
+        ram_budget: int,
+        directory: Path | None = None,
+        disk_budget: int = 0,
+    ) -> None:
+        self.state = state
+        self.pool = pool
+        self.identity = identity
+        self.ram_budget = ram_budget
+        self.directory = directory if directory is not None and disk_budget > 0 else None
+        self.disk_budget = disk_budget
+        self._pinned = state.device.type == "cuda"
+        self._ram: OrderedDict[tuple[int, ...], Parked] = OrderedDict()
+        self._blocks: dict[bytes, torch.Tensor] = {}  # [2, attention layers, block, kv heads, head dim]
+        self._block_refs: dict[bytes, int] = {}
+        self._disk: OrderedDict[tuple[int, ...], tuple[Path, int]] = OrderedDict()  # tokens -> (file, bytes)
+        self.restores = 0
+        self.restore_seconds = 0.0
+        self.copied_bytes = 0
+        self._writes: queue.Queue[tuple[Path, bytes]] = queue.Queue()
+        self._writer: threading.Thread | None = None
+        if self.directory is not None:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            self._index()
+            self._writer = threading.Thread(target=self._write_files, name="strata-park-writer", daemon=True)
+            self._writer.start()
+
+    # Parking -------------------------------------------------------------------------------------------
+
+    def park(self, tokens: list[int], blocks: list[int], slot: int) -> None:
+        """Park the state of `slot` holding `tokens`, whose keys and values are in `blocks` (device ids)."""
+        if not tokens:
+            return
+        key = tuple(tokens)
+        if key in self._ram or key in self._disk:
+            self._touch(key)
+            return
+        size = self.state.block_size
+        full = len(tokens) // size
+        block_keys = self.pool.prefix_keys(tokens, full)
+        new = [i for i, k in enumerate(block_keys) if k not in self._blocks]
+        if new:
+            copied = self._to_host(self._kv(torch.tensor([blocks[i] for i in new], device=self.state.device)))
+            for i, kv in zip(new, copied.unbind(0), strict=True):
+                self._blocks[block_keys[i]] = kv
+                self.copied_bytes += kv.nbytes
+        for k in block_keys:
+            self._block_refs[k] = self._block_refs.get(k, 0) + 1
+        rest = len(tokens) - full * size
+        tail_block = torch.tensor([blocks[full] if rest else 0], device=self.state.device)
+        tail = self._to_host(self._kv(tail_block)[0, :, :, :rest])
+        conv = recurrent = None
+        if self.state.conv.shape[0]:
+            conv = self._to_host(self.state.conv[:, slot])
+            recurrent = self._to_host(self.state.recurrent[:, slot])
+        own = tail.nbytes + (
+            conv.nbytes + recurrent.nbytes if conv is not None and recurrent is not None else 0
+        )
+        self.copied_bytes += own
+        parked = Parked(list(tokens), block_keys, tail, conv, recurrent, own)
+        self._ram[key] = parked
+        if self.directory is not None:
+            self._queue_file(parked)
+        self._fit_ram()
+
+    def _kv(self, block_ids: torch.Tensor) -> torch.Tensor:
+        """Keys and values of device blocks: [blocks, 2, attention layers, block, kv heads, head dim]."""
+        keys = self.state.keys.index_select(1, block_ids).transpose(0, 1)
+        values = self.state.values.index_select(1, block_ids).transpose(0, 1)
+        return torch.stack((keys, values), dim=1)
+
+    def _to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=self._pinned)
+        host.copy_(tensor)
+        return host
+
+    # Finding and restoring -----------------------------------------------------------------------------
+
+    def find(self, tokens: list[int], limit: int) -> tuple[int, Parked] | None:
+        """The longest parked conversation that `tokens[:limit]` continues, loaded into RAM; None if none.
+
+        A conversation only on disk is read and checked first; a bad file is discarded and the next longest
+        one tried.
+        """
+        while True:
+            best: tuple[int, ...] | None = None
+            for key in [*self._ram, *self._disk]:
+                if (
+                    len(key) <= limit
+                    and (best is None or len(key) > len(best))
+                    and tokens[: len(key)] == list(key)
+                ):
+                    best = key
+            if best is None:
+                return None
+            parked = self._ram.get(best)
+            if parked is None:
+                path, _ = self._disk[best]
+                parked = self._load(path, best)
+                if parked is None:
+                    continue
+            self._touch(best)
+            return len(best), parked
+
+    def restore(self, parked: Parked, slot: int, blocks: list[int]) -> None:
+        """Copy a parked conversation into `blocks` (its positions, in order) and the state of `slot`."""
+        started = time.perf_counter()
+        device = self.state.device
+        full = len(parked.block_keys)
+        for key, block in zip(parked.block_keys, blocks, strict=False):  # straight from pinned memory
+            kv = self._blocks[key]
+            self.state.keys[:, block].copy_(kv[0], non_blocking=True)
+            self.state.values[:, block].copy_(kv[1], non_blocking=True)
+        rest = parked.tail.shape[2]
+        if rest:
+            tail = parked.tail.to(device, non_blocking=True)
+            self.state.keys[:, blocks[full], :rest] = tail[0]
+            self.state.values[:, blocks[full], :rest] = tail[1]
+        if parked.conv is not None and parked.recurrent is not None:
+            self.state.conv[:, slot] = parked.conv.to(device, non_blocking=True)
+            self.state.recurrent[:, slot] = parked.recurrent.to(device, non_blocking=True)
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
+        self.restores += 1
+        self.restore_seconds += time.perf_counter() - started
+
+    def stats(self) -> ParkingStats:
+        """Conversations and bytes in RAM and on disk, restores and their time, bytes copied to the host."""
+        return ParkingStats(
+            conversations_ram=len(self._ram),
+            conversations_disk=len(self._disk),
+            bytes_ram=self._ram_bytes(),
+            bytes_disk=sum(size for _, size in self._disk.values()),
+            restores=self.restores,
+            restore_seconds=self.restore_seconds,
+            copied_bytes=self.copied_bytes,
+        )
+
+    def flush(self) -> None:
+        """Wait until every queued file is written."""
+        if self._writer is not None:
+            self._writes.join()
+
+    # RAM -----------------------------------------------------------------------------------------------
+
+    def _ram_bytes(self) -> int:
+        return sum(p.own_bytes for p in self._ram.values()) + sum(t.nbytes for t in self._blocks.values())
+
+    def _touch(self, key: tuple[int, ...]) -> None:
+        if key in self._ram:
+            self._ram.move_to_end(key)
+        if key in self._disk:
+            self._disk.move_to_end(key)
+            with contextlib.suppress(OSError):  # its file may still be waiting for the writer
+                os.utime(self._disk[key][0])
+
+    def _fit_ram(self) -> None:
+        while self._ram and self._ram_bytes() > self.ram_budget:
+            _, parked = self._ram.popitem(last=False)
+            for k in parked.block_keys:
+                self._block_refs[k] -= 1
+                if not self._block_refs[k]:
+                    del self._block_refs[k]
+                    del self._blocks[k]
+
+    # Disk ----------------------------------------------------------------------------------------------
+
+    def _queue_file(self, parked: Parked) -> None:
+        """Lay a parked conversation out as one file's bytes and hand it to the writer thread."""
+        assert self.directory is not None
+        tensors = {
+            "blocks": torch.stack([self._blocks[k] for k in parked.block_keys])
+            if parked.block_keys
+            else self.state.keys.new_empty((0,), device="cpu"),
+            "tail": parked.tail,
+        }
+        if parked.conv is not None and parked.recurrent is not None:
+            tensors["conv"], tensors["recurrent"] = parked.conv, parked.recurrent
+        payload, entries = bytearray(), []
+        for name, tensor in tensors.items():
+            data = tensor.contiguous().view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
+            entries.append(
+                {
+                    "name": name,
+                    "shape": list(tensor.shape),
+                    "dtype": str(tensor.dtype),
+                    "offset": len(payload),
+                }
+            )
+            payload += data
+        header = {
+            "model": self.identity,
+            "block_size": self.state.block_size,
+            "tokens": parked.tokens,
+            "tensors": entries,
+            "checksum": hashlib.blake2b(payload, digest_size=32).hexdigest(),
+        }
+        body = json.dumps(header).encode()
+        data = MAGIC + len(body).to_bytes(8, "little") + body + bytes(payload)
+        name = hashlib.blake2b(json.dumps(parked.tokens).encode(), digest_size=16).hexdigest() + SUFFIX
+        path = self.directory / name
+        self._disk[tuple(parked.tokens)] = (path, len(data))
+        self._writes.put((path, data))
+        self._fit_disk()
+
+    def _write_files(self) -> None:
+        """The writer thread: each file goes to a temporary name first, so a crash leaves no partial file."""
+        while True:
+            path, data = self._writes.get()
+            try:
+                partial = path.with_suffix(".partial")
+                partial.write_bytes(data)
+                partial.replace(path)
+            except OSError as e:
+                log.warning("could not write parked conversation %s: %s", path.name, e)
+            finally:
+                self._writes.task_done()
+
+    def _fit_disk(self) -> None:
+        while self._disk and sum(size for _, size in self._disk.values()) > self.disk_budget:
+            _, (path, _) = self._disk.popitem(last=False)
+            self.flush()
+            path.unlink(missing_ok=True)
+
+    def _index(self) -> None:
+        """Find the conversations parked in the directory by an earlier run (headers only), oldest first."""
+        assert self.directory is not None
+        files = sorted(self.directory.glob(f"*{SUFFIX}"), key=lambda p: p.stat().st_mtime)
+        for path in files:
+            try:
+                header = _read_header(path)
+            except (OSError, ValueError) as e:
+                log.warning("discarding parked conversation %s: %s", path.name, e)
+                path.unlink(missing_ok=True)
+                continue
+            if header["model"] != self.identity:
+                log.info("parked conversation %s is of another model; left alone", path.name)
+                continue
+            self._disk[tuple(header["tokens"])] = (path, path.stat().st_size)
+        self._fit_disk()
+
+    def _load(self, path: Path, key: tuple[int, ...]) -> Parked | None:
+        """Read and check a parked file; on any fault, discard it (log, delete) and return None."""
+        try:
+            parked, blocks = self._read(path, key)
+        except (OSError, ValueError, KeyError, RuntimeError) as e:
+            log.warning("discarding parked conversation %s: %s", path.name, e)
+            self._disk.pop(key, None)
+            path.unlink(missing_ok=True)
+            return None
+        for k, kv in zip(parked.block_keys, blocks, strict=True):
+            self._blocks.setdefault(k, kv)
+            self._block_refs[k] = self._block_refs.get(k, 0) + 1
+        self._ram[key] = parked
+        self._fit_ram()
+        return parked
+
+    def _read(self, path: Path, key: tuple[int, ...]) -> tuple[Parked, list[torch.Tensor]]:
+        """The conversation in a file and its full blocks' keys and values, after every check."""
+        data = path.read_bytes()
+        header = _parse_header(data)
+        if header["model"] != self.identity:
+            raise ValueError("it was parked by another model")
+        if header["block_size"] != self.state.block_size:
+            raise ValueError(f"block size {header['block_size']}, not {self.state.block_size}")
+        if tuple(header["tokens"]) != key:
+            raise ValueError("its token ids are not the ones it was indexed under")
+        start = len(MAGIC) + 8 + int.from_bytes(data[len(MAGIC) : len(MAGIC) + 8], "little")
+        payload = memoryview(data)[start:]
+        if hashlib.blake2b(payload, digest_size=32).hexdigest() != header["checksum"]:
+            raise ValueError("checksum mismatch")
+        tensors = {e["name"]: e for e in header["tensors"]}
+        size = self.state.block_size
+        full, rest = len(key) // size, len(key) % size
+        layers, _, _, heads, dim = self.state.keys.shape
+        block_shape = (2, layers, size, heads, dim)
+        expected = {
+            "blocks": [full, *block_shape] if full else [0],
+            "tail": [2, layers, rest, heads, dim],
+        }
+        if self.state.conv.shape[0]:
+            expected["conv"] = list(self.state.conv[:, 0].shape)
+            expected["recurrent"] = list(self.state.recurrent[:, 0].shape)
+        if {n: tensors[n]["shape"] for n in tensors} != expected:
+            raise ValueError("its tensor shapes do not fit this model")
+        loaded = {}
+        dtypes = {"blocks": self.state.keys.dtype, "tail": self.state.keys.dtype}
+        dtypes |= {"conv": self.state.conv.dtype, "recurrent": self.state.recurrent.dtype}
+        for name, shape in expected.items():
+            entry = tensors[name]
+            if entry["dtype"] != str(dtypes[name]):
+                raise ValueError(f"{name} is {entry['dtype']}, not {dtypes[name]}")
+            count = 1
+            for n in shape:
+                count *= n
+            nbytes = count * torch.empty((), dtype=dtypes[name]).element_size()
+            raw = bytearray(payload[entry["offset"] : entry["offset"] + nbytes])
+            flat = torch.frombuffer(raw, dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
+            loaded[name] = self._to_host(flat.view(dtypes[name]).view(shape))
+        block_keys = self.pool.prefix_keys(list(key), full)
+        blocks = list(loaded["blocks"].unbind(0)) if full else []
+        own = loaded["tail"].nbytes + sum(loaded[n].nbytes for n in ("conv", "recurrent") if n in loaded)
+        parked = Parked(
+            list(key), block_keys, loaded["tail"], loaded.get("conv"), loaded.get("recurrent"), own
+        )
+        return parked, blocks
+
+
+def _read_header(path: Path) -> dict:
+    with path.open("rb") as f:
+        head = f.read(len(MAGIC) + 8)
+        if len(head) < len(MAGIC) + 8 or head[: len(MAGIC)] != MAGIC:
+            raise ValueError("not a parked-conversation file")
+        length = int.from_bytes(head[len(MAGIC) :], "little")
+        return _parse_header(head + f.read(length))
+
+
+def _parse_header(data: bytes) -> dict:
+    if data[: len(MAGIC)] != MAGIC:
+        raise ValueError("not a parked-conversation file")
+    length = int.from_bytes(data[len(MAGIC) : len(MAGIC) + 8], "little")
+    body = data[len(MAGIC) + 8 : len(MAGIC) + 8 + length]
+    if len(body) != length:
+        raise ValueError("truncated header")
+    try:
+        header = json.loads(body)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"unreadable header: {e}") from e
+    if (
+        not isinstance(header, dict)
+        or not {"model", "block_size", "tokens", "tensors", "checksum"} <= header.keys()
+    ):
+        raise ValueError("incomplete header")
+    return header

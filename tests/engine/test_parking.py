@@ -1,0 +1,123 @@
+"""Parked conversations: a follow-up restored from host RAM or from disk (after a restart) continues exactly
+as one that never left; bad park files are refused."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from checkpoints import write_checkpoint
+from engine_helpers import complete, make_core, random_prompt, request, run
+
+from app.engine.core import EngineCore
+from app.engine.paged_state import kv_block_bytes, slot_state_bytes
+
+GREEDY = {"max_tokens": 10, "temperature": 0, "ignore_eos": True}
+
+
+def _conversation(core: EngineCore) -> tuple[list[int], list[int]]:
+    """A first turn run to its end on `core`, and the follow-up prompt that continues it."""
+    first = random_prompt(600, 1)  # long enough that a restore beats what the device cache keeps
+    answer = complete(core, first, **GREEDY).token_ids
+    return first + answer, [*first, *answer, *random_prompt(20, 2)]
+
+
+def _follow(core: EngineCore, follow_up: list[int]) -> tuple[list[int], int]:
+    """The follow-up's tokens and how many of its prompt tokens came from a cache or the park."""
+    add = request(follow_up, **GREEDY)
+    results, windows = run(core, [(0, add)])
+    return results[add.request_id].token_ids, sum(w.prefix_cache_hits for w in windows)
+
+
+def _expected(checkpoint: Path, follow_up: list[int]) -> list[int]:
+    """The follow-up read from its start (no cache, no park)."""
+    return complete(make_core(checkpoint, prefix_cache=False), follow_up, **GREEDY).token_ids
+
+
+def test_a_follow_up_restored_from_ram_continues_as_if_it_never_left(checkpoint: Path) -> None:
+    config = make_core(checkpoint).loaded.model.config
+    memory = 80 * kv_block_bytes(config, 16, torch.float32) + 16 * slot_state_bytes(config, torch.float32)
+    core = make_core(checkpoint, kv_memory=memory, park_memory=64 << 20)
+    stayed = make_core(checkpoint, park_memory=0)
+    turn, follow_up = _conversation(core)
+    assert _conversation(stayed)[0] == turn
+    # An unrelated long request needs almost every block: the first turn's cached blocks are reused.
+    complete(core, random_prompt(1200, 3), max_tokens=5, temperature=0, ignore_eos=True)
+    assert len(core.scheduler.pool.match(follow_up, len(turn))) < len(turn) // 16
+    tokens, hits = _follow(core, follow_up)
+    assert core.park is not None and core.park.stats().restores == 1
+    assert hits == len(turn) - 1  # the turn's last generated token was never fed
+    assert tokens == _follow(stayed, follow_up)[0]
+    assert tokens == _expected(checkpoint, follow_up)
+
+
+def test_a_follow_up_restored_from_disk_after_a_restart(checkpoint: Path, tmp_path: Path) -> None:
+    first = make_core(checkpoint, park_memory=0, park_dir=str(tmp_path), park_disk=64 << 20)
+    turn, follow_up = _conversation(first)
+    assert first.park is not None
+    first.park.flush()
+    assert len(list(tmp_path.glob("*.park"))) == 1
+    restarted = make_core(checkpoint, park_memory=64 << 20, park_dir=str(tmp_path), park_disk=64 << 20)
+    assert restarted.park is not None and restarted.park.stats().conversations_disk == 1
+    before = restarted.park.stats().copied_bytes
+    tokens, hits = _follow(restarted, follow_up)
+    assert restarted.park.stats().restores == 1 and hits == len(turn) - 1
+    assert tokens == _expected(checkpoint, follow_up)
+    stayed = make_core(checkpoint)
+    assert _conversation(stayed)[0] == turn
+    assert tokens == _follow(stayed, follow_up)[0]
+    # The follow-up, parked in its turn, copied only the blocks the first turn had not filled (and its state).
+    config = restarted.loaded.model.config
+    block, state = kv_block_bytes(config, 16, torch.float32), slot_state_bytes(config, torch.float32)
+    held = len(follow_up) + GREEDY["max_tokens"] - 1
+    new_blocks = held // 16 - (len(turn) - 1) // 16
+    assert restarted.park.stats().copied_bytes - before <= new_blocks * block + block + state
+    assert restarted.park.stats().conversations_ram == 2
+
+
+def _park_one(checkpoint: Path, directory: Path) -> tuple[list[int], Path]:
+    core = make_core(checkpoint, park_memory=0, park_dir=str(directory), park_disk=64 << 20)
+    _, follow_up = _conversation(core)
+    assert core.park is not None
+    core.park.flush()
+    (path,) = directory.glob("*.park")
+    return follow_up, path
+
+
+def test_a_corrupt_park_file_is_discarded_with_a_log_line(
+    checkpoint: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    follow_up, path = _park_one(checkpoint, tmp_path)
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0xFF  # one byte of the saved state
+    path.write_bytes(bytes(data))
+    core = make_core(checkpoint, park_memory=64 << 20, park_dir=str(tmp_path), park_disk=64 << 20)
+    with caplog.at_level(logging.WARNING, logger="strata.parking"):
+        tokens, hits = _follow(core, follow_up)
+    assert hits == 0 and core.park is not None and core.park.stats().restores == 0
+    assert "checksum mismatch" in caplog.text and not path.exists()
+    assert tokens == _expected(checkpoint, follow_up)
+
+
+def test_park_files_of_another_model_or_block_size_are_not_loaded(
+    checkpoint: Path,
+    tmp_path: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    follow_up, path = _park_one(checkpoint, tmp_path)
+    arch = "qwen3_next" if "qwen3_next" in str(checkpoint) else "qwen3_moe"
+    other = write_checkpoint(tmp_path_factory.mktemp("other"), arch, seed=7, max_position_embeddings=4096)
+    core = make_core(other, park_memory=64 << 20, park_dir=str(tmp_path), park_disk=64 << 20)
+    assert core.park is not None and core.park.stats().conversations_disk == 0
+    _, hits = _follow(core, follow_up)
+    assert hits == 0 and path.exists()  # another model's file is left alone
+    smaller_blocks = make_core(
+        checkpoint, block_size=8, park_memory=64 << 20, park_dir=str(tmp_path), park_disk=64 << 20
+    )
+    with caplog.at_level(logging.WARNING, logger="strata.parking"):
+        tokens, hits = _follow(smaller_blocks, follow_up)
+    assert hits == 0 and "block size 16, not 8" in caplog.text and not path.exists()
+    assert tokens == _expected(checkpoint, follow_up)
