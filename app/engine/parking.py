@@ -95,7 +95,7 @@ class ConversationPark:
         self.restores = 0
         self.restore_seconds = 0.0
         self.copied_bytes = 0
-        self._writes: queue.Queue[tuple[Path, bytes]] = queue.Queue()
+        self._writes: queue.Queue[tuple[Path, Parked, list[torch.Tensor]]] = queue.Queue()
         self._writer: threading.Thread | None = None
         if self.directory is not None:
             self.directory.mkdir(parents=True, exist_ok=True)
@@ -244,12 +244,20 @@ class ConversationPark:
     # Disk ----------------------------------------------------------------------------------------------
 
     def _queue_file(self, parked: Parked) -> None:
-        """Lay a parked conversation out as one file's bytes and hand it to the writer thread."""
+        """Hand a parked conversation to the writer thread (its host tensors never change once parked)."""
         assert self.directory is not None
+        blocks = [self._blocks[k] for k in parked.block_keys]
+        name = hashlib.blake2b(json.dumps(parked.tokens).encode(), digest_size=16).hexdigest() + SUFFIX
+        path = self.directory / name
+        size = sum(t.nbytes for t in blocks) + parked.own_bytes  # the payload; the header adds a little
+        self._disk[tuple(parked.tokens)] = (path, size)
+        self._writes.put((path, parked, blocks))
+        self._fit_disk()
+
+    def _encode(self, parked: Parked, blocks: list[torch.Tensor]) -> bytes:
+        """A parked conversation as one file: magic, header length, JSON header, then the tensors' bytes."""
         tensors = {
-            "blocks": torch.stack([self._blocks[k] for k in parked.block_keys])
-            if parked.block_keys
-            else self.state.keys.new_empty((0,), device="cpu"),
+            "blocks": torch.stack(blocks) if blocks else self.state.keys.new_empty((0,), device="cpu"),
             "tail": parked.tail,
         }
         if parked.conv is not None and parked.recurrent is not None:
@@ -257,14 +265,13 @@ class ConversationPark:
         payload, entries = bytearray(), []
         for name, tensor in tensors.items():
             data = tensor.contiguous().view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
-            entries.append(
-                {
-                    "name": name,
-                    "shape": list(tensor.shape),
-                    "dtype": str(tensor.dtype),
-                    "offset": len(payload),
-                }
-            )
+            entry = {
+                "name": name,
+                "shape": list(tensor.shape),
+                "dtype": str(tensor.dtype),
+                "offset": len(payload),
+            }
+            entries.append(entry)
             payload += data
         header = {
             "model": self.identity,
@@ -274,20 +281,15 @@ class ConversationPark:
             "checksum": hashlib.blake2b(payload, digest_size=32).hexdigest(),
         }
         body = json.dumps(header).encode()
-        data = MAGIC + len(body).to_bytes(8, "little") + body + bytes(payload)
-        name = hashlib.blake2b(json.dumps(parked.tokens).encode(), digest_size=16).hexdigest() + SUFFIX
-        path = self.directory / name
-        self._disk[tuple(parked.tokens)] = (path, len(data))
-        self._writes.put((path, data))
-        self._fit_disk()
+        return MAGIC + len(body).to_bytes(8, "little") + body + bytes(payload)
 
     def _write_files(self) -> None:
         """The writer thread: each file goes to a temporary name first, so a crash leaves no partial file."""
         while True:
-            path, data = self._writes.get()
+            path, parked, blocks = self._writes.get()
             try:
                 partial = path.with_suffix(".partial")
-                partial.write_bytes(data)
+                partial.write_bytes(self._encode(parked, blocks))
                 partial.replace(path)
             except OSError as e:
                 log.warning("could not write parked conversation %s: %s", path.name, e)
