@@ -102,12 +102,20 @@ class PagedState:
             positions = torch.arange(span.past, span.past + span.length)
             slot_mapping.append(tables[i, positions // size] * size + positions % size)
             starts.append(starts[-1] + span.length)
+        saving = any(s.save_slot is not None for s in spans)
+        saves = [*(s.save_at for s in spans), *(-1 if s.save_slot is None else s.save_slot for s in spans)]
         small = torch.tensor(
-            [*starts, *(s.past + s.length for s in spans), *(s.seq for s in spans)], dtype=torch.int64
+            [
+                *starts,
+                *(s.past + s.length for s in spans),
+                *(s.seq for s in spans),
+                *(saves if saving else []),
+            ],
+            dtype=torch.int64,
         )
         packed = torch.cat((small, tables.flatten(), *slot_mapping)).to(self.device, non_blocking=True)
-        query_start, seq_lens, state_slots, table, mapping = packed.split(
-            [seqs + 1, seqs, seqs, seqs * width, starts[-1]]
+        query_start, seq_lens, state_slots, save_at, save_slots, table, mapping = packed.split(
+            [seqs + 1, seqs, seqs, seqs if saving else 0, seqs if saving else 0, seqs * width, starts[-1]]
         )
         return PagedLayout(
             query_start=query_start.to(torch.int32),
@@ -116,6 +124,8 @@ class PagedState:
             slot_mapping=mapping,
             state_slots=state_slots,
             max_query_len=max(s.length for s in spans),
+            save_at=save_at.to(torch.int32) if saving else None,
+            save_slots=save_slots if saving else None,
         )
 
     def kv_cache(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

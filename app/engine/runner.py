@@ -122,7 +122,12 @@ class ModelRunner:
             if chunk.fresh:
                 self.state.reset_slot(chunk.slot)
             self.state.set_block_table(chunk.slot, chunk.request.blocks)
-        batch = ForwardBatch.build([(c.slot, c.tokens, c.past) for c in chunks], self.state, self.device)
+        batch = ForwardBatch.build(
+            [(c.slot, c.tokens, c.past) for c in chunks],
+            self.state,
+            self.device,
+            saves={c.slot: c.save for c in chunks if c.save is not None},
+        )
         if self.paged:
             batch.layout = self.state.layout(batch.spans)
         hidden = self.model(batch)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from app.engine.blocks import ROOT, BlockPool
@@ -85,7 +85,8 @@ class Chunk:
 
     `samples` is True when the chunk ends at the request's newest token, so its last row yields the next
     token; `fresh` when the slot's recurrent state must start empty; `decode` for a decode row (a token the
-    request just generated), as opposed to prompt (or re-read context) tokens.
+    request just generated), as opposed to prompt (or re-read context) tokens; `save` (position, checkpoint
+    slot) when the recurrent state inside the chunk is checkpointed on the way.
     """
 
     request: Request
@@ -95,6 +96,7 @@ class Chunk:
     samples: bool
     fresh: bool
     decode: bool
+    save: tuple[int, int] | None = None
 
 
 @dataclass
@@ -216,7 +218,7 @@ class Scheduler:
             take = share.take(request.pending, request.computed)
             if take <= 0:
                 break
-            window.chunks.append(self._chunk(request, take))
+            window.chunks.append(self._with_checkpoint(self._chunk(request, take)))
         while self.waiting and self.free_slots and share.tokens > 0:
             request = self.waiting[0]
             hit = self._prefix_hit(request)
@@ -244,7 +246,7 @@ class Scheduler:
             if self.pool.caching:
                 window.cache_queries += request.length
                 window.cache_hits += start
-            window.chunks.append(self._chunk(request, take))
+            window.chunks.append(self._with_checkpoint(self._chunk(request, take)))
         if window.chunks:
             window.saves, self._saves = self._saves, []
         return window
@@ -282,6 +284,20 @@ class Scheduler:
             window.block_copies.append(
                 (checkpoint.tail_block, request.blocks[checkpoint.position // self.pool.block_size])
             )
+
+    def _with_checkpoint(self, chunk: Chunk) -> Chunk:
+        """A prompt chunk that ends off a chunk multiple checkpoints the last multiple inside it.
+
+        That is where a later prompt sharing this one's start (a system prompt) can continue on a model with
+        recurrent state; the multiples where pieces end are checkpointed after their window anyway.
+        """
+        align = self.config.prompt_align
+        end = chunk.past + len(chunk.tokens)
+        inside = (end - 1) // align * align
+        if self.checkpoints is None or chunk.decode or end % align == 0 or inside - chunk.past < align:
+            return chunk
+        checkpoint = self.checkpoints.save(chunk.request.tokens, inside, chunk.request.blocks)
+        return chunk if checkpoint is None else replace(chunk, save=(inside, checkpoint.slot))
 
     def _save_state(self, request: Request) -> None:
         """Checkpoint the recurrent state of a request's slot at its computed position (copied next window).

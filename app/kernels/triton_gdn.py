@@ -336,6 +336,8 @@ def _chunk_carry_kernel(
     query_start_ptr,
     seq_lens_ptr,
     slots_ptr,
+    save_at_ptr,
+    save_slots_ptr,
     v_heads,
     stride_ss,
     stride_sh,
@@ -349,11 +351,13 @@ def _chunk_carry_kernel(
     BLOCK_V: tl.constexpr,
     C: tl.constexpr,
     PRECISION: tl.constexpr,
+    HAS_SAVES: tl.constexpr,
 ):
     """One sequence's chunks in order for one value head and BLOCK_V value columns of the state.
 
     Per chunk: the new values u - w S, the outputs (q e^G) S + scores (u - w S), and the state carried to the
-    chunk's end, S e^G_end + (k e^(G_end - G))^T (u - w S).
+    chunk's end, S e^G_end + (k e^(G_end - G))^T (u - w S). With HAS_SAVES, the state at the end of the chunk
+    that ends at the sequence's `save_at` position is also stored in its save slot (a checkpoint).
     """
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -368,6 +372,12 @@ def _chunk_carry_kernel(
     dv = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
     state_base = state_ptr + slot * stride_ss + head * stride_sh
     state = tl.load(state_base + dk[:, None] * stride_sk + dv[None, :] * stride_sv)
+    save_at = -1
+    save_base = state_base
+    if HAS_SAVES:
+        save_at = tl.load(save_at_ptr + seq)
+        save_slot = tl.maximum(tl.load(save_slots_ptr + seq), 0)
+        save_base = state_ptr + save_slot * stride_ss + head * stride_sh
     chunks = (past + length - 1) // C - past // C + 1
     for chunk in range(chunks):
         base, lo, hi = _chunk_bounds(past, length, chunk, C)
@@ -391,6 +401,9 @@ def _chunk_carry_kernel(
             mask=live[:, None],
         )
         state = state * tl.exp(decay_end) + tl.dot(tl.trans(kd), fresh, input_precision=PRECISION)
+        if HAS_SAVES:
+            at = tl.full((DK, BLOCK_V), 0, tl.int32) + hi.to(tl.int32)
+            tl.store(save_base + dk[:, None] * stride_sk + dv[None, :] * stride_sv, state, mask=at == save_at)
     # Every thread has read the old state before any thread overwrites it.
     tl.debug_barrier()
     tl.store(state_base + dk[:, None] * stride_sk + dv[None, :] * stride_sv, state)
@@ -514,7 +527,9 @@ def gated_delta_rule_paged(
     Inputs and state as for `gated_delta_rule_varlen`; the layout gives each sequence's rows
     (`query_start`), its position (`seq_lens` minus its rows) and its state slot. A sequence of several rows
     is read in chunks ending at multiples of CHUNK positions (`delta_rule_chunked` with its offset, to fp32
-    rounding), so a prompt read in pieces cut at those multiples is computed as in one piece.
+    rounding), so a prompt read in pieces cut at those multiples is computed as in one piece. A sequence
+    with a `save_at` position in the layout also leaves its recurrent state there in its save slot (the
+    caller saves the conv state).
     """
     query_start, state_slots = layout.query_start, layout.state_slots
     seqs = _check_layout(query_start, state_slots)
@@ -573,6 +588,8 @@ def gated_delta_rule_paged(
             query_start,
             layout.seq_lens,
             state_slots,
+            layout.save_at if layout.save_at is not None else query_start,
+            layout.save_slots if layout.save_slots is not None else state_slots,
             v_heads,
             *state.stride(),
             *out.stride(),
@@ -581,6 +598,7 @@ def gated_delta_rule_paged(
             BLOCK_V=block_v,
             C=CHUNK,
             PRECISION=CARRY_PRECISION,
+            HAS_SAVES=layout.save_at is not None,
             num_warps=CARRY_WARPS,
             num_stages=CARRY_STAGES,
         )

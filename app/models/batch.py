@@ -12,13 +12,17 @@ import torch
 class SequenceSpan:
     """One sequence's rows in a flat batch: `length` tokens from row `start`, owning state `seq`.
 
-    `past` is how many tokens of this sequence the state already holds; the rows continue it.
+    `past` is how many tokens of this sequence the state already holds; the rows continue it. When `save_slot`
+    is set, the recurrent layers also leave their state after position `save_at` (inside the span, a multiple
+    of the delta rule's chunk, at least one chunk after `past`) in that state slot: a checkpoint.
     """
 
     seq: int
     start: int
     length: int
     past: int
+    save_at: int = 0
+    save_slot: int | None = None
 
     @property
     def rows(self) -> slice:
@@ -58,7 +62,9 @@ class PagedLayout:
     state_slots [seqs] int64: each sequence's Gated DeltaNet state slot;
     max_query_len: the longest span (host int, sizes kernel grids);
     live_rows [tokens] int64 or None: 1 for real rows, 0 for padding rows (a CUDA graph's bucket), so that
-    padding is not counted as routed tokens.
+    padding is not counted as routed tokens;
+    save_at [seqs] int32 and save_slots [seqs] int64, or None when no span saves: each span's `save_at` (0:
+    none) and `save_slot`.
     """
 
     query_start: torch.Tensor
@@ -68,6 +74,8 @@ class PagedLayout:
     state_slots: torch.Tensor
     max_query_len: int
     live_rows: torch.Tensor | None = None
+    save_at: torch.Tensor | None = None
+    save_slots: torch.Tensor | None = None
 
 
 class PagedStatePools(SequenceState, Protocol):
@@ -101,13 +109,28 @@ class ForwardBatch:
         chunks: list[tuple[int, list[int], int]],
         state: SequenceState,
         device: torch.device | str = "cpu",
+        saves: dict[int, tuple[int, int]] | None = None,
     ) -> ForwardBatch:
-        """Lay out (seq, token ids, past length) chunks back to back; positions continue each past."""
+        """Lay out (seq, token ids, past length) chunks back to back; positions continue each past.
+
+        `saves` maps a seq to (position, state slot) of the checkpoint its span leaves (`SequenceSpan`).
+        """
         ids: list[int] = []
         positions: list[int] = []
         spans = []
+        saves = saves or {}
         for seq, tokens, past in chunks:
-            spans.append(SequenceSpan(seq=seq, start=len(ids), length=len(tokens), past=past))
+            save_at, save_slot = saves.get(seq, (0, None))
+            spans.append(
+                SequenceSpan(
+                    seq=seq,
+                    start=len(ids),
+                    length=len(tokens),
+                    past=past,
+                    save_at=save_at,
+                    save_slot=save_slot,
+                )
+            )
             ids.extend(tokens)
             positions.extend(range(past, past + len(tokens)))
         return cls(

@@ -156,6 +156,7 @@ class GatedDeltaNet(nn.Module):
         weight = self.conv1d.weight[:, 0, :]
         if batch.layout is not None and self.conv_varlen is not None and self.rule_varlen is not None:
             out = self._whole_batch(mixed, weight, g, beta, batch.layout, cast(PagedStatePools, batch.state))
+            self._save_conv(mixed, weight.shape[1], batch)
         else:
             out = self._per_sequence(mixed, weight, g, beta, batch)
         out = self.norm(out.to(x.dtype).reshape(-1, self.dv), z.reshape(-1, self.dv)).view(x.shape[0], -1)
@@ -186,6 +187,15 @@ class GatedDeltaNet(nn.Module):
             layout,
         )
 
+    def _save_conv(self, mixed: torch.Tensor, kernel: int, batch: ForwardBatch) -> None:
+        """The conv state at each span's `save_at` (its last kernel-1 inputs) into the span's save slot."""
+        for span in batch.spans:
+            if span.save_slot is None:
+                continue
+            end = span.start + span.save_at - span.past
+            conv, _ = cast(PagedStatePools, batch.state).linear_pools(self.layer)
+            conv[span.save_slot] = mixed[end - (kernel - 1) : end].t()
+
     def _per_sequence(
         self,
         mixed: torch.Tensor,
@@ -197,8 +207,12 @@ class GatedDeltaNet(nn.Module):
         """The reference path: conv and delta rule sequence by sequence through the `SequenceState`."""
         per = self.v_heads // self.k_heads
         out = mixed.new_empty(mixed.shape[0], self.v_heads, self.dv, dtype=torch.float32)
+        kernel = weight.shape[1]
         for span in batch.spans:
             conv_state, state = batch.state.linear_state(self.layer, span.seq)
+            if conv_state is None:
+                conv_state = mixed.new_zeros(mixed.shape[1], kernel - 1)
+            inputs = torch.cat((conv_state, mixed[span.rows].t().to(conv_state.dtype)), dim=-1)
             conv_out, conv_state = causal_conv(mixed[span.rows], weight, conv_state)
             q, k, v = conv_out.float().split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
             q = l2norm(q.view(-1, self.k_heads, self.dk)).repeat_interleave(per, dim=1) * self.dk**-0.5
@@ -209,8 +223,20 @@ class GatedDeltaNet(nn.Module):
             decay, gate = g[span.rows], beta[span.rows]
             if span.length == 1:
                 core, state = self.rule_step(q, k, v, decay, gate, state)
-            else:
+            elif span.save_slot is None:
                 core, state = self.rule_prompt(q, k, v, decay, gate, state, offset=span.past)
+            else:  # in two parts, leaving the state where the first ends in the save slot
+                cut = span.save_at - span.past
+                head, state = self.rule_prompt(
+                    q[:cut], k[:cut], v[:cut], decay[:cut], gate[:cut], state, offset=span.past
+                )
+                batch.state.set_linear_state(
+                    self.layer, span.save_slot, inputs[:, cut : cut + kernel - 1], state
+                )
+                tail, state = self.rule_prompt(
+                    q[cut:], k[cut:], v[cut:], decay[cut:], gate[cut:], state, offset=span.save_at
+                )
+                core = torch.cat((head, tail))
             batch.state.set_linear_state(self.layer, span.seq, conv_state, state)
             out[span.rows] = core
         return out

@@ -53,3 +53,16 @@ def test_long_prompts_cut_into_other_pieces_beside_others_equal_each_alone(check
     assert any(w.prompt_tokens and w.decode_tokens for w in windows)
     for _, add in arrivals:
         assert together[add.request_id].token_ids == complete(core, add.prompt_token_ids, **params).token_ids
+
+
+def test_a_shared_prompt_start_is_continued_from_the_cache(checkpoint: Path) -> None:
+    """The first prompt leaves full blocks (and on hybrid models a checkpoint) up to 192: the others go on."""
+    core = make_core(checkpoint, backend="triton", max_batched_tokens=256)
+    shared = _prompt(200, 7)
+    params = {"max_tokens": 2, "temperature": 0, "ignore_eos": True}
+    adds = [request([*shared, *_prompt(20, 20 + i)], **params) for i in range(3)]
+    results, windows = run(core, [(0, adds[0]), (3, adds[1]), (3, adds[2])])
+    assert sum(w.prefix_cache_hits for w in windows) == 2 * 192
+    fresh = make_core(checkpoint, backend="triton", prefix_cache=False)
+    for add in adds[1:]:
+        assert results[add.request_id].token_ids == complete(fresh, add.prompt_token_ids, **params).token_ids

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import pytest
@@ -336,3 +337,24 @@ def test_paged_sequences_are_bit_identical_alone_or_batched() -> None:
         alone = _run_paged(sizes, (mixed, g, beta), alone_state, rows, layout)
         assert torch.equal(alone, batched[rows])
         assert torch.equal(alone_state[slot], batch_state[slot])
+
+
+def test_a_prompt_chunk_leaves_its_state_at_a_save_position() -> None:
+    """The state saved inside a 150-row chunk at position 128 is the state after reading only up to it."""
+    generator = torch.Generator().manual_seed(9)
+    sizes = SIZES[0]
+    mixed, _, g, beta = _inputs(sizes, 150, generator)
+    _, state = _states(sizes, generator, torch.float32)
+    alone_state = state.clone()
+    _run_paged(sizes, (mixed, g, beta), alone_state, slice(0, 118), _paged([118], [10], [5]))
+    layout = dataclasses.replace(
+        _paged([140], [10], [5]),
+        save_at=torch.tensor([128], dtype=torch.int32),
+        save_slots=torch.tensor([6], dtype=torch.int64),
+    )
+    whole_state = state.clone()
+    whole = _run_paged(sizes, (mixed, g, beta), whole_state, slice(0, 140), layout)
+    assert torch.equal(whole_state[6], alone_state[5])
+    plain_state = state.clone()
+    plain = _run_paged(sizes, (mixed, g, beta), plain_state, slice(0, 140), _paged([140], [10], [5]))
+    assert torch.equal(whole, plain) and torch.equal(whole_state[5], plain_state[5])
