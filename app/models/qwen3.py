@@ -77,8 +77,10 @@ class DecoderModel(nn.Module):
 class MTPHead(nn.Module):
     """Qwen3-Next's multi-token-prediction head (`mtp.*`): predicts the token after next.
 
-    Combines the normed embedding of the next token with the normed last hidden state through `fc`, then runs
-    its own attention + MoE layers. Loaded with the model; drafting with it belongs to speculative decoding.
+    Row t combines the normed embedding of token t+1 with the normed final hidden state of the main model at
+    t through `fc`, runs one of its own attention + MoE layers (draft step k uses layer k mod layers; their
+    layer indices follow the main model's, so they keep their own keys and values in the sequence state), and
+    the final norm; the shared LM head then scores token t+2.
     """
 
     def __init__(self, config: ModelConfig, layers: int, backends: Backends) -> None:
@@ -93,6 +95,20 @@ class MTPHead(nn.Module):
             for i in range(layers)
         )
         self.norm = norm(config, hidden, backends)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        next_embeds: torch.Tensor,
+        batch: ForwardBatch,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        step: int = 0,
+    ) -> torch.Tensor:
+        """Hidden states [tokens, hidden] for the token after next, from the main model's `hidden` and the
+        embeddings of each row's next token."""
+        x = torch.cat((self.pre_fc_norm_embedding(next_embeds), self.pre_fc_norm_hidden(hidden)), dim=-1)
+        x = self.layers[step % len(self.layers)](self.fc(x), batch, cos_sin)
+        return self.norm(x)
 
 
 class CausalLM(nn.Module):
@@ -111,6 +127,20 @@ class CausalLM(nn.Module):
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Final hidden states [tokens, hidden] of every row, updating the batch's sequence state."""
         return self.model(batch)
+
+    def mtp_forward(
+        self, hidden: torch.Tensor, next_ids: torch.Tensor, batch: ForwardBatch, step: int = 0
+    ) -> torch.Tensor:
+        """The MTP head's hidden states for the batch's rows: `hidden` is `forward`'s output for them and
+        `next_ids` [tokens] the token after each row; `logits` of the result score the token after that.
+
+        The head's layers keep keys and values under their own layer indices, so the batch's state must hold
+        them (a `SequenceState` such as the tests' contiguous one; the engine's paged pool does not yet).
+        """
+        if self.mtp is None:
+            raise ValueError("this model has no MTP head")
+        cos_sin = self.model.rotary.cos_sin(batch.positions, hidden.dtype)
+        return self.mtp(hidden, self.model.embed_tokens(next_ids), batch, cos_sin, step)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Vocabulary logits [rows, vocab] in fp32."""
