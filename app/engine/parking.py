@@ -98,7 +98,12 @@ class ConversationPark:
         self._writes: queue.Queue[tuple[Path, Parked, list[torch.Tensor]]] = queue.Queue()
         self._writer: threading.Thread | None = None
         if self.directory is not None:
-            self.directory.mkdir(parents=True, exist_ok=True)
+            try:
+                self.directory.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                log.warning("not parking conversations on disk: cannot use %s (%s)", self.directory, e)
+                self.directory = None
+        if self.directory is not None:
             self._index()
             self._writer = threading.Thread(target=self._write_files, name="strata-park-writer", daemon=True)
             self._writer.start()

@@ -121,3 +121,18 @@ def test_park_files_of_another_model_or_block_size_are_not_loaded(
         tokens, hits = _follow(smaller_blocks, follow_up)
     assert hits == 0 and "block size 16, not 8" in caplog.text and not path.exists()
     assert tokens == _expected(checkpoint, follow_up)
+
+
+def test_an_unusable_park_directory_leaves_parking_in_ram(
+    checkpoint: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    blocked = tmp_path / "file"
+    blocked.write_text("not a directory")
+    with caplog.at_level(logging.WARNING, logger="strata.parking"):
+        core = make_core(
+            checkpoint, park_memory=64 << 20, park_dir=str(blocked / "parked"), park_disk=1 << 20
+        )
+    assert "not parking conversations on disk" in caplog.text
+    _conversation(core)
+    assert core.park is not None and core.park.stats().conversations_ram == 1
+    assert core.park.stats().conversations_disk == 0
