@@ -1,6 +1,7 @@
 """A tiny byte-level BPE tokenizer with a ChatML template, trained in milliseconds for tests and toys."""
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -75,8 +76,9 @@ if __name__ == "__main__":
 '''
 
 
-def write_tiny_tokenizer(out_dir: Path, vocab_size: int = 512) -> None:
-    """Train a deterministic byte-level BPE on a built-in sample and write it as a Hugging Face tokenizer.
+def write_tiny_tokenizer(out_dir: Path, vocab_size: int = 512, texts: Iterable[str] | None = None) -> None:
+    """Train a deterministic byte-level BPE on a built-in sample (or `texts`) and write it as a Hugging Face
+    tokenizer.
 
     Token ids: the special tokens come first (`<|endoftext|>` = 0, `<|im_start|>` = 1, `<|im_end|>` = 2), then
     the 256 byte symbols (3..258), then the learned merges.
@@ -97,7 +99,7 @@ def write_tiny_tokenizer(out_dir: Path, vocab_size: int = 512) -> None:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator([_SAMPLE_TEXT], trainer)
+    tokenizer.train_from_iterator([_SAMPLE_TEXT] if texts is None else texts, trainer)
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": None,
