@@ -32,6 +32,11 @@ def test_a_short_run_writes_a_loadable_model_and_its_record(tmp_path: Path) -> N
     assert saved["steps"] == record["steps"] >= 1 and len(saved["curve"]) == saved["steps"]
     assert "Python Software Foundation" in saved["license"]
     assert all(math.isfinite(point["loss"]) and math.isfinite(point["mtp_loss"]) for point in saved["curve"])
+    held = saved["held_out"]
+    assert 0 <= held["mtp_first_draft_acceptance"] <= 1
+    skew = held["routing_skew"]
+    assert [s["layer"] for s in skew] == list(range(tool.SIZES["smoke"]["layers"]))
+    assert all(0.1 <= s["top_10pct"] <= s["top_25pct"] <= 1 for s in skew)
     model, _ = load_model(tmp_path, dtype="float32", progress=False)
     tokenizer = Tokenizer.from_dir(tmp_path)
     assert model.mtp is not None and model.config.num_experts == tool.SIZES["smoke"]["experts"]

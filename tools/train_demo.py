@@ -9,7 +9,7 @@ A byte-level BPE tokenizer is trained on it with `tokenizers`. The model is Stra
 reference backends, trained with AdamW on the next token plus the token after next through the MTP head,
 until the time budget ends. OUT_DIR receives an HF directory (bf16 safetensors, config, tokenizer, ChatML
 template) that the normal loader opens, and `training.json` (data, licence, sizes, hyperparameters, the loss
-curve, held-out losses).
+curve, held-out losses, routing skew per layer and the MTP head's first-draft acceptance).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from app.default_model import checkpoint_tensors, randomize
 from app.models.batch import ForwardBatch, SequenceSpan
 from app.models.config import ModelConfig
+from app.models.moe import SparseMoE
 from app.models.qwen3 import CausalLM
 from app.text.tiny import write_tiny_tokenizer
 from app.text.tokenizer import Tokenizer
@@ -137,6 +138,42 @@ def losses(model: CausalLM, sequences: torch.Tensor) -> tuple[torch.Tensor, torc
     return next_loss, mtp_loss
 
 
+@torch.no_grad()
+def measure(model: CausalLM, sequences: torch.Tensor) -> dict:
+    """Routing skew per MoE layer and the MTP head's first-draft acceptance on held-out sequences.
+
+    Skew: the share of routed (token, expert) picks that go to the busiest 10% and 25% of a layer's experts.
+    Acceptance: how often the head's greedy guess for token t+2 (from the hidden state at t and the true token
+    t+1) equals the model's own greedy prediction at t+1, the test a greedy draft must pass.
+    """
+    layers = [
+        (i, layer.mlp) for i, layer in enumerate(model.model.layers) if isinstance(layer.mlp, SparseMoE)
+    ]
+    for _, moe in layers:
+        moe.take_routed()
+    batch_size, length = sequences.shape
+    batch = ForwardBatch.build(
+        [(i, row.tolist(), 0) for i, row in enumerate(sequences[:, :-1])], TrainingState(), sequences.device
+    )
+    hidden = model(batch)
+    predicted = model.logits(hidden).view(batch_size, length - 1, -1).argmax(-1)
+    mtp = model.logits(model.mtp_forward(hidden, sequences[:, 1:].flatten(), batch))
+    drafts = mtp.view(batch_size, length - 1, -1).argmax(-1)
+    acceptance = (drafts[:, :-1] == predicted[:, 1:]).float().mean().item()
+    skew = []
+    for index, moe in layers:
+        routed = moe.take_routed()
+        assert routed is not None
+        counts = routed.sort(descending=True).values.double()
+        experts = counts.numel()
+        share = {
+            f"top_{p}pct": (counts[: math.ceil(experts * p / 100)].sum() / counts.sum()).item()
+            for p in (10, 25)
+        }
+        skew.append({"layer": index, **share})
+    return {"routing_skew": skew, "mtp_first_draft_acceptance": acceptance}
+
+
 def windows(ids: list[int], length: int, rng: random.Random, count: int) -> torch.Tensor:
     """`count` random windows of `length` tokens from the token stream."""
     starts = [rng.randrange(0, len(ids) - length) for _ in range(count)]
@@ -195,6 +232,7 @@ def train(out: Path, minutes: float, device: str, size_name: str, limit_bytes: i
     with torch.no_grad(), autocast:
         held = windows(held_ids, length, random.Random(seed + 1), HYPER["batch_sequences"]).to(device)
         held_next, held_mtp = losses(model, held)
+        measured = measure(model, held)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": [EOS]}, indent=2))
     save_file(checkpoint_tensors(model.cpu(), torch.bfloat16), str(out / "model.safetensors"))
@@ -209,7 +247,7 @@ def train(out: Path, minutes: float, device: str, size_name: str, limit_bytes: i
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
         "steps": step,
         "seconds": round(time.monotonic() - began, 1),
-        "held_out": {"loss": held_next.item(), "mtp_loss": held_mtp.item()},
+        "held_out": {"loss": held_next.item(), "mtp_loss": held_mtp.item(), **measured},
         "curve": curve,
     }
     (out / "training.json").write_text(json.dumps(record, indent=1))
