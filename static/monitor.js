@@ -138,6 +138,13 @@ function onFrame(frame) {
   const kv = `${(metrics.kv_cache_usage_perc * 100).toFixed(1)} % of ${metrics.kv_blocks_total} blocks`;
   $("kv-text").textContent = kv;
   setBar(kvMeter, metrics.kv_blocks_used, metrics.kv_blocks_total, kv);
+  const queried = metrics.prefix_cache_queries_total;
+  $("prefix-cache").textContent = queried
+    ? `${((100 * metrics.prefix_cache_hits_total) / queried).toFixed(1)} % of ${queried} prompt tokens reused`
+    : "no prompts yet";
+  $("parked").textContent =
+    `${metrics.parked_conversations_ram} in RAM (${formatBytes(metrics.parked_bytes_ram)}) · ` +
+    `${metrics.parked_conversations_disk} on disk · ${metrics.park_restores_total} restored`;
   const engine = frame.engine;
   $("device").textContent = engine.dead ? `stopped: ${engine.dead}` : `${engine.device} · ${engine.backends}`;
   renderSlots(metrics.slots, engine.max_model_len);

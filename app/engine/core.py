@@ -180,10 +180,11 @@ class EngineCore:
             raise StrataError(f"request id {add.request_id} is already in use")
 
     def abort_request(self, request_id: str) -> list[RequestOutput]:
-        """End a request now; its slot and blocks are free for the next window."""
+        """End a request now (what it read and generated is parked); its slot and blocks are free."""
         request = self.scheduler.requests.get(request_id)
         if request is None:
             return []
+        self._park(request)
         self.scheduler.finish(request, "abort")
         self.streams.pop(request_id, None)
         return [self._final(request, RequestOutput(request_id))]
@@ -253,8 +254,7 @@ class EngineCore:
             return output
         if not stream.stopped:
             output.text += stream.finish()
-        if self.park is not None and request.slot is not None:
-            self.park.park(request.tokens[: request.computed], request.blocks, request.slot)
+        self._park(request)
         self.scheduler.finish(request, reason)
         del self.streams[request.request_id]
         return self._final(request, output)
@@ -268,6 +268,11 @@ class EngineCore:
         if len(request.output) >= params.max_tokens or request.length >= self.max_model_len:
             return "length"
         return None
+
+    def _park(self, request: Request) -> None:
+        """Park what a request that is ending holds (the state of its first `computed` tokens)."""
+        if self.park is not None and request.slot is not None and request.computed > 0:
+            self.park.park(request.tokens[: request.computed], request.blocks, request.slot)
 
     @staticmethod
     def _final(request: Request, output: RequestOutput) -> RequestOutput:

@@ -39,6 +39,8 @@ def test_monitor_shows_busy_slots_then_idle(page: Page, live_server: Server) -> 
     expect(busy).to_have_count(0, timeout=BUSY_TIMEOUT_MS)
     expect(slots.first.locator(".badge")).to_have_text("idle")
     expect(page.locator("#running")).to_have_text("0 / 4")
+    expect(page.locator("#prefix-cache")).to_contain_text("prompt tokens reused")
+    expect(page.locator("#parked")).to_contain_text(re.compile(r"[1-9]\d* in RAM"))
     expect(page.locator("#host")).to_contain_text("CPU")
     expect(page.locator("#host")).to_contain_text("RAM")
     if shutil.which("nvidia-smi") is None:

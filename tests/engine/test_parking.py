@@ -136,3 +136,18 @@ def test_an_unusable_park_directory_leaves_parking_in_ram(
     _conversation(core)
     assert core.park is not None and core.park.stats().conversations_ram == 1
     assert core.park.stats().conversations_disk == 0
+
+
+def test_an_aborted_turn_is_parked_too(checkpoint: Path, tmp_path: Path) -> None:
+    """A user who stops an answer can follow up on what was said so far (here after a restart)."""
+    options = {"park_memory": 64 << 20, "park_dir": str(tmp_path), "park_disk": 64 << 20}
+    core = make_core(checkpoint, **options)
+    add = request(random_prompt(600, 1), max_tokens=50, temperature=0, ignore_eos=True)
+    results, _ = run(core, [(0, add)], aborts={6: [add.request_id]})
+    partial = results[add.request_id].token_ids
+    assert results[add.request_id].finish_reason == "abort" and 0 < len(partial) < 50
+    assert core.park is not None and core.park.stats().conversations_ram == 1
+    core.close()
+    follow_up = [*add.prompt_token_ids, *partial, *random_prompt(20, 2)]
+    tokens, hits = _follow(make_core(checkpoint, **options), follow_up)
+    assert hits >= len(add.prompt_token_ids) and tokens == _expected(checkpoint, follow_up)
