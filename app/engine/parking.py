@@ -92,6 +92,8 @@ class ConversationPark:
         self._blocks: dict[bytes, torch.Tensor] = {}  # [2, attention layers, block, kv heads, head dim]
         self._block_refs: dict[bytes, int] = {}
         self._disk: OrderedDict[tuple[int, ...], tuple[Path, int]] = OrderedDict()  # tokens -> (file, bytes)
+        self._ram_total = 0  # bytes of `_ram`'s own tensors and of `_blocks`
+        self._disk_total = 0
         self.restores = 0
         self.restore_seconds = 0.0
         self.copied_bytes = 0
@@ -126,6 +128,7 @@ class ConversationPark:
             copied = self._to_host(self._kv(torch.tensor([blocks[i] for i in new], device=self.state.device)))
             for i, kv in zip(new, copied.unbind(0), strict=True):
                 self._blocks[block_keys[i]] = kv
+                self._ram_total += kv.nbytes
                 self.copied_bytes += kv.nbytes
         for k in block_keys:
             self._block_refs[k] = self._block_refs.get(k, 0) + 1
@@ -142,6 +145,7 @@ class ConversationPark:
         self.copied_bytes += own
         parked = Parked(list(tokens), block_keys, tail, conv, recurrent, own)
         self._ram[key] = parked
+        self._ram_total += own
         if self.directory is not None:
             self._queue_file(parked)
         self._fit_ram()
@@ -212,8 +216,8 @@ class ConversationPark:
         return ParkingStats(
             conversations_ram=len(self._ram),
             conversations_disk=len(self._disk),
-            bytes_ram=self._ram_bytes(),
-            bytes_disk=sum(size for _, size in self._disk.values()),
+            bytes_ram=self._ram_total,
+            bytes_disk=self._disk_total,
             restores=self.restores,
             restore_seconds=self.restore_seconds,
             copied_bytes=self.copied_bytes,
@@ -226,9 +230,6 @@ class ConversationPark:
 
     # RAM -----------------------------------------------------------------------------------------------
 
-    def _ram_bytes(self) -> int:
-        return sum(p.own_bytes for p in self._ram.values()) + sum(t.nbytes for t in self._blocks.values())
-
     def _touch(self, key: tuple[int, ...]) -> None:
         if key in self._ram:
             self._ram.move_to_end(key)
@@ -238,13 +239,14 @@ class ConversationPark:
                 os.utime(self._disk[key][0])
 
     def _fit_ram(self) -> None:
-        while self._ram and self._ram_bytes() > self.ram_budget:
+        while self._ram and self._ram_total > self.ram_budget:
             _, parked = self._ram.popitem(last=False)
+            self._ram_total -= parked.own_bytes
             for k in parked.block_keys:
                 self._block_refs[k] -= 1
                 if not self._block_refs[k]:
                     del self._block_refs[k]
-                    del self._blocks[k]
+                    self._ram_total -= self._blocks.pop(k).nbytes
 
     # Disk ----------------------------------------------------------------------------------------------
 
@@ -255,7 +257,7 @@ class ConversationPark:
         name = hashlib.blake2b(json.dumps(parked.tokens).encode(), digest_size=16).hexdigest() + SUFFIX
         path = self.directory / name
         size = sum(t.nbytes for t in blocks) + parked.own_bytes  # the payload; the header adds a little
-        self._disk[tuple(parked.tokens)] = (path, size)
+        self._add_disk(tuple(parked.tokens), path, size)
         self._writes.put((path, parked, blocks))
         self._fit_disk()
 
@@ -301,9 +303,14 @@ class ConversationPark:
             finally:
                 self._writes.task_done()
 
+    def _add_disk(self, key: tuple[int, ...], path: Path, size: int) -> None:
+        self._disk[key] = (path, size)
+        self._disk_total += size
+
     def _fit_disk(self) -> None:
-        while self._disk and sum(size for _, size in self._disk.values()) > self.disk_budget:
-            _, (path, _) = self._disk.popitem(last=False)
+        while self._disk and self._disk_total > self.disk_budget:
+            _, (path, size) = self._disk.popitem(last=False)
+            self._disk_total -= size
             self.flush()
             path.unlink(missing_ok=True)
 
@@ -321,7 +328,7 @@ class ConversationPark:
             if header["model"] != self.identity:
                 log.info("parked conversation %s is of another model; left alone", path.name)
                 continue
-            self._disk[tuple(header["tokens"])] = (path, path.stat().st_size)
+            self._add_disk(tuple(header["tokens"]), path, path.stat().st_size)
         self._fit_disk()
 
     def _load(self, path: Path, key: tuple[int, ...]) -> Parked | None:
@@ -330,13 +337,17 @@ class ConversationPark:
             parked, blocks = self._read(path, key)
         except (OSError, ValueError, KeyError, RuntimeError) as e:
             log.warning("discarding parked conversation %s: %s", path.name, e)
-            self._disk.pop(key, None)
+            _, size = self._disk.pop(key)
+            self._disk_total -= size
             path.unlink(missing_ok=True)
             return None
         for k, kv in zip(parked.block_keys, blocks, strict=True):
-            self._blocks.setdefault(k, kv)
+            if k not in self._blocks:
+                self._blocks[k] = kv
+                self._ram_total += kv.nbytes
             self._block_refs[k] = self._block_refs.get(k, 0) + 1
         self._ram[key] = parked
+        self._ram_total += parked.own_bytes
         self._fit_ram()
         return parked
 

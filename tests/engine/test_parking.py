@@ -151,3 +151,21 @@ def test_an_aborted_turn_is_parked_too(checkpoint: Path, tmp_path: Path) -> None
     follow_up = [*add.prompt_token_ids, *partial, *random_prompt(20, 2)]
     tokens, hits = _follow(make_core(checkpoint, **options), follow_up)
     assert hits >= len(add.prompt_token_ids) and tokens == _expected(checkpoint, follow_up)
+
+
+def test_ram_and_disk_budgets_hold_and_their_byte_counts_add_up(checkpoint: Path, tmp_path: Path) -> None:
+    core = make_core(checkpoint, park_memory=1, park_dir=str(tmp_path), park_disk=64 << 20)
+    for seed in range(3):
+        complete(core, random_prompt(100, seed), max_tokens=4, temperature=0, ignore_eos=True)
+    assert core.park is not None
+    core.park.flush()
+    stats = core.park.stats()
+    assert stats.conversations_ram == 0 and stats.bytes_ram == 0  # a 1-byte budget keeps none in RAM
+    files = list(tmp_path.glob("*.park"))
+    assert stats.conversations_disk == len(files) == 3
+    payload = stats.bytes_disk
+    assert 0 < payload <= sum(f.stat().st_size for f in files)  # counted without the headers
+    small = make_core(checkpoint, park_memory=64 << 20, park_dir=str(tmp_path), park_disk=payload // 2)
+    assert small.park is not None and small.park.stats().conversations_disk < 3
+    assert small.park.stats().bytes_disk <= payload // 2
+    assert len(list(tmp_path.glob("*.park"))) == small.park.stats().conversations_disk
