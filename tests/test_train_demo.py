@@ -11,6 +11,8 @@ from pathlib import Path
 import torch
 
 from app.loading.loader import load_model
+from app.models.config import ModelConfig
+from app.models.qwen3 import CausalLM
 from app.text.tokenizer import Tokenizer
 
 TOOL = Path(__file__).resolve().parents[1] / "tools" / "train_demo.py"
@@ -43,3 +45,14 @@ def test_a_short_run_writes_a_loadable_model_and_its_record(tmp_path: Path) -> N
     assert tokenizer.decode(tokenizer.encode("def f(x):\n    return x\n")) == "def f(x):\n    return x\n"
     assert sum(p.numel() for p in model.parameters()) == saved["parameters"]
     assert torch.isfinite(next(model.parameters())).all()
+
+
+def test_the_demo_size_fits_the_gpu_kernels_and_40_mb() -> None:
+    tool = _tool()
+    config = tool.model_config(tool.SIZES["demo"])
+    for key in ("head_dim", "linear_key_head_dim", "linear_value_head_dim"):
+        assert config[key] & (config[key] - 1) == 0  # the Triton kernels take powers of two
+    with torch.device("meta"):
+        model = CausalLM(ModelConfig.from_dict(config), mtp_layers=1)
+    assert 16 <= config["num_experts"] <= 64 and config["shared_expert_intermediate_size"] > 0
+    assert 2 * sum(p.numel() for p in model.parameters()) < 40e6  # bytes in bf16

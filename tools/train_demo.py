@@ -42,9 +42,28 @@ EOS = 2  # <|im_end|>, as in the tiny tokenizer's layout
 HELD_OUT_EVERY = 50
 MTP_WEIGHT = 0.3
 
+# Head dimensions are powers of two, as the GPU kernels need; the demo's bf16 weights stay under 40 MB.
 SIZES = {
-    "demo": {"vocab": 8192, "hidden": 384, "layers": 8, "experts": 32, "top_k": 4, "moe": 128, "seq": 512},
-    "smoke": {"vocab": 512, "hidden": 64, "layers": 4, "experts": 8, "top_k": 2, "moe": 32, "seq": 64},
+    "demo": {
+        "vocab": 4096,
+        "hidden": 256,
+        "head": 64,
+        "layers": 8,
+        "experts": 16,
+        "top_k": 4,
+        "moe": 128,
+        "seq": 512,
+    },
+    "smoke": {
+        "vocab": 512,
+        "hidden": 64,
+        "head": 16,
+        "layers": 4,
+        "experts": 8,
+        "top_k": 2,
+        "moe": 32,
+        "seq": 64,
+    },
 }
 HYPER = {"lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 50, "weight_decay": 0.1, "batch_sequences": 32}
 
@@ -77,17 +96,17 @@ def model_config(size: dict) -> dict:
         "num_hidden_layers": size["layers"],
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
-        "head_dim": hidden // 4,
+        "head_dim": size["head"],
         "full_attention_interval": 4,
         "linear_num_key_heads": 2,
         "linear_num_value_heads": 4,
-        "linear_key_head_dim": hidden // 4,
-        "linear_value_head_dim": hidden // 4,
+        "linear_key_head_dim": size["head"],
+        "linear_value_head_dim": size["head"],
         "linear_conv_kernel_dim": 4,
         "num_experts": size["experts"],
         "num_experts_per_tok": size["top_k"],
         "moe_intermediate_size": size["moe"],
-        "shared_expert_intermediate_size": 2 * size["moe"],
+        "shared_expert_intermediate_size": size["moe"],
         "norm_topk_prob": True,
         "decoder_sparse_step": 1,
         "mlp_only_layers": [],
