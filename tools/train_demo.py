@@ -29,7 +29,7 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from app.default_model import checkpoint_tensors, randomize
+from app.default_model import CONFIG, EOS, checkpoint_tensors, randomize
 from app.models.batch import ForwardBatch, SequenceSpan
 from app.models.config import ModelConfig
 from app.models.moe import SparseMoE
@@ -38,7 +38,6 @@ from app.text.tiny import write_tiny_tokenizer
 from app.text.tokenizer import Tokenizer
 
 LICENSE = "Python Software Foundation License Version 2 (the Python standard library)"
-EOS = 2  # <|im_end|>, as in the tiny tokenizer's layout
 HELD_OUT_EVERY = 50
 MTP_WEIGHT = 0.3
 
@@ -85,39 +84,20 @@ def corpus(limit_bytes: int) -> tuple[list[str], list[str]]:
 
 
 def model_config(size: dict) -> dict:
-    """The HF config of the demo model (Qwen3-Next layout: every fourth layer is attention)."""
-    hidden = size["hidden"]
+    """The HF config of the demo model: the default model's layout (app/default_model.py) at `size`."""
     return {
-        "architectures": ["Qwen3NextForCausalLM"],
-        "model_type": "qwen3_next",
+        **CONFIG,
         "vocab_size": size["vocab"],
-        "hidden_size": hidden,
-        "intermediate_size": 2 * hidden,
+        "hidden_size": size["hidden"],
+        "intermediate_size": 2 * size["hidden"],
         "num_hidden_layers": size["layers"],
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
         "head_dim": size["head"],
-        "full_attention_interval": 4,
-        "linear_num_key_heads": 2,
-        "linear_num_value_heads": 4,
         "linear_key_head_dim": size["head"],
         "linear_value_head_dim": size["head"],
-        "linear_conv_kernel_dim": 4,
         "num_experts": size["experts"],
         "num_experts_per_tok": size["top_k"],
         "moe_intermediate_size": size["moe"],
         "shared_expert_intermediate_size": size["moe"],
-        "norm_topk_prob": True,
-        "decoder_sparse_step": 1,
-        "mlp_only_layers": [],
-        "rope_theta": 10000000.0,
-        "partial_rotary_factor": 0.25,
-        "max_position_embeddings": 4096,
-        "rms_norm_eps": 1e-6,
-        "tie_word_embeddings": False,
-        "num_nextn_predict_layers": 1,
-        "eos_token_id": EOS,
-        "torch_dtype": "bfloat16",
     }
 
 

@@ -118,6 +118,10 @@ class BlockPool:
             parent = key
         return found
 
+    def key_of(self, block: int) -> bytes:
+        """The chain hash a cached block is registered under."""
+        return self._meta[block].key
+
     def prefix_keys(self, tokens: list[int], blocks: int) -> list[bytes]:
         """The chain hashes of the first `blocks` full blocks of `tokens`."""
         keys, parent, size = [], ROOT, self.block_size
@@ -151,16 +155,17 @@ class BlockPool:
     ) -> tuple[int, bytes]:
         """Register the table's full blocks among its first `computed` tokens, once their contents exist.
 
-        `done` blocks of the table are registered already, the last under `parent`; returns the new pair.
-        A block whose chain hash is already cached (another request read the same prefix at the same time)
-        stays private, and registering stops there.
+        `done` blocks of the table are registered already, the last under `parent`; `tokens` are the
+        sequence's tokens from block `done` on (not the whole sequence, which a decoding request would copy
+        every window); returns the new pair. A block whose chain hash is already cached (another request
+        read the same prefix at the same time) stays private, and registering stops there.
         """
         if not self.caching:
             return done, parent
-        size = self.block_size
+        size, first = self.block_size, done
         for index in range(done, min(computed // size, len(table))):
             block = table[index]
-            block_tokens = tuple(tokens[index * size : (index + 1) * size])
+            block_tokens = tuple(tokens[(index - first) * size : (index - first + 1) * size])
             key = chain_hash(parent, block_tokens)
             if key in self._cached:
                 if self._cached[key] != block:

@@ -133,8 +133,12 @@ class ConversationPark:
         for k in block_keys:
             self._block_refs[k] = self._block_refs.get(k, 0) + 1
         rest = len(tokens) - full * size
-        tail_block = torch.tensor([blocks[full] if rest else 0], device=self.state.device)
-        tail = self._to_host(self._kv(tail_block)[0, :, :, :rest])
+        layers, _, _, heads, dim = self.state.keys.shape
+        tail = self.state.keys.new_empty((2, layers, 0, heads, dim), device="cpu")
+        if rest:
+            tail = self._to_host(
+                self._kv(torch.tensor([blocks[full]], device=self.state.device))[0, :, :, :rest]
+            )
         conv = recurrent = None
         if self.state.conv.shape[0]:
             conv = self._to_host(self.state.conv[:, slot])

@@ -50,11 +50,6 @@ class StateCheckpoints:
         self._by_parent: dict[bytes, list[Checkpoint]] = {}
         pool.reclaim = self._reclaim
 
-    @property
-    def capacity(self) -> int:
-        """Checkpoint slots in all."""
-        return len(self._free) + len(self._entries)
-
     def __len__(self) -> int:
         return len(self._entries)
 
@@ -89,7 +84,7 @@ class StateCheckpoints:
         """The furthest checkpoint within `tokens[:limit]` whose full blocks are all cached, or None."""
         size = self.pool.block_size
         cached = self.pool.match(tokens, limit)
-        keys = self.pool.prefix_keys(tokens, len(cached))
+        keys = [self.pool.key_of(block) for block in cached]
         for full in range(len(cached), -1, -1):
             parent = keys[full - 1] if full else ROOT
             best = None

@@ -266,7 +266,7 @@ class Scheduler:
 
         Bringing a conversation back copies all of it, so a device cache that reaches nearly as far wins.
         """
-        if self.parked is None or not self.pool.caching:
+        if self.parked is None or not self.pool.caching or request.length - 1 <= reached + PARK_MIN_GAIN:
             return None
         found = self.parked.find(request.tokens, request.length - 1)
         return found if found is not None and found[0] > reached + PARK_MIN_GAIN else None
@@ -274,7 +274,7 @@ class Scheduler:
     def _continue(self, window: Window, request: Request, hit: PrefixHit) -> None:
         """Set up an admitted request to continue at its hit: registered blocks, state and tail copies."""
         request.cached_blocks = len(hit.blocks)
-        request.chain_key = self.pool.prefix_keys(request.tokens, len(hit.blocks))[-1] if hit.blocks else ROOT
+        request.chain_key = self.pool.key_of(hit.blocks[-1]) if hit.blocks else ROOT
         checkpoint = hit.checkpoint
         if checkpoint is None:
             return
@@ -358,9 +358,7 @@ class Scheduler:
             if chunk.samples:
                 request.phase = Phase.DECODE
             if self.pool.caching:
-                request.cached_blocks, request.chain_key = self.pool.commit(
-                    request.blocks, request.tokens, request.computed, request.cached_blocks, request.chain_key
-                )
+                self._commit(request)
                 if not chunk.decode and request.computed % align == 0:
                     self._save_state(request)
         rows = sum(len(c.tokens) for c in window.chunks)
@@ -370,6 +368,17 @@ class Scheduler:
         if decode and rows == decode:
             self.decode_cost.observe(decode, seconds)
         self._settle_credit(decode, seconds)
+
+    def _commit(self, request: Request) -> None:
+        """Register the request's newly filled blocks in the prefix cache (nothing to do most windows)."""
+        size = self.pool.block_size
+        full = request.computed // size
+        if full <= request.cached_blocks:
+            return
+        new_tokens = request.token_slice(request.cached_blocks * size, full * size)
+        request.cached_blocks, request.chain_key = self.pool.commit(
+            request.blocks, new_tokens, request.computed, request.cached_blocks, request.chain_key
+        )
 
     def solo_seconds(self, decode_rows: int) -> float | None:
         """Expected seconds of a window of `decode_rows` decode rows alone, None while unknown."""

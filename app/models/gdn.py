@@ -189,6 +189,8 @@ class GatedDeltaNet(nn.Module):
 
     def _save_conv(self, mixed: torch.Tensor, kernel: int, batch: ForwardBatch) -> None:
         """The conv state at each span's `save_at` (its last kernel-1 inputs) into the span's save slot."""
+        if batch.layout is None or batch.layout.save_slots is None:
+            return
         for span in batch.spans:
             if span.save_slot is None:
                 continue
