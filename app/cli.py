@@ -32,7 +32,7 @@ def _size(text: str) -> int:
 
 def _add_engine_options(parser: argparse.ArgumentParser) -> None:
     defaults = EngineConfig()
-    parser.add_argument("--model", help="HF model directory (default: the tiny built-in demo model)")
+    parser.add_argument("--model", help="HF model directory (default: the built-in demo model strata-demo)")
     parser.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available, else cpu")
     parser.add_argument(
         "--dtype",

@@ -1,114 +1,26 @@
-"""The default model: a tiny random qwen3_next checkpoint, written once to the user cache directory.
+"""The default model: the small trained demo model shipped in `app/strata-demo/` (docs/DEMO_MODEL.md).
 
-It exists so that every command works on a fresh machine; it babbles. It is an ordinary HF directory
-(config.json, safetensors with one tensor per expert, tokenizer, chat template) loaded by the normal path.
+It is an ordinary HF directory (config.json, bf16 safetensors, tokenizer, ChatML template) that the normal
+loader opens; `tools/train_demo.py` made it. It writes plausible Python and answers chat requests with a
+function; it is not an assistant.
 """
 
 from __future__ import annotations
 
-import json
-import math
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
-import platformdirs
-import torch
-from safetensors.torch import save_file
+from app.errors import StrataError
 
-from app.loading.loader import tensor_sources
-from app.models.config import ModelConfig
-from app.models.qwen3 import CausalLM
-from app.text.tiny import write_tiny_tokenizer
-
-NAME = "tiny-random-qwen3-next-v1"
-VOCAB = 512
-EOS = 2  # <|im_end|> of the tiny tokenizer
-
-CONFIG = {
-    "architectures": ["Qwen3NextForCausalLM"],
-    "model_type": "qwen3_next",
-    "vocab_size": VOCAB,
-    "hidden_size": 128,
-    "intermediate_size": 256,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 32,
-    "full_attention_interval": 4,
-    "linear_num_key_heads": 2,
-    "linear_num_value_heads": 4,
-    "linear_key_head_dim": 32,
-    "linear_value_head_dim": 32,
-    "linear_conv_kernel_dim": 4,
-    "num_experts": 16,
-    "num_experts_per_tok": 2,
-    "moe_intermediate_size": 64,
-    "shared_expert_intermediate_size": 128,
-    "norm_topk_prob": True,
-    "decoder_sparse_step": 1,
-    "mlp_only_layers": [],
-    "rope_theta": 10000000.0,
-    "partial_rotary_factor": 0.25,
-    "max_position_embeddings": 4096,
-    "rms_norm_eps": 1e-6,
-    "tie_word_embeddings": False,
-    "num_nextn_predict_layers": 1,
-    "eos_token_id": EOS,
-    "torch_dtype": "bfloat16",
-}
+DEMO_MODEL_DIR = Path(__file__).resolve().parent / "strata-demo"
+FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 
 
-def default_model_dir(cache_dir: Path | None = None) -> Path:
-    """The default model's directory, written first if it is not there yet."""
-    root = cache_dir or Path(platformdirs.user_cache_dir("strata")) / "models"
-    path = root / NAME
-    if not (path / "config.json").is_file():
-        write_default_model(path)
-    return path
-
-
-def write_default_model(path: Path, seed: int = 0) -> None:
-    """Write the checkpoint into a temporary sibling, then move it into place (safe if two start at once)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{NAME}-", dir=path.parent))
-    try:
-        (staging / "config.json").write_text(json.dumps(CONFIG, indent=2))
-        (staging / "generation_config.json").write_text(json.dumps({"eos_token_id": [EOS]}, indent=2))
-        write_tiny_tokenizer(staging, vocab_size=VOCAB)
-        config = ModelConfig.from_dict(CONFIG)
-        model = CausalLM(config, mtp_layers=CONFIG["num_nextn_predict_layers"])
-        randomize(model, seed)
-        save_file(checkpoint_tensors(model, torch.bfloat16), str(staging / "model.safetensors"))
-        os.replace(staging, path)
-    except OSError:
-        if not (path / "config.json").is_file():
-            raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-
-
-def randomize(model: CausalLM, seed: int) -> None:
-    """Random weights in the ranges trained models have (decays in (0, 1), unit-centred norms)."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("A_log"):
-                param.copy_(torch.empty(param.shape).uniform_(1, 16, generator=generator).log())
-            elif name.endswith("dt_bias"):
-                param.fill_(1.0)
-            elif "norm" in name:
-                continue
-            else:
-                fan_in = param.shape[-1] if param.dim() > 1 else 1
-                param.normal_(0.0, 1.0 / math.sqrt(fan_in), generator=generator)
-
-
-def checkpoint_tensors(model: CausalLM, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The weights under HF checkpoint names (one tensor per expert), as contiguous `dtype` tensors."""
-    params = dict(model.named_parameters())
-    return {
-        name: params[source.param][source.index].detach().to(dtype).contiguous()
-        for name, source in tensor_sources(model).items()
-    }
+def default_model_dir() -> Path:
+    """The demo model's directory, after checking that its files are there (an install can lose them)."""
+    missing = [name for name in FILES if not (DEMO_MODEL_DIR / name).is_file()]
+    if missing:
+        raise StrataError(
+            f"the built-in demo model is incomplete ({', '.join(missing)} missing from {DEMO_MODEL_DIR}); "
+            "reinstall Strata or pass --model DIR"
+        )
+    return DEMO_MODEL_DIR

@@ -1,9 +1,10 @@
-"""Write the default demo model with a longer context, for CPU benchmarks of long conversations.
+"""Write the tiny random model with a longer context, for CPU benchmarks of long conversations.
 
     python benchmarks/long_context_model.py DIR [--context 40960]
 
-The same tiny random Qwen3-Next checkpoint as `strata serve`'s default model, with `max_position_embeddings`
-raised (its weights do not depend on it), so that `strata bench --model DIR` can hold 32K-token conversations.
+The tiny random Qwen3-Next checkpoint of app/random_model.py (the layout the demo model was trained from, at a
+smaller size), with `max_position_embeddings` raised (its weights do not depend on it), so that
+`strata bench --model DIR` can hold 32K-token conversations.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from app.default_model import write_default_model
+from app.random_model import write_random_model
 
 
 def main() -> None:
@@ -23,7 +24,7 @@ def main() -> None:
     parser.add_argument("directory", type=Path)
     parser.add_argument("--context", type=int, default=40960)
     args = parser.parse_args()
-    write_default_model(args.directory)
+    write_random_model(args.directory)
     config_path = args.directory / "config.json"
     config = json.loads(config_path.read_text())
     config["max_position_embeddings"] = args.context
