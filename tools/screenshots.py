@@ -2,7 +2,7 @@
 
     python tools/screenshots.py [--model DIR] [--out docs/screenshots]
 
-Starts `strata serve` (default: the tiny demo model) on a free port with the tests' helpers
+Starts `strata serve` (default: the demo model, docs/DEMO_MODEL.md) on a free port with the tests' helpers
 (tests/serving.py), drives the system's Chromium (/usr/bin/chromium) with Playwright, and writes chat.png and
 monitor.png.
 """
@@ -26,11 +26,12 @@ TIMEOUT_MS = 180_000
 
 
 def chat_screenshot(page: Page, url: str, path: Path) -> None:
-    """Two questions answered, with their timings."""
+    """Two requests of the kind the demo model was trained on (docs/DEMO_MODEL.md), answered, with timings."""
     page.goto(url + "/")
     expect(page.locator("#connection")).to_have_attribute("data-state", "open")
-    page.get_by_label("Max tokens").fill("60")
-    for question in ("Hello! What can you do?", "Write a haiku about GPUs."):
+    page.get_by_label("Max tokens").fill("80")
+    questions = ("Return the sum of a list of numbers.", "Write a Python function: Split a path in parts.")
+    for question in questions:
         page.get_by_label("Message").fill(question)
         page.get_by_label("Message").press("Enter")
         answer = page.locator("article.assistant").last
@@ -51,7 +52,7 @@ def monitor_screenshot(page: Page, url: str, path: Path) -> None:
 def main() -> None:
     """Parse the options and take both screenshots."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", help="model directory (default: the tiny demo model)")
+    parser.add_argument("--model", help="model directory (default: the demo model)")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "screenshots")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
