@@ -1,5 +1,5 @@
 """Test-wide setup: without a GPU, Triton kernels run in Triton's interpreter on CPU tensors; the user cache
-directory (default model, parked conversations of the command line) is a fresh temporary one."""
+directory (parked conversations of the command line) is a fresh temporary one."""
 
 from __future__ import annotations
 

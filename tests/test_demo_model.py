@@ -42,10 +42,16 @@ def test_a_missing_demo_file_is_a_clear_error(monkeypatch: pytest.MonkeyPatch, t
 
 
 def test_the_card_states_the_recorded_measurements() -> None:
-    card, held = CARD.read_text(), _record()["held_out"]
-    assert f"{100 * held['mtp_first_draft_acceptance']:.1f}%" in card
+    card, record = CARD.read_text(), _record()
+    held = record["held_out_saved_weights"]  # the shipped bf16 weights
+    assert f"**MTP first-draft acceptance: {100 * held['mtp_first_draft_acceptance']:.1f}%.**" in card
+    assert f"{held['loss']:.2f} nats per token for the next token and {held['mtp_loss']:.2f}" in card
     for layer in held["routing_skew"]:
         row = f"| {layer['layer']} | {100 * layer['top_10pct']:.1f}% | {100 * layer['top_25pct']:.1f}% |"
         assert row in card, row
-    assert f"{held['loss']:.2f}" in card and f"{_record()['steps']:,}" in card
-    assert re.search(r"python tools/train_demo\.py app/strata-demo --minutes 8", card)
+    for source in record["data"]["sources"]:
+        assert f"| {source['source']} | {source['version']} | " in card
+        assert re.search(rf"\| {re.escape(source['source'])} \|.*\| {source['files']:,} \|", card), source
+    assert f"{record['parameters']:,} parameters" in card
+    assert f"| steps | {record['steps']:,} in " in card
+    assert "python tools/train_demo.py app/strata-demo --minutes 8\n" in card

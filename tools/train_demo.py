@@ -38,6 +38,7 @@ from tokenizers import Tokenizer as FastTokenizer
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from app.kernels.backends import REFERENCE
+from app.loading.loader import load_model
 from app.models.batch import ForwardBatch, PagedLayout, SequenceSpan
 from app.models.config import ModelConfig
 from app.models.gdn import delta_rule_chunked, l2norm
@@ -56,6 +57,7 @@ HELD_OUT_EVERY = 50
 MTP_WEIGHT = 0.3
 BALANCE_WEIGHT = 0.01
 CURVE_EVERY = 25  # steps averaged into one point of the recorded loss curve
+HELD_OUT_BATCHES = 4
 FINISH_SECONDS = 20  # kept from the budget for the held-out measurements and writing the files
 
 # Head dimensions are powers of two, as the GPU kernels need; the demo's bf16 weights stay under 40 MB.
@@ -343,8 +345,9 @@ TRAINING = replace(
 def router_balance(logits: list[torch.Tensor], top_k: int) -> torch.Tensor:
     """The load-balancing loss of the routers (Switch Transformer's): experts × Σ_e picks_e × mean prob_e.
 
-    `logits` [tokens, experts] per MoE layer; 1.0 when routing is uniform, up to `experts` when one expert
-    takes everything. Averaged over layers.
+    `logits` [tokens, experts] per MoE layer; 1.0 when routing is even, up to `experts` when one expert takes
+    everything (slightly below 1 is possible where the picks and the probabilities disagree). Averaged over
+    layers.
     """
     total = logits[0].new_zeros(())
     for layer in logits:
@@ -505,9 +508,12 @@ def train(
             )
             print(json.dumps(curve[-1]), flush=True)
     model.eval()
-    held_generator = torch.Generator().manual_seed(seed + 1)
-    held = [windows(held_ids, length, held_generator, HYPER["batch_sequences"]).to(device) for _ in range(4)]
+    held = held_out_windows(held_ids, length, seed, device)
     measured = measure(model, held)
+    with torch.no_grad():  # the weights as saved: rounded to bf16 (computed in fp32 as before)
+        for param in model.parameters():
+            param.copy_(param.bfloat16().float())
+    measured_saved = measure(model, held)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": [EOS]}, indent=2))
     save_file(checkpoint_tensors(model.cpu(), torch.bfloat16), str(out / "model.safetensors"))
@@ -544,20 +550,62 @@ def train(
         "trained_tokens": step * HYPER["batch_sequences"] * size["seq"],
         "seconds": round(time.monotonic() - began, 1),
         "held_out": {**measured, "sequences": len(held) * HYPER["batch_sequences"]},
+        "held_out_saved_weights": {**measured_saved, "sequences": len(held) * HYPER["batch_sequences"]},
         "curve": curve,
     }
     (out / "training.json").write_text(json.dumps(record, indent=1))
     return record
 
 
+def held_out_windows(held_ids: torch.Tensor, length: int, seed: int, device: str) -> list[torch.Tensor]:
+    """The held-out batches that `measure` reads: HELD_OUT_BATCHES of random windows, fixed by `seed`."""
+    generator = torch.Generator().manual_seed(seed + 1)
+    count = HYPER["batch_sequences"]
+    return [windows(held_ids, length, generator, count).to(device) for _ in range(HELD_OUT_BATCHES)]
+
+
+def measure_saved(
+    model_dir: Path, device: str, limit_bytes: int, packages: tuple[str, ...] = PACKAGES
+) -> dict:
+    """Measure a written model directory's saved weights (computed in fp32) on the held-out windows its run
+    measured, and record them in its training.json as `held_out_saved_weights`.
+
+    The windows are the same when the corpus is: the same interpreter and packages as the training run.
+    """
+    record_path = model_dir / "training.json"
+    record = json.loads(record_path.read_text())
+    texts = corpus(limit_bytes, packages)
+    held_ids = tokenize(model_dir, texts.held_out + texts.held_out_chats)
+    if len(held_ids) != record["data"]["held_out_tokens"]:
+        raise SystemExit(
+            f"the held-out text differs from the run's ({len(held_ids)} tokens, not "
+            f"{record['data']['held_out_tokens']}): another interpreter or other packages"
+        )
+    model, _ = load_model(model_dir, dtype="float32", device=device, progress=False, backends=TRAINING)
+    model.eval()
+    held = held_out_windows(held_ids, record["size"]["seq"] + 1, record["hyperparameters"]["seed"], device)
+    record["held_out_saved_weights"] = {
+        **measure(model, held),
+        "sequences": len(held) * HYPER["batch_sequences"],
+    }
+    record_path.write_text(json.dumps(record, indent=1))
+    return record["held_out_saved_weights"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("out", type=Path)
+    parser.add_argument(
+        "--measure", action="store_true", help="only measure OUT's saved weights on its run's held-out text"
+    )
     parser.add_argument("--minutes", type=float, default=8.0)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--size", choices=sorted(SIZES), default="demo")
     parser.add_argument("--corpus-bytes", type=int, default=128 << 20, help="most characters of text to read")
     args = parser.parse_args()
+    if args.measure:
+        print(json.dumps(measure_saved(args.out, args.device, args.corpus_bytes)))
+        return
     record = train(args.out, args.minutes, args.device, args.size, args.corpus_bytes)
     print(json.dumps({k: v for k, v in record.items() if k != "curve"}))
 
