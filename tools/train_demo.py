@@ -41,7 +41,7 @@ from app.kernels.backends import REFERENCE
 from app.loading.loader import load_model
 from app.models.batch import ForwardBatch, PagedLayout, SequenceSpan
 from app.models.config import ModelConfig
-from app.models.gdn import delta_rule_chunked, l2norm
+from app.models.gdn import delta_rule_chunked, delta_rule_qk
 from app.models.moe import SparseMoE
 from app.models.qwen3 import CausalLM
 from app.random_model import CONFIG, EOS, checkpoint_tensors, randomize
@@ -299,11 +299,9 @@ def batch_delta_rule(
     runs once for the whole batch.
     """
     count = layout.query_start.numel() - 1
-    tokens, k_heads, dk = q.shape
+    tokens, dk = q.shape[0], q.shape[2]
     v_heads, dv = v.shape[1], v.shape[2]
-    per = v_heads // k_heads
-    q = l2norm(q.float()).repeat_interleave(per, dim=1) * dk**-0.5
-    k = l2norm(k.float()).repeat_interleave(per, dim=1)
+    q, k = delta_rule_qk(q, k, v_heads)
 
     def side_by_side(t: torch.Tensor) -> torch.Tensor:
         t = t.float().view(count, tokens // count, *t.shape[1:]).transpose(0, 1)
@@ -462,10 +460,11 @@ def train(
     generator = torch.Generator().manual_seed(seed)
     texts = corpus(limit_bytes, packages)
     out.mkdir(parents=True, exist_ok=True)
-    train_texts, held_texts = texts.train + texts.train_chats, texts.held_out + texts.held_out_chats
+    train_texts = texts.train + texts.train_chats
     write_tiny_tokenizer(out, vocab_size=size["vocab"], texts=train_texts[::TOKENIZER_SHARE])
-    train_ids, held_ids = tokenize(out, train_texts), tokenize(out, held_texts)
-    chat_tokens = len(tokenize(out, texts.train_chats))
+    chat_ids = tokenize(out, texts.train_chats)
+    train_ids = torch.cat((tokenize(out, texts.train), chat_ids))
+    held_ids = tokenize(out, texts.held_out + texts.held_out_chats)
     config = model_config(size)
     model = CausalLM(ModelConfig.from_dict(config), mtp_layers=1, backends=TRAINING)
     randomize(model, seed)
@@ -525,7 +524,7 @@ def train(
             "conversations": {
                 "train": len(texts.train_chats),
                 "held_out": len(texts.held_out_chats),
-                "share_of_train_tokens": round(chat_tokens / len(train_ids), 4),
+                "share_of_train_tokens": round(len(chat_ids) / len(train_ids), 4),
                 "made_from": "one in CHAT_EVERY documented functions: the docstring's first line asked, the "
                 "function's source answered",
                 "chat_every": CHAT_EVERY,

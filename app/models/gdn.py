@@ -23,6 +23,16 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
+def delta_rule_qk(q: torch.Tensor, k: torch.Tensor, v_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Raw q, k [tokens, k_heads, dk] as the delta rule reads them, in fp32: unit length, q scaled by
+    dk**-0.5, each key head repeated for the v_heads // k_heads value heads that read it."""
+    per, dk = v_heads // q.shape[1], q.shape[2]
+    return (
+        l2norm(q.float()).repeat_interleave(per, dim=1) * dk**-0.5,
+        l2norm(k.float()).repeat_interleave(per, dim=1),
+    )
+
+
 def causal_conv(
     x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -207,7 +217,6 @@ class GatedDeltaNet(nn.Module):
         batch: ForwardBatch,
     ) -> torch.Tensor:
         """The reference path: conv and delta rule sequence by sequence through the `SequenceState`."""
-        per = self.v_heads // self.k_heads
         out = mixed.new_empty(mixed.shape[0], self.v_heads, self.dv, dtype=torch.float32)
         kernel = weight.shape[1]
         for span in batch.spans:
@@ -217,8 +226,8 @@ class GatedDeltaNet(nn.Module):
             inputs = torch.cat((conv_state, mixed[span.rows].t().to(conv_state.dtype)), dim=-1)
             conv_out, conv_state = causal_conv(mixed[span.rows], weight, conv_state)
             q, k, v = conv_out.float().split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-            q = l2norm(q.view(-1, self.k_heads, self.dk)).repeat_interleave(per, dim=1) * self.dk**-0.5
-            k = l2norm(k.view(-1, self.k_heads, self.dk)).repeat_interleave(per, dim=1)
+            heads = (-1, self.k_heads, self.dk)
+            q, k = delta_rule_qk(q.view(heads), k.view(heads), self.v_heads)
             v = v.view(-1, self.v_heads, self.dv)
             if state is None:
                 state = v.new_zeros(self.v_heads, self.dk, self.dv)

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from app.kernels.triton_gdn import causal_conv_varlen, gated_delta_rule_paged, gated_delta_rule_varlen
 from app.models.batch import PagedLayout
-from app.models.gdn import causal_conv, delta_rule_recurrent, l2norm
+from app.models.gdn import causal_conv, delta_rule_qk, delta_rule_recurrent
 
 pytestmark = [
     pytest.mark.gpu,
@@ -77,10 +77,8 @@ def _recurrent_reference(
     conv_out: torch.Tensor, before: dict[str, torch.Tensor], rows: slice, slot: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The fp32 token-by-token delta rule of one sequence's conv output, from the state before the batch."""
-    per = V_HEADS // K_HEADS
     q, k, v = (t.float() for t in _split(conv_out))
-    q = l2norm(q).repeat_interleave(per, dim=1) * DK**-0.5
-    k = l2norm(k).repeat_interleave(per, dim=1)
+    q, k = delta_rule_qk(q, k, V_HEADS)
     return delta_rule_recurrent(q, k, v, before["g"][rows], before["beta"][rows], before["state"][slot])
 
 

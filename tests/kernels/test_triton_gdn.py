@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from app.kernels.triton_gdn import causal_conv_varlen, gated_delta_rule_paged, gated_delta_rule_varlen
 from app.models.batch import PagedLayout
-from app.models.gdn import causal_conv, delta_rule_chunked, delta_rule_recurrent, l2norm
+from app.models.gdn import causal_conv, delta_rule_chunked, delta_rule_qk, delta_rule_recurrent
 
 SLOTS = 7
 KERNEL = 4
@@ -90,14 +90,12 @@ def _reference_rule(
     Prompt chunks (more than one row) use the chunked form with chunks at multiples of CHUNK positions after
     each sequence's past (`pasts`, zero when None); single rows the recurrent form.
     """
-    per = sizes.v_heads // sizes.k_heads
     out = torch.empty(v.shape, dtype=torch.float32)
     state = state.clone()
     bounds = query_start.tolist()
     for seq, slot in enumerate(slots.tolist()):
         rows = slice(bounds[seq], bounds[seq + 1])
-        qn = l2norm(q[rows].float()).repeat_interleave(per, dim=1) * sizes.dk**-0.5
-        kn = l2norm(k[rows].float()).repeat_interleave(per, dim=1)
+        qn, kn = delta_rule_qk(q[rows], k[rows], sizes.v_heads)
         inputs = (qn, kn, v[rows].float(), g[rows], beta[rows], state[slot])
         if rows.stop - rows.start == 1:
             out[rows], state[slot] = delta_rule_recurrent(*inputs)
