@@ -38,6 +38,8 @@ except ImportError:  # run as a script from inside benchmarks/
 
 H200_COPY_BANDWIDTH = 4.26e12
 """Device-to-device copy bandwidth (read + write) measured on one H200, bytes/s."""
+H200_BF16_FLOPS = 989e12
+"""The H200's dense bf16 tensor-core peak (its datasheet), FLOP/s."""
 
 RECURRENT_STATE_BYTES = 4
 """Gated DeltaNet recurrent states are kept in fp32."""
@@ -112,6 +114,22 @@ def roofline_tok_s(
 ) -> float:
     """Upper bound on aggregate generated tokens/s: `batch` tokens per step, steps bound by bandwidth."""
     return batch * bandwidth_bytes_s / bytes_per_step(config, batch, context, dtype_bytes)
+
+
+def prompt_ceiling_tok_s(
+    config: dict[str, Any], prompt_len: int, peak_flops: float = H200_BF16_FLOPS
+) -> float:
+    """Upper bound on tokens/s reading one `prompt_len`-token prompt: each token multiplies through every
+    weight it uses (the non-expert ones and its top-k experts) at two FLOPs a weight, and its full-attention
+    layers score and mix the half of the prompt it sees on average (4 FLOPs per head dimension and key). The
+    LM head, the Gated DeltaNet rule and elementwise work are left out: the true ceiling is lower."""
+    counts = param_counts(config)
+    parts = counts.totals()
+    used = sum(parts.values()) - parts["embedding"] - parts["lm_head"] - parts["routed_experts"]
+    used += config["num_experts_per_tok"] * counts.expert * counts.moe_layers
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    attention = 4 * config["num_attention_heads"] * head_dim * (prompt_len / 2) * counts.attention_layers
+    return peak_flops / (2 * used + attention)
 
 
 def measure_copy_bandwidth(

@@ -10,7 +10,7 @@ import torch
 
 from app.default_model import default_model_dir
 from app.engine.config import EngineConfig
-from app.engine.cuda_graphs import DecodeGraphs
+from app.engine.cuda_graphs import WindowGraphs
 from app.engine.paged_state import PagedState, kv_block_bytes, slot_state_bytes
 from app.engine.parking import ConversationPark, model_identity
 from app.engine.protocol import (
@@ -91,7 +91,10 @@ class EngineCore:
         )
         graphs = None
         if self.device == "cuda" and self.backends.paged_attention is not None and not config.enforce_eager:
-            graphs = DecodeGraphs(model, state, config.parallel, -(-self.max_model_len // config.block_size))
+            max_blocks = -(-self.max_model_len // config.block_size)
+            # a prompt piece may pass the token budget to reach its next chunk multiple (scheduler.py)
+            max_tokens = config.max_batched_tokens + (CHUNK if recurrent else 0)
+            graphs = WindowGraphs(model, state, config.parallel, max_blocks, max_tokens)
             graphs.capture()
         self.runner = ModelRunner(model, state, Sampler(config.seed), graphs)
         self.runner.warm_up()

@@ -1,146 +1,250 @@
-"""CUDA graphs of decode windows: the forward pass and LM head captured once per batch bucket.
+"""CUDA graphs of windows: the forward pass and LM head captured per bucket, replayed from static inputs.
 
-A decode window (every row one new token of a running request) is padded to the next bucket size and replayed
-from static input buffers; padding rows write into the pool's scratch block and slot, which no request owns,
-and are not counted as routed tokens. Prompt windows run eagerly. `--enforce-eager` turns graphs off.
+Two kinds of bucket share one set of static input buffers and one memory pool:
+
+- decode buckets (every row a decode row): `rows` rows, each its own sequence, padded with single-row
+  sequences on the scratch block and slot;
+- mixed buckets (prompt chunks, with or without decode rows): `tokens` rows in `seqs` sequences (the slot
+  count plus one), the longest at most `longest` rows. The window's chunks come first; the rows left over form
+  one padding sequence on the scratch block and slot, and the sequences left over are empty. `longest` only
+  sizes the kernels' grids (empty programs exit at once), so a window picks the smallest one that holds it.
+
+Padding rows are not counted as routed tokens (`live` is 0 there). A window larger than every bucket runs
+eagerly, and `--enforce-eager` turns graphs off.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from app.engine.paged_state import PagedState
+from app.engine.scheduler import Chunk
 from app.models.batch import ForwardBatch, PagedLayout, SequenceSpan
 from app.models.qwen3 import CausalLM
 
 log = logging.getLogger("strata.engine")
 
-BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+DECODE_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+TOKEN_BUCKETS = (32, 64, 128, 256, 384, 512, 768, 1024, 1280, 1536, 1792, 2048, 2560, 3072, 3584, 4096)
+LONGEST_BUCKETS = (128, 512, 2048)
+MAX_GRAPH_TOKENS = 4096  # windows with more rows run eagerly: their GPU time dwarfs the host's
 
 
 @dataclass(frozen=True)
-class DecodeRow:
-    """One decode row: the token to read, its position, the request's slot and its block table."""
+class Bucket:
+    """One captured shape: `tokens` rows in `seqs` sequences, the longest at most `longest` rows."""
 
-    token: int
-    position: int
-    slot: int
-    blocks: list[int]
+    tokens: int
+    seqs: int
+    longest: int
+
+    @property
+    def decode(self) -> bool:
+        """A decode bucket: one row per sequence."""
+        return self.longest == 1
 
 
 def buckets_up_to(rows: int) -> list[int]:
-    """The bucket sizes used for at most `rows` rows: the standard ones below it, then `rows` itself."""
-    return [b for b in BUCKETS if b < rows] + [rows]
+    """Decode bucket sizes for at most `rows` rows: the standard ones below it, then `rows` itself."""
+    return [b for b in DECODE_BUCKETS if b < rows] + [rows]
 
 
-class DecodeGraphs:
-    """One captured graph per bucket, sharing static inputs and one memory pool."""
+def token_buckets(max_tokens: int) -> list[int]:
+    """Mixed-window row counts up to `max_tokens` (capped at MAX_GRAPH_TOKENS), ending at that count."""
+    top = min(max_tokens, MAX_GRAPH_TOKENS)
+    return [b for b in TOKEN_BUCKETS if b < top] + [top]
 
-    def __init__(self, model: CausalLM, state: PagedState, max_rows: int, max_blocks: int) -> None:
+
+def mixed_buckets(max_tokens: int, seqs: int) -> list[Bucket]:
+    """Every mixed bucket: each token count with each longest-span bound below it, and itself."""
+    return [
+        Bucket(tokens, seqs, longest)
+        for tokens in token_buckets(max_tokens)
+        for longest in [q for q in LONGEST_BUCKETS if q < tokens] + [tokens]
+    ]
+
+
+class WindowGraphs:
+    """Captured graphs of decode and mixed windows, sharing static inputs and one memory pool.
+
+    `slots` batch slots; `max_blocks` block-table columns a request can need; `max_tokens` the most rows of a
+    window the scheduler plans (token budget plus the alignment overrun of a prompt piece). With `mixed` False
+    only decode windows are captured.
+    """
+
+    def __init__(
+        self,
+        model: CausalLM,
+        state: PagedState,
+        slots: int,
+        max_blocks: int,
+        max_tokens: int,
+        mixed: bool = True,
+    ) -> None:
         self.model = model
         self.state = state
-        self.buckets = buckets_up_to(max_rows)
-        self.max_rows = max_rows
-        self.max_blocks = max_blocks
+        self.slots = slots
+        seqs = slots + 1  # the chunks' sequences and one of padding
+        self.buckets = [Bucket(n, n, 1) for n in buckets_up_to(slots)]
+        if mixed:
+            self.buckets = mixed_buckets(max_tokens, seqs) + self.buckets
+        self.max_tokens = max(b.tokens for b in self.buckets)
+        self.max_seqs = max(b.seqs for b in self.buckets)
+        size = state.block_size
+        self.width = max(max_blocks, -(-self.max_tokens // size))  # the padding sequence's blocks too
+        tokens, seqs = self.max_tokens, self.max_seqs
         device = state.device
-        rows = max_rows
         # Static inputs: int64 ones in one tensor, int32 ones in another, each filled by one copy per window.
-        self._long = torch.zeros(5 * rows, dtype=torch.int64, device=device)
-        self._int = torch.zeros(rows + rows * max_blocks, dtype=torch.int32, device=device)
-        self._long_host = torch.zeros(5 * rows, dtype=torch.int64)
-        self._int_host = torch.zeros(rows + rows * max_blocks, dtype=torch.int32)
+        self._long_sizes = [tokens] * 4 + [seqs] * 3
+        self._int_sizes = [seqs + 1, seqs, seqs, seqs * self.width]
+        self._long = torch.zeros(sum(self._long_sizes), dtype=torch.int64, device=device)
+        self._int = torch.zeros(sum(self._int_sizes), dtype=torch.int32, device=device)
+        self._long_host = torch.zeros_like(self._long, device="cpu")
+        self._int_host = torch.zeros_like(self._int, device="cpu")
         if device.type == "cuda":  # pinned, so the copies to the device are asynchronous
             self._long_host, self._int_host = self._long_host.pin_memory(), self._int_host.pin_memory()
-        parts = self._long.split(rows)
-        self.input_ids, self.positions, self.slot_mapping = parts[0], parts[1], parts[2]
-        self.state_slots, self.live = parts[3], parts[4]
-        self.seq_lens = self._int[:rows]
-        self.block_table = self._int[rows:].view(rows, max_blocks)
-        self.query_start = torch.arange(rows + 1, dtype=torch.int32, device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
-        self._fill([])
+        (
+            self.input_ids,
+            self.positions,
+            self.slot_mapping,
+            self.live,
+            self.state_slots,
+            self.save_slots,
+            self.sample_rows,
+        ) = self._long.split(self._long_sizes)
+        self.query_start, self.seq_lens, self.save_at, table = self._int.split(self._int_sizes)
+        self.block_table = table.view(seqs, self.width)
+        # numpy views of the pinned host buffers, made once: a window fills them without torch calls
+        self._long_views = np.split(self._long_host.numpy(), np.cumsum(self._long_sizes)[:-1])
+        self._int_views = np.split(self._int_host.numpy(), np.cumsum(self._int_sizes)[:-1])
+        self.graphs: dict[Bucket, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[Bucket, torch.Tensor] = {}
+        self._fill([], self.buckets[-1])
 
-    def _fill(self, rows: list[DecodeRow]) -> None:
-        """Write `rows` into the static inputs, padding the rest onto the scratch block and slot.
+    def bucket(self, chunks: Sequence[Chunk]) -> Bucket | None:
+        """The smallest bucket that holds the window's chunks, or None when it must run eagerly."""
+        if not chunks or len(chunks) > self.slots:
+            return None
+        rows = sum(len(c.tokens) for c in chunks)
+        if all(c.decode for c in chunks):
+            return next((b for b in self.buckets if b.decode and b.tokens >= rows), None)
+        longest = max(len(c.tokens) for c in chunks)
+        return next(
+            (b for b in self.buckets if not b.decode and b.tokens >= rows and b.longest >= longest), None
+        )
+
+    def _fill(self, chunks: Sequence[Chunk], bucket: Bucket) -> None:
+        """Write the chunks into the static inputs of `bucket`, padding onto the scratch block and slot.
 
         Filled through numpy views of the pinned host buffers (no per-row torch calls), then copied over.
         """
-        n, size = len(rows), self.state.block_size
-        scratch = self.state.scratch_block
-        long_host = self._long_host.numpy().reshape(5, self.max_rows)
-        int_host = self._int_host.numpy()
-        seq_lens = int_host[: self.max_rows]
-        table = int_host[self.max_rows :].reshape(self.max_rows, self.max_blocks)
-        long_host[:, n:] = np.array([0, 0, scratch * size, self.state.scratch_slot, 0])[:, None]
-        seq_lens[n:] = 1
-        table[n:, 0] = scratch
-        if n:
-            positions = np.fromiter((r.position for r in rows), np.int64, n)
-            current = np.fromiter((r.blocks[r.position // size] for r in rows), np.int64, n)
-            long_host[0, :n] = np.fromiter((r.token for r in rows), np.int64, n)
-            long_host[1, :n] = positions
-            long_host[2, :n] = current * size + positions % size
-            long_host[3, :n] = np.fromiter((r.slot for r in rows), np.int64, n)
-            long_host[4, :n] = 1
-            seq_lens[:n] = positions + 1
-            for i, row in enumerate(rows):
-                used = row.position // size + 1
-                table[i, :used] = row.blocks[:used]
+        size, scratch = self.state.block_size, self.state.scratch_block
+        n = len(chunks)
+        lengths = np.zeros(bucket.seqs, np.int64)
+        pasts = np.zeros(bucket.seqs, np.int64)
+        lengths[:n] = np.fromiter((len(c.tokens) for c in chunks), np.int64, n)
+        pasts[:n] = np.fromiter((c.past for c in chunks), np.int64, n)
+        real = int(lengths[:n].sum())
+        if bucket.decode:
+            lengths[n:] = 1
+        elif n < bucket.seqs:
+            lengths[n] = bucket.tokens - real  # one padding sequence (the rest stay empty)
+        ids, positions, mapping, live, state_slots, save_slots, sample_rows = self._long_views
+        query_start, seq_lens, save_at, table = self._int_views
+        table = table.reshape(self.max_seqs, self.width)
+        starts = np.zeros(bucket.seqs + 1, np.int64)
+        np.cumsum(lengths, out=starts[1:])
+        query_start[: bucket.seqs + 1] = starts
+        seq_lens[: bucket.seqs] = pasts + lengths
+        seq = np.repeat(np.arange(bucket.seqs), lengths)  # [tokens]: each row's sequence
+        rows = np.arange(bucket.tokens)
+        positions[: bucket.tokens] = pasts[seq] + rows - starts[seq]
+        used = -(-(pasts + lengths) // size)
+        table[: bucket.seqs, 0] = scratch
+        for i, chunk in enumerate(chunks):
+            table[i, : used[i]] = chunk.request.blocks[: used[i]]
+        for i in range(n, bucket.seqs):
+            table[i, : used[i]] = scratch
+        row_positions = positions[: bucket.tokens]
+        mapping[: bucket.tokens] = table[seq, row_positions // size] * size + row_positions % size
+        ids[: bucket.tokens] = 0
+        if real:
+            ids[:real] = np.fromiter((t for c in chunks for t in c.tokens), np.int64, real)
+        live[: bucket.tokens] = rows < real
+        state_slots[: bucket.seqs] = self.state.scratch_slot
+        state_slots[:n] = np.fromiter((c.slot for c in chunks), np.int64, n)
+        save_at[: bucket.seqs] = 0
+        save_slots[: bucket.seqs] = -1
+        for i, chunk in enumerate(chunks):
+            if chunk.save is not None:
+                save_at[i], save_slots[i] = chunk.save
+        sample_rows[: bucket.seqs] = np.maximum(starts[1:] - 1, 0)
         self._long.copy_(self._long_host, non_blocking=True)
-        self.seq_lens.copy_(self._int_host[: self.max_rows], non_blocking=True)
+        self._int[: -self._int_sizes[-1]].copy_(self._int_host[: -self._int_sizes[-1]], non_blocking=True)
         # Rows read only the columns their length covers: copy no more than the widest row needs.
-        width = max((r.position // size + 1 for r in rows), default=1)
-        host_table = self._int_host[self.max_rows :].view(self.max_rows, self.max_blocks)
-        self.block_table[:, :width].copy_(host_table[:, :width], non_blocking=True)
+        width = int(used.max(initial=1))
+        host_table = self._int_host[-self._int_sizes[-1] :].view(self.max_seqs, self.width)
+        self.block_table[: bucket.seqs, :width].copy_(host_table[: bucket.seqs, :width], non_blocking=True)
 
-    def _batch(self, rows: int) -> ForwardBatch:
-        """A forward batch over the first `rows` static rows."""
+    def _batch(self, bucket: Bucket) -> ForwardBatch:
+        """A forward batch over the static inputs of `bucket`."""
+        tokens, seqs = bucket.tokens, bucket.seqs
         layout = PagedLayout(
-            query_start=self.query_start[: rows + 1],
-            seq_lens=self.seq_lens[:rows],
-            block_table=self.block_table[:rows],
-            slot_mapping=self.slot_mapping[:rows],
-            state_slots=self.state_slots[:rows],
-            max_query_len=1,
-            live_rows=self.live[:rows],
+            query_start=self.query_start[: seqs + 1],
+            seq_lens=self.seq_lens[:seqs],
+            block_table=self.block_table[:seqs],
+            slot_mapping=self.slot_mapping[:tokens],
+            state_slots=self.state_slots[:seqs],
+            max_query_len=bucket.longest,
+            live_rows=self.live[:tokens],
+            save_at=None if bucket.decode else self.save_at[:seqs],
+            save_slots=None if bucket.decode else self.save_slots[:seqs],
         )
-        spans = [SequenceSpan(seq=self.state.scratch_slot, start=i, length=1, past=0) for i in range(rows)]
-        return ForwardBatch(self.input_ids[:rows], self.positions[:rows], spans, self.state, layout)
+        spans = [SequenceSpan(seq=self.state.scratch_slot, start=0, length=0, past=0)] * seqs
+        return ForwardBatch(self.input_ids[:tokens], self.positions[:tokens], spans, self.state, layout)
 
-    def _forward(self, rows: int) -> torch.Tensor:
-        return self.model.logits(self.model(self._batch(rows)))
+    def forward(self, bucket: Bucket) -> torch.Tensor:
+        """The bucket's forward over the static inputs: logits [seqs, vocab] of each sequence's last row."""
+        hidden = self.model(self._batch(bucket))
+        if not bucket.decode:
+            hidden = hidden[self.sample_rows[: bucket.seqs]]
+        return self.model.logits(hidden)
 
     @torch.inference_mode()
     def capture(self) -> None:
         """Warm up and capture every bucket, largest first (so smaller ones reuse its memory)."""
         pool = None
-        for rows in reversed(self.buckets):
+        for bucket in sorted(self.buckets, key=lambda b: (b.tokens, b.longest), reverse=True):
+            self._fill([], bucket)
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 for _ in range(2):
-                    self._forward(rows)
+                    self.forward(bucket)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.logits[rows] = self._forward(rows)
+                self.logits[bucket] = self.forward(bucket)
             pool = graph.pool()
-            self.graphs[rows] = graph
+            self.graphs[bucket] = graph
         torch.cuda.synchronize()
-        log.info("captured decode graphs for %s rows", ", ".join(map(str, self.buckets)))
+        decode = [b.tokens for b in self.buckets if b.decode]
+        mixed = sorted({b.tokens for b in self.buckets if not b.decode})
+        log.info("captured window graphs: decode %s rows; mixed %s rows", decode, mixed)
 
-    def fits(self, rows: int) -> bool:
-        """Whether a decode window of `rows` rows can be replayed."""
-        return 0 < rows <= self.max_rows
+    def run(self, chunks: Sequence[Chunk], bucket: Bucket) -> torch.Tensor:
+        """Replay `bucket` for the chunks; returns logits [chunks, vocab] (fp32) of their last rows.
 
-    def run(self, rows: list[DecodeRow]) -> torch.Tensor:
-        """Replay the smallest bucket holding `rows`; returns their logits [rows, vocab] (fp32)."""
-        bucket = next(b for b in self.buckets if b >= len(rows))
-        self._fill(rows)
-        self.graphs[bucket].replay()
-        return self.logits[bucket][: len(rows)]
+        Without a captured graph (CPU tests) the same forward runs eagerly over the same static inputs.
+        """
+        self._fill(chunks, bucket)
+        graph = self.graphs.get(bucket)
+        if graph is None:
+            return self.forward(bucket)[: len(chunks)]
+        graph.replay()
+        return self.logits[bucket][: len(chunks)]

@@ -265,34 +265,41 @@ class ConversationPark:
         self._writes.put((path, parked, blocks))
         self._fit_disk()
 
-    def _encode(self, parked: Parked, blocks: list[torch.Tensor]) -> bytes:
-        """A parked conversation as one file: magic, header length, JSON header, then the tensors' bytes."""
-        tensors = {
-            "blocks": torch.stack(blocks) if blocks else self.state.keys.new_empty((0,), device="cpu"),
-            "tail": parked.tail,
-        }
-        if parked.conv is not None and parked.recurrent is not None:
-            tensors["conv"], tensors["recurrent"] = parked.conv, parked.recurrent
-        payload, entries = bytearray(), []
-        for name, tensor in tensors.items():
-            data = tensor.contiguous().view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
-            entry = {
-                "name": name,
-                "shape": list(tensor.shape),
-                "dtype": str(tensor.dtype),
-                "offset": len(payload),
-            }
-            entries.append(entry)
-            payload += data
+    def _write_file(self, path: Path, parked: Parked, blocks: list[torch.Tensor]) -> None:
+        """A parked conversation as one file: magic, header length, JSON header, then the tensors' bytes.
+
+        The bytes go from the host tensors to the checksum and the file without being copied or joined:
+        hashing and writing large buffers release the GIL, so the engine's loop runs on beside this thread.
+        """
+        parts: list[tuple[str, list[int], torch.dtype, list[torch.Tensor]]] = [
+            ("blocks", [len(blocks), *blocks[0].shape] if blocks else [0], self.state.keys.dtype, blocks)
+        ]
+        own = {"tail": parked.tail, "conv": parked.conv, "recurrent": parked.recurrent}
+        if parked.conv is None or parked.recurrent is None:
+            own = {"tail": parked.tail}
+        parts += [(name, list(t.shape), t.dtype, [t]) for name, t in own.items() if t is not None]
+        digest, entries, offset = hashlib.blake2b(digest_size=32), [], 0
+        views = []
+        for name, shape, dtype, tensors in parts:
+            entries.append({"name": name, "shape": shape, "dtype": str(dtype), "offset": offset})
+            for tensor in tensors:
+                if tensor.numel():
+                    view = memoryview(tensor.contiguous().view(torch.uint8).numpy())
+                    digest.update(view)
+                    views.append(view)
+                    offset += view.nbytes
         header = {
             "model": self.identity,
             "block_size": self.state.block_size,
             "tokens": parked.tokens,
             "tensors": entries,
-            "checksum": hashlib.blake2b(payload, digest_size=32).hexdigest(),
+            "checksum": digest.hexdigest(),
         }
         body = json.dumps(header).encode()
-        return MAGIC + len(body).to_bytes(8, "little") + body + bytes(payload)
+        with path.open("wb") as f:
+            f.write(MAGIC + len(body).to_bytes(8, "little") + body)
+            for view in views:
+                f.write(view)
 
     def _write_files(self) -> None:
         """The writer thread: each file goes to a temporary name first, so a crash leaves no partial file."""
@@ -300,7 +307,7 @@ class ConversationPark:
             path, parked, blocks = self._writes.get()
             try:
                 partial = path.with_suffix(".partial")
-                partial.write_bytes(self._encode(parked, blocks))
+                self._write_file(partial, parked, blocks)
                 partial.replace(path)
             except OSError as e:
                 log.warning("could not write parked conversation %s: %s", path.name, e)

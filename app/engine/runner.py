@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from app.engine.cuda_graphs import DecodeGraphs, DecodeRow
+from app.engine.cuda_graphs import WindowGraphs
 from app.engine.paged_state import PagedState
 from app.engine.parking import ConversationPark, Parked
 from app.engine.protocol import PositionLogprobs
@@ -29,8 +29,8 @@ class Sampled:
 class ModelRunner:
     """Flattens a window into one varlen batch (prompt chunks and decode rows together), runs it, samples.
 
-    With whole-batch kernels the batch carries a `PagedLayout`; with `graphs`, decode windows replay a
-    captured CUDA graph instead of running eagerly.
+    With whole-batch kernels the batch carries a `PagedLayout`; with `graphs`, a window that fits one of
+    their buckets replays a captured CUDA graph instead of running eagerly.
     """
 
     def __init__(
@@ -38,7 +38,7 @@ class ModelRunner:
         model: CausalLM,
         state: PagedState,
         sampler: Sampler,
-        graphs: DecodeGraphs | None = None,
+        graphs: WindowGraphs | None = None,
         park: ConversationPark | None = None,
     ) -> None:
         self.model = model
@@ -75,10 +75,17 @@ class ModelRunner:
         """Run the window's forward pass; return one sampled token per chunk that ends at its newest token."""
         self._copy_state(window)
         chunks, graphs = window.chunks, self.graphs
-        self.last_replayed = graphs is not None and graphs.fits(len(chunks)) and all(c.decode for c in chunks)
-        if graphs is not None and self.last_replayed:
-            sampling = chunks
-            logits = graphs.run([DecodeRow(c.tokens[0], c.past, c.slot, c.request.blocks) for c in chunks])
+        for chunk in chunks:
+            if chunk.fresh:
+                self.state.reset_slot(chunk.slot)
+        bucket = graphs.bucket(chunks) if graphs is not None else None
+        self.last_replayed = bucket is not None
+        if graphs is not None and bucket is not None:
+            sampling = [c for c in chunks if c.samples]
+            logits = graphs.run(chunks, bucket)
+            if sampling and len(sampling) < len(chunks):
+                rows = [i for i, c in enumerate(chunks) if c.samples]
+                logits = logits[torch.tensor(rows, device=self.device)]
         else:
             sampling, logits = self._eager(chunks)
         if not sampling:
@@ -116,11 +123,9 @@ class ModelRunner:
     def _eager(self, chunks: list[Chunk]) -> tuple[list[Chunk], torch.Tensor]:
         """One forward over the flat batch; the chunks that sample and their logits.
 
-        Replayed decode windows read their rows' block tables themselves; eager ones go through the state's.
+        Replayed windows read their rows' block tables themselves; eager ones go through the state's.
         """
         for chunk in chunks:
-            if chunk.fresh:
-                self.state.reset_slot(chunk.slot)
             self.state.set_block_table(chunk.slot, chunk.request.blocks)
         batch = ForwardBatch.build(
             [(c.slot, c.tokens, c.past) for c in chunks],

@@ -349,7 +349,8 @@ class Scheduler:
     def advance(self, window: Window, seconds: float, replayed: bool = False) -> None:
         """Account for a window that ran: its chunks are now in the state.
 
-        `replayed` says the window replayed a CUDA graph: its time then says nothing about eager windows.
+        `replayed` says the window replayed a CUDA graph: a decode-only one then says nothing about windows
+        with prompt rows, which the window-cost fit describes.
         """
         align = self.config.prompt_align
         for chunk in window.chunks:
@@ -363,7 +364,7 @@ class Scheduler:
                     self._save_state(request)
         rows = sum(len(c.tokens) for c in window.chunks)
         decode = window.decode_tokens
-        if not replayed:
+        if not replayed or rows > decode:
             self.cost.observe(rows, len(window.chunks), seconds)
         if decode and rows == decode:
             self.decode_cost.observe(decode, seconds)

@@ -198,15 +198,23 @@ class GatedDeltaNet(nn.Module):
         )
 
     def _save_conv(self, mixed: torch.Tensor, kernel: int, batch: ForwardBatch) -> None:
-        """The conv state at each span's `save_at` (its last kernel-1 inputs) into the span's save slot."""
-        if batch.layout is None or batch.layout.save_slots is None:
+        """The conv state at each span's `save_at` (its last kernel-1 inputs) into the span's save slot.
+
+        Device tensors only (no loop over spans), so that it runs inside a captured window too: every
+        sequence gathers its kernel-1 inputs before `save_at`, and only those with a save slot keep them.
+        """
+        layout = batch.layout
+        if layout is None or layout.save_slots is None or layout.save_at is None:
             return
-        for span in batch.spans:
-            if span.save_slot is None:
-                continue
-            end = span.start + span.save_at - span.past
-            conv, _ = cast(PagedStatePools, batch.state).linear_pools(self.layer)
-            conv[span.save_slot] = mixed[end - (kernel - 1) : end].t()
+        conv, _ = cast(PagedStatePools, batch.state).linear_pools(self.layer)
+        starts = layout.query_start[:-1].long()
+        past = layout.seq_lens.long() - (layout.query_start[1:].long() - starts)
+        end = starts + layout.save_at.long() - past  # [seqs]: the row after the last input kept
+        taps = torch.arange(1 - kernel, 0, device=mixed.device)
+        rows = (end[:, None] + taps).clamp(0, max(mixed.shape[0] - 1, 0))  # [seqs, kernel-1]
+        slots = layout.save_slots.clamp(min=0)
+        saving = (layout.save_at > 0)[:, None, None]
+        conv[slots] = torch.where(saving, mixed[rows].transpose(1, 2).to(conv.dtype), conv[slots])
 
     def _per_sequence(
         self,

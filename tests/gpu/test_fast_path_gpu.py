@@ -1,4 +1,4 @@
-"""The engine on the GPU with the Triton kernels and decode graphs: batch = solo, graphs = eager = torch."""
+"""The engine on the GPU with the Triton kernels and window graphs: batch = solo, graphs = eager = torch."""
 
 from __future__ import annotations
 
@@ -75,6 +75,40 @@ def test_prompts_cut_into_other_pieces_beside_others_give_bit_identical_logprobs
         assert together[add.request_id].token_ids == alone.token_ids
         got = [p.chosen.logprob for p in together[add.request_id].logprobs]
         assert got == [p.chosen.logprob for p in alone.logprobs]
+
+
+def test_windows_replayed_from_graphs_equal_eager_windows_bit_for_bit(checkpoint: Path) -> None:
+    """With --exact, prompt pieces beside decode rows padded into captured buckets give the logprobs of the
+    same windows run eagerly, bit for bit."""
+    settings = {
+        "device": "cuda",
+        "dtype": "bfloat16",
+        "parallel": 4,
+        "max_batched_tokens": 200,
+        "exact": True,
+        "decode_share": 0.01,
+    }
+    params = {"max_tokens": 12, "temperature": 0, "ignore_eos": True, "logprobs": 1}
+    arrivals = [(at, request(_prompt(n, 60 + at), **params)) for at, n in [(0, 300), (1, 90), (3, 170)]]
+    graphed = make_core(checkpoint, **settings)
+    assert graphed.runner.graphs is not None
+    replayed: list[bool] = []
+    step = graphed.step
+
+    def step_and_record():  # type: ignore[no-untyped-def]
+        outputs, stats = step()
+        if stats.prompt_tokens:
+            replayed.append(graphed.runner.last_replayed)
+        return outputs, stats
+
+    graphed.step = step_and_record  # type: ignore[method-assign]
+    together, _ = run(graphed, arrivals)
+    eager, _ = run(make_core(checkpoint, enforce_eager=True, **settings), arrivals)
+    assert replayed and all(replayed)
+    for _, add in arrivals:
+        assert together[add.request_id].token_ids == eager[add.request_id].token_ids
+        got = [p.chosen.logprob for p in together[add.request_id].logprobs]
+        assert got == [p.chosen.logprob for p in eager[add.request_id].logprobs]
 
 
 def test_triton_and_graphs_give_the_tokens_of_the_torch_reference(checkpoint: Path) -> None:

@@ -1,0 +1,263 @@
+"""What users feel over HTTP: `strata serve` on a checkpoint on disk, driven by streaming clients.
+
+    python benchmarks/http_burst.py --model /tmp/q30-half [--clients 32 --prompt-len 512 --output-len 128]
+        [--serve-arg=--max-batched-tokens=2048 ...] [--out results.jsonl]
+
+Starts `strata serve` on the model (its own engine process, as a user would), then runs, one after another:
+
+- solo: one stream (a 128-token prompt, `--output-len` tokens); decode tok/s after its first token;
+- burst: `--clients` streams arriving together with `--prompt-len`-token prompts: time to first token
+  p50 / max, inter-token latency p50 / p95 over every stream's gaps, the whole burst's time;
+- observer: one stream decoding alone, then `--clients - 1` peers' prompts arrive together; its tok/s from
+  their arrival until the last peer's first token, over its solo tok/s just before;
+- long peers (with `--long-peers N`): the same with N peers of `--long-prompt-len` tokens.
+
+Every prompt is fresh random token ids, and the run fails if the server's prefix cache served any prompt token
+(a cached prompt would time a read that never happened), or if the solo decode beats the card's roofline.
+Ends with one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.roofline import measure_copy_bandwidth, roofline_tok_s
+
+SOLO_PROMPT = 128
+OBSERVER_TOKENS = 8000  # the watched stream's length: it is cancelled once its peers have been read
+
+
+@dataclass
+class Stream:
+    """One streamed completion: when it was sent and when each token event arrived."""
+
+    sent: float = 0.0
+    events: list[float] = field(default_factory=list)
+    tokens: int = 0
+
+    @property
+    def ttft(self) -> float:
+        return self.events[0] - self.sent
+
+    def gaps(self) -> list[float]:
+        return [b - a for a, b in zip(self.events, self.events[1:], strict=False)]
+
+
+class Client:
+    """Streams completions from the server with fresh random prompts."""
+
+    def __init__(self, base: str, vocab: int, seed: int) -> None:
+        self.base = base
+        self.vocab = vocab
+        self.rng = random.Random(seed)
+        self.http = httpx.AsyncClient(base_url=base, timeout=600)
+
+    def prompt(self, length: int) -> list[int]:
+        return [self.rng.randrange(10, self.vocab) for _ in range(length)]
+
+    async def stream(self, prompt_len: int, output_len: int, out: Stream | None = None) -> Stream:
+        out = out or Stream()
+        body = {
+            "model": "bench",
+            "prompt": self.prompt(prompt_len),
+            "max_tokens": output_len,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        out.sent = time.perf_counter()
+        async with self.http.stream("POST", "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                raise RuntimeError(f"HTTP {response.status_code}: {await response.aread()!r}")
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if event.get("choices") and event["choices"][0].get("text"):
+                    out.events.append(time.perf_counter())
+                if event.get("usage"):
+                    out.tokens = event["usage"]["completion_tokens"]
+        if out.tokens != output_len or not out.events:
+            raise RuntimeError(f"a stream produced {out.tokens} tokens, not {output_len}")
+        return out
+
+    async def cache_hits(self) -> int:
+        metrics = (await self.http.get("/metrics", headers={"Accept": "application/json"})).json()
+        return int(metrics["prefix_cache_hits_total"])
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def rate(stream: Stream, start: float, end: float) -> float:
+    """Tokens per second of `stream` between two instants."""
+    return sum(start <= t <= end for t in stream.events) / (end - start)
+
+
+async def solo(client: Client, output_len: int) -> dict[str, float]:
+    stream = await client.stream(SOLO_PROMPT, output_len)
+    decode = (len(stream.events) - 1) / (stream.events[-1] - stream.events[0])
+    return {"solo_ttft_s": stream.ttft, "solo_decode_tok_s": decode}
+
+
+async def burst(client: Client, clients: int, prompt_len: int, output_len: int) -> dict[str, float]:
+    began = time.perf_counter()
+    streams = await asyncio.gather(*(client.stream(prompt_len, output_len) for _ in range(clients)))
+    wall = time.perf_counter() - began
+    ttfts = [s.ttft for s in streams]
+    gaps = [g for s in streams for g in s.gaps()]
+    return {
+        "burst_s": wall,
+        "burst_ttft_p50_s": statistics.median(ttfts),
+        "burst_ttft_max_s": max(ttfts),
+        "burst_itl_p50_ms": 1000 * statistics.median(gaps),
+        "burst_itl_p95_ms": 1000 * percentile(gaps, 0.95),
+        "burst_tok_s": clients * output_len / wall,
+    }
+
+
+async def observer(client: Client, peers: int, prompt_len: int, name: str, length: int) -> dict[str, float]:
+    """A stream of `length` tokens decoding alone, then `peers` prompts arriving together: its speed while
+    they are read."""
+    watched = Stream()
+    task = asyncio.create_task(client.stream(SOLO_PROMPT, length, watched))
+    while len(watched.events) < 200:
+        if task.done():
+            task.result()  # raises what ended it
+            raise RuntimeError("the watched stream ended before its peers arrived")
+        await asyncio.sleep(0.005)
+    solo_start = watched.events[-150]
+    arrival = time.perf_counter()
+    solo_rate = rate(watched, solo_start, arrival)
+    streams = await asyncio.gather(*(client.stream(prompt_len, 4) for _ in range(peers)))
+    read = max(s.events[0] for s in streams)
+    during = rate(watched, arrival, read)
+    if task.done():
+        raise RuntimeError("the watched stream ended before its peers were read")
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    ttfts = sorted(s.ttft for s in streams)
+    return {
+        f"{name}_solo_tok_s": solo_rate,
+        f"{name}_during_tok_s": during,
+        f"{name}_ratio": during / solo_rate,
+        f"{name}_read_s": read - arrival,
+        f"{name}_peer_ttft_p50_s": statistics.median(ttfts),
+        f"{name}_peer_ttft_max_s": ttfts[-1],
+    }
+
+
+def start_server(model: Path, port: int, extra: list[str], log: Path) -> subprocess.Popen:
+    command = [sys.executable, "-m", "app.cli", "serve", "--model", str(model), "--port", str(port), *extra]
+    command += ["--served-model-name", "bench"]
+    print("$", " ".join(command), flush=True)
+    root = Path(__file__).resolve().parents[1]
+    return subprocess.Popen(command, cwd=root, stdout=log.open("w"), stderr=subprocess.STDOUT)
+
+
+async def wait_ready(base: str, server: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    async with httpx.AsyncClient(base_url=base, timeout=5) as http:
+        while time.monotonic() < deadline:
+            if server.poll() is not None:
+                raise RuntimeError(f"the server exited with status {server.returncode}")
+            try:
+                if (await http.get("/health")).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            await asyncio.sleep(1)
+    raise RuntimeError("the server did not become ready in time")
+
+
+async def run(args: argparse.Namespace, config: dict[str, Any]) -> dict[str, Any]:
+    base = f"http://127.0.0.1:{args.port}"
+    client = Client(base, config["vocab_size"], args.seed)
+    result: dict[str, Any] = {}
+    await client.stream(SOLO_PROMPT, 8)  # the first request pays for nothing that users would not see again
+    hits = await client.cache_hits()
+    result.update(await solo(client, args.output_len * 2))
+    result.update(await burst(client, args.clients, args.prompt_len, args.output_len))
+    length = min(OBSERVER_TOKENS, config["max_position_embeddings"] - SOLO_PROMPT)
+    result.update(await observer(client, args.clients - 1, args.prompt_len, "observer", length))
+    if args.long_peers:
+        result.update(await observer(client, args.long_peers, args.long_prompt_len, "long_peers", length))
+    if await client.cache_hits() != hits:
+        raise RuntimeError("the prefix cache served prompt tokens during the timed runs: figures are void")
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", type=Path, required=True, help="an HF directory on disk")
+    parser.add_argument("--clients", type=int, default=32)
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--long-peers", type=int, default=0, help="peers of the long-prompt observer run")
+    parser.add_argument("--long-prompt-len", type=int, default=8192)
+    parser.add_argument("--port", type=int, default=8123)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--serve-arg", action="append", default=[], help="passed to strata serve")
+    parser.add_argument("--ready-timeout", type=float, default=600)
+    parser.add_argument("--out", help="also append the JSON line to this file")
+    args = parser.parse_args()
+    config = json.loads((args.model / "config.json").read_text())
+    bandwidth = measure_copy_bandwidth("cuda") if _has_cuda() else None
+    log = Path(os.environ.get("OUT", "/tmp")) / "http_burst_server.log"
+    began = time.perf_counter()
+    server = start_server(args.model, args.port, args.serve_arg, log)
+    try:
+        asyncio.run(wait_ready(f"http://127.0.0.1:{args.port}", server, args.ready_timeout))
+        line: dict[str, Any] = {
+            "model": str(args.model),
+            "layers": config["num_hidden_layers"],
+            "date": time.strftime("%Y-%m-%d"),
+            "serve_args": args.serve_arg,
+            "clients": args.clients,
+            "prompt_len": args.prompt_len,
+            "output_len": args.output_len,
+            "ready_s": time.perf_counter() - began,
+        }
+        line.update(asyncio.run(run(args, config)))
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    if bandwidth is not None:
+        line["roofline_bs1_tok_s"] = roofline_tok_s(config, 1, SOLO_PROMPT + args.output_len, bandwidth)
+        if line["solo_decode_tok_s"] > line["roofline_bs1_tok_s"]:
+            raise SystemExit(f"solo decode above the card's roofline: {line}")
+    text = json.dumps(line)
+    print(text, flush=True)
+    if args.out:
+        with open(args.out, "a") as out:
+            out.write(text + "\n")
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+if __name__ == "__main__":
+    main()

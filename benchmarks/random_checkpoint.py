@@ -1,0 +1,101 @@
+"""Full-size random-weight HF directories on disk, for benchmarks that start `strata serve` like a user would.
+
+    python benchmarks/random_checkpoint.py --shape q30-half /tmp/q30-half [--layers N]
+
+Writes config.json, a word-level tokenizer covering the vocabulary, and one safetensors shard per decoder
+layer (plus one for the rest) with `model.safetensors.index.json`, under HF's tensor names (one tensor per
+expert). Weights are drawn on the GPU when there is one: N(0, 0.02) for matrices, the ranges trained models
+have for the Gated DeltaNet decays, and norms as initialised (1, or 0 for Qwen3-Next's (1 + w) norms).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from app.loading.loader import tensor_sources
+from app.models.config import ModelConfig
+from app.models.qwen3 import CausalLM
+from benchmarks.shapes import shape
+
+
+def write_config_and_tokenizer(path: Path, config: dict[str, Any]) -> None:
+    """config.json and a word-level tokenizer ("t0" .. "tN") covering the vocabulary."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models, pre_tokenizers
+
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    vocab = {f"t{i}": i for i in range(config["vocab_size"])}
+    tokenizer = HFTokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+
+
+def _random(name: str, shape_: torch.Size, offset_norm: bool, generator: torch.Generator) -> torch.Tensor:
+    device = generator.device
+    if name.endswith("A_log"):
+        return torch.empty(shape_, device=device).uniform_(1, 16, generator=generator).log()
+    if name.endswith("dt_bias"):
+        return torch.ones(shape_, device=device)
+    if len(shape_) == 1 and "norm" in name:
+        return torch.zeros(shape_, device=device) if offset_norm else torch.ones(shape_, device=device)
+    return torch.empty(shape_, device=device).normal_(0.0, 0.02, generator=generator)
+
+
+def write_random_checkpoint(path: Path, config: dict[str, Any], seed: int = 0) -> int:
+    """Write the directory; returns the bytes of weights written."""
+    from safetensors.torch import save_file
+
+    write_config_and_tokenizer(path, config)
+    model_config = ModelConfig.from_dict(config)
+    with torch.device("meta"):
+        model = CausalLM(model_config, mtp_layers=int(config.get("num_nextn_predict_layers", 0)))
+    params = dict(model.named_parameters())
+    shards: dict[str, list[str]] = defaultdict(list)
+    for name in tensor_sources(model):
+        parts = name.split(".")
+        shards[f"layer-{int(parts[2]):03d}" if name.startswith("model.layers.") else "rest"].append(name)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    generator = torch.Generator(device=device).manual_seed(seed)
+    sources = tensor_sources(model)
+    weight_map, written = {}, 0
+    for shard, names in sorted(shards.items()):
+        tensors = {}
+        for name in names:
+            source = sources[name]
+            shape_ = params[source.param][source.index].shape
+            value = _random(name, shape_, model_config.offset_norm, generator)
+            tensors[name] = value.to(torch.bfloat16).cpu()
+            written += tensors[name].numel() * 2
+        file = f"{shard}.safetensors"
+        save_file(tensors, str(path / file))
+        weight_map.update(dict.fromkeys(names, file))
+    index = {"metadata": {"total_size": written}, "weight_map": weight_map}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    return written
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("path", type=Path)
+    parser.add_argument("--shape", default="q30-half", help="q30, q30-half or qnext")
+    parser.add_argument("--layers", type=int, help="cut the shape to this many layers")
+    args = parser.parse_args()
+    began = time.perf_counter()
+    written = write_random_checkpoint(args.path, shape(args.shape, layers=args.layers))
+    print(f"wrote {written / 1e9:.1f} GB to {args.path} in {time.perf_counter() - began:.0f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
