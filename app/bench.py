@@ -120,7 +120,18 @@ def _summary(
         "decode_solo_tok_s": _round(solo),
         "decode_during_peer_reads_tok_s": _round(during_reads),
         "windows": len(windows),
+        **_host_times(windows),
     }
+
+
+def _host_times(windows: list[WindowStats]) -> dict[str, float | None]:
+    """Median step and host-busy milliseconds of windows with prompt rows and of decode-only windows."""
+    times: dict[str, float | None] = {}
+    for kind, reads in (("prompt", True), ("decode", False)):
+        chosen = [w for w in windows if bool(w.prompt_tokens) == reads]
+        times[f"step_ms_p50_{kind}_windows"] = _round(percentile([1000 * w.step_s for w in chosen], 0.5))
+        times[f"host_ms_p50_{kind}_windows"] = _round(percentile([1000 * w.host_s for w in chosen], 0.5))
+    return times
 
 
 def _observer_rates(windows: list[WindowStats]) -> tuple[float | None, float | None]:

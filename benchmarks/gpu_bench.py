@@ -89,13 +89,16 @@ def _decode(core: EngineCore, batch: int, vocab: int) -> dict[str, float]:
         core.add_request(AddRequest(f"d{batch}-{i}", prompt, params))
     windows = []
     while core.has_work():
+        began = time.perf_counter()
         _, stats = core.step()
+        step_s = time.perf_counter() - began
         if stats.prompt_tokens == 0 and stats.decode_tokens == batch:
             windows.append(stats.duration_s)
     steady = windows[1:]  # the first decode window may still carry one-off work
     return {
         "tok_s": batch * len(steady) / sum(steady),
         "itl_ms_median": 1000 * statistics.median(steady),
+        "finish_step_ms": 1000 * step_s,  # the whole step in which every request ends (and is parked)
     }
 
 
@@ -247,6 +250,7 @@ def bench_shape(name: str, skip_hf: bool, exact: bool, eager: bool) -> dict[str,
     for batch in DECODE_BATCHES:
         line[f"decode_bs{batch}_tok_s"] = ours[f"decode_bs{batch}"]["tok_s"]
         line[f"itl_bs{batch}_ms"] = ours[f"decode_bs{batch}"]["itl_ms_median"]
+        line[f"finish_step_bs{batch}_ms"] = ours[f"decode_bs{batch}"]["finish_step_ms"]
     line["prefill_8k_tok_s"] = ours["prefill_8k"]["tok_s"]
     for case in ("peers_512", "peers_8k"):
         line.update({f"{case}_{key}": value for key, value in ours[case].items()})

@@ -98,6 +98,21 @@ class Client:
             raise RuntimeError(f"a stream produced {out.tokens} tokens, not {output_len}")
         return out
 
+    async def window_totals(self) -> tuple[float, float, float]:
+        """Engine steps so far, their seconds and the host's busy seconds in them (from /metrics)."""
+        text = (await self.http.get("/metrics", headers={"Accept": "text/plain"})).text
+        totals = dict.fromkeys(("step_count", "step_sum", "host_sum"), 0.0)
+        for line in text.splitlines():
+            name, _, value = line.partition("{")[0], None, line.rsplit(" ", 1)[-1]
+            for key, metric in (
+                ("step_count", "strata:window_step_seconds_count"),
+                ("step_sum", "strata:window_step_seconds_sum"),
+                ("host_sum", "strata:window_host_seconds_sum"),
+            ):
+                if name == metric:
+                    totals[key] = float(value)
+        return totals["step_count"], totals["step_sum"], totals["host_sum"]
+
     async def cache_hits(self) -> int:
         metrics = (await self.http.get("/metrics", headers={"Accept": "application/json"})).json()
         return int(metrics["prefix_cache_hits_total"])
@@ -196,12 +211,22 @@ async def run(args: argparse.Namespace, config: dict[str, Any]) -> dict[str, Any
     result: dict[str, Any] = {}
     await client.stream(SOLO_PROMPT, 8)  # the first request pays for nothing that users would not see again
     hits = await client.cache_hits()
-    result.update(await solo(client, args.output_len * 2))
-    result.update(await burst(client, args.clients, args.prompt_len, args.output_len))
     length = min(OBSERVER_TOKENS, config["max_position_embeddings"] - SOLO_PROMPT)
-    result.update(await observer(client, args.clients - 1, args.prompt_len, "observer", length))
+    scenarios = {
+        "solo": lambda: solo(client, args.output_len * 2),
+        "burst": lambda: burst(client, args.clients, args.prompt_len, args.output_len),
+        "observer": lambda: observer(client, args.clients - 1, args.prompt_len, "observer", length),
+    }
     if args.long_peers:
-        result.update(await observer(client, args.long_peers, args.long_prompt_len, "long_peers", length))
+        scenarios["long_peers"] = lambda: observer(
+            client, args.long_peers, args.long_prompt_len, "long_peers", length
+        )
+    for name, scenario in scenarios.items():
+        before = await client.window_totals()
+        result.update(await scenario())
+        steps, step_s, host_s = (b - a for a, b in zip(before, await client.window_totals(), strict=True))
+        result[f"{name}_step_ms_mean"] = 1000 * step_s / steps if steps else None
+        result[f"{name}_host_ms_mean"] = 1000 * host_s / steps if steps else None
     if await client.cache_hits() != hits:
         raise RuntimeError("the prefix cache served prompt tokens during the timed runs: figures are void")
     return result

@@ -31,6 +31,7 @@ TTFT_BUCKETS = (
     *(0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75),
     *(1, 2.5, 5, 7.5, 10, 20, 40, 80, 160, 640, 2560),
 )
+WINDOW_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1, 0.25, 1)
 ITERATION_TOKEN_BUCKETS = (1, *(2**power for power in range(3, 15)))
 PARAMS_N_BUCKETS = (1, 2, 5, 10, 20)
 HTTP_DURATION_BUCKETS = (0.1, 0.5, 1)  # prometheus-fastapi-instrumentator's default for this metric
@@ -163,6 +164,16 @@ class ServerMetrics:
         self.inference_time = self._histogram(
             "vllm:request_inference_time_seconds", "Histogram of time spent in RUNNING phase.", LAT_BUCKETS
         )
+        self.window_step = self._histogram(
+            "strata:window_step_seconds",
+            "Histogram of engine steps: planning a window, running it and handing out its tokens.",
+            WINDOW_BUCKETS,
+        )
+        self.window_host = self._histogram(
+            "strata:window_host_seconds",
+            "Histogram of the host's busy time in each engine step (not waiting for the device).",
+            WINDOW_BUCKETS,
+        )
         self.http_requests = Counter(
             "http_requests_total",
             "Total number of requests by method, status and handler.",
@@ -197,6 +208,8 @@ class ServerMetrics:
         if stats.parking is not None:
             self.parking = stats.parking
         self.iteration_tokens.observe(stats.rows)
+        self.window_step.observe(stats.step_s)
+        self.window_host.observe(stats.host_s)
         end = stats.started + stats.duration_s
         self._recent.append((stats.started, end, _generated(stats)))
         while self._recent[0][1] < end - LIVE_SPAN_S:

@@ -109,6 +109,7 @@ class EngineCore:
                 prefix_cache=config.prefix_cache,
                 checkpoint_slots=state.checkpoint_slots,
                 recurrent=recurrent,
+                window_rows=graphs.mixed_rows if graphs is not None else (),
             )
         )
         self.park: ConversationPark | None = None
@@ -198,13 +199,17 @@ class EngineCore:
 
     def step(self) -> tuple[list[RequestOutput], WindowStats]:
         """Run one window and report what each request produced."""
+        began = time.perf_counter()
         window = self.scheduler.schedule()
         started, clock = time.time(), time.perf_counter()
         sampled = self.runner.execute(window) if window.chunks else []
         seconds = time.perf_counter() - clock
-        self.scheduler.advance(window, seconds, replayed=self.runner.last_replayed)
+        self.scheduler.advance(window)
         fed = {c.request.request_id: len(c.tokens) for c in window.chunks}
         outputs = [self._emit(s) for s in sampled]
+        # The decode share is kept in what slots feel: the whole step, its planning and emitting included.
+        step_s = time.perf_counter() - began
+        self.scheduler.observe(window, step_s, replayed=self.runner.last_replayed)
         self.windows += 1
         stats = WindowStats(
             window=self.windows,
@@ -223,6 +228,8 @@ class EngineCore:
             finished=sum(o.finished for o in outputs),
             preempted=window.preempted,
             experts=self._expert_usage(),
+            step_s=step_s,
+            host_s=step_s - (self.runner.last_wait_s if window.chunks else 0.0),
         )
         return outputs, stats
 

@@ -126,6 +126,11 @@ class WindowGraphs:
         self.logits: dict[Bucket, torch.Tensor] = {}
         self._fill([], self.buckets[-1])
 
+    @property
+    def mixed_rows(self) -> tuple[int, ...]:
+        """The row counts of the mixed buckets, ascending: what windows with prompt rows are padded to."""
+        return tuple(sorted({b.tokens for b in self.buckets if not b.decode}))
+
     def bucket(self, chunks: Sequence[Chunk]) -> Bucket | None:
         """The smallest bucket that holds the window's chunks, or None when it must run eagerly."""
         if not chunks or len(chunks) > self.slots:

@@ -1,7 +1,8 @@
 """Parked conversations: a finished turn's KV blocks and recurrent state in pinned host RAM and on disk.
 
 When a request ends, its state (the keys and values of every position it holds, and on hybrid models the
-Gated DeltaNet state of its slot) is copied to the host, so that a follow-up turn can continue from it even
+Gated DeltaNet state of its slot) is gathered on the device, and a background thread copies it to pinned
+host memory (and writes its file) while windows go on, so that a follow-up turn can continue from it even
 after the device's prefix cache has reused those blocks. Full blocks are kept by chain hash and shared between
 parked conversations: parking a conversation again copies only its new blocks. RAM holds up to `ram_budget`
 bytes, least recently used first out; with a directory, every parked conversation is also written there by a
@@ -30,6 +31,7 @@ import torch
 from app.engine.blocks import BlockPool
 from app.engine.paged_state import PagedState
 from app.engine.protocol import ParkingStats
+from app.engine.transfer import device_tensor
 
 log = logging.getLogger("strata.parking")
 
@@ -59,6 +61,8 @@ class Parked:
     `block_keys`: chain hashes of its full blocks (their keys and values are in the park's block store);
     `tail` [2, attention layers, rest, kv heads, head dim]: keys and values of the positions after them;
     `conv`, `recurrent`: the Gated DeltaNet state of every such layer (None on attention-only models).
+    Until the park's worker has copied them to the host, the tensors (and the store's new blocks) are device
+    copies; a restore reads either.
     """
 
     tokens: list[int]
@@ -67,6 +71,18 @@ class Parked:
     conv: torch.Tensor | None
     recurrent: torch.Tensor | None
     own_bytes: int
+
+
+@dataclass
+class _Job:
+    """What the park's worker does for one parked conversation: copy its device tensors to the host once
+    `ready` (an event after the gathers; None for host tensors), then write its file at `path`."""
+
+    parked: Parked
+    blocks_new: list[tuple[bytes, torch.Tensor]]
+    ready: torch.cuda.Event | None
+    path: Path | None
+    blocks: list[torch.Tensor]
 
 
 class ConversationPark:
@@ -97,8 +113,9 @@ class ConversationPark:
         self.restores = 0
         self.restore_seconds = 0.0
         self.copied_bytes = 0
-        self._writes: queue.Queue[tuple[Path, Parked, list[torch.Tensor]]] = queue.Queue()
-        self._writer: threading.Thread | None = None
+        self._jobs: queue.Queue[_Job] = queue.Queue()
+        self._lock = threading.Lock()  # `_blocks` is changed by the worker too
+        self._worker: threading.Thread | None = None
         if self.directory is not None:
             try:
                 self.directory.mkdir(parents=True, exist_ok=True)
@@ -107,8 +124,10 @@ class ConversationPark:
                 self.directory = None
         if self.directory is not None:
             self._index()
-            self._writer = threading.Thread(target=self._write_files, name="strata-park-writer", daemon=True)
-            self._writer.start()
+        if self.directory is not None or self._pinned:
+            self._copy_stream = torch.cuda.Stream(state.device) if self._pinned else None
+            self._worker = threading.Thread(target=self._work, name="strata-park-worker", daemon=True)
+            self._worker.start()
 
     # Parking -------------------------------------------------------------------------------------------
 
@@ -124,25 +143,25 @@ class ConversationPark:
         full = len(tokens) // size
         block_keys = self.pool.prefix_keys(tokens, full)
         new = [i for i, k in enumerate(block_keys) if k not in self._blocks]
+        gathered: list[tuple[bytes, torch.Tensor]] = []
         if new:
-            copied = self._to_host(self._kv(torch.tensor([blocks[i] for i in new], device=self.state.device)))
-            for i, kv in zip(new, copied.unbind(0), strict=True):
-                self._blocks[block_keys[i]] = kv
-                self._ram_total += kv.nbytes
-                self.copied_bytes += kv.nbytes
+            copied = self._kv(device_tensor([blocks[i] for i in new], torch.long, self.state.device))
+            with self._lock:
+                for i, kv in zip(new, copied.unbind(0), strict=True):
+                    self._blocks[block_keys[i]] = kv
+                    gathered.append((block_keys[i], kv))
+                    self._ram_total += kv.nbytes
+                    self.copied_bytes += kv.nbytes
         for k in block_keys:
             self._block_refs[k] = self._block_refs.get(k, 0) + 1
         rest = len(tokens) - full * size
         layers, _, _, heads, dim = self.state.keys.shape
-        tail = self.state.keys.new_empty((2, layers, 0, heads, dim), device="cpu")
+        tail = self.state.keys.new_empty((2, layers, 0, heads, dim))
         if rest:
-            tail = self._to_host(
-                self._kv(torch.tensor([blocks[full]], device=self.state.device))[0, :, :, :rest]
-            )
+            tail = self._kv(device_tensor([blocks[full]], torch.long, self.state.device))[0, :, :, :rest]
         conv = recurrent = None
         if self.state.conv.shape[0]:
-            conv = self._to_host(self.state.conv[:, slot])
-            recurrent = self._to_host(self.state.recurrent[:, slot])
+            conv, recurrent = self.state.conv[:, slot].clone(), self.state.recurrent[:, slot].clone()
         own = tail.nbytes + (
             conv.nbytes + recurrent.nbytes if conv is not None and recurrent is not None else 0
         )
@@ -150,8 +169,13 @@ class ConversationPark:
         parked = Parked(list(tokens), block_keys, tail, conv, recurrent, own)
         self._ram[key] = parked
         self._ram_total += own
-        if self.directory is not None:
-            self._queue_file(parked)
+        path = self._add_file(parked) if self.directory is not None else None
+        if self._worker is not None:
+            ready = torch.cuda.Event() if self._pinned else None
+            if ready is not None:
+                ready.record()
+            files = [self._blocks[k] for k in block_keys] if path is not None else []
+            self._jobs.put(_Job(parked, gathered, ready, path, files))
         self._fit_ram()
 
     def _kv(self, block_ids: torch.Tensor) -> torch.Tensor:
@@ -161,8 +185,11 @@ class ConversationPark:
         return torch.stack((keys, values), dim=1)
 
     def _to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A copy of `tensor` in host memory (pinned on a GPU machine, for fast copies back)."""
+        if tensor.device.type == "cpu" and not self._pinned:
+            return tensor.clone()
         host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=self._pinned)
-        host.copy_(tensor)
+        host.copy_(tensor, non_blocking=tensor.device.type != "cpu")
         return host
 
     # Finding and restoring -----------------------------------------------------------------------------
@@ -229,8 +256,8 @@ class ConversationPark:
 
     def flush(self) -> None:
         """Wait until every queued file is written."""
-        if self._writer is not None:
-            self._writes.join()
+        if self._worker is not None:
+            self._jobs.join()
 
     # RAM -----------------------------------------------------------------------------------------------
 
@@ -250,20 +277,20 @@ class ConversationPark:
                 self._block_refs[k] -= 1
                 if not self._block_refs[k]:
                     del self._block_refs[k]
-                    self._ram_total -= self._blocks.pop(k).nbytes
+                    with self._lock:
+                        self._ram_total -= self._blocks.pop(k).nbytes
 
     # Disk ----------------------------------------------------------------------------------------------
 
-    def _queue_file(self, parked: Parked) -> None:
-        """Hand a parked conversation to the writer thread (its host tensors never change once parked)."""
+    def _add_file(self, parked: Parked) -> Path:
+        """Index the file a parked conversation will be written to (by the worker); returns its path."""
         assert self.directory is not None
-        blocks = [self._blocks[k] for k in parked.block_keys]
         name = hashlib.blake2b(json.dumps(parked.tokens).encode(), digest_size=16).hexdigest() + SUFFIX
         path = self.directory / name
-        size = sum(t.nbytes for t in blocks) + parked.own_bytes  # the payload; the header adds a little
+        size = sum(self._blocks[k].nbytes for k in parked.block_keys) + parked.own_bytes  # and a header
         self._add_disk(tuple(parked.tokens), path, size)
-        self._writes.put((path, parked, blocks))
         self._fit_disk()
+        return path
 
     def _write_file(self, path: Path, parked: Parked, blocks: list[torch.Tensor]) -> None:
         """A parked conversation as one file: magic, header length, JSON header, then the tensors' bytes.
@@ -301,18 +328,49 @@ class ConversationPark:
             for view in views:
                 f.write(view)
 
-    def _write_files(self) -> None:
-        """The writer thread: each file goes to a temporary name first, so a crash leaves no partial file."""
+    def _work(self) -> None:
+        """The worker thread: each parked conversation's device copies to pinned host memory (on a stream of
+        its own, after the gathers that made them), then its file, first under a temporary name so that a
+        crash leaves no partial file."""
         while True:
-            path, parked, blocks = self._writes.get()
+            job = self._jobs.get()
             try:
-                partial = path.with_suffix(".partial")
-                self._write_file(partial, parked, blocks)
-                partial.replace(path)
+                copies = self._copy_to_host(job) if job.ready is not None else {}
+                if job.path is not None:
+                    blocks = [copies[id(b)] if id(b) in copies else self._host_view(b) for b in job.blocks]
+                    partial = job.path.with_suffix(".partial")
+                    self._write_file(partial, job.parked, blocks)
+                    partial.replace(job.path)
             except OSError as e:
-                log.warning("could not write parked conversation %s: %s", path.name, e)
+                log.warning("could not write parked conversation %s: %s", job.path, e)
             finally:
-                self._writes.task_done()
+                self._jobs.task_done()
+
+    def _copy_to_host(self, job: _Job) -> dict[int, torch.Tensor]:
+        """Replace a job's device copies with host ones (the store's blocks only where still the same);
+        returns the host copy of each new block by the id of its device copy."""
+        assert self._copy_stream is not None and job.ready is not None
+        parked = job.parked
+        with torch.cuda.stream(self._copy_stream):
+            self._copy_stream.wait_event(job.ready)
+            blocks = [(k, kv, self._to_host(kv)) for k, kv in job.blocks_new]
+            tail, conv, recurrent = (
+                None if t is None else self._to_host(t) for t in (parked.tail, parked.conv, parked.recurrent)
+            )
+        self._copy_stream.synchronize()
+        assert tail is not None
+        parked.tail, parked.conv, parked.recurrent = tail, conv, recurrent
+        with self._lock:
+            for k, kv, host in blocks:
+                if self._blocks.get(k) is kv:
+                    self._blocks[k] = host
+        return {id(kv): host for _, kv, host in blocks}
+
+    @staticmethod
+    def _host_view(tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` on the host: a block an earlier job copied is read from the device again if it was
+        captured before that job ran (same stream as the gather: the copy waits for it)."""
+        return tensor if tensor.device.type == "cpu" else tensor.cpu()
 
     def _add_disk(self, key: tuple[int, ...], path: Path, size: int) -> None:
         self._disk[key] = (path, size)
@@ -352,11 +410,12 @@ class ConversationPark:
             self._disk_total -= size
             path.unlink(missing_ok=True)
             return None
-        for k, kv in zip(parked.block_keys, blocks, strict=True):
-            if k not in self._blocks:
-                self._blocks[k] = kv
-                self._ram_total += kv.nbytes
-            self._block_refs[k] = self._block_refs.get(k, 0) + 1
+        with self._lock:
+            for k, kv in zip(parked.block_keys, blocks, strict=True):
+                if k not in self._blocks:
+                    self._blocks[k] = kv
+                    self._ram_total += kv.nbytes
+                self._block_refs[k] = self._block_refs.get(k, 0) + 1
         self._ram[key] = parked
         self._ram_total += parked.own_bytes
         self._fit_ram()

@@ -205,6 +205,8 @@ class WindowStats(msgspec.Struct, tag="stats", frozen=True):
     prefix_cache_queries: int = 0  # tokens of the requests admitted in this window
     prefix_cache_hits: int = 0  # of which taken from the prefix cache
     parking: ParkingStats | None = None  # when conversations are parked
+    step_s: float = 0.0  # the whole step: planning the window, running it, handing out its tokens
+    host_s: float = 0.0  # of which the host was busy (not waiting for the device)
 
     @property
     def kv_usage(self) -> float:

@@ -13,6 +13,7 @@ from app.engine.parking import ConversationPark, Parked
 from app.engine.protocol import PositionLogprobs
 from app.engine.sampler import RowSampling, Sampler
 from app.engine.scheduler import Chunk, Window
+from app.engine.transfer import device_tensor
 from app.models.batch import ForwardBatch
 from app.models.qwen3 import CausalLM
 
@@ -48,6 +49,7 @@ class ModelRunner:
         self.graphs = graphs
         self.paged = model.backends.paged_attention is not None
         self.last_replayed = False  # whether the last window replayed a CUDA graph
+        self.last_wait_s = 0.0  # how long the last window's host waited for the device
         self.device = model.model.embed_tokens.weight.device
 
     @torch.inference_mode()
@@ -85,9 +87,10 @@ class ModelRunner:
             logits = graphs.run(chunks, bucket)
             if sampling and len(sampling) < len(chunks):
                 rows = [i for i, c in enumerate(chunks) if c.samples]
-                logits = logits[torch.tensor(rows, device=self.device)]
+                logits = logits[device_tensor(rows, torch.long, self.device)]
         else:
             sampling, logits = self._eager(chunks)
+        self.last_wait_s = 0.0
         if not sampling:
             return []
         requests = [chunk.request for chunk in sampling]
@@ -103,6 +106,7 @@ class ModelRunner:
                 for r in requests
             ],
         )
+        self.last_wait_s = result.wait_s
         return [
             Sampled(chunk, token, logprobs)
             for chunk, token, logprobs in zip(sampling, result.token_ids, result.logprobs, strict=True)
@@ -139,5 +143,5 @@ class ModelRunner:
         sampling = [(span, chunk) for span, chunk in zip(batch.spans, chunks, strict=True) if chunk.samples]
         if not sampling:
             return [], hidden[:0]
-        rows = torch.tensor([span.start + span.length - 1 for span, _ in sampling], device=self.device)
+        rows = device_tensor([span.start + span.length - 1 for span, _ in sampling], torch.long, self.device)
         return [chunk for _, chunk in sampling], self.model.logits(hidden[rows])

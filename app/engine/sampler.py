@@ -10,6 +10,7 @@ faster kernels are checked against: it favours plain code over speed.
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from app.engine.protocol import PositionLogprobs, SamplingParams, TokenLogprob
+from app.engine.transfer import device_tensor
 
 _MASK64 = (1 << 64) - 1
 _MASK63 = (1 << 63) - 1
@@ -42,6 +44,7 @@ class SampleResult:
 
     token_ids: list[int]
     logprobs: list[PositionLogprobs | None]
+    wait_s: float = 0.0  # how long reading the tokens back waited for the device
 
 
 def _splitmix64(x: int) -> int:
@@ -68,7 +71,7 @@ def seeded_noise(seed: int, position: int, vocab_size: int) -> torch.Tensor:
 
 def _index(rows: Sequence[int], device: torch.device) -> torch.Tensor:
     """Row indices as a tensor on `device`."""
-    return torch.tensor(rows, dtype=torch.long, device=device)
+    return device_tensor(rows, torch.long, device)
 
 
 def apply_penalties(logits: torch.Tensor, rows: Sequence[RowSampling]) -> torch.Tensor:
@@ -99,7 +102,7 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[RowSampling]) -> torch.
         if row.output_token_ids and (params.presence_penalty or params.frequency_penalty):
             counts = Counter(row.output_token_ids)
             ids = _index(list(counts), out.device)
-            n = torch.tensor(list(counts.values()), dtype=out.dtype, device=out.device)
+            n = device_tensor(list(counts.values()), out.dtype, out.device)
             out[i, ids] = out[i, ids] - (params.presence_penalty + params.frequency_penalty * n)
     return out
 
@@ -114,8 +117,8 @@ def _filter(probs: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tens
     vocab = probs.shape[1]
     device, dtype = probs.device, probs.dtype
     k = _index([min(p.top_k, vocab) or vocab for p in params], device)[:, None]
-    top_p = torch.tensor([p.top_p for p in params], dtype=dtype, device=device)[:, None]
-    min_p = torch.tensor([p.min_p for p in params], dtype=dtype, device=device)[:, None]
+    top_p = device_tensor([p.top_p for p in params], dtype, device)[:, None]
+    min_p = device_tensor([p.min_p for p in params], dtype, device)[:, None]
 
     ordered, order = probs.sort(dim=-1, descending=True, stable=True)
     ordered = ordered.masked_fill(ordered < ordered.gather(1, k - 1), 0.0)
@@ -135,7 +138,7 @@ def sampling_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> to
     """
     if any(p.greedy for p in params):
         raise ValueError("sampling_probs takes only rows with temperature > 0")
-    temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
+    temperature = device_tensor([p.temperature for p in params], logits.dtype, logits.device)
     probs = torch.softmax((logits - logits.amax(-1, keepdim=True)) / temperature[:, None], dim=-1)
     cut = [i for i, p in enumerate(params) if p.top_k or p.top_p < 1 or p.min_p > 0]
     if cut:
@@ -197,13 +200,17 @@ def _result(logits: torch.Tensor, tokens: torch.Tensor, rows: Sequence[RowSampli
     """Token ids and, for rows that asked, the chosen and top logprobs under log_softmax of the raw logits."""
     wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
     if not wanted:
-        return SampleResult(tokens.tolist(), [None] * len(rows))
+        began = time.perf_counter()
+        token_ids = tokens.tolist()
+        return SampleResult(token_ids, [None] * len(rows), time.perf_counter() - began)
     idx = _index(wanted, logits.device)
     logp = torch.log_softmax(logits[idx], dim=-1)
     width = min(max(rows[i].params.logprobs for i in wanted), logits.shape[1])
     top_values, top_ids = logp.topk(width, dim=-1)
     chosen = logp.gather(1, tokens[idx, None])
+    began = time.perf_counter()
     ids = torch.cat([tokens, top_ids.flatten()]).tolist()
+    wait_s = time.perf_counter() - began
     values = torch.cat([chosen, top_values], dim=1).tolist()
     token_ids, top_ids_flat = ids[: len(rows)], ids[len(rows) :]
     logprobs: list[PositionLogprobs | None] = [None] * len(rows)
@@ -214,4 +221,4 @@ def _result(logits: torch.Tensor, tokens: torch.Tensor, rows: Sequence[RowSampli
             chosen=TokenLogprob(token_ids[i], values[j][0]),
             top=[TokenLogprob(t, v) for t, v in zip(row_ids, values[j][1 : n + 1], strict=True)],
         )
-    return SampleResult(token_ids, logprobs)
+    return SampleResult(token_ids, logprobs, wait_s)

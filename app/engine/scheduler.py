@@ -53,6 +53,7 @@ class Request:
     admitted_order: int = 0
     cached_blocks: int = 0  # blocks of `blocks` registered in the prefix cache, the last under `chain_key`
     chain_key: bytes = ROOT
+    park_missed: bool = False  # no parked conversation continued it when it was first looked up
 
     @property
     def length(self) -> int:
@@ -139,6 +140,8 @@ class SchedulerConfig:
     the same whichever windows it is read in only if its pieces end on their chunk boundaries).
     `prefix_cache`: requests continue from cached blocks; on a model with `recurrent` state only where a
     checkpoint was saved, in one of the state pools' `checkpoint_slots` (app/engine/prefix_cache.py).
+    `window_rows`: the row counts (ascending) that windows with prompt rows are padded to when they replay a
+    captured graph; such a window costs what its padded rows cost, so prompt chunks fill the padding.
     """
 
     parallel: int
@@ -150,6 +153,7 @@ class SchedulerConfig:
     prefix_cache: bool = False
     checkpoint_slots: tuple[int, ...] = ()
     recurrent: bool = False
+    window_rows: tuple[int, ...] = ()
 
 
 class ParkedStore(Protocol):
@@ -268,7 +272,10 @@ class Scheduler:
         """
         if self.parked is None or not self.pool.caching or request.length - 1 <= reached + PARK_MIN_GAIN:
             return None
+        if request.park_missed:  # a request the share keeps waiting is not looked up again every window
+            return None
         found = self.parked.find(request.tokens, request.length - 1)
+        request.park_missed = found is None
         return found if found is not None and found[0] > reached + PARK_MIN_GAIN else None
 
     def _continue(self, window: Window, request: Request, hit: PrefixHit) -> None:
@@ -346,12 +353,8 @@ class Scheduler:
         if request in self.running:
             self.running.remove(request)
 
-    def advance(self, window: Window, seconds: float, replayed: bool = False) -> None:
-        """Account for a window that ran: its chunks are now in the state.
-
-        `replayed` says the window replayed a CUDA graph: a decode-only one then says nothing about windows
-        with prompt rows, which the window-cost fit describes.
-        """
+    def advance(self, window: Window) -> None:
+        """Account for a window that ran: its chunks are now in the state."""
         align = self.config.prompt_align
         for chunk in window.chunks:
             request = chunk.request
@@ -362,10 +365,18 @@ class Scheduler:
                 self._commit(request)
                 if not chunk.decode and request.computed % align == 0:
                     self._save_state(request)
+
+    def observe(self, window: Window, seconds: float, replayed: bool = False) -> None:
+        """Learn from how long a window took, from planning it to handing out its tokens, and settle the
+        decoding slots' credit.
+
+        `replayed` says the window replayed a CUDA graph: a decode-only one then says nothing about windows
+        with prompt rows, which the window-cost fit describes (at their bucket's rows).
+        """
         rows = sum(len(c.tokens) for c in window.chunks)
         decode = window.decode_tokens
         if not replayed or rows > decode:
-            self.cost.observe(rows, len(window.chunks), seconds)
+            self.cost.observe(self.padded(rows) if replayed else rows, len(window.chunks), seconds)
         if decode and rows == decode:
             self.decode_cost.observe(decode, seconds)
         self._settle_credit(decode, seconds)
@@ -381,6 +392,17 @@ class Scheduler:
             request.blocks, new_tokens, request.computed, request.cached_blocks, request.chain_key
         )
 
+    def padded(self, rows: int) -> int:
+        """The rows a window of `rows` rows with prompt rows runs as: its graph bucket, or itself."""
+        return next((b for b in self.config.window_rows if b >= rows), rows)
+
+    def fill(self, rows: int) -> int:
+        """The most rows a window may hold if it may cost what `rows` rows cost: the largest bucket not
+        above `rows` (beyond every bucket a window runs eagerly, at another cost); `rows` without buckets."""
+        if not self.config.window_rows:
+            return rows
+        return max((b for b in self.config.window_rows if b <= rows), default=0)
+
     def solo_seconds(self, decode_rows: int) -> float | None:
         """Expected seconds of a window of `decode_rows` decode rows alone, None while unknown."""
         solo = self.decode_cost.predict(decode_rows)
@@ -392,7 +414,8 @@ class Scheduler:
         """The most credit decoding slots may build: what a window with a full token budget costs."""
         if not self.cost.calibrated:
             return allowed
-        return max(allowed, self.cost.predict(decode_rows + self.config.max_batched_tokens, decode_rows + 1))
+        full = self.padded(decode_rows + self.config.max_batched_tokens)
+        return max(allowed, self.cost.predict(full, decode_rows + 1))
 
     def _settle_credit(self, decode_rows: int, seconds: float) -> None:
         """Credit decoding slots with what this window left of their share, or charge what it took beyond it.
@@ -429,17 +452,19 @@ class _Share:
     """The prompt rows one window may still take: its token budget, and while slots decode, a time budget.
 
     With d decode rows the window may last solo(d) / decode_share plus the scheduler's credit; a prompt chunk
-    costs its rows and one sequence. The first prompt chunk gets at least one block so prompts always
-    progress, unless even one block would overrun the share (windows with prompt rows cost far more than
-    decode-only ones, as eager windows beside replayed CUDA graphs): then windows decode only, building
-    credit, until it pays for a whole chunk (the request's pending tokens or the token budget) or is capped.
-    Until the window cost is calibrated, prompt chunks beside decoding slots take at most UNCALIBRATED_CHUNK
-    tokens in all. A chunk that stops short of its request's end stops at a multiple of `prompt_align`
-    positions; the first one reaches the next such multiple even past the token budget, so that it progresses.
+    costs its rows and one sequence, and a window replaying a graph its bucket's rows (chunks fill them). The
+    first prompt chunk gets at least one block so prompts always progress, unless even one block would overrun
+    the share (windows with prompt rows cost far more than decode-only ones, as eager windows beside replayed
+    CUDA graphs): then windows decode only, building credit, until it pays for a whole chunk (the request's
+    pending tokens or the token budget) or is capped. Until the window cost is calibrated, prompt chunks
+    beside decoding slots take at most UNCALIBRATED_CHUNK tokens in all. A chunk that stops short of its
+    request's end stops at a multiple of `prompt_align` positions; the first one reaches the next such
+    multiple even past the token budget, so that it progresses.
     """
 
     def __init__(self, scheduler: Scheduler, decode_rows: int, tokens: int) -> None:
         self.cost = scheduler.cost
+        self.fill = scheduler.fill
         self.minimum = scheduler.config.block_size
         self.align = scheduler.config.prompt_align
         self.rows, self.sequences = decode_rows, decode_rows
@@ -451,7 +476,7 @@ class _Share:
         if solo is not None and self.cost.calibrated:
             allowed = solo / scheduler.config.decode_share
             self.limit = allowed + scheduler.credit
-            one_block = self.cost.predict(decode_rows + self.minimum, decode_rows + 1)
+            one_block = self.cost.predict(scheduler.padded(decode_rows + self.minimum), decode_rows + 1)
             capped = scheduler.credit >= scheduler.credit_cap(decode_rows, allowed)
             self.saving = one_block > allowed and scheduler.config.decode_share < 1 and not capped
         elif decode_rows:
@@ -464,7 +489,8 @@ class _Share:
         """
         take = min(pending, self.tokens)
         if self.limit is not None:
-            afford = self.cost.rows_within(self.limit - self.cost.predict(self.rows, self.sequences))
+            window = self.cost.rows_within(self.limit - self.cost.predict(0, self.sequences))
+            afford = self.fill(window) - self.rows
             if self.first and self.saving:
                 take = take if afford >= take else 0
             else:

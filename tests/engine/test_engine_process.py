@@ -73,3 +73,6 @@ def test_bench_reports_throughput_latency_and_decode_during_peer_reads(
     assert len(summary["ttft_s"]) == 4 and all(t > 0 for t in summary["ttft_s"])
     assert summary["aggregate_tok_s"] > 0 and summary["itl_p95_s"] >= summary["itl_p50_s"] > 0
     assert summary["decode_solo_tok_s"] > 0 and summary["decode_during_peer_reads_tok_s"] > 0
+    # On the CPU the host does all the work: a window's host time is its whole step.
+    assert 0 < summary["host_ms_p50_prompt_windows"] <= summary["step_ms_p50_prompt_windows"]
+    assert 0 < summary["host_ms_p50_decode_windows"] <= summary["step_ms_p50_decode_windows"]

@@ -22,7 +22,8 @@ def _request(name: str, prompt_len: int, max_tokens: int = 100) -> Request:
 def _run(scheduler: Scheduler, seconds: float = 0.01) -> Window:
     """Plan a window, account for it, and give every sampling chunk a token."""
     window = scheduler.schedule()
-    scheduler.advance(window, seconds)
+    scheduler.advance(window)
+    scheduler.observe(window, seconds)
     for chunk in window.chunks:
         if chunk.samples:
             scheduler.append_token(chunk.request, 7)
@@ -106,6 +107,20 @@ def test_decode_share_limits_prompt_chunks_once_window_cost_is_known() -> None:
     assert len(prompt) == 1 and prompt[0][0] == "long" and 95 <= prompt[0][1] <= 105
 
 
+def test_windows_padded_to_graph_buckets_fill_the_largest_bucket_the_share_affords() -> None:
+    scheduler = _scheduler(max_batched_tokens=256, decode_share=0.5, window_rows=(32, 64, 128, 256))
+    for rows, sequences in [(1, 1), (100, 1), (400, 2), (2000, 3), (50, 5), (8, 8)]:
+        scheduler.cost.observe(rows, sequences, 0.010 + 0.0001 * rows + 0.001 * sequences)
+    scheduler.add(_request("a", 4, max_tokens=1000))
+    _run(scheduler)
+    scheduler.add(_request("long", 3000))
+    window = scheduler.schedule()
+    # 22.2 ms afford ~102 rows in two sequences: the window runs as the 64-row bucket, which the chunk fills.
+    assert [len(c.tokens) for c in window.chunks] == [1, 63]
+    assert scheduler.padded(64) == 64 and scheduler.padded(65) == 128 and scheduler.padded(300) == 300
+    assert scheduler.fill(102) == 64 and scheduler.fill(20) == 0
+
+
 def test_pool_exhaustion_preempts_the_newest_request_which_is_read_again_later() -> None:
     scheduler = _scheduler(parallel=2, block_size=4, kv_blocks=6, max_batched_tokens=64)
     scheduler.add(_request("old", 8))
@@ -152,7 +167,8 @@ def _simulate(scheduler: Scheduler, windows: int, eager: WindowCost, replayed_se
         rows = sum(len(c.tokens) for c in window.chunks)
         replayed = rows == window.decode_tokens
         seconds = replayed_seconds if replayed else eager.predict(rows, len(window.chunks))
-        scheduler.advance(window, seconds, replayed=replayed)
+        scheduler.advance(window)
+        scheduler.observe(window, seconds, replayed=replayed)
         for chunk in window.chunks:
             if chunk.samples:
                 scheduler.append_token(chunk.request, 7)
@@ -212,3 +228,20 @@ def test_a_budget_below_the_alignment_still_reads_prompts() -> None:
     scheduler.add(_request("a", 150))
     window = _run(scheduler)
     assert [(c.past, len(c.tokens)) for c in window.chunks] == [(0, 64)]
+
+
+def test_a_request_kept_waiting_is_looked_up_in_the_park_once() -> None:
+    lookups: list[int] = []
+
+    class Park:
+        def find(self, tokens: list[int], limit: int) -> None:
+            lookups.append(limit)
+
+    scheduler = _scheduler(parallel=2, kv_blocks=30, prefix_cache=True)
+    scheduler.parked = Park()
+    scheduler.add(_request("a", 8))
+    _run(scheduler)
+    scheduler.add(_request("b", 600))  # needs 38 blocks: it waits for "a"'s
+    for _ in range(5):
+        _run(scheduler)
+    assert scheduler.requests["b"].phase is Phase.WAITING and lookups == [599]

@@ -41,6 +41,7 @@ TTFT = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5
 TTFT += [640, 2560]
 LENGTHS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000]  # 1-2-5 up to max_model_len 4096
 ITERATION = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+WINDOW = [0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1, 0.25, 1]
 
 # The reference table, less the spec_decode counters (vLLM exports those only with speculative decoding on).
 VLLM_SCALARS = [
@@ -69,6 +70,8 @@ HISTOGRAMS = {
     "vllm:request_inference_time_seconds": LAT,
     "vllm:request_prefill_time_seconds": LAT,
     "vllm:request_decode_time_seconds": LAT,
+    "strata:window_step_seconds": WINDOW,
+    "strata:window_host_seconds": WINDOW,
 }
 STRATA_SCALARS = [
     "live_tok_s",
@@ -240,8 +243,12 @@ def test_each_request_is_counted_once_under_its_reason() -> None:
 def test_windows_set_slots_queue_kv_and_live_rate() -> None:
     metrics = ServerMetrics("tiny", READY)
     slots = [decoding(0, "a"), reading(2, "b")]
-    metrics.on_window(window(1, 10.0, slots, rows=5, decode_tokens=1, prompt_tokens=4, finished=1, waiting=3))
-    metrics.on_window(window(2, 10.5, slots, rows=5, kv_blocks_used=25, waiting=2, preempted=1))
+    metrics.on_window(
+        window(1, 10.0, slots, rows=5, decode_tokens=1, prompt_tokens=4, finished=1, waiting=3, step_s=0.004)
+    )
+    metrics.on_window(
+        window(2, 10.5, slots, rows=5, kv_blocks_used=25, waiting=2, preempted=1, step_s=0.006, host_s=0.001)
+    )
     snap = metrics.snapshot()
     assert snap["num_requests_running"] == snap["live_slots"] == 2
     assert snap["num_requests_waiting"] == 2
@@ -252,6 +259,8 @@ def test_windows_set_slots_queue_kv_and_live_rate() -> None:
     assert snap["window_seconds"] == 0.5
     assert snap["live_tok_s"] == 3 / 1.0  # windows 10.0 .. 11.0 sampled 2 tokens, then 1
     assert snap["iteration_tokens_total"] == {"count": 2, "sum": 10}
+    assert snap["window_step_seconds"] == {"count": 2, "sum": pytest.approx(0.010)}
+    assert snap["window_host_seconds"] == {"count": 2, "sum": 0.001}
     assert [slot["state"] for slot in snap["slots"]] == ["decode", "idle", "prompt", "idle"]
     assert snap["slots"][2] == {
         "slot": 2,
@@ -321,7 +330,7 @@ def test_json_snapshot_equals_the_prometheus_values() -> None:
         assert value(found, "strata:slot_output_tokens", slot=index) == slot["output_tokens"]
     for name in HISTOGRAMS:
         count, total = histogram(found, name)
-        assert snap[name.removeprefix("vllm:")] == {"count": count, "sum": total}, name
+        assert snap[name.partition(":")[2]] == {"count": count, "sum": total}, name
     assert snap["parallel"] == 4 and snap["kv_blocks_total"] == 100 and snap["windows_total"] == 7
 
 
