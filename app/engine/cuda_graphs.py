@@ -106,8 +106,12 @@ class WindowGraphs:
         self._int = torch.zeros(sum(self._int_sizes), dtype=torch.int32, device=device)
         self._long_host = torch.zeros_like(self._long, device="cpu")
         self._int_host = torch.zeros_like(self._int, device="cpu")
-        if device.type == "cuda":  # pinned, so the copies to the device are asynchronous
+        # Pinned, so the copies to the device are asynchronous; the event marks when the last ones are done
+        # (a window whose chunks sample nothing leaves the host free to fill the next before they ran).
+        self._copied: torch.cuda.Event | None = None
+        if device.type == "cuda":
             self._long_host, self._int_host = self._long_host.pin_memory(), self._int_host.pin_memory()
+            self._copied = torch.cuda.Event()
         (
             self.input_ids,
             self.positions,
@@ -148,6 +152,8 @@ class WindowGraphs:
 
         Filled through numpy views of the pinned host buffers (no per-row torch calls), then copied over.
         """
+        if self._copied is not None:
+            self._copied.synchronize()
         size, scratch = self.state.block_size, self.state.scratch_block
         n = len(chunks)
         lengths = np.zeros(bucket.seqs, np.int64)
@@ -195,6 +201,8 @@ class WindowGraphs:
         width = int(used.max(initial=1))
         host_table = self._int_host[-self._int_sizes[-1] :].view(self.max_seqs, self.width)
         self.block_table[: bucket.seqs, :width].copy_(host_table[: bucket.seqs, :width], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
 
     def _batch(self, bucket: Bucket) -> ForwardBatch:
         """A forward batch over the static inputs of `bucket`."""
