@@ -63,7 +63,9 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="fixed kernel tiles for every window size, dense projections included (docs/KERNELS.md)",
     )
-    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs: every window runs eagerly")
+    parser.add_argument(
+        "--enforce-eager", action="store_true", help="no CUDA graphs: every window runs eagerly"
+    )
     parser.add_argument(
         "--no-prefix-cache",
         dest="prefix_cache",

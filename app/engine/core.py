@@ -36,6 +36,7 @@ from app.text.stream import TextStream
 
 log = logging.getLogger("strata.engine")
 CHECKPOINTS_PER_SLOT = 1  # recurrent-state checkpoints kept for the prefix cache, per batch slot
+READ_WAIT_S = 0.01  # how long an engine with nothing to run waits for a parked file before the next window
 
 
 def resolve_device(name: str) -> str:
@@ -201,6 +202,8 @@ class EngineCore:
         """Run one window and report what each request produced."""
         began = time.perf_counter()
         window = self.scheduler.schedule()
+        if not window.chunks and self.park is not None:
+            self.park.wait_reads(READ_WAIT_S)  # a request waits for its parked file: do not spin
         started, clock = time.time(), time.perf_counter()
         sampled = self.runner.execute(window) if window.chunks else []
         seconds = time.perf_counter() - clock

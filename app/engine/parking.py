@@ -23,6 +23,7 @@ import queue
 import threading
 import time
 from collections import OrderedDict
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -113,6 +114,8 @@ class ConversationPark:
         self.restores = 0
         self.restore_seconds = 0.0
         self.copied_bytes = 0
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="strata-park-reader")
+        self._reading: dict[tuple[int, ...], Future] = {}  # files being read, by the conversation's tokens
         self._jobs: queue.Queue[_Job] = queue.Queue()
         self._lock = threading.Lock()  # `_blocks` is changed by the worker too
         self._worker: threading.Thread | None = None
@@ -194,31 +197,49 @@ class ConversationPark:
 
     # Finding and restoring -----------------------------------------------------------------------------
 
-    def find(self, tokens: list[int], limit: int) -> tuple[int, Parked] | None:
-        """The longest parked conversation that `tokens[:limit]` continues, loaded into RAM; None if none.
+    def ready(self, tokens: list[int], limit: int) -> bool:
+        """Whether `find` can answer for `tokens[:limit]` now: False while a parked file that would take the
+        request further than anything in RAM is being read and checked (on the reader thread; started here).
 
-        A conversation only on disk is read and checked first; a bad file is discarded and the next longest
-        one tried.
+        A file read by then is brought into RAM; a bad one is discarded (log, delete) and the next tried.
         """
         while True:
-            best: tuple[int, ...] | None = None
-            for key in [*self._ram, *self._disk]:
-                if (
-                    len(key) <= limit
-                    and (best is None or len(key) > len(best))
-                    and tokens[: len(key)] == list(key)
-                ):
-                    best = key
-            if best is None:
-                return None
-            parked = self._ram.get(best)
-            if parked is None:
+            best = self._longest(tokens, limit, [*self._ram, *self._disk])
+            if best is None or best in self._ram:
+                return True
+            reading = self._reading.get(best)
+            if reading is None:
                 path, _ = self._disk[best]
-                parked = self._load(path, best)
-                if parked is None:
-                    continue
-            self._touch(best)
-            return len(best), parked
+                self._reading[best] = self._reader.submit(self._read, path, best)
+                return False
+            if not reading.done():
+                return False
+            del self._reading[best]
+            self._install(best, reading)
+
+    def wait_reads(self, timeout: float) -> None:
+        """Wait up to `timeout` seconds for a file being read (an engine with nothing else to run)."""
+        if self._reading:
+            wait(list(self._reading.values()), timeout, return_when=FIRST_COMPLETED)
+
+    def find(self, tokens: list[int], limit: int) -> tuple[int, Parked] | None:
+        """The longest conversation parked in RAM that `tokens[:limit]` continues, or None. Nothing is read
+        from disk here: `ready` brings a parked file into RAM first."""
+        best = self._longest(tokens, limit, list(self._ram))
+        if best is None:
+            return None
+        self._touch(best)
+        return len(best), self._ram[best]
+
+    @staticmethod
+    def _longest(tokens: list[int], limit: int, keys: list[tuple[int, ...]]) -> tuple[int, ...] | None:
+        """The longest of `keys` that `tokens[:limit]` starts with."""
+        best: tuple[int, ...] | None = None
+        for key in keys:
+            longer = best is None or len(key) > len(best)
+            if len(key) <= limit and longer and tokens[: len(key)] == list(key):
+                best = key
+        return best
 
     def restore(self, parked: Parked, slot: int, blocks: list[int]) -> None:
         """Copy a parked conversation into `blocks` (its positions, in order) and the state of `slot`."""
@@ -400,16 +421,17 @@ class ConversationPark:
             self._add_disk(tuple(header["tokens"]), path, path.stat().st_size)
         self._fit_disk()
 
-    def _load(self, path: Path, key: tuple[int, ...]) -> Parked | None:
-        """Read and check a parked file; on any fault, discard it (log, delete) and return None."""
+    def _install(self, key: tuple[int, ...], reading: Future) -> None:
+        """Bring a file the reader thread read into RAM; on any fault, discard the file (log, delete)."""
+        path, size = self._disk[key]
         try:
-            parked, blocks = self._read(path, key)
+            parked, blocks = reading.result()
         except (OSError, ValueError, KeyError, RuntimeError) as e:
             log.warning("discarding parked conversation %s: %s", path.name, e)
-            _, size = self._disk.pop(key)
+            del self._disk[key]
             self._disk_total -= size
             path.unlink(missing_ok=True)
-            return None
+            return
         with self._lock:
             for k, kv in zip(parked.block_keys, blocks, strict=True):
                 if k not in self._blocks:
@@ -419,10 +441,10 @@ class ConversationPark:
         self._ram[key] = parked
         self._ram_total += parked.own_bytes
         self._fit_ram()
-        return parked
 
     def _read(self, path: Path, key: tuple[int, ...]) -> tuple[Parked, list[torch.Tensor]]:
-        """The conversation in a file and its full blocks' keys and values, after every check."""
+        """The conversation in a file and its full blocks' keys and values, after every check (on the reader
+        thread: it reads only the file and what never changes)."""
         data = path.read_bytes()
         header = _parse_header(data)
         if header["model"] != self.identity:

@@ -159,8 +159,13 @@ class SchedulerConfig:
 class ParkedStore(Protocol):
     """Conversations parked off the device (app/engine/parking.py), as the scheduler sees them."""
 
+    def ready(self, tokens: list[int], limit: int) -> bool:
+        """False while what `find` would give for `tokens[:limit]` is still being read from disk."""
+        ...
+
     def find(self, tokens: list[int], limit: int) -> tuple[int, object] | None:
-        """The longest parked state that `tokens[:limit]` continues: (its length, a handle), or None."""
+        """The longest parked state that `tokens[:limit]` continues: (its length, a handle), or None; it does
+        no I/O."""
         ...
 
 
@@ -225,6 +230,8 @@ class Scheduler:
             window.chunks.append(self._with_checkpoint(self._chunk(request, take)))
         while self.waiting and self.free_slots and share.tokens > 0:
             request = self.waiting[0]
+            if not self._park_ready(request):
+                break  # its parked conversation is being read from disk: the slots that run go on
             hit = self._prefix_hit(request)
             start = hit.position if hit else 0
             unpark = self._parked_hit(request, start)
@@ -264,6 +271,14 @@ class Scheduler:
             return self.checkpoints.find(request.tokens, limit)
         blocks = self.pool.match(request.tokens, limit)
         return PrefixHit(blocks=blocks, position=len(blocks) * self.pool.block_size) if blocks else None
+
+    def _park_ready(self, request: Request) -> bool:
+        """Whether the park can answer for a request being admitted without reading a file."""
+        if self.parked is None or not self.pool.caching or request.park_missed:
+            return True
+        if request.length - 1 <= PARK_MIN_GAIN:  # nothing parked could take it far enough
+            return True
+        return self.parked.ready(request.tokens, request.length - 1)
 
     def _parked_hit(self, request: Request, reached: int) -> tuple[int, object] | None:
         """A parked conversation that takes the request more than PARK_MIN_GAIN tokens beyond `reached`.

@@ -4,6 +4,8 @@ as one that never left; bad park files are refused."""
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,7 @@ from engine_helpers import complete, make_core, random_prompt, request, run
 
 from app.engine.core import EngineCore
 from app.engine.paged_state import kv_block_bytes, slot_state_bytes
+from app.engine.parking import ConversationPark
 
 GREEDY = {"max_tokens": 10, "temperature": 0, "ignore_eos": True}
 
@@ -169,3 +172,32 @@ def test_ram_and_disk_budgets_hold_and_their_byte_counts_add_up(checkpoint: Path
     assert small.park is not None and small.park.stats().conversations_disk < 3
     assert small.park.stats().bytes_disk <= payload // 2
     assert len(list(tmp_path.glob("*.park"))) == small.park.stats().conversations_disk
+
+
+def test_a_parked_file_is_read_off_the_engine_thread_while_the_request_waits(
+    checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The follow-up of a conversation parked on disk waits in the queue while the park's reader thread reads
+    and checks the file; `schedule()` never reads one, and a slot already decoding gets a token meanwhile."""
+    first = make_core(checkpoint, park_memory=0, park_dir=str(tmp_path), park_disk=64 << 20)
+    _, follow_up = _conversation(first)
+    assert first.park is not None
+    first.park.flush()
+    readers: list[str] = []
+    read = ConversationPark._read
+
+    def slow_read(self: ConversationPark, path: Path, key: tuple[int, ...]) -> object:
+        readers.append(threading.current_thread().name)
+        time.sleep(0.3)
+        return read(self, path, key)
+
+    monkeypatch.setattr(ConversationPark, "_read", slow_read)
+    restarted = make_core(checkpoint, park_memory=64 << 20, park_dir=str(tmp_path), park_disk=64 << 20)
+    busy = request(random_prompt(8, 5), max_tokens=200, temperature=0, ignore_eos=True)
+    add = request(follow_up, **GREEDY)
+    results, windows = run(restarted, [(0, busy), (1, add)])
+    assert restarted.park is not None and restarted.park.stats().restores == 1
+    assert readers and all(name.startswith("strata-park-reader") for name in readers)
+    waited = [w for w in windows if w.waiting and not w.prompt_tokens]
+    assert waited and all(w.decode_tokens == 1 for w in waited)  # the busy slot ran while the file was read
+    assert results[add.request_id].token_ids == _expected(checkpoint, follow_up)

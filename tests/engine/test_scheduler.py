@@ -234,6 +234,9 @@ def test_a_request_kept_waiting_is_looked_up_in_the_park_once() -> None:
     lookups: list[int] = []
 
     class Park:
+        def ready(self, tokens: list[int], limit: int) -> bool:
+            return True
+
         def find(self, tokens: list[int], limit: int) -> None:
             lookups.append(limit)
 
@@ -245,3 +248,24 @@ def test_a_request_kept_waiting_is_looked_up_in_the_park_once() -> None:
     for _ in range(5):
         _run(scheduler)
     assert scheduler.requests["b"].phase is Phase.WAITING and lookups == [599]
+
+
+def test_a_request_whose_parked_conversation_is_being_read_waits_while_others_run() -> None:
+    class Park:
+        reads_left = 3
+
+        def ready(self, tokens: list[int], limit: int) -> bool:
+            Park.reads_left -= 1
+            return Park.reads_left < 0
+
+        def find(self, tokens: list[int], limit: int) -> None:
+            return None
+
+    scheduler = _scheduler(parallel=2, prefix_cache=True)
+    scheduler.parked = Park()
+    scheduler.add(_request("a", 8))
+    _run(scheduler)
+    scheduler.add(_request("b", 600))
+    windows = [_run(scheduler) for _ in range(4)]
+    assert [[c.request.request_id for c in w.chunks] for w in windows[:3]] == [["a"], ["a"], ["a"]]
+    assert [c.request.request_id for c in windows[3].chunks] == ["a", "b"]
