@@ -19,6 +19,15 @@ def chain_hash(parent: bytes, tokens: list[int] | tuple[int, ...]) -> bytes:
     return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
 
 
+def prefix_keys(tokens: list[int], blocks: int, block_size: int) -> list[bytes]:
+    """The chain hashes of the first `blocks` full blocks of `block_size` tokens of `tokens`."""
+    keys, parent = [], ROOT
+    for start in range(0, blocks * block_size, block_size):
+        parent = chain_hash(parent, tokens[start : start + block_size])
+        keys.append(parent)
+    return keys
+
+
 @dataclass
 class _Cached:
     """What a cached block holds: its chain hash, its parent's, and its tokens (re-compared on a hit)."""
@@ -124,11 +133,7 @@ class BlockPool:
 
     def prefix_keys(self, tokens: list[int], blocks: int) -> list[bytes]:
         """The chain hashes of the first `blocks` full blocks of `tokens`."""
-        keys, parent, size = [], ROOT, self.block_size
-        for start in range(0, blocks * size, size):
-            parent = chain_hash(parent, tokens[start : start + size])
-            keys.append(parent)
-        return keys
+        return prefix_keys(tokens, blocks, self.block_size)
 
     def take(self, table: list[int], blocks: list[int]) -> None:
         """Append cached `blocks` (from `match`) to an empty or matching table and hold them."""

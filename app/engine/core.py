@@ -53,7 +53,8 @@ class EngineCore:
     """The engine's loop body: owns the model, the scheduler and each request's text stream."""
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
-        """Load `config.model` (or use `loaded`, a model already built with `self.backends`'s kernels)."""
+        """Load `config.model` (or use `loaded`, a model already built with `self.backends`'s kernels), then
+        build the state, the window graphs, the park, the runner and the scheduler, in that order."""
         self.config = config
         self.device = resolve_device(config.device)
         self.backends = select_backends(config.backend, self.device, exact=config.exact)
@@ -62,11 +63,33 @@ class EngineCore:
             path = config.model or default_model_dir()
             loaded = open_model(path, config.dtype, self.device, progress=False, backends=self.backends)
         self.loaded = loaded
-        model = self.loaded.model
-        model_config = model.config
-        dtype = model.model.embed_tokens.weight.dtype
-        recurrent = LINEAR_ATTENTION in model_config.layer_types
-        checkpoints = CHECKPOINTS_PER_SLOT * config.parallel if recurrent and config.prefix_cache else 0
+        model = loaded.model
+        self.max_model_len = min(
+            config.max_model_len or model.config.max_position_embeddings, model.config.max_position_embeddings
+        )
+        self.recurrent = LINEAR_ATTENTION in model.config.layer_types
+        state = self._paged_state()
+        graphs = self._window_graphs(state)
+        self.park = self._conversation_park(state)
+        self.runner = ModelRunner(model, state, Sampler(config.seed), graphs, self.park)
+        self.runner.warm_up()
+        self.scheduler = Scheduler(self._scheduler_config(state, graphs), parked=self.park)
+        self.streams: dict[str, TextStream] = {}
+        self.windows = 0
+        self.moe_layers = [
+            (i, layer.mlp) for i, layer in enumerate(model.model.layers) if isinstance(layer.mlp, SparseMoE)
+        ]
+        self._experts_reported = time.monotonic()
+
+    @property
+    def _dtype(self) -> torch.dtype:
+        return self.loaded.model.model.embed_tokens.weight.dtype
+
+    def _paged_state(self) -> PagedState:
+        """The KV pool and slot state sized from `--kv-memory`: the recurrent state of every slot and
+        checkpoint first, KV blocks with the rest (no more than every slot filled to the context uses)."""
+        config, model_config, dtype = self.config, self.loaded.model.config, self._dtype
+        checkpoints = CHECKPOINTS_PER_SLOT * config.parallel if self.recurrent and config.prefix_cache else 0
         state_bytes = slot_state_bytes(model_config, dtype) * (config.parallel + checkpoints)
         block_bytes = kv_block_bytes(model_config, config.block_size, dtype)
         blocks = (config.kv_memory - state_bytes) // block_bytes
@@ -76,62 +99,52 @@ class EngineCore:
                 f"{checkpoints} checkpoints of recurrent state take {state_bytes} and one KV block "
                 f"{block_bytes}"
             )
-        self.max_model_len = min(
-            config.max_model_len or model_config.max_position_embeddings, model_config.max_position_embeddings
-        )
-        # More blocks than every slot filled to the context could ever use would only sit idle.
         blocks = min(blocks, config.parallel * -(-self.max_model_len // config.block_size))
-        state = PagedState(
-            model_config,
-            blocks,
-            config.block_size,
-            config.parallel,
-            dtype,
-            torch.device(self.device),
-            checkpoints=checkpoints,
+        device = torch.device(self.device)
+        return PagedState(
+            model_config, blocks, config.block_size, config.parallel, dtype, device, checkpoints=checkpoints
         )
-        graphs = None
-        if self.device == "cuda" and self.backends.paged_attention is not None and not config.enforce_eager:
-            max_blocks = -(-self.max_model_len // config.block_size)
-            # a prompt piece may pass the token budget to reach its next chunk multiple (scheduler.py)
-            max_tokens = config.max_batched_tokens + (CHUNK if recurrent else 0)
-            graphs = WindowGraphs(model, state, config.parallel, max_blocks, max_tokens)
-            graphs.capture()
-        self.runner = ModelRunner(model, state, Sampler(config.seed), graphs)
-        self.runner.warm_up()
-        scheduler = Scheduler(
-            SchedulerConfig(
-                parallel=config.parallel,
-                max_batched_tokens=config.max_batched_tokens,
-                block_size=config.block_size,
-                kv_blocks=blocks,
-                decode_share=config.decode_share,
-                prompt_align=CHUNK if recurrent else 1,
-                prefix_cache=config.prefix_cache,
-                checkpoint_slots=state.checkpoint_slots,
-                recurrent=recurrent,
-                window_rows=graphs.mixed_rows if graphs is not None else (),
-            )
+
+    def _window_graphs(self, state: PagedState) -> WindowGraphs | None:
+        """Captured window graphs on a GPU with whole-batch kernels, unless `--enforce-eager`."""
+        config = self.config
+        if self.device != "cuda" or self.backends.paged_attention is None or config.enforce_eager:
+            return None
+        max_blocks = -(-self.max_model_len // config.block_size)
+        # a prompt piece may pass the token budget to reach its next chunk multiple (scheduler.py)
+        max_tokens = config.max_batched_tokens + (CHUNK if self.recurrent else 0)
+        graphs = WindowGraphs(self.loaded.model, state, config.parallel, max_blocks, max_tokens)
+        graphs.capture()
+        return graphs
+
+    def _conversation_park(self, state: PagedState) -> ConversationPark | None:
+        """The park of finished conversations, when the prefix cache is on and RAM or disk is given to it."""
+        config = self.config
+        has_room = config.park_memory > 0 or (config.park_dir and config.park_disk > 0)
+        if not config.prefix_cache or not has_room:
+            return None
+        return ConversationPark(
+            state,
+            f"{model_identity(self.loaded.checkpoint.path)}:{self._dtype}",
+            config.park_memory,
+            Path(config.park_dir) if config.park_dir else None,
+            config.park_disk,
         )
-        self.park: ConversationPark | None = None
-        if config.prefix_cache and (config.park_memory > 0 or (config.park_dir and config.park_disk > 0)):
-            self.park = ConversationPark(
-                state,
-                scheduler.pool,
-                f"{model_identity(self.loaded.checkpoint.path)}:{dtype}",
-                config.park_memory,
-                Path(config.park_dir) if config.park_dir else None,
-                config.park_disk,
-            )
-            scheduler.parked = self.park
-            self.runner.park = self.park
-        self.scheduler = scheduler
-        self.streams: dict[str, TextStream] = {}
-        self.windows = 0
-        self.moe_layers = [
-            (i, layer.mlp) for i, layer in enumerate(model.model.layers) if isinstance(layer.mlp, SparseMoE)
-        ]
-        self._experts_reported = time.monotonic()
+
+    def _scheduler_config(self, state: PagedState, graphs: WindowGraphs | None) -> SchedulerConfig:
+        config = self.config
+        return SchedulerConfig(
+            parallel=config.parallel,
+            max_batched_tokens=config.max_batched_tokens,
+            block_size=config.block_size,
+            kv_blocks=state.blocks,
+            decode_share=config.decode_share,
+            prompt_align=CHUNK if self.recurrent else 1,
+            prefix_cache=config.prefix_cache,
+            checkpoint_slots=state.checkpoint_slots,
+            recurrent=self.recurrent,
+            window_rows=graphs.mixed_rows if graphs is not None else (),
+        )
 
     def close(self) -> None:
         """Finish what must outlive the process: parked conversations still being written to disk."""

@@ -50,6 +50,7 @@ class PagedState:
         device: torch.device,
         checkpoints: int = 0,
     ) -> None:
+        self.blocks = blocks
         self.block_size = block_size
         self.scratch_block = blocks
         self.scratch_slot = slots

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from app.engine.blocks import BlockPool
+from app.engine.blocks import prefix_keys
 from app.engine.paged_state import PagedState
 from app.engine.protocol import ParkingStats
 from app.engine.transfer import device_tensor
@@ -92,14 +92,12 @@ class ConversationPark:
     def __init__(
         self,
         state: PagedState,
-        pool: BlockPool,
         identity: str,
         ram_budget: int,
         directory: Path | None = None,
         disk_budget: int = 0,
     ) -> None:
         self.state = state
-        self.pool = pool
         self.identity = identity
         self.ram_budget = ram_budget
         self.directory = directory if directory is not None and disk_budget > 0 else None
@@ -144,7 +142,7 @@ class ConversationPark:
             return
         size = self.state.block_size
         full = len(tokens) // size
-        block_keys = self.pool.prefix_keys(tokens, full)
+        block_keys = prefix_keys(tokens, full, size)
         new = [i for i, k in enumerate(block_keys) if k not in self._blocks]
         gathered: list[tuple[bytes, torch.Tensor]] = []
         if new:
@@ -485,7 +483,7 @@ class ConversationPark:
             raw = bytearray(payload[entry["offset"] : entry["offset"] + nbytes])
             flat = torch.frombuffer(raw, dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
             loaded[name] = self._to_host(flat.view(dtypes[name]).view(shape))
-        block_keys = self.pool.prefix_keys(list(key), full)
+        block_keys = prefix_keys(list(key), full, size)
         blocks = list(loaded["blocks"].unbind(0)) if full else []
         own = loaded["tail"].nbytes + sum(loaded[n].nbytes for n in ("conv", "recurrent") if n in loaded)
         parked = Parked(
