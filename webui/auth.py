@@ -9,11 +9,19 @@ from litestar.exceptions import NotAuthorizedException
 from litestar.handlers.base import BaseRouteHandler
 
 
+def key_accepted(key: str | None, offered: str | None) -> bool:
+    """True when the server has no key (`key` None) or `offered` equals it, compared in constant time.
+
+    Every route and WebSocket checks a key here.
+    """
+    if key is None:
+        return True
+    return offered is not None and hmac.compare_digest(offered.encode(), key.encode())
+
+
 def require_api_key(connection: ASGIConnection, _: BaseRouteHandler) -> None:
     """Litestar guard: pass when no key is set or the bearer token equals it; else 401."""
-    key: str | None = connection.app.state.settings.api_key
-    if key is None:
-        return
     scheme, _, token = connection.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+    offered = token.strip() if scheme.lower() == "bearer" else None
+    if not key_accepted(connection.app.state.settings.api_key, offered):
         raise NotAuthorizedException("invalid or missing API key: send 'Authorization: Bearer <key>'")

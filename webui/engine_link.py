@@ -5,10 +5,10 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from app.engine.client import AsyncEngineClient, EngineError
-from app.engine.protocol import Ready, RequestOutput, SamplingParams, WindowStats
+from app.engine.protocol import Ready, RequestOutput, SamplingParams, WindowStats, check_request
 from app.text.tokenizer import Tokenizer
 
 
@@ -104,3 +104,23 @@ class EngineLink:
     async def shutdown(self) -> None:
         """Stop the engine process."""
         await self.client.shutdown()
+
+
+def context_tokens(link: EngineLink) -> int:
+    """The most tokens one request may hold: the model's context, or less when the KV pool is smaller."""
+    ready = link.ready
+    return min(ready.max_model_len, ready.kv_blocks_total * ready.block_size)
+
+
+def sampling_params(
+    link: EngineLink, prompt: list[int], max_tokens: int | None, **fields: Any
+) -> SamplingParams:
+    """The engine's parameters for `prompt`, checked against the model (an InvalidRequest names the field).
+
+    Every route builds them here; `max_tokens` None means as many as the context leaves (at least one).
+    """
+    context = context_tokens(link)
+    limit = max_tokens if max_tokens is not None else max(1, context - len(prompt))
+    params = SamplingParams(max_tokens=limit, **fields)
+    check_request(prompt, params, link.ready.vocab_size, context)
+    return params

@@ -13,7 +13,6 @@ import asyncio
 import base64
 import binascii
 import contextlib
-import hmac
 import logging
 import time
 from contextlib import aclosing
@@ -27,12 +26,12 @@ from litestar.exceptions import WebSocketDisconnect
 from litestar.status_codes import WS_1008_POLICY_VIOLATION
 
 from app.engine.client import EngineError
-from app.engine.protocol import InvalidRequest, SamplingParams, check_request
+from app.engine.protocol import InvalidRequest, SamplingParams
 from app.text.chat_template import ChatTemplateError
 from app.text.tokenizer import TokenizerError
-from webui.engine_link import EngineLink, RequestRecord
+from webui.auth import key_accepted
+from webui.engine_link import EngineLink, RequestRecord, sampling_params
 from webui.monitor import MonitorFeed, Viewer
-from webui.openai import context_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -67,12 +66,8 @@ def offered_key(socket: WebSocket) -> str | None:
 
 
 def authorized(socket: WebSocket) -> bool:
-    """True when the server has no API key or the connection carries it (compared in constant time)."""
-    key: str | None = socket.app.state.settings.api_key
-    if key is None:
-        return True
-    offered = offered_key(socket)
-    return offered is not None and hmac.compare_digest(offered.encode(), key.encode())
+    """True when the server has no API key or the connection carries it."""
+    return key_accepted(socket.app.state.settings.api_key, offered_key(socket))
 
 
 async def admit(socket: WebSocket) -> bool:
@@ -250,10 +245,10 @@ class ChatSession:
         turns = [{"role": turn.role, "content": turn.content} for turn in start.messages]
         prompt = self.link.tokenizer.encode_chat(turns, True)
         settings = start.params
-        context = context_tokens(self.link)
-        max_tokens = settings.max_tokens if settings.max_tokens is not None else context - len(prompt)
-        params = SamplingParams(
-            max_tokens=max(1, max_tokens),
+        params = sampling_params(
+            self.link,
+            prompt,
+            settings.max_tokens,
             temperature=settings.temperature,
             top_p=settings.top_p,
             top_k=settings.top_k,
@@ -264,7 +259,6 @@ class ChatSession:
             repetition_penalty=settings.repetition_penalty,
             stop=settings.stop,
         )
-        check_request(prompt, params, self.link.ready.vocab_size, context)
         return prompt, params
 
     async def close(self) -> None:

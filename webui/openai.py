@@ -19,11 +19,11 @@ from litestar.openapi.spec import OpenAPIMediaType, OpenAPIResponse, OpenAPIType
 from litestar.response import Stream
 
 from app.engine.client import EngineError
-from app.engine.protocol import InvalidRequest, PositionLogprobs, RequestOutput, SamplingParams, check_request
+from app.engine.protocol import InvalidRequest, PositionLogprobs, RequestOutput, SamplingParams
 from app.text.chat_template import ChatTemplateError
 from app.text.tokenizer import TokenizerError
 from webui.auth import require_api_key
-from webui.engine_link import EngineLink
+from webui.engine_link import EngineLink, context_tokens, sampling_params
 from webui.errors import ApiError, ErrorDetail, ErrorResponse
 from webui.openai_schema import (
     AssistantMessage,
@@ -228,12 +228,6 @@ class _CompletionReply(_Reply):
         return self._completion([CompletionChoice(0, text, self._logprobs(positions), finish_reason)], usage)
 
 
-def context_tokens(link: EngineLink) -> int:
-    """The most tokens one request may hold: the model's context, or less when the KV pool is smaller."""
-    ready = link.ready
-    return min(ready.max_model_len, ready.kv_blocks_total * ready.block_size)
-
-
 def _check_model(link: EngineLink, model: str | None) -> None:
     """404 model_not_found unless `model` is absent or names the served model."""
     if model is not None and model != link.model_name:
@@ -296,33 +290,32 @@ def _sampling_params(
     if request.n != 1:
         raise InvalidRequest("only n=1 is supported", "n")
     max_tokens: int | None = getattr(request, max_tokens_param)
-    context = context_tokens(link)
-    params = SamplingParams(
-        max_tokens=max_tokens if max_tokens is not None else max(1, context - len(prompt)),
-        temperature=request.temperature,
-        top_p=request.top_p,
-        top_k=0 if request.top_k == -1 else request.top_k,
-        min_p=request.min_p,
-        seed=request.seed,
-        presence_penalty=request.presence_penalty,
-        frequency_penalty=request.frequency_penalty,
-        repetition_penalty=request.repetition_penalty,
-        stop=[request.stop] if isinstance(request.stop, str) else list(request.stop or []),
-        stop_token_ids=list(request.stop_token_ids or []),
-        ignore_eos=request.ignore_eos,
-        logprobs=logprobs,
-        skip_special_tokens=request.skip_special_tokens,
-        include_stop_str_in_output=request.include_stop_str_in_output,
-    )
     try:
-        check_request(prompt, params, link.ready.vocab_size, context)
+        return sampling_params(
+            link,
+            prompt,
+            max_tokens,
+            temperature=request.temperature,
+            top_p=request.top_p,
+            top_k=0 if request.top_k == -1 else request.top_k,
+            min_p=request.min_p,
+            seed=request.seed,
+            presence_penalty=request.presence_penalty,
+            frequency_penalty=request.frequency_penalty,
+            repetition_penalty=request.repetition_penalty,
+            stop=[request.stop] if isinstance(request.stop, str) else list(request.stop or []),
+            stop_token_ids=list(request.stop_token_ids or []),
+            ignore_eos=request.ignore_eos,
+            logprobs=logprobs,
+            skip_special_tokens=request.skip_special_tokens,
+            include_stop_str_in_output=request.include_stop_str_in_output,
+        )
     except InvalidRequest as exc:
         if exc.param == "prompt" or (exc.param == "max_tokens" and max_tokens is None):
             raise InvalidRequest(str(exc), prompt_param) from None
         if exc.param == "max_tokens":
             raise InvalidRequest(str(exc).replace("max_tokens", max_tokens_param), max_tokens_param) from None
         raise
-    return params
 
 
 def _event(body: msgspec.Struct) -> bytes:
