@@ -12,7 +12,7 @@ from app.default_model import default_model_dir
 from app.engine.config import EngineConfig
 from app.engine.cuda_graphs import WindowGraphs
 from app.engine.paged_state import PagedState, kv_block_bytes, slot_state_bytes
-from app.engine.parking import ConversationPark, model_identity
+from app.engine.parking import ConversationPark
 from app.engine.protocol import (
     EXPERT_REPORT_S,
     AddRequest,
@@ -28,6 +28,7 @@ from app.engine.sampler import Sampler
 from app.engine.scheduler import Phase, Request, Scheduler, SchedulerConfig
 from app.errors import StrataError
 from app.kernels.backends import select_backends
+from app.loading.identity import model_identity
 from app.loading.model import LoadedModel, open_model
 from app.models.config import LINEAR_ATTENTION
 from app.models.gdn import CHUNK

@@ -1,22 +1,20 @@
 """Parked conversations: a finished turn's KV blocks and recurrent state in pinned host RAM and on disk.
 
 When a request ends, its state (the keys and values of every position it holds, and on hybrid models the
-Gated DeltaNet state of its slot) is gathered on the device, and a background thread copies it to pinned
-host memory (and writes its file) while windows go on, so that a follow-up turn can continue from it even
-after the device's prefix cache has reused those blocks. Full blocks are kept by chain hash and shared between
+Gated DeltaNet state of its slot) is gathered on the device; the park's worker thread copies it to pinned
+host memory and writes its file while windows go on, so that a follow-up turn can continue from it even after
+the device's prefix cache has reused those blocks. Full blocks are kept by chain hash and shared between
 parked conversations: parking a conversation again copies only its new blocks. RAM holds up to `ram_budget`
-bytes, least recently used first out; with a directory, every parked conversation is also written there by a
-background thread (one file each, up to `disk_budget` bytes, least recently used deleted first), and the files
-are found again after a restart. A file is read whole and checked (format, model identity, block size and
-shapes, token ids, checksum) before anything is copied to the device; a corrupt one is deleted and one of
-another model left alone, each with a log line.
+bytes, least recently used first out; with a directory, every parked conversation is also written there (one
+file each, park_file.py, up to `disk_budget` bytes, least recently used deleted first), and the files are
+found again after a restart. A file is read whole and checked on the reader thread (format, model identity,
+block size and shapes, token ids, checksum) before anything is copied to the device; a corrupt one is deleted
+and one of another model left alone, each with a log line.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import logging
 import os
 import queue
@@ -29,30 +27,14 @@ from pathlib import Path
 
 import torch
 
+from app.engine import park_file
 from app.engine.blocks import prefix_keys
 from app.engine.paged_state import PagedState
+from app.engine.park_file import Part
 from app.engine.protocol import ParkingStats
 from app.engine.transfer import device_tensor
 
 log = logging.getLogger("strata.parking")
-
-MAGIC = b"STRATA-PARKED-1\n"
-SUFFIX = ".park"
-SAMPLE = 1 << 16  # bytes read from each end of a weight file for the model identity
-
-
-def model_identity(path: Path) -> str:
-    """A fingerprint of a model directory: its config and, per weight file, name, size and both ends."""
-    digest = hashlib.blake2b(digest_size=16)
-    digest.update((path / "config.json").read_bytes())
-    for weights in sorted([*path.glob("*.safetensors"), *path.glob("*.gguf")]):
-        size = weights.stat().st_size
-        digest.update(f"{weights.name}:{size}".encode())
-        with weights.open("rb") as f:
-            digest.update(f.read(SAMPLE))
-            f.seek(max(size - SAMPLE, 0))
-            digest.update(f.read(SAMPLE))
-    return digest.hexdigest()
 
 
 @dataclass
@@ -304,48 +286,22 @@ class ConversationPark:
     def _add_file(self, parked: Parked) -> Path:
         """Index the file a parked conversation will be written to (by the worker); returns its path."""
         assert self.directory is not None
-        name = hashlib.blake2b(json.dumps(parked.tokens).encode(), digest_size=16).hexdigest() + SUFFIX
-        path = self.directory / name
+        path = self.directory / park_file.file_name(parked.tokens)
         size = sum(self._blocks[k].nbytes for k in parked.block_keys) + parked.own_bytes  # and a header
         self._add_disk(tuple(parked.tokens), path, size)
         self._fit_disk()
         return path
 
     def _write_file(self, path: Path, parked: Parked, blocks: list[torch.Tensor]) -> None:
-        """A parked conversation as one file: magic, header length, JSON header, then the tensors' bytes.
-
-        The bytes go from the host tensors to the checksum and the file without being copied or joined:
-        hashing and writing large buffers release the GIL, so the engine's loop runs on beside this thread.
-        """
-        parts: list[tuple[str, list[int], torch.dtype, list[torch.Tensor]]] = [
-            ("blocks", [len(blocks), *blocks[0].shape] if blocks else [0], self.state.keys.dtype, blocks)
+        """A parked conversation's file, from its host tensors (park_file.py)."""
+        parts = [
+            Part("blocks", [len(blocks), *blocks[0].shape] if blocks else [0], self.state.keys.dtype, blocks)
         ]
-        own = {"tail": parked.tail, "conv": parked.conv, "recurrent": parked.recurrent}
-        if parked.conv is None or parked.recurrent is None:
-            own = {"tail": parked.tail}
-        parts += [(name, list(t.shape), t.dtype, [t]) for name, t in own.items() if t is not None]
-        digest, entries, offset = hashlib.blake2b(digest_size=32), [], 0
-        views = []
-        for name, shape, dtype, tensors in parts:
-            entries.append({"name": name, "shape": shape, "dtype": str(dtype), "offset": offset})
-            for tensor in tensors:
-                if tensor.numel():
-                    view = memoryview(tensor.contiguous().view(torch.uint8).numpy())
-                    digest.update(view)
-                    views.append(view)
-                    offset += view.nbytes
-        header = {
-            "model": self.identity,
-            "block_size": self.state.block_size,
-            "tokens": parked.tokens,
-            "tensors": entries,
-            "checksum": digest.hexdigest(),
-        }
-        body = json.dumps(header).encode()
-        with path.open("wb") as f:
-            f.write(MAGIC + len(body).to_bytes(8, "little") + body)
-            for view in views:
-                f.write(view)
+        own = {"tail": parked.tail}
+        if parked.conv is not None and parked.recurrent is not None:
+            own |= {"conv": parked.conv, "recurrent": parked.recurrent}
+        parts += [Part(name, list(t.shape), t.dtype, [t]) for name, t in own.items()]
+        park_file.write(path, self.identity, self.state.block_size, parked.tokens, parts)
 
     def _work(self) -> None:
         """The worker thread: each parked conversation's device copies to pinned host memory (on a stream of
@@ -405,10 +361,10 @@ class ConversationPark:
     def _index(self) -> None:
         """Find the conversations parked in the directory by an earlier run (headers only), oldest first."""
         assert self.directory is not None
-        files = sorted(self.directory.glob(f"*{SUFFIX}"), key=lambda p: p.stat().st_mtime)
+        files = sorted(self.directory.glob(f"*{park_file.SUFFIX}"), key=lambda p: p.stat().st_mtime)
         for path in files:
             try:
-                header = _read_header(path)
+                header = park_file.read_header(path)
             except (OSError, ValueError) as e:
                 log.warning("discarding parked conversation %s: %s", path.name, e)
                 path.unlink(missing_ok=True)
@@ -443,78 +399,30 @@ class ConversationPark:
     def _read(self, path: Path, key: tuple[int, ...]) -> tuple[Parked, list[torch.Tensor]]:
         """The conversation in a file and its full blocks' keys and values, after every check (on the reader
         thread: it reads only the file and what never changes)."""
-        data = path.read_bytes()
-        header = _parse_header(data)
-        if header["model"] != self.identity:
-            raise ValueError("it was parked by another model")
-        if header["block_size"] != self.state.block_size:
-            raise ValueError(f"block size {header['block_size']}, not {self.state.block_size}")
-        if tuple(header["tokens"]) != key:
-            raise ValueError("its token ids are not the ones it was indexed under")
-        start = len(MAGIC) + 8 + int.from_bytes(data[len(MAGIC) : len(MAGIC) + 8], "little")
-        payload = memoryview(data)[start:]
-        if hashlib.blake2b(payload, digest_size=32).hexdigest() != header["checksum"]:
-            raise ValueError("checksum mismatch")
-        tensors = {e["name"]: e for e in header["tensors"]}
         size = self.state.block_size
         full, rest = len(key) // size, len(key) % size
         layers, _, _, heads, dim = self.state.keys.shape
-        block_shape = (2, layers, size, heads, dim)
+        kv = self.state.keys.dtype
         expected = {
-            "blocks": [full, *block_shape] if full else [0],
-            "tail": [2, layers, rest, heads, dim],
+            "blocks": Part("blocks", [full, 2, layers, size, heads, dim] if full else [0], kv, []),
+            "tail": Part("tail", [2, layers, rest, heads, dim], kv, []),
         }
         if self.state.conv.shape[0]:
-            expected["conv"] = list(self.state.conv[:, 0].shape)
-            expected["recurrent"] = list(self.state.recurrent[:, 0].shape)
-        if {n: tensors[n]["shape"] for n in tensors} != expected:
-            raise ValueError("its tensor shapes do not fit this model")
-        loaded = {}
-        dtypes = {"blocks": self.state.keys.dtype, "tail": self.state.keys.dtype}
-        dtypes |= {"conv": self.state.conv.dtype, "recurrent": self.state.recurrent.dtype}
-        for name, shape in expected.items():
-            entry = tensors[name]
-            if entry["dtype"] != str(dtypes[name]):
-                raise ValueError(f"{name} is {entry['dtype']}, not {dtypes[name]}")
-            count = 1
-            for n in shape:
-                count *= n
-            nbytes = count * torch.empty((), dtype=dtypes[name]).element_size()
-            raw = bytearray(payload[entry["offset"] : entry["offset"] + nbytes])
-            flat = torch.frombuffer(raw, dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
-            loaded[name] = self._to_host(flat.view(dtypes[name]).view(shape))
-        block_keys = prefix_keys(list(key), full, size)
+            expected["conv"] = Part("conv", list(self.state.conv[:, 0].shape), self.state.conv.dtype, [])
+            recurrent = self.state.recurrent
+            expected["recurrent"] = Part("recurrent", list(recurrent[:, 0].shape), recurrent.dtype, [])
+        loaded = {
+            name: self._to_host(tensor)
+            for name, tensor in park_file.read(path, self.identity, size, key, expected).items()
+        }
         blocks = list(loaded["blocks"].unbind(0)) if full else []
         own = loaded["tail"].nbytes + sum(loaded[n].nbytes for n in ("conv", "recurrent") if n in loaded)
         parked = Parked(
-            list(key), block_keys, loaded["tail"], loaded.get("conv"), loaded.get("recurrent"), own
+            list(key),
+            prefix_keys(list(key), full, size),
+            loaded["tail"],
+            loaded.get("conv"),
+            loaded.get("recurrent"),
+            own,
         )
         return parked, blocks
-
-
-def _read_header(path: Path) -> dict:
-    with path.open("rb") as f:
-        head = f.read(len(MAGIC) + 8)
-        if len(head) < len(MAGIC) + 8 or head[: len(MAGIC)] != MAGIC:
-            raise ValueError("not a parked-conversation file")
-        length = int.from_bytes(head[len(MAGIC) :], "little")
-        return _parse_header(head + f.read(length))
-
-
-def _parse_header(data: bytes) -> dict:
-    if data[: len(MAGIC)] != MAGIC:
-        raise ValueError("not a parked-conversation file")
-    length = int.from_bytes(data[len(MAGIC) : len(MAGIC) + 8], "little")
-    body = data[len(MAGIC) + 8 : len(MAGIC) + 8 + length]
-    if len(body) != length:
-        raise ValueError("truncated header")
-    try:
-        header = json.loads(body)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"unreadable header: {e}") from e
-    if (
-        not isinstance(header, dict)
-        or not {"model", "block_size", "tokens", "tensors", "checksum"} <= header.keys()
-    ):
-        raise ValueError("incomplete header")
-    return header

@@ -1,0 +1,22 @@
+"""A model directory's fingerprint, checked before state saved by one model is used by another."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+SAMPLE = 1 << 16  # bytes read from each end of a weight file
+
+
+def model_identity(path: Path) -> str:
+    """A fingerprint of a model directory: its config and, per weight file, name, size and both ends."""
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update((path / "config.json").read_bytes())
+    for weights in sorted([*path.glob("*.safetensors"), *path.glob("*.gguf")]):
+        size = weights.stat().st_size
+        digest.update(f"{weights.name}:{size}".encode())
+        with weights.open("rb") as f:
+            digest.update(f.read(SAMPLE))
+            f.seek(max(size - SAMPLE, 0))
+            digest.update(f.read(SAMPLE))
+    return digest.hexdigest()
