@@ -2,7 +2,8 @@
 
 It drives the device for each window. The other engine modules that touch devices are the ones it uses: the
 paged state (paged_state.py), the window graphs (cuda_graphs.py) and the park's copies (parking.py); the
-engine core reads routing counters back once a second. The scheduler and everything it imports never do.
+engine core reads routing counters back every EXPERT_REPORT_S seconds. The scheduler and everything it
+imports never do.
 """
 
 from __future__ import annotations
