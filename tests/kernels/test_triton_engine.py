@@ -20,6 +20,13 @@ def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     )
 
 
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The hybrid model alone, for the long tests: its attention and Gated DeltaNet layers cover every kernel
+    the engine runs (the attention-only model's differences are covered by the tests over both)."""
+    return write_checkpoint(tmp_path_factory.mktemp("hybrid"), "qwen3_next", max_position_embeddings=1024)
+
+
 def _prompt(length: int, seed: int) -> list[int]:
     return torch.randint(3, 512, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
@@ -43,13 +50,13 @@ def test_exact_kernels_give_the_tokens_of_the_reference(checkpoint: Path) -> Non
     assert complete(exact, prompt, **params).token_ids == reference.token_ids
 
 
-def test_long_prompts_cut_into_other_pieces_beside_others_equal_each_alone(checkpoint: Path) -> None:
+def test_long_prompts_cut_into_other_pieces_beside_others_equal_each_alone(hybrid: Path) -> None:
     """Prompts longer than the budget are read in other windows and pieces together than alone.
 
     Tokens only: on the CPU torch's vectorised sigmoid / softplus / SiLU round an element by its place in the
     vector, so bits can differ with the batch (tests/gpu checks the bits on a GPU).
     """
-    core = make_core(checkpoint, backend="triton", parallel=3, max_batched_tokens=72, decode_share=0.01)
+    core = make_core(hybrid, backend="triton", parallel=3, max_batched_tokens=72, decode_share=0.01)
     params = {"max_tokens": 3, "temperature": 0, "ignore_eos": True}
     arrivals = [(at, request(_prompt(length, at), **params)) for at, length in [(0, 100), (1, 110), (2, 90)]]
     together, windows = run(core, arrivals)
@@ -58,15 +65,15 @@ def test_long_prompts_cut_into_other_pieces_beside_others_equal_each_alone(check
         assert together[add.request_id].token_ids == complete(core, add.prompt_token_ids, **params).token_ids
 
 
-def test_a_shared_prompt_start_is_continued_from_the_cache(checkpoint: Path) -> None:
+def test_a_shared_prompt_start_is_continued_from_the_cache(hybrid: Path) -> None:
     """The first prompt leaves full blocks (and on hybrid models a checkpoint) up to 192: the others go on."""
-    core = make_core(checkpoint, backend="triton", max_batched_tokens=256)
+    core = make_core(hybrid, backend="triton", max_batched_tokens=256)
     shared = _prompt(200, 7)
     params = {"max_tokens": 2, "temperature": 0, "ignore_eos": True}
     adds = [request([*shared, *_prompt(20, 20 + i)], **params) for i in range(3)]
     results, windows = run(core, [(0, adds[0]), (3, adds[1]), (3, adds[2])])
     assert sum(w.prefix_cache_hits for w in windows) == 2 * 192
-    fresh = make_core(checkpoint, backend="triton", prefix_cache=False)
+    fresh = make_core(hybrid, backend="triton", prefix_cache=False)
     for add in adds[1:]:
         assert results[add.request_id].token_ids == complete(fresh, add.prompt_token_ids, **params).token_ids
 
@@ -89,18 +96,9 @@ def _with_window_graphs(core: EngineCore) -> list[Bucket]:
     return used
 
 
-@pytest.fixture(scope="module")
-def hybrid(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_checkpoint(tmp_path_factory.mktemp("hybrid"), "qwen3_next", max_position_embeddings=1024)
-
-
 def test_windows_through_the_graphs_static_inputs_give_the_eager_windows_tokens(hybrid: Path) -> None:
     """Decode rows, prompt pieces, fresh slots, a checkpoint saved inside a chunk and a follow-up from it,
-    padded to buckets: the same tokens (and logprobs to rounding) as every window run eagerly.
-
-    On the hybrid model, whose attention and Gated DeltaNet layers cover every kernel the graphs capture.
-    """
-    checkpoint = hybrid
+    padded to buckets: the same tokens (and logprobs to rounding) as every window run eagerly."""
     settings = {"backend": "triton", "parallel": 3, "max_batched_tokens": 72, "decode_share": 0.01}
     params = {"max_tokens": 3, "temperature": 0, "ignore_eos": True, "logprobs": 1}
     shared = _prompt(70, 9)  # read in one chunk that checkpoints position 64 on the way
@@ -109,10 +107,10 @@ def test_windows_through_the_graphs_static_inputs_give_the_eager_windows_tokens(
         (1, request(_prompt(20, 1), **params)),
         (2, request([*shared, *_prompt(6, 3)], **params)),
     ]
-    graphed = make_core(checkpoint, **settings)
+    graphed = make_core(hybrid, **settings)
     used = _with_window_graphs(graphed)
     padded, windows = run(graphed, arrivals)
-    eager, _ = run(make_core(checkpoint, **settings), arrivals)
+    eager, _ = run(make_core(hybrid, **settings), arrivals)
     assert {b.decode for b in used} == {True, False} and any(
         w.prompt_tokens and w.decode_tokens for w in windows
     )
