@@ -394,7 +394,8 @@ class ConversationPark:
                 self._block_refs[k] = self._block_refs.get(k, 0) + 1
         self._ram[key] = parked
         self._ram_total += parked.own_bytes
-        self._fit_ram()
+        # No eviction here: the request waiting for it restores it in this step, before the next park fits the
+        # RAM budget (a budget of 0 would evict it at once, and the file would be read again and again).
 
     def _read(self, path: Path, key: tuple[int, ...]) -> tuple[Parked, list[torch.Tensor]]:
         """The conversation in a file and its full blocks' keys and values, after every check (on the reader

@@ -178,7 +178,8 @@ def test_a_parked_file_is_read_off_the_engine_thread_while_the_request_waits(
     checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The follow-up of a conversation parked on disk waits in the queue while the park's reader thread reads
-    and checks the file; `schedule()` never reads one, and a slot already decoding gets a token meanwhile."""
+    and checks the file; `schedule()` never reads one, and a slot already decoding gets a token meanwhile.
+    With no RAM for parking, the file read for the follow-up stays until it is restored."""
     first = make_core(checkpoint, park_memory=0, park_dir=str(tmp_path), park_disk=64 << 20)
     _, follow_up = _conversation(first)
     assert first.park is not None
@@ -192,7 +193,7 @@ def test_a_parked_file_is_read_off_the_engine_thread_while_the_request_waits(
         return read(self, path, key)
 
     monkeypatch.setattr(ConversationPark, "_read", slow_read)
-    restarted = make_core(checkpoint, park_memory=64 << 20, park_dir=str(tmp_path), park_disk=64 << 20)
+    restarted = make_core(checkpoint, park_memory=0, park_dir=str(tmp_path), park_disk=64 << 20)
     busy = request(random_prompt(8, 5), max_tokens=200, temperature=0, ignore_eos=True)
     add = request(follow_up, **GREEDY)
     results, windows = run(restarted, [(0, busy), (1, add)])
