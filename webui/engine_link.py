@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -58,6 +59,18 @@ class EngineLink:
         self.observer = observer
         self.running: dict[str, RequestRecord] = {}
         client.add_stats_listener(self._on_window)
+
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`, on a worker thread: a long prompt never holds up the other streams."""
+        return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens)
+
+    async def encode_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool, **template_kwargs: Any
+    ) -> list[int]:
+        """Token ids of `messages` rendered with the chat template, on a worker thread as `encode`."""
+        return await asyncio.to_thread(
+            self.tokenizer.encode_chat, messages, add_generation_prompt, **template_kwargs
+        )
 
     @property
     def dead(self) -> str | None:

@@ -209,7 +209,7 @@ class ChatSession:
 
     async def _answer(self, start: ChatStart, answer: _Answer) -> None:
         try:
-            prompt, params = self._request(start)
+            prompt, params = await self._request(start)
             answer.prompt_tokens = len(prompt)
             async with aclosing(self.link.stream(prompt, params)) as outputs:
                 async for output in outputs:
@@ -236,14 +236,14 @@ class ChatSession:
             if self.answers.get(start.id) is answer:
                 del self.answers[start.id]
 
-    def _request(self, start: ChatStart) -> tuple[list[int], SamplingParams]:
+    async def _request(self, start: ChatStart) -> tuple[list[int], SamplingParams]:
         """The prompt's token ids and the engine's parameters, checked against the model."""
         if self.link.dead:
             raise EngineError(self.link.dead)
         if not start.messages:
             raise InvalidRequest("messages must not be empty", "messages")
         turns = [{"role": turn.role, "content": turn.content} for turn in start.messages]
-        prompt = self.link.tokenizer.encode_chat(turns, True)
+        prompt = await self.link.encode_chat(turns, True)
         settings = start.params
         params = sampling_params(
             self.link,

@@ -240,7 +240,7 @@ def _check_model(link: EngineLink, model: str | None) -> None:
         )
 
 
-def _chat_prompt(
+async def _chat_prompt(
     link: EngineLink,
     messages: Sequence[ChatMessage],
     add_generation_prompt: bool,
@@ -259,17 +259,17 @@ def _chat_prompt(
             entry["name"] = message.name
         rendered.append(entry)
     try:
-        return link.tokenizer.encode_chat(rendered, add_generation_prompt, **(template_kwargs or {}))
+        return await link.encode_chat(rendered, add_generation_prompt, **(template_kwargs or {}))
     except (ChatTemplateError, TokenizerError) as exc:
         raise InvalidRequest(f"the chat template cannot render the messages: {exc}", "messages") from None
 
 
-def _completion_prompt(link: EngineLink, prompt: str | list[str | int | list[int]]) -> list[int]:
+async def _completion_prompt(link: EngineLink, prompt: str | list[str | int | list[int]]) -> list[int]:
     """The token ids of a completion prompt: text, token ids, or a one-element list of either."""
     if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
         prompt = prompt[0]
     if isinstance(prompt, str):
-        return link.tokenizer.encode(prompt)
+        return await link.encode(prompt)
     if all(isinstance(token, int) for token in prompt):
         return prompt
     raise InvalidRequest(
@@ -406,7 +406,7 @@ async def chat_completions(data: ChatCompletionRequest, link: EngineLink) -> Res
     _check_model(link, data.model)
     if data.top_logprobs is not None and not data.logprobs:
         raise InvalidRequest("top_logprobs requires logprobs to be true", "top_logprobs")
-    prompt = _chat_prompt(link, data.messages, True, data.chat_template_kwargs)
+    prompt = await _chat_prompt(link, data.messages, True, data.chat_template_kwargs)
     logprobs = (data.top_logprobs or 0) if data.logprobs else None
     max_tokens_param = "max_completion_tokens" if data.max_completion_tokens is not None else "max_tokens"
     params = _sampling_params(link, data, prompt, "messages", max_tokens_param, logprobs)
@@ -424,7 +424,7 @@ async def completions(data: CompletionRequest, link: EngineLink) -> Response[Tex
     _check_model(link, data.model)
     if data.echo:
         raise InvalidRequest("echo is not supported", "echo")
-    prompt = _completion_prompt(link, data.prompt)
+    prompt = await _completion_prompt(link, data.prompt)
     params = _sampling_params(link, data, prompt, "prompt", "max_tokens", data.logprobs)
     return await _answer(link, data, prompt, params, _CompletionReply(link, data.logprobs))
 
@@ -445,9 +445,11 @@ async def tokenize(data: TokenizeRequest, link: EngineLink) -> TokenizeResponse:
     if (data.prompt is None) == (data.messages is None):
         raise InvalidRequest("send exactly one of prompt and messages", "prompt")
     if data.messages is not None:
-        tokens = _chat_prompt(link, data.messages, data.add_generation_prompt, data.chat_template_kwargs)
+        tokens = await _chat_prompt(
+            link, data.messages, data.add_generation_prompt, data.chat_template_kwargs
+        )
     else:
-        tokens = link.tokenizer.encode(data.prompt, add_special_tokens=data.add_special_tokens)
+        tokens = await link.encode(data.prompt, add_special_tokens=data.add_special_tokens)
     return TokenizeResponse(len(tokens), context_tokens(link), tokens)
 
 
