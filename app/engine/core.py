@@ -216,8 +216,11 @@ class EngineCore:
         """Run one window and report what each request produced."""
         began = time.perf_counter()
         window = self.scheduler.schedule()
+        idle_s = 0.0  # waiting, neither host work nor the device's
         if not window.chunks and self.park is not None:
+            waited = time.perf_counter()
             self.park.wait_reads(READ_WAIT_S)  # a request waits for its parked file: do not spin
+            idle_s = time.perf_counter() - waited
         started, clock = time.time(), time.perf_counter()
         sampled = self.runner.execute(window) if window.chunks else []
         seconds = time.perf_counter() - clock
@@ -226,7 +229,8 @@ class EngineCore:
         outputs = [self._emit(s) for s in sampled]
         # The decode share is kept in what slots feel: the whole step, its planning and emitting included.
         step_s = time.perf_counter() - began
-        self.scheduler.observe(window, step_s, replayed=self.runner.last_replayed)
+        if window.chunks:  # an empty window says nothing about what windows cost
+            self.scheduler.observe(window, step_s, replayed=self.runner.last_replayed)
         self.windows += 1
         stats = WindowStats(
             window=self.windows,
@@ -246,7 +250,7 @@ class EngineCore:
             preempted=window.preempted,
             experts=self._expert_usage(),
             step_s=step_s,
-            host_s=step_s - (self.runner.last_wait_s if window.chunks else 0.0),
+            host_s=step_s - (self.runner.last_wait_s if window.chunks else idle_s),
         )
         return outputs, stats
 

@@ -73,8 +73,7 @@ class WindowGraphs:
     """Captured graphs of decode and mixed windows, sharing static inputs and one memory pool.
 
     `slots` batch slots; `max_blocks` block-table columns a request can need; `max_tokens` the most rows of a
-    window the scheduler plans (token budget plus the alignment overrun of a prompt piece). With `mixed` False
-    only decode windows are captured.
+    window the scheduler plans (token budget plus the alignment overrun of a prompt piece).
     """
 
     def __init__(
@@ -84,15 +83,12 @@ class WindowGraphs:
         slots: int,
         max_blocks: int,
         max_tokens: int,
-        mixed: bool = True,
     ) -> None:
         self.model = model
         self.state = state
         self.slots = slots
         seqs = slots + 1  # the chunks' sequences and one of padding
-        self.buckets = [Bucket(n, n, 1) for n in buckets_up_to(slots)]
-        if mixed:
-            self.buckets = mixed_buckets(max_tokens, seqs) + self.buckets
+        self.buckets = mixed_buckets(max_tokens, seqs) + [Bucket(n, n, 1) for n in buckets_up_to(slots)]
         self.max_tokens = max(b.tokens for b in self.buckets)
         self.max_seqs = max(b.seqs for b in self.buckets)
         size = state.block_size
@@ -247,8 +243,7 @@ class WindowGraphs:
             self.graphs[bucket] = graph
         torch.cuda.synchronize()
         decode = [b.tokens for b in self.buckets if b.decode]
-        mixed = sorted({b.tokens for b in self.buckets if not b.decode})
-        log.info("captured window graphs: decode %s rows; mixed %s rows", decode, mixed)
+        log.info("captured window graphs: decode %s rows; mixed %s rows", decode, list(self.mixed_rows))
 
     def run(self, chunks: Sequence[Chunk], bucket: Bucket) -> torch.Tensor:
         """Replay `bucket` for the chunks; returns logits [chunks, vocab] (fp32) of their last rows.
