@@ -67,6 +67,12 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
         "--enforce-eager", action="store_true", help="no CUDA graphs: every window runs eagerly"
     )
     parser.add_argument(
+        "--no-overlap",
+        dest="overlap",
+        action="store_false",
+        help="plan each window only after the one before has run (no host work hidden behind the device's)",
+    )
+    parser.add_argument(
         "--no-prefix-cache",
         dest="prefix_cache",
         action="store_false",
@@ -117,6 +123,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         backend=args.backend,
         exact=args.exact,
         enforce_eager=args.enforce_eager,
+        overlap=args.overlap,
         prefix_cache=args.prefix_cache,
         park_memory=args.park_memory,
         park_dir=str(args.park_dir),

@@ -92,7 +92,7 @@ def _decode(core: EngineCore, batch: int, vocab: int) -> dict[str, float]:
         began = time.perf_counter()
         _, stats = core.step()
         step_s = time.perf_counter() - began
-        if stats.prompt_tokens == 0 and stats.decode_tokens == batch:
+        if stats is not None and stats.prompt_tokens == 0 and stats.decode_tokens == batch:
             windows.append(stats.duration_s)
     steady = windows[1:]  # the first decode window may still carry one-off work
     return {
@@ -120,8 +120,9 @@ def _prefill(core: EngineCore, vocab: int) -> dict[str, float]:
         duration, hits = 0.0, 0
         while core.has_work():
             _, stats = core.step()
-            duration += stats.duration_s
-            hits += stats.prefix_cache_hits
+            if stats is not None:
+                duration += stats.duration_s
+                hits += stats.prefix_cache_hits
         if hits:
             raise RuntimeError(f"the timed prompt was served {hits} tokens from the prefix cache")
         results = {"tok_s": PREFILL_LEN / duration, "ttft_s": time.perf_counter() - began}
@@ -142,7 +143,7 @@ def _peers_read(core: EngineCore, vocab: int, peers: int, prompt_len: int) -> di
     solo: list[float] = []
     while len(solo) < 64:
         _, stats = core.step()
-        if stats.prompt_tokens == 0:
+        if stats is not None and stats.prompt_tokens == 0:
             solo.append(stats.step_s)
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     for i in range(peers):
@@ -150,7 +151,10 @@ def _peers_read(core: EngineCore, vocab: int, peers: int, prompt_len: int) -> di
         core.add_request(AddRequest(f"peer{peers}-{i}", prompt, params))
     during, prompt_windows, host, replayed, hits = [], [], [], 0, 0
     while any(s.phase == "prompt" for s in stats.slots) or stats.waiting or not during:
-        _, stats = core.step()
+        _, got = core.step()
+        if got is None:
+            continue
+        stats = got
         during.append(stats.step_s)
         hits += stats.prefix_cache_hits
         if stats.prompt_tokens:

@@ -62,7 +62,8 @@ def run(
         if core.has_work():
             step_outputs, window_stats = core.step()
             outputs += step_outputs
-            stats.append(window_stats)
+            if window_stats is not None:
+                stats.append(window_stats)
         _collect(results, outputs)
     return results, stats
 

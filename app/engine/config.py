@@ -26,7 +26,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     recurrent state; `decode_share` the share of its solo speed a decoding slot keeps while peers' prompts
     are read (docs/BATCHING.md); `backend` names the compute backends (app/kernels), `auto` picks for the
     device; `exact` fixes the kernels' tiles for every window size, dense projections included
-    (docs/KERNELS.md); `enforce_eager` turns off CUDA graphs of decode windows; `prefix_cache` lets
+    (docs/KERNELS.md); `enforce_eager` turns off CUDA graphs of windows; `overlap` plans and queues each
+    window while the device runs the one before (docs/BATCHING.md); `prefix_cache` lets
     requests continue from cached KV blocks and saved recurrent states (docs/BATCHING.md); `park_memory`
     bytes of host RAM hold finished turns for their follow-ups, and with `park_dir` up to `park_disk` bytes
     of files (surviving restarts).
@@ -44,6 +45,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     backend: str = "auto"
     exact: bool = False
     enforce_eager: bool = False
+    overlap: bool = True
     prefix_cache: bool = True
     park_memory: int = 0
     park_dir: str | None = None

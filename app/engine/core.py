@@ -1,9 +1,10 @@
-"""EngineCore: step() = scheduler.schedule() -> runner.execute(window) -> update requests -> outputs."""
+"""EngineCore: step() = schedule() -> runner.launch(window) -> the tokens of the window before -> outputs."""
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -17,15 +18,16 @@ from app.engine.protocol import (
     EXPERT_REPORT_S,
     AddRequest,
     ExpertUsage,
+    PositionLogprobs,
     Ready,
     RequestOutput,
     SlotStats,
     WindowStats,
     check_request,
 )
-from app.engine.runner import ModelRunner, Sampled
+from app.engine.runner import Launched, ModelRunner
 from app.engine.sampler import Sampler
-from app.engine.scheduler import Phase, Request, Scheduler, SchedulerConfig
+from app.engine.scheduler import Phase, Request, Scheduler, SchedulerConfig, Window, placeholder
 from app.errors import StrataError
 from app.kernels.backends import select_backends
 from app.loading.identity import model_identity
@@ -48,6 +50,33 @@ def resolve_device(name: str) -> str:
     if name == "cuda" and not available:
         raise StrataError("--device cuda: no CUDA device is available")
     return name
+
+
+@dataclass
+class _Flight:
+    """A window launched on the device: the output index of each placeholder it fills (in the order of its
+    sampling rows), when planning it began (perf_counter) and when it was launched (wall clock)."""
+
+    window: Window
+    launched: Launched | None
+    indices: list[int]
+    began: float
+    started: float
+    wait_s: float = 0.0  # how long reading its tokens waited for the device
+    slots: list[tuple[Request, SlotStats]] = field(default_factory=list)  # as the window left them
+
+    @property
+    def replayed(self) -> bool:
+        return self.launched is not None and self.launched.replayed
+
+
+@dataclass(frozen=True)
+class _Drawn:
+    """A token read back: the request's generated token number `index`, and its logprobs if asked for."""
+
+    request: Request
+    index: int
+    logprobs: PositionLogprobs | None
 
 
 class EngineCore:
@@ -77,6 +106,8 @@ class EngineCore:
         self.scheduler = Scheduler(self._scheduler_config(state, graphs), parked=self.park)
         self.streams: dict[str, TextStream] = {}
         self.windows = 0
+        self._flight: _Flight | None = None  # the window launched and not yet handed out (overlapped)
+        self._emitted_at = 0.0  # when the last window's tokens were handed out (perf_counter)
         self.moe_layers = [
             (i, layer.mlp) for i, layer in enumerate(model.model.layers) if isinstance(layer.mlp, SparseMoE)
         ]
@@ -203,56 +234,106 @@ class EngineCore:
         request = self.scheduler.requests.get(request_id)
         if request is None:
             return []
+        while request.output and request.output[-1] < 0:
+            request.output.pop()  # being drawn: never read
         self._park(request)
         self.scheduler.finish(request, "abort")
         self.streams.pop(request_id, None)
         return [self._final(request, RequestOutput(request_id))]
 
     def has_work(self) -> bool:
-        """Any request running or waiting."""
-        return self.scheduler.has_work()
+        """Any request running or waiting, or a window whose tokens are not handed out yet."""
+        return self.scheduler.has_work() or self._flight is not None
 
-    def step(self) -> tuple[list[RequestOutput], WindowStats]:
-        """Run one window and report what each request produced."""
+    def step(self) -> tuple[list[RequestOutput], WindowStats | None]:
+        """Plan and launch one window, and hand out the tokens of the one before it (overlapped), or of this
+        one (`overlap` off). The stats describe the window whose tokens were handed out; None when none was.
+
+        Overlapped, the host plans window N+1 and queues it while the device runs window N; N+1 feeds the
+        tokens N draws straight from the device, and a request that N ends runs one row more, never read.
+        """
         began = time.perf_counter()
         window = self.scheduler.schedule()
-        idle_s = 0.0  # waiting, neither host work nor the device's
-        if not window.chunks and self.park is not None:
-            waited = time.perf_counter()
+        previous, self._flight = self._flight, None
+        done: _Flight | None = None
+        resolved: list[_Drawn] = []
+        if previous is not None and self._needs_history(window):
+            done, resolved, previous = previous, self._resolve(previous), None  # its penalties read them
+        if not window.chunks and done is None and previous is None and self.park is not None:
             self.park.wait_reads(READ_WAIT_S)  # a request waits for its parked file: do not spin
-            idle_s = time.perf_counter() - waited
-        started, clock = time.time(), time.perf_counter()
-        sampled = self.runner.execute(window) if window.chunks else []
-        seconds = time.perf_counter() - clock
+        flight = self._launch(window, began)
+        if previous is not None:
+            done, resolved = previous, self._resolve(previous)
+        if window.chunks and self.config.overlap:
+            self._flight = flight
+        elif done is None:
+            done, resolved = flight, self._resolve(flight)
         self.scheduler.advance(window)
         fed = {c.request.request_id: len(c.tokens) for c in window.chunks}
-        outputs = [self._emit(s) for s in sampled]
-        # The decode share is kept in what slots feel: the whole step, its planning and emitting included.
-        step_s = time.perf_counter() - began
-        if window.chunks:  # an empty window says nothing about what windows cost
-            self.scheduler.observe(window, step_s, replayed=self.runner.last_replayed)
+        flight.slots = [(r, self._slot_stats(r, fed.get(r.request_id, 0))) for r in self.scheduler.running]
+        outputs = [self._emit(d) for d in resolved]
+        if done is None:
+            return outputs, None
+        now = time.perf_counter()
+        span = now - max(done.began, self._emitted_at)  # what the window cost the slots that waited for it
+        self._emitted_at = now
+        if done.window.chunks:  # an empty window says nothing about what windows cost
+            self.scheduler.observe(done.window, span, replayed=done.replayed)
         self.windows += 1
         stats = WindowStats(
             window=self.windows,
-            started=started,
-            duration_s=seconds,
-            rows=sum(len(c.tokens) for c in window.chunks),
-            prompt_tokens=window.prompt_tokens,
-            decode_tokens=window.decode_tokens,
-            slots=[self._slot_stats(r, fed.get(r.request_id, 0)) for r in self.scheduler.running],
+            started=done.started,
+            duration_s=span,
+            rows=sum(len(c.tokens) for c in done.window.chunks),
+            prompt_tokens=done.window.prompt_tokens,
+            decode_tokens=done.window.decode_tokens,
+            slots=[slot for r, slot in done.slots if r.phase is not Phase.FINISHED],
             waiting=len(self.scheduler.waiting),
             kv_blocks_used=self.scheduler.pool.used,
             kv_blocks_total=self.scheduler.pool.total,
-            prefix_cache_queries=window.cache_queries,
-            prefix_cache_hits=window.cache_hits,
+            prefix_cache_queries=done.window.cache_queries,
+            prefix_cache_hits=done.window.cache_hits,
             parking=self.park.stats() if self.park is not None else None,
             finished=sum(o.finished for o in outputs),
-            preempted=window.preempted,
+            preempted=done.window.preempted,
             experts=self._expert_usage(),
-            step_s=step_s,
-            host_s=step_s - (self.runner.last_wait_s if window.chunks else idle_s),
+            step_s=span,
+            host_s=span - done.wait_s,
         )
         return outputs, stats
+
+    def _launch(self, window: Window, began: float) -> _Flight:
+        """Queue the window on the device; each request it samples for gets a placeholder token meanwhile."""
+        started = time.time()
+        launched = self.runner.launch(window) if window.chunks else None
+        indices = []
+        for row, chunk in enumerate(launched.sampling if launched is not None else []):
+            chunk.request.output.append(placeholder(row))
+            indices.append(len(chunk.request.output) - 1)
+        return _Flight(window, launched, indices, began, started)
+
+    def _resolve(self, flight: _Flight) -> list[_Drawn]:
+        """Wait for a flight's tokens and put them in place of its placeholders (requests that ended since
+        it was launched take none)."""
+        if flight.launched is None:
+            return []
+        sampled = self.runner.collect(flight.launched)
+        flight.wait_s = self.runner.last_wait_s
+        resolved = []
+        for s, index in zip(sampled, flight.indices, strict=True):
+            request = s.chunk.request
+            if request.phase is Phase.FINISHED:
+                continue
+            request.output[index] = s.token_id
+            resolved.append(_Drawn(request, index, s.logprobs))
+        return resolved
+
+    def _needs_history(self, window: Window) -> bool:
+        """Whether a row the window samples for applies penalties to a generated token not yet read."""
+        return any(
+            c.samples and c.request.params.penalised and c.request.output and c.request.output[-1] < 0
+            for c in window.chunks
+        )
 
     def _expert_usage(self) -> ExpertUsage | None:
         """Routing counts since the last report, at most every EXPERT_REPORT_S seconds (one device sync)."""
@@ -272,31 +353,33 @@ class EngineCore:
             seconds=seconds,
         )
 
-    def _emit(self, sampled: Sampled) -> RequestOutput:
-        request = sampled.chunk.request
-        token = sampled.token_id
-        self.scheduler.append_token(request, token)
+    def _emit(self, drawn: _Drawn) -> RequestOutput:
+        """The output of one drawn token; ends its request when the token is its last."""
+        request, index = drawn.request, drawn.index
+        token = request.output[index]
         stream = self.streams[request.request_id]
         output = RequestOutput(request.request_id, token_ids=[token], text=stream.add([token]))
-        if sampled.logprobs is not None:
-            output.logprobs = [sampled.logprobs]
-        reason = self._finish_reason(request, token, stream)
+        if drawn.logprobs is not None:
+            output.logprobs = [drawn.logprobs]
+        reason = self._finish_reason(request, index, token, stream)
         if reason is None:
             return output
         if not stream.stopped:
             output.text += stream.finish()
+        del request.output[index + 1 :]  # a token a later window is drawing is never read
         self._park(request)
         self.scheduler.finish(request, reason)
         del self.streams[request.request_id]
         return self._final(request, output)
 
-    def _finish_reason(self, request: Request, token: int, stream: TextStream) -> str | None:
+    def _finish_reason(self, request: Request, index: int, token: int, stream: TextStream) -> str | None:
+        """Why the request ends at its generated token number `index` (from 0), or None."""
         params = request.params
         if stream.stopped or token in params.stop_token_ids:
             return "stop"
         if token in self.loaded.eos_token_ids and not params.ignore_eos:
             return "stop"
-        if len(request.output) >= params.max_tokens or request.length >= self.max_model_len:
+        if index + 1 >= params.max_tokens or len(request.prompt) + index + 1 >= self.max_model_len:
             return "length"
         return None
 

@@ -34,6 +34,8 @@ TOKEN_BUCKETS = (32, 64, 128, 256, 384, 512, 768, 1024, 1280, 1536, 1792, 2048, 
 LONGEST_BUCKETS = (128, 512, 2048)
 MAX_GRAPH_TOKENS = 4096  # windows with more rows run eagerly: their GPU time dwarfs the host's
 
+Fed = tuple[torch.Tensor, torch.Tensor]  # rows of a window and the device tokens they are fed instead
+
 
 @dataclass(frozen=True)
 class Bucket:
@@ -245,12 +247,15 @@ class WindowGraphs:
         decode = [b.tokens for b in self.buckets if b.decode]
         log.info("captured window graphs: decode %s rows; mixed %s rows", decode, list(self.mixed_rows))
 
-    def run(self, chunks: Sequence[Chunk], bucket: Bucket) -> torch.Tensor:
+    def run(self, chunks: Sequence[Chunk], bucket: Bucket, fed: Fed | None = None) -> torch.Tensor:
         """Replay `bucket` for the chunks; returns logits [chunks, vocab] (fp32) of their last rows.
 
+        `fed` replaces the input tokens of some rows with tokens on the device (drawn by the window before).
         Without a captured graph (CPU tests) the same forward runs eagerly over the same static inputs.
         """
         self._fill(chunks, bucket)
+        if fed is not None:
+            self.input_ids[fed[0]] = fed[1]
         graph = self.graphs.get(bucket)
         if graph is None:
             return self.forward(bucket)[: len(chunks)]

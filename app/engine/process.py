@@ -51,8 +51,8 @@ class Core(Protocol):
     def has_work(self) -> bool:
         """Whether any request is running or waiting."""
 
-    def step(self) -> tuple[list[RequestOutput], WindowStats]:
-        """Run one window."""
+    def step(self) -> tuple[list[RequestOutput], WindowStats | None]:
+        """Run one window; the stats of the window whose tokens it handed out, if any."""
 
 
 def run_engine(core_factory: str, config_bytes: bytes, address: str) -> None:
@@ -94,7 +94,7 @@ def serve(core: Core, conn: Connection) -> None:
                 return
             if core.has_work():
                 outputs, stats = core.step()
-                if not _send(conn, [*outputs, stats]):
+                if not _send(conn, [*outputs, stats] if stats is not None else outputs):
                     return
     except Exception as exc:
         _fail(conn, exc)

@@ -74,6 +74,11 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
         """True when the request always takes the most likely token."""
         return self.temperature == 0
 
+    @property
+    def penalised(self) -> bool:
+        """True when the request's logits depend on the tokens generated so far (any penalty is set)."""
+        return self.repetition_penalty != 1.0 or bool(self.presence_penalty or self.frequency_penalty)
+
 
 def check_request(
     prompt_token_ids: Sequence[int], params: SamplingParams, vocab_size: int, max_model_len: int

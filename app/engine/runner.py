@@ -13,12 +13,12 @@ from dataclasses import dataclass
 
 import torch
 
-from app.engine.cuda_graphs import WindowGraphs
+from app.engine.cuda_graphs import Fed, WindowGraphs
 from app.engine.paged_state import PagedState
 from app.engine.parking import ConversationPark, Parked
 from app.engine.protocol import PositionLogprobs
-from app.engine.sampler import RowSampling, Sampler
-from app.engine.scheduler import Chunk, Window
+from app.engine.sampler import DrawnTokens, RowSampling, Sampler
+from app.engine.scheduler import Chunk, Window, placeholder_row
 from app.engine.transfer import device_tensor
 from app.models.batch import ForwardBatch
 from app.models.qwen3 import CausalLM
@@ -31,6 +31,16 @@ class Sampled:
     chunk: Chunk
     token_id: int
     logprobs: PositionLogprobs | None
+
+
+@dataclass
+class Launched:
+    """A window queued on the device: the chunks that sample, in the order of the tokens drawn for them
+    (still on the device, their copy to the host queued), and whether it replayed a CUDA graph."""
+
+    sampling: list[Chunk]
+    drawn: DrawnTokens | None
+    replayed: bool
 
 
 class ModelRunner:
@@ -55,7 +65,8 @@ class ModelRunner:
         self.graphs = graphs
         self.paged = model.backends.paged_attention is not None
         self.last_replayed = False  # whether the last window replayed a CUDA graph
-        self.last_wait_s = 0.0  # how long the last window's host waited for the device
+        self.last_wait_s = 0.0  # how long the host waited for the device to read the last window's tokens
+        self._drawn: torch.Tensor | None = None  # the tokens of the last window launched, on the device
         self.device = model.model.embed_tokens.weight.device
 
     @torch.inference_mode()
@@ -78,29 +89,38 @@ class ModelRunner:
         self.state.reset_slot(scratch)
         torch.cuda.synchronize()
 
-    @torch.inference_mode()
     def execute(self, window: Window) -> list[Sampled]:
-        """Run the window's forward pass; return one sampled token per chunk that ends at its newest token."""
+        """Run the window and wait for its tokens: one per chunk that ends at its request's newest token."""
+        return self.collect(self.launch(window))
+
+    @torch.inference_mode()
+    def launch(self, window: Window) -> Launched:
+        """Queue the window's state copies, forward pass and sampling on the device; return without waiting.
+
+        A chunk whose last token is a placeholder (`scheduler.placeholder`) is fed the token drawn on the
+        device for that row of the window launched before, which the host has not read yet.
+        """
         self._copy_state(window)
         chunks, graphs = window.chunks, self.graphs
         for chunk in chunks:
             if chunk.fresh:
                 self.state.reset_slot(chunk.slot)
+        fed = self._fed(chunks)
         bucket = graphs.bucket(chunks) if graphs is not None else None
         self.last_replayed = bucket is not None
         if graphs is not None and bucket is not None:
             sampling = [c for c in chunks if c.samples]
-            logits = graphs.run(chunks, bucket)
+            logits = graphs.run(chunks, bucket, fed)
             if sampling and len(sampling) < len(chunks):
                 rows = [i for i, c in enumerate(chunks) if c.samples]
                 logits = logits[device_tensor(rows, torch.long, self.device)]
         else:
-            sampling, logits = self._eager(chunks)
-        self.last_wait_s = 0.0
+            sampling, logits = self._eager(chunks, fed)
+        self._drawn = None
         if not sampling:
-            return []
+            return Launched([], None, self.last_replayed)
         requests = [chunk.request for chunk in sampling]
-        result = self.sampler(
+        drawn = self.sampler.sample(
             logits,
             [
                 RowSampling(
@@ -112,11 +132,34 @@ class ModelRunner:
                 for r in requests
             ],
         )
+        drawn.to_host()
+        self._drawn = drawn.tokens
+        return Launched(sampling, drawn, self.last_replayed)
+
+    def collect(self, launched: Launched) -> list[Sampled]:
+        """Wait for a launched window's tokens; one per chunk that samples, in launch order."""
+        self.last_wait_s = 0.0
+        if launched.drawn is None:
+            return []
+        result = launched.drawn.read()
         self.last_wait_s = result.wait_s
-        return [
-            Sampled(chunk, token, logprobs)
-            for chunk, token, logprobs in zip(sampling, result.token_ids, result.logprobs, strict=True)
-        ]
+        drawn = zip(launched.sampling, result.token_ids, result.logprobs, strict=True)
+        return [Sampled(chunk, token, logprobs) for chunk, token, logprobs in drawn]
+
+    def _fed(self, chunks: list[Chunk]) -> Fed | None:
+        """The rows whose token is a placeholder and the device tokens that replace them, or None."""
+        rows, sources, end = [], [], 0
+        for chunk in chunks:
+            end += len(chunk.tokens)
+            if chunk.tokens[-1] < 0:  # only a request's newest token can be one
+                rows.append(end - 1)
+                sources.append(placeholder_row(chunk.tokens[-1]))
+        if not rows:
+            return None
+        if self._drawn is None:
+            raise RuntimeError("a window feeds placeholder tokens but no window was launched before it")
+        index = device_tensor(rows + sources, torch.long, self.device)
+        return index[: len(rows)], self._drawn[index[len(rows) :]]
 
     def _copy_state(self, window: Window) -> None:
         """Before the forward: the window's checkpoint saves, block copies, restores and unparks, in order."""
@@ -130,7 +173,7 @@ class ModelRunner:
             assert self.park is not None and isinstance(parked, Parked)
             self.park.restore(parked, slot, blocks)
 
-    def _eager(self, chunks: list[Chunk]) -> tuple[list[Chunk], torch.Tensor]:
+    def _eager(self, chunks: list[Chunk], fed: Fed | None) -> tuple[list[Chunk], torch.Tensor]:
         """One forward over the flat batch; the chunks that sample and their logits.
 
         Replayed windows read their rows' block tables themselves; eager ones go through the state's.
@@ -143,6 +186,8 @@ class ModelRunner:
             self.device,
             saves={c.slot: c.save for c in chunks if c.save is not None},
         )
+        if fed is not None:
+            batch.input_ids[fed[0]] = fed[1]
         if self.paged:
             batch.layout = self.state.layout(batch.spans)
         hidden = self.model(batch)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from app.engine.protocol import PositionLogprobs, SamplingParams, TokenLogprob
-from app.engine.transfer import device_tensor
+from app.engine.transfer import device_tensor, to_device
 
 _MASK64 = (1 << 64) - 1
 _MASK63 = (1 << 63) - 1
@@ -45,6 +45,65 @@ class SampleResult:
     token_ids: list[int]
     logprobs: list[PositionLogprobs | None]
     wait_s: float = 0.0  # how long reading the tokens back waited for the device
+
+
+@dataclass
+class DrawnTokens:
+    """Tokens drawn on the device and not yet read back: `tokens` [rows], and for the rows in `wanted`, the
+    chosen and top logprobs (`values` [wanted, 1 + width], `top_ids` [wanted, width]).
+
+    `to_host` queues their copy to host memory behind the work that computes them, so the host can go on
+    planning the next window; `read` waits for that copy and returns the lists.
+    """
+
+    tokens: torch.Tensor
+    logprob_widths: list[int | None]
+    values: torch.Tensor | None = None
+    top_ids: torch.Tensor | None = None
+    _host: tuple[torch.Tensor, ...] | None = None
+    _copied: torch.cuda.Event | None = None
+
+    def to_host(self) -> None:
+        """Queue the copy of everything `read` returns to (pinned) host memory."""
+        if self._host is not None:
+            return
+        parts = [self.tokens] if self.top_ids is None else [self.tokens, self.top_ids.flatten()]
+        ids = torch.cat(parts) if len(parts) > 1 else parts[0]
+        device_parts = (ids,) if self.values is None else (ids, self.values)
+        if ids.device.type != "cuda":
+            self._host = device_parts
+            return
+        self._host = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in device_parts)
+        for host, device in zip(self._host, device_parts, strict=True):
+            host.copy_(device, non_blocking=True)
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+
+    def read(self) -> SampleResult:
+        """The drawn tokens and logprobs as lists, once the device has computed and copied them."""
+        self.to_host()
+        assert self._host is not None
+        began = time.perf_counter()
+        if self._copied is not None:
+            self._copied.synchronize()
+        wait_s = time.perf_counter() - began
+        rows = len(self.logprob_widths)
+        ids = self._host[0].tolist()
+        token_ids, top_flat = ids[:rows], ids[rows:]
+        logprobs: list[PositionLogprobs | None] = [None] * rows
+        if self.values is not None:
+            values = self._host[1].tolist()
+            width = self.values.shape[1] - 1
+            wanted = [i for i, n in enumerate(self.logprob_widths) if n is not None]
+            for j, i in enumerate(wanted):
+                n = self.logprob_widths[i]
+                assert n is not None
+                top = top_flat[j * width : j * width + n]
+                logprobs[i] = PositionLogprobs(
+                    chosen=TokenLogprob(token_ids[i], values[j][0]),
+                    top=[TokenLogprob(t, v) for t, v in zip(top, values[j][1 : n + 1], strict=True)],
+                )
+        return SampleResult(token_ids, logprobs, wait_s)
 
 
 def _splitmix64(x: int) -> int:
@@ -171,54 +230,49 @@ class Sampler:
             noise[_index(unseeded, device)] = draws.exponential_(generator=self._generator(device))
         if seeded:
             draws = torch.stack([seeded_noise(rows[i].params.seed, rows[i].position, vocab) for i in seeded])
-            noise[_index(seeded, device)] = draws.to(device=device, dtype=probs.dtype)
+            noise[_index(seeded, device)] = to_device(draws, device).to(probs.dtype)
         return (probs / noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax(-1)
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[RowSampling]) -> SampleResult:
         """Sample one token for each row of `logits` ([rows, vocab]) under that row's parameters."""
+        return self.sample(logits, rows).read()
+
+    def sample(self, logits: torch.Tensor, rows: Sequence[RowSampling]) -> DrawnTokens:
+        """Draw one token for each row of `logits` ([rows, vocab]) on their device, without waiting for it."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits of shape {tuple(logits.shape)} for {len(rows)} rows")
         logits = logits.float()
         device = logits.device
         processed = apply_penalties(logits, rows)
-        tokens = torch.empty(len(rows), dtype=torch.long, device=device)
         greedy = [i for i, row in enumerate(rows) if row.params.greedy]
         if len(greedy) == len(rows):
-            return _result(logits, processed.argmax(-1), rows)
+            return _drawn(logits, processed.argmax(-1), rows)
+        tokens = torch.empty(len(rows), dtype=torch.long, device=device)
         if greedy:
             idx = _index(greedy, device)
             tokens[idx] = processed[idx].argmax(-1)
         sampled = [i for i, row in enumerate(rows) if not row.params.greedy]
-        if sampled:
-            idx = _index(sampled, device)
-            probs = sampling_probs(processed[idx], [rows[i].params for i in sampled])
-            tokens[idx] = self._draw(probs, [rows[i] for i in sampled])
-        return _result(logits, tokens, rows)
+        idx = _index(sampled, device)
+        probs = sampling_probs(processed[idx], [rows[i].params for i in sampled])
+        tokens[idx] = self._draw(probs, [rows[i] for i in sampled])
+        return _drawn(logits, tokens, rows)
 
 
-def _result(logits: torch.Tensor, tokens: torch.Tensor, rows: Sequence[RowSampling]) -> SampleResult:
-    """Token ids and, for rows that asked, the chosen and top logprobs under log_softmax of the raw logits."""
-    wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+def _drawn(logits: torch.Tensor, tokens: torch.Tensor, rows: Sequence[RowSampling]) -> DrawnTokens:
+    """The drawn tokens and, for rows that asked, the chosen and top logprobs under log_softmax of the raw
+    logits (the widest request's width for every such row)."""
+    widths = [row.params.logprobs for row in rows]
+    wanted = [i for i, n in enumerate(widths) if n is not None]
     if not wanted:
-        began = time.perf_counter()
-        token_ids = tokens.tolist()
-        return SampleResult(token_ids, [None] * len(rows), time.perf_counter() - began)
+        return DrawnTokens(tokens, widths)
     idx = _index(wanted, logits.device)
     logp = torch.log_softmax(logits[idx], dim=-1)
-    width = min(max(rows[i].params.logprobs for i in wanted), logits.shape[1])
+    width = min(max(widths[i] or 0 for i in wanted), logits.shape[1])
     top_values, top_ids = logp.topk(width, dim=-1)
     chosen = logp.gather(1, tokens[idx, None])
-    began = time.perf_counter()
-    ids = torch.cat([tokens, top_ids.flatten()]).tolist()
-    wait_s = time.perf_counter() - began
-    values = torch.cat([chosen, top_values], dim=1).tolist()
-    token_ids, top_ids_flat = ids[: len(rows)], ids[len(rows) :]
-    logprobs: list[PositionLogprobs | None] = [None] * len(rows)
-    for j, i in enumerate(wanted):
-        n = min(rows[i].params.logprobs, width)
-        row_ids = top_ids_flat[j * width : j * width + n]
-        logprobs[i] = PositionLogprobs(
-            chosen=TokenLogprob(token_ids[i], values[j][0]),
-            top=[TokenLogprob(t, v) for t, v in zip(row_ids, values[j][1 : n + 1], strict=True)],
-        )
-    return SampleResult(token_ids, logprobs, wait_s)
+    return DrawnTokens(
+        tokens,
+        [None if n is None else min(n, width) for n in widths],
+        torch.cat([chosen, top_values], dim=1),
+        top_ids,
+    )

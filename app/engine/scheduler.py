@@ -22,6 +22,17 @@ UNCALIBRATED_CHUNK = 256
 PARK_MIN_GAIN = 256  # tokens a parked conversation must reach beyond the device's prefix cache to be restored
 
 
+def placeholder(row: int) -> int:
+    """The stand-in for a token not yet read from the device: the one drawn in row `row` of the window
+    launched last. Token ids are never negative; a window feeds such a token from the device (runner.py)."""
+    return -1 - row
+
+
+def placeholder_row(token: int) -> int:
+    """The row of the last launched window whose drawn token the placeholder `token` stands for."""
+    return -1 - token
+
+
 class Phase(enum.Enum):
     """Where a request is in its life."""
 
@@ -37,7 +48,8 @@ class Request:
 
     `computed` counts the tokens (prompt, then generated) held in the model state; the tokens after it are
     what the next window feeds. A request preempted for lack of KV blocks starts again from 0 and reads its
-    prompt plus what it generated; seeded and greedy sampling make that exact.
+    prompt plus what it generated; seeded and greedy sampling make that exact. The newest token of `output`
+    may be a `placeholder` while the window that draws it runs: the next window can feed it all the same.
     """
 
     request_id: str
@@ -213,6 +225,8 @@ class Scheduler:
         for request in [r for r in self.running if r.phase is Phase.DECODE]:
             if request.phase is not Phase.DECODE:
                 continue  # preempted while making room for an earlier row
+            if len(request.output) >= request.params.max_tokens:
+                continue  # its last token is still being drawn: it ends when that is read
             while not self.pool.grow(request.blocks, request.computed + 1):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -445,10 +459,6 @@ class Scheduler:
         allowed = solo / self.config.decode_share
         cap = self.credit_cap(decode_rows, allowed)
         self.credit = min(max(self.credit + allowed - seconds, -allowed), cap)
-
-    def append_token(self, request: Request, token: int) -> None:
-        """Record a sampled token; the next window feeds it."""
-        request.output.append(token)
 
     def finish(self, request: Request, reason: str) -> None:
         """End a request (stop, length, abort, error) and free what it held."""

@@ -28,7 +28,7 @@ def _run(scheduler: Scheduler, seconds: float = 0.01) -> Window:
     scheduler.observe(window, seconds)
     for chunk in window.chunks:
         if chunk.samples:
-            scheduler.append_token(chunk.request, 7)
+            chunk.request.output.append(7)
     return window
 
 
@@ -175,7 +175,7 @@ def _simulate(scheduler: Scheduler, windows: int, eager: WindowCost, replayed_se
         scheduler.observe(window, seconds, replayed=replayed)
         for chunk in window.chunks:
             if chunk.samples:
-                scheduler.append_token(chunk.request, 7)
+                chunk.request.output.append(7)
         log.append((window.decode_tokens, window.prompt_tokens, seconds))
     return log
 

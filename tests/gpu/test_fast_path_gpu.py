@@ -149,3 +149,22 @@ def test_a_follow_up_from_the_prefix_cache_gives_the_tokens_of_reading_it_all(ch
     results, windows = run(cached, [(0, add)])
     assert sum(w.prefix_cache_hits for w in windows) >= 300
     assert results[add.request_id].token_ids == complete(fresh, follow_up, **params).token_ids
+
+
+def test_overlapped_windows_replayed_from_graphs_give_the_plain_loops_tokens(checkpoint: Path) -> None:
+    """Windows planned and queued while the one before runs feed its tokens from the device into the graphs'
+    static inputs: with --exact, the tokens and logprobs of the plain loop, bit for bit."""
+    settings = {"device": "cuda", "dtype": "bfloat16", "parallel": 4, "max_batched_tokens": 128}
+    params = {"max_tokens": 20, "temperature": 0, "ignore_eos": True, "logprobs": 1}
+    seeded = {"max_tokens": 9, "temperature": 0.8, "seed": 4, "ignore_eos": True}
+    arrivals = [(0, request(_prompt(200, 70), **params)), (2, request(_prompt(30, 71), **seeded))]
+    arrivals += [(4, request(_prompt(90, 72), **params)), (5, request(_prompt(7, 73), **params))]
+    results = {}
+    for overlap in (False, True):
+        core = make_core(checkpoint, overlap=overlap, exact=True, **settings)
+        assert core.runner.graphs is not None
+        results[overlap], _ = run(core, arrivals)
+    for _, add in arrivals:
+        plain, overlapped = results[False][add.request_id], results[True][add.request_id]
+        assert overlapped.token_ids == plain.token_ids
+        assert [p.chosen for p in overlapped.logprobs] == [p.chosen for p in plain.logprobs]

@@ -87,9 +87,9 @@ def _with_window_graphs(core: EngineCore) -> list[Bucket]:
     used: list[Bucket] = []
     run_bucket = graphs.run
 
-    def run_and_record(chunks: list, bucket: Bucket) -> torch.Tensor:
+    def run_and_record(chunks: list, bucket: Bucket, fed: object = None) -> torch.Tensor:
         used.append(bucket)
-        return run_bucket(chunks, bucket)
+        return run_bucket(chunks, bucket, fed)
 
     graphs.run = run_and_record  # type: ignore[method-assign]
     core.runner.graphs = graphs
