@@ -121,6 +121,7 @@ class Window:
     block into another, `restores` copy a checkpoint into a slot (a request continuing from it).
     `cache_queries` / `cache_hits`: prompt tokens of the requests admitted, and how many came from the cache.
     `unparks`: (parked conversation, slot, block table) to copy back from the host, after the restores.
+    `charged`: the seconds the decoding slots' credit was charged for the window when it was planned.
     """
 
     chunks: list[Chunk]
@@ -131,6 +132,7 @@ class Window:
     cache_queries: int = 0
     cache_hits: int = 0
     unparks: list[tuple[object, int, list[int]]] = field(default_factory=list)
+    charged: float | None = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -274,6 +276,7 @@ class Scheduler:
             window.chunks.append(self._with_checkpoint(self._chunk(request, take)))
         if window.chunks:
             window.saves, self._saves = self._saves, []
+        window.charged = self._charge(window)
         return window
 
     def _prefix_hit(self, request: Request) -> PrefixHit | None:
@@ -397,7 +400,7 @@ class Scheduler:
 
     def observe(self, window: Window, seconds: float, replayed: bool = False) -> None:
         """Learn from how long a window took, from planning it to handing out its tokens, and settle the
-        decoding slots' credit.
+        decoding slots' credit: what it took beyond the cost it was charged at planning, or below it.
 
         `replayed` says the window replayed a CUDA graph: a decode-only one then says nothing about windows
         with prompt rows, which the window-cost fit describes (at their bucket's rows).
@@ -408,7 +411,10 @@ class Scheduler:
             self.cost.observe(self.padded(rows) if replayed else rows, len(window.chunks), seconds)
         if decode and rows == decode:
             self.decode_cost.observe(decode, seconds)
-        self._settle_credit(decode, seconds)
+        if window.charged is not None:
+            self._add_credit(decode, window.charged - seconds)
+        elif decode and (solo := self.solo_seconds(decode)) is not None:
+            self._add_credit(decode, solo / self.config.decode_share - seconds)
 
     def _commit(self, request: Request) -> None:
         """Register the request's newly filled blocks in the prefix cache (nothing to do most windows)."""
@@ -446,19 +452,40 @@ class Scheduler:
         full = self.padded(decode_rows + self.config.max_batched_tokens)
         return max(allowed, self.cost.predict(full, decode_rows + 1))
 
-    def _settle_credit(self, decode_rows: int, seconds: float) -> None:
-        """Credit decoding slots with what this window left of their share, or charge what it took beyond it.
+    def _predict(self, window: Window) -> float | None:
+        """Expected seconds of a planned window (at its bucket's rows), None while unknown."""
+        rows = sum(len(c.tokens) for c in window.chunks)
+        if rows == window.decode_tokens:
+            return self.solo_seconds(rows)
+        if not self.cost.calibrated:
+            return None
+        return self.cost.predict(self.padded(rows), len(window.chunks))
 
-        Credit builds only while prompts wait to be read, from -allowed up to `credit_cap`.
+    def _charge(self, window: Window) -> float | None:
+        """Charge the decoding slots' credit for a window being planned, at its predicted cost (returned).
+
+        Charged now, not when the window has run: the next window is planned while this one runs, and must
+        not spend the same credit. None (nothing charged) for a window without decode rows or of unknown cost.
         """
-        solo = self.solo_seconds(decode_rows) if decode_rows else None
+        decode = window.decode_tokens
+        solo = self.solo_seconds(decode) if decode else None
+        predicted = self._predict(window) if solo is not None else None
+        if solo is None or predicted is None:
+            return None
+        self._add_credit(decode, solo / self.config.decode_share - predicted)
+        return predicted
+
+    def _add_credit(self, decode_rows: int, seconds: float) -> None:
+        """Add `seconds` (negative: take) to the decoding slots' credit, kept within -`credit_cap` and
+        `credit_cap`, so a window that took longer than predicted is paid back in full by the windows after
+        it. Credit builds only while prompts wait to be read; it is dropped when none does."""
         waiting = bool(self.waiting) or any(r.phase is Phase.PROMPT for r in self.running)
+        solo = self.solo_seconds(decode_rows) if decode_rows else None
         if solo is None or not waiting:
             self.credit = 0.0
             return
-        allowed = solo / self.config.decode_share
-        cap = self.credit_cap(decode_rows, allowed)
-        self.credit = min(max(self.credit + allowed - seconds, -allowed), cap)
+        cap = self.credit_cap(decode_rows, solo / self.config.decode_share)
+        self.credit = min(max(self.credit + seconds, -cap), cap)
 
     def finish(self, request: Request, reason: str) -> None:
         """End a request (stop, length, abort, error) and free what it held."""
