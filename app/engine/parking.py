@@ -35,6 +35,7 @@ from app.engine.protocol import ParkingStats
 from app.engine.transfer import device_tensor
 
 log = logging.getLogger("strata.parking")
+PIN_AHEAD = 4 << 30  # the most bytes of parked blocks pinned at start (the rest is pinned as it is parked)
 
 
 @dataclass
@@ -107,6 +108,8 @@ class ConversationPark:
                 self.directory = None
         if self.directory is not None:
             self._index()
+        if self._pinned:
+            self._reserve_pinned()
         if self.directory is not None or self._pinned:
             self._copy_stream = torch.cuda.Stream(state.device) if self._pinned else None
             self._worker = threading.Thread(target=self._work, name="strata-park-worker", daemon=True)
@@ -166,6 +169,19 @@ class ConversationPark:
         keys = self.state.keys.index_select(1, block_ids).transpose(0, 1)
         values = self.state.values.index_select(1, block_ids).transpose(0, 1)
         return torch.stack((keys, values), dim=1)
+
+    def _reserve_pinned(self) -> None:
+        """Pin the RAM budget's worth of blocks now (up to PIN_AHEAD bytes) and leave it in torch's cache of
+        pinned memory, where the worker's copies find it. Pinning takes the driver's lock: done while
+        conversations are parked, it stalls the windows the engine launches meanwhile."""
+        layers, _, size, heads, dim = self.state.keys.shape
+        shape, dtype = (2, layers, size, heads, dim), self.state.keys.dtype
+        block_bytes = 2 * layers * size * heads * dim * self.state.keys.element_size()
+        reserved = [
+            torch.empty(shape, dtype=dtype, pin_memory=True)
+            for _ in range(min(self.ram_budget, PIN_AHEAD) // block_bytes)
+        ]
+        del reserved
 
     def _to_host(self, tensor: torch.Tensor) -> torch.Tensor:
         """A copy of `tensor` in host memory (pinned on a GPU machine, for fast copies back)."""

@@ -508,10 +508,11 @@ class _Share:
     first prompt chunk gets at least one block so prompts always progress, unless even one block would overrun
     the share (windows with prompt rows cost far more than decode-only ones, as eager windows beside replayed
     CUDA graphs): then windows decode only, building credit, until it pays for a whole chunk (the request's
-    pending tokens or the token budget) or is capped. Until the window cost is calibrated, prompt chunks
-    beside decoding slots take at most UNCALIBRATED_CHUNK tokens in all. A chunk that stops short of its
-    request's end stops at a multiple of `prompt_align` positions; the first one reaches the next such
-    multiple even past the token budget, so that it progresses.
+    pending tokens or the token budget) or is capped. While earlier windows' overruns leave less than one
+    block's cost (a debt), windows decode only until it is paid back. Until the window cost is calibrated,
+    prompt chunks beside decoding slots take at most UNCALIBRATED_CHUNK tokens in all. A chunk that stops
+    short of its request's end stops at a multiple of `prompt_align` positions; the first one reaches the next
+    such multiple even past the token budget, so that it progresses.
     """
 
     def __init__(self, scheduler: Scheduler, decode_rows: int, tokens: int) -> None:
@@ -523,14 +524,16 @@ class _Share:
         self.tokens = tokens
         self.limit: float | None = None
         self.first = True
-        self.saving = False
+        self.saving = self.owing = False
         solo = scheduler.solo_seconds(decode_rows) if decode_rows else None
         if solo is not None and self.cost.calibrated:
             allowed = solo / scheduler.config.decode_share
             self.limit = allowed + scheduler.credit
             one_block = self.cost.predict(scheduler.padded(decode_rows + self.minimum), decode_rows + 1)
             capped = scheduler.credit >= scheduler.credit_cap(decode_rows, allowed)
-            self.saving = one_block > allowed and scheduler.config.decode_share < 1 and not capped
+            sharing = scheduler.config.decode_share < 1
+            self.saving = one_block > allowed and sharing and not capped
+            self.owing = one_block > self.limit and sharing and not capped
         elif decode_rows:
             self.tokens = min(tokens, UNCALIBRATED_CHUNK)
 
@@ -545,6 +548,8 @@ class _Share:
             afford = self.fill(window) - self.rows
             if self.first and self.saving:
                 take = take if afford >= take else 0
+            elif self.first and self.owing:
+                take = 0  # earlier windows took more than their share: this one pays it back
             else:
                 take = min(take, max(afford, self.minimum) if self.first else afford)
         if 0 < take < pending:

@@ -73,3 +73,17 @@ def test_a_follow_up_restored_from_a_file_after_a_restart(checkpoint: Path, tmp_
     results, _ = run(restarted, [(0, add)])
     assert restarted.park is not None and restarted.park.stats().restores == 1
     assert results[add.request_id].token_ids == expected
+
+
+def test_parking_within_the_ram_budget_pins_no_memory_beside_the_windows(checkpoint: Path) -> None:
+    """The park pins its RAM budget's blocks when it starts: the worker's copies of parked conversations take
+    cached pinned memory and never call into the driver to pin more while windows run."""
+    core = _core(checkpoint, park_memory=64 << 20)
+    assert core.park is not None
+    before = torch.cuda.host_memory_stats()["num_host_alloc"]
+    arrivals = [(i, request(random_prompt(100 + 40 * i, 30 + i), **GREEDY)) for i in range(4)]
+    run(core, arrivals)
+    core.park.flush()
+    assert core.park.stats().conversations_ram == 4
+    # 40 full blocks were parked; what was pinned meanwhile is their tails, states and the windows' tokens
+    assert torch.cuda.host_memory_stats()["num_host_alloc"] - before < 30
