@@ -104,6 +104,8 @@ class EngineCore:
         self.runner = ModelRunner(model, state, Sampler(config.seed), graphs, self.park)
         self.runner.warm_up()
         self.scheduler = Scheduler(self._scheduler_config(state, graphs), parked=self.park)
+        if graphs is not None:  # windows with prompt rows are priced before the first one runs
+            self.scheduler.calibrate(graphs.time_mixed())
         self.streams: dict[str, TextStream] = {}
         self.windows = 0
         self._flight: _Flight | None = None  # the window launched and not yet handed out (overlapped)

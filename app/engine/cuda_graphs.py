@@ -247,6 +247,28 @@ class WindowGraphs:
         decode = [b.tokens for b in self.buckets if b.decode]
         log.info("captured window graphs: decode %s rows; mixed %s rows", decode, list(self.mixed_rows))
 
+    @torch.inference_mode()
+    def time_mixed(self, repeats: int = 3) -> list[tuple[int, float]]:
+        """Seconds of one replay of each mixed row count (its widest bucket), measured on the device: what a
+        window with prompt rows costs before any has run. Empty without captured graphs."""
+        widest: dict[int, Bucket] = {}
+        for bucket in sorted(self.graphs, key=lambda b: b.longest):
+            if not bucket.decode:
+                widest[bucket.tokens] = bucket
+        timings = []
+        for tokens, bucket in sorted(widest.items()):
+            self._fill([], bucket)
+            graph = self.graphs[bucket]
+            graph.replay()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(repeats):
+                graph.replay()
+            end.record()
+            end.synchronize()
+            timings.append((tokens, start.elapsed_time(end) / 1000 / repeats))
+        return timings
+
     def run(self, chunks: Sequence[Chunk], bucket: Bucket, fed: Fed | None = None) -> torch.Tensor:
         """Replay `bucket` for the chunks; returns logits [chunks, vocab] (fp32) of their last rows.
 

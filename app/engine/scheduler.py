@@ -427,6 +427,13 @@ class Scheduler:
             request.blocks, new_tokens, request.computed, request.cached_blocks, request.chain_key
         )
 
+    def calibrate(self, windows: list[tuple[int, float]]) -> None:
+        """Start the window-cost fit from measured (rows, seconds) of windows with prompt rows (each taken as
+        a decode row beside one prompt chunk); the windows that run refine it. Without a start, windows that
+        all read the same chunk size beside decoding slots could never tell fixed from per-row costs."""
+        for rows, seconds in windows:
+            self.cost.observe(rows, 2, seconds)
+
     def padded(self, rows: int) -> int:
         """The rows a window of `rows` rows with prompt rows runs as: its graph bucket, or itself."""
         return next((b for b in self.config.window_rows if b >= rows), rows)

@@ -330,3 +330,11 @@ def test_a_request_whose_parked_conversation_is_being_read_waits_while_others_ru
     windows = [_run(scheduler) for _ in range(4)]
     assert [[c.request.request_id for c in w.chunks] for w in windows[:3]] == [["a"], ["a"], ["a"]]
     assert [c.request.request_id for c in windows[3].chunks] == ["a", "b"]
+
+
+def test_measured_windows_calibrate_the_cost_before_any_window_runs() -> None:
+    scheduler = _scheduler(max_batched_tokens=512, decode_share=0.5)
+    assert not scheduler.cost.calibrated
+    scheduler.calibrate([(32, 0.004), (128, 0.005), (512, 0.009)])
+    assert scheduler.cost.calibrated
+    assert 0.0035 < scheduler.cost.predict(64, 2) < 0.0055

@@ -168,3 +168,9 @@ def test_overlapped_windows_replayed_from_graphs_give_the_plain_loops_tokens(che
         plain, overlapped = results[False][add.request_id], results[True][add.request_id]
         assert overlapped.token_ids == plain.token_ids
         assert [p.chosen for p in overlapped.logprobs] == [p.chosen for p in plain.logprobs]
+
+
+def test_captured_mixed_windows_price_prompt_rows_before_any_window_runs(checkpoint: Path) -> None:
+    core = make_core(checkpoint, device="cuda", dtype="bfloat16", parallel=4, max_batched_tokens=256)
+    assert core.runner.graphs is not None and core.scheduler.cost.calibrated
+    assert core.scheduler.cost.predict(256, 2) > 0
