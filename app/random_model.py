@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from app.kernels.reference import REFERENCE
 from app.loading.loader import tensor_sources
 from app.models.config import ModelConfig
 from app.models.qwen3 import CausalLM
@@ -68,7 +69,7 @@ def write_random_model(path: Path, seed: int = 0) -> None:
         (staging / "generation_config.json").write_text(json.dumps({"eos_token_id": [EOS]}, indent=2))
         write_tiny_tokenizer(staging, vocab_size=VOCAB)
         config = ModelConfig.from_dict(CONFIG)
-        model = CausalLM(config, mtp_layers=CONFIG["num_nextn_predict_layers"])
+        model = CausalLM(config, mtp_layers=CONFIG["num_nextn_predict_layers"], backends=REFERENCE)
         randomize(model, seed)
         save_file(checkpoint_tensors(model, torch.bfloat16), str(staging / "model.safetensors"))
         os.replace(staging, path)

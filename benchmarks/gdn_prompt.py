@@ -22,8 +22,9 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from app.kernels import triton_gdn
+from app.kernels.reference import delta_rule_recurrent
 from app.models.batch import PagedLayout
-from app.models.gdn import delta_rule_recurrent, l2norm
+from app.models.gdn import l2norm
 
 K_HEADS, V_HEADS, DK, DV = 16, 32, 128, 128
 CHECK_ROWS = 1024

@@ -32,7 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from app.engine.config import EngineConfig
 from app.engine.core import EngineCore
 from app.engine.protocol import AddRequest, SamplingParams
-from app.kernels.backends import Backends, select_backends
+from app.kernels.backends import select_backends
+from app.kernels.interface import Backends
 from app.loading.checkpoint import CheckpointDir
 from app.loading.model import LoadedModel
 from app.models.config import ModelConfig

@@ -22,6 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from app.kernels.reference import REFERENCE
 from app.loading.loader import tensor_sources
 from app.models.config import ModelConfig
 from app.models.qwen3 import CausalLM
@@ -60,7 +61,9 @@ def write_random_checkpoint(path: Path, config: dict[str, Any], seed: int = 0) -
     write_config_and_tokenizer(path, config)
     model_config = ModelConfig.from_dict(config)
     with torch.device("meta"):
-        model = CausalLM(model_config, mtp_layers=int(config.get("num_nextn_predict_layers", 0)))
+        model = CausalLM(
+            model_config, mtp_layers=int(config.get("num_nextn_predict_layers", 0)), backends=REFERENCE
+        )
     params = dict(model.named_parameters())
     shards: dict[str, list[str]] = defaultdict(list)
     for name in tensor_sources(model):

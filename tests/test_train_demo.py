@@ -12,10 +12,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from app.kernels.reference import REFERENCE, experts_reference
 from app.loading.loader import load_model
 from app.models.batch import ForwardBatch
 from app.models.config import ModelConfig
-from app.models.moe import experts_reference
 from app.models.qwen3 import CausalLM
 from app.text.tokenizer import Tokenizer
 
@@ -78,7 +78,7 @@ def test_the_demo_size_fits_the_gpu_kernels_and_40_mb() -> None:
     for key in ("head_dim", "linear_key_head_dim", "linear_value_head_dim"):
         assert config[key] & (config[key] - 1) == 0  # the Triton kernels take powers of two
     with torch.device("meta"):
-        model = CausalLM(ModelConfig.from_dict(config), mtp_layers=1)
+        model = CausalLM(ModelConfig.from_dict(config), mtp_layers=1, backends=REFERENCE)
     assert 16 <= config["num_experts"] <= 64 and config["shared_expert_intermediate_size"] > 0
     assert 2 * sum(p.numel() for p in model.parameters()) < 40e6  # bytes in bf16
 
@@ -87,7 +87,7 @@ def test_the_demo_size_fits_the_gpu_kernels_and_40_mb() -> None:
 def test_the_batched_training_path_equals_the_reference_read_sequence_by_sequence(grad: bool) -> None:
     tool = _tool()
     config = ModelConfig.from_dict(tool.model_config(tool.SIZES["smoke"]))
-    reference = CausalLM(config, mtp_layers=1).double()
+    reference = CausalLM(config, mtp_layers=1, backends=REFERENCE).double()
     tool.randomize(reference, 3)
     training = CausalLM(config, mtp_layers=1, backends=tool.TRAINING).double()
     training.load_state_dict(reference.state_dict())

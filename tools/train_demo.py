@@ -37,11 +37,11 @@ from tokenizers import Tokenizer as FastTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from app.kernels.backends import REFERENCE
+from app.kernels.reference import REFERENCE, delta_rule_chunked
 from app.loading.loader import load_model
 from app.models.batch import ForwardBatch, PagedLayout, SequenceSpan
 from app.models.config import ModelConfig
-from app.models.gdn import delta_rule_chunked, delta_rule_qk
+from app.models.gdn import delta_rule_qk
 from app.models.moe import SparseMoE
 from app.models.qwen3 import CausalLM
 from app.random_model import CONFIG, EOS, checkpoint_tensors, randomize

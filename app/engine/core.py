@@ -30,10 +30,10 @@ from app.engine.sampler import Sampler
 from app.engine.scheduler import Phase, Request, Scheduler, SchedulerConfig, Window, placeholder
 from app.errors import StrataError
 from app.kernels.backends import select_backends
+from app.kernels.interface import CHUNK
 from app.loading.identity import model_identity
 from app.loading.model import LoadedModel, open_model
 from app.models.config import LINEAR_ATTENTION
-from app.models.gdn import CHUNK
 from app.models.moe import SparseMoE
 from app.text.stream import TextStream
 

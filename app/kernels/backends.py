@@ -1,7 +1,7 @@
-"""The backend interface: one function per hot operation, a registry, and the choice made at start.
+"""The backend sets by name, and the choice made at start.
 
-Every backend set must agree with the pure-torch reference (`REFERENCE`), which runs on any device and is
-what the tests compare fast kernels against.
+Every set must agree with the pure-torch reference (app/kernels/reference.py), which runs on any device and
+is what the tests compare fast kernels against; the interface they implement is app/kernels/interface.py.
 """
 
 from __future__ import annotations
@@ -9,71 +9,13 @@ from __future__ import annotations
 import importlib.util
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
 from app.errors import StrataError
-from app.models.attention import causal_attention
-from app.models.batch import PagedLayout
-from app.models.gdn import delta_rule_chunked, delta_rule_recurrent
-from app.models.layers import AddNormKernel, GatedNormKernel, LinearKernel, NormKernel
-from app.models.moe import RouteKernel, experts_reference
-
-AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
-DeltaRuleFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
-ExpertsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-PagedAttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, PagedLayout, float], torch.Tensor]
-ConvVarlenFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-DeltaRuleVarlenFn = Callable[..., torch.Tensor]
-QKNormRopeFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
-
-
-@dataclass(frozen=True)
-class Backends:
-    """The functions the model's layers call for their heavy work.
-
-    attention(q [new, heads, d], k [total, kv_heads, d], v, scale) -> [new, heads, d] (causal, GQA);
-    delta_rule_prompt / delta_rule_step(q, k, v, g, beta, state) -> (out, state), for prompt chunks and for
-    single tokens; experts(x, top_ids, top_weights, gate_up, down) -> the weighted sum of routed experts.
-
-    Whole-batch kernels, used when the state is paged (the batch then carries a `PagedLayout`):
-    paged_attention(q, key_cache, value_cache, layout, scale) -> [tokens, heads, d] over keys already
-    written; conv_varlen(x, weight, conv_state, query_start, state_slots) and
-    delta_rule_varlen(q, k, v, g, beta, state, layout) update the state pools in place (the delta rule reads
-    sequences of several rows in chunks ending at multiples of app.models.gdn.CHUNK positions).
-    route(logits, top_k, renormalize, counts, live) -> (ids, weights): the router's picks in one launch.
-    Fusions with the reference's rounding: rms_norm(x, weight, eps, offset); add_rms_norm(h, residual, ...)
-    -> (norm of residual + h, residual + h); gated_rms_norm(x, gate, weight, eps); qk_norm_rope(q, k,
-    q_weight, k_weight, eps, offset, cos, sin) -> (q, k) normalised per head and rotated.
-    linear(x, weight, bias) -> x @ weight.T + bias for the dense projections (None: torch, i.e. cuBLAS).
-    `exact` marks a set whose kernels never choose their tiles by the batch.
-    """
-
-    name: str
-    attention: AttentionFn
-    delta_rule_prompt: DeltaRuleFn
-    delta_rule_step: DeltaRuleFn
-    experts: ExpertsFn
-    paged_attention: PagedAttentionFn | None = None
-    conv_varlen: ConvVarlenFn | None = None
-    delta_rule_varlen: DeltaRuleVarlenFn | None = None
-    route: RouteKernel | None = None
-    rms_norm: NormKernel | None = None
-    add_rms_norm: AddNormKernel | None = None
-    gated_rms_norm: GatedNormKernel | None = None
-    qk_norm_rope: QKNormRopeFn | None = None
-    linear: LinearKernel | None = None
-    exact: bool = False
-
-
-REFERENCE = Backends(
-    name="torch",
-    attention=causal_attention,
-    delta_rule_prompt=delta_rule_chunked,
-    delta_rule_step=delta_rule_recurrent,
-    experts=experts_reference,
-)
+from app.kernels.interface import Backends
+from app.kernels.reference import REFERENCE, causal_attention, delta_rule_chunked, delta_rule_recurrent
 
 
 def triton_backends() -> Backends:

@@ -20,8 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from app.kernels.interface import CHUNK
 from app.models.batch import PagedLayout
-from app.models.gdn import CHUNK
 
 L2NORM_EPS = 1e-6
 CONV_BLOCK_T = 16  # tokens per step of the conv's loop over a sequence

@@ -9,7 +9,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from app.kernels.backends import REFERENCE, Backends
+from app.kernels.interface import Backends
+from app.kernels.reference import REFERENCE
 from app.loading.checkpoint import CheckpointDir
 from app.loading.progress import Progress
 from app.loading.safetensors import CheckpointError

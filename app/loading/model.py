@@ -7,7 +7,8 @@ from pathlib import Path
 
 import torch
 
-from app.kernels.backends import REFERENCE, Backends
+from app.kernels.interface import Backends
+from app.kernels.reference import REFERENCE
 from app.loading.checkpoint import CheckpointDir
 from app.loading.loader import load_model
 from app.models.qwen3 import CausalLM

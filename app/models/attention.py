@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, cast
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from app.models.batch import ForwardBatch, PagedStatePools
@@ -13,20 +12,7 @@ from app.models.config import ModelConfig
 from app.models.layers import Linear, RMSNorm, apply_rotary, linear
 
 if TYPE_CHECKING:
-    from app.kernels.backends import Backends
-
-
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Reference attention of one sequence's new rows over all its keys.
-
-    q [new, heads, d]; k, v [past+new, kv_heads, d]. Row i sees keys up to past + i. Returns [new, heads, d].
-    """
-    new, total = q.shape[0], k.shape[0]
-    mask = torch.ones(new, total, dtype=torch.bool, device=q.device).tril(total - new)
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale, enable_gqa=True
-    )
-    return out.transpose(0, 1)
+    from app.kernels.interface import Backends
 
 
 class Attention(nn.Module):

@@ -3,20 +3,13 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from app.kernels.interface import AddNormKernel, GatedNormKernel, LinearKernel, NormKernel
 from app.models.config import RopeConfig
-
-NormKernel = Callable[[torch.Tensor, torch.Tensor, float, bool], torch.Tensor]
-AddNormKernel = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, float, bool], tuple[torch.Tensor, torch.Tensor]
-]
-GatedNormKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
-LinearKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 
 def linear(

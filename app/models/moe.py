@@ -2,49 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from app.kernels.interface import ExpertsFn, LinearKernel, RouteKernel
 from app.models.config import ModelConfig
-from app.models.layers import DenseMLP, Linear, LinearKernel
-
-ExpertsKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-RouteKernel = Callable[
-    [torch.Tensor, int, bool, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]
-]
-
-
-def experts_reference(
-    x: torch.Tensor,
-    top_ids: torch.Tensor,
-    top_weights: torch.Tensor,
-    gate_up: torch.Tensor,
-    down: torch.Tensor,
-) -> torch.Tensor:
-    """Reference routed experts: rows grouped by expert, SwiGLU per expert, weighted and summed per row.
-
-    x [tokens, hidden]; top_ids, top_weights [tokens, k]; gate_up [experts, 2I, hidden];
-    down [experts, hidden, I].
-    """
-    out = torch.zeros_like(x)
-    flat_ids = top_ids.flatten()
-    order = flat_ids.argsort(stable=True)
-    counts = torch.bincount(flat_ids, minlength=gate_up.shape[0]).tolist()
-    rows = order // top_ids.shape[1]
-    weights = top_weights.flatten()[order]
-    start = 0
-    for expert, count in enumerate(counts):
-        if count == 0:
-            continue
-        picked = rows[start : start + count]
-        gate, up = F.linear(x[picked], gate_up[expert]).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, down[expert]) * weights[start : start + count, None]
-        out.index_add_(0, picked, y.to(out.dtype))
-        start += count
-    return out
+from app.models.layers import DenseMLP, Linear
 
 
 class RoutedExperts(nn.Module):
@@ -54,7 +17,7 @@ class RoutedExperts(nn.Module):
     Checkpoints store one tensor per expert and projection; `checkpoint_parts` maps them here.
     """
 
-    def __init__(self, experts: int, hidden: int, intermediate: int, kernel: ExpertsKernel) -> None:
+    def __init__(self, experts: int, hidden: int, intermediate: int, kernel: ExpertsFn) -> None:
         super().__init__()
         self.kernel = kernel
         self.intermediate = intermediate
@@ -82,7 +45,7 @@ class SparseMoE(nn.Module):
     def __init__(
         self,
         config: ModelConfig,
-        experts_kernel: ExpertsKernel,
+        experts_kernel: ExpertsFn,
         route_kernel: RouteKernel | None = None,
         linear_kernel: LinearKernel | None = None,
     ) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from app.kernels.backends import REFERENCE, Backends
+from app.kernels.interface import Backends
 from app.models.attention import Attention
 from app.models.batch import ForwardBatch
 from app.models.config import LINEAR_ATTENTION, ModelConfig
@@ -114,7 +114,7 @@ class MTPHead(nn.Module):
 class CausalLM(nn.Module):
     """A decoder with its LM head; `forward` maps a flat batch to hidden states, `logits` to vocab scores."""
 
-    def __init__(self, config: ModelConfig, mtp_layers: int = 0, backends: Backends = REFERENCE) -> None:
+    def __init__(self, config: ModelConfig, mtp_layers: int = 0, *, backends: Backends) -> None:
         super().__init__()
         self.config = config
         self.backends = backends

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from app.kernels.reference import causal_attention
 from app.kernels.triton_attention import paged_attention, write_kv
-from app.models.attention import causal_attention
 from app.models.batch import PagedLayout
 
 pytestmark = [

@@ -6,9 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from app.kernels.reference import delta_rule_recurrent
 from app.kernels.triton_gdn import causal_conv_varlen, gated_delta_rule_paged, gated_delta_rule_varlen
 from app.models.batch import PagedLayout
-from app.models.gdn import causal_conv, delta_rule_qk, delta_rule_recurrent
+from app.models.gdn import causal_conv, delta_rule_qk
 
 pytestmark = [
     pytest.mark.gpu,

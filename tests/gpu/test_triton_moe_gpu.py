@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from app.kernels.reference import experts_reference
 from app.kernels.triton_moe import exact_linear, fused_experts
-from app.models.moe import experts_reference
 
 pytestmark = [
     pytest.mark.gpu,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 from collections.abc import Callable
 from pathlib import Path
@@ -13,7 +14,8 @@ from checkpoints import write_checkpoint
 from contiguous_state import ContiguousState
 
 from app.errors import StrataError
-from app.kernels.backends import REFERENCE, select_backends
+from app.kernels.backends import select_backends
+from app.kernels.reference import REFERENCE
 from app.loading.loader import load_model
 from app.models.batch import ForwardBatch
 
@@ -64,3 +66,20 @@ def test_the_model_calls_the_backends_it_was_built_with(tmp_path: Path) -> None:
     expected = reference(ForwardBatch.build([(0, ids, 0), (1, [5], 0)], ContiguousState()))
     torch.testing.assert_close(got, expected)
     assert {"attention", "prompt", "step", "experts"} <= set(calls)
+
+
+def test_the_model_imports_only_the_backend_interface() -> None:
+    """app/models reaches the kernels through app/kernels/interface.py alone; the kernels import nothing of
+    the model but the batch's layout (app/models/batch.py): no import circle between the two."""
+    root = Path(__file__).resolve().parents[2] / "app"
+
+    def imports(package: str) -> set[str]:
+        found = set()
+        for path in (root / package).glob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("app."):
+                    found.add(node.module)
+        return found
+
+    assert {m for m in imports("models") if m.startswith("app.kernels")} == {"app.kernels.interface"}
+    assert {m for m in imports("kernels") if m.startswith("app.models")} == {"app.models.batch"}

@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 import torch
 
+from app.kernels.reference import causal_attention
 from app.kernels.triton_attention import (
     TileConfig,
     _paged_attention,
@@ -14,7 +15,6 @@ from app.kernels.triton_attention import (
     tile_config,
     write_kv,
 )
-from app.models.attention import causal_attention
 from app.models.batch import PagedLayout
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from app.kernels.reference import experts_reference
 from app.kernels.triton_moe import (
     EXACT_TILES,
     align_routes,
@@ -13,7 +14,6 @@ from app.kernels.triton_moe import (
     moe_tiles,
     route_top_k,
 )
-from app.models.moe import experts_reference
 
 
 def _inputs(

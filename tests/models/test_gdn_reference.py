@@ -6,7 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from app.models.gdn import CHUNK, delta_rule_chunked, delta_rule_recurrent, l2norm
+from app.kernels.interface import CHUNK
+from app.kernels.reference import delta_rule_chunked, delta_rule_recurrent
+from app.models.gdn import l2norm
 
 HEADS, DK, DV = 3, 16, 8
 
