@@ -67,6 +67,13 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
         "--enforce-eager", action="store_true", help="no CUDA graphs: every window runs eagerly"
     )
     parser.add_argument(
+        "--expert-cache",
+        type=int,
+        metavar="N",
+        help="experts of each MoE layer kept on the device; the rest live in host RAM and run on the CPU "
+        "(default: all on the device)",
+    )
+    parser.add_argument(
         "--no-overlap",
         dest="overlap",
         action="store_false",
@@ -124,6 +131,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         exact=args.exact,
         enforce_eager=args.enforce_eager,
         overlap=args.overlap,
+        expert_cache=args.expert_cache,
         prefix_cache=args.prefix_cache,
         park_memory=args.park_memory,
         park_dir=str(args.park_dir),

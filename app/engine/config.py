@@ -30,7 +30,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     window while the device runs the one before (docs/BATCHING.md); `prefix_cache` lets
     requests continue from cached KV blocks and saved recurrent states (docs/BATCHING.md); `park_memory`
     bytes of host RAM hold finished turns for their follow-ups, and with `park_dir` up to `park_disk` bytes
-    of files (surviving restarts).
+    of files (surviving restarts); `expert_cache` experts of each MoE layer live on the device, the rest in
+    host RAM, computed on the CPU (None: every expert on the device; app/models/expert_tier.py).
     """
 
     model: str | None = None
@@ -51,3 +52,4 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     park_dir: str | None = None
     park_disk: int = 0
     seed: int = 0
+    expert_cache: int | None = None

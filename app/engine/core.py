@@ -34,6 +34,7 @@ from app.kernels.interface import CHUNK
 from app.loading.identity import model_identity
 from app.loading.model import LoadedModel, open_model
 from app.models.config import LINEAR_ATTENTION
+from app.models.expert_tier import TieredExperts
 from app.models.moe import SparseMoE
 from app.text.stream import TextStream
 
@@ -91,13 +92,25 @@ class EngineCore:
         log.info("backends: %s on %s", self.backends.name, self.device)
         if loaded is None:
             path = config.model or default_model_dir()
-            loaded = open_model(path, config.dtype, self.device, progress=False, backends=self.backends)
+            if config.expert_cache is not None and config.expert_cache < 0:
+                raise StrataError(
+                    f"--expert-cache must be 0 or more experts per layer, not {config.expert_cache}"
+                )
+            loaded = open_model(
+                path,
+                config.dtype,
+                self.device,
+                progress=False,
+                backends=self.backends,
+                resident_experts=config.expert_cache,
+            )
         self.loaded = loaded
         model = loaded.model
         self.max_model_len = min(
             config.max_model_len or model.config.max_position_embeddings, model.config.max_position_embeddings
         )
         self.recurrent = LINEAR_ATTENTION in model.config.layer_types
+        self.tiered = any(isinstance(m, TieredExperts) for m in model.modules())
         state = self._paged_state()
         graphs = self._window_graphs(state)
         self.park = self._conversation_park(state)
@@ -140,9 +153,15 @@ class EngineCore:
         )
 
     def _window_graphs(self, state: PagedState) -> WindowGraphs | None:
-        """Captured window graphs on a GPU with whole-batch kernels, unless `--enforce-eager`."""
+        """Captured window graphs on a GPU with whole-batch kernels, unless `--enforce-eager` or an expert
+        tier (its windows read on the host which entries miss the device)."""
         config = self.config
-        if self.device != "cuda" or self.backends.paged_attention is None or config.enforce_eager:
+        if (
+            self.device != "cuda"
+            or self.backends.paged_attention is None
+            or config.enforce_eager
+            or self.tiered
+        ):
             return None
         max_blocks = -(-self.max_model_len // config.block_size)
         # a prompt piece may pass the token budget to reach its next chunk multiple (scheduler.py)
@@ -347,11 +366,14 @@ class EngineCore:
         counts = [moe.take_routed() for _, moe in self.moe_layers]
         zeros = torch.zeros(experts, dtype=torch.long)
         routed = torch.stack([zeros if c is None else c.cpu() for c in counts]).tolist()
-        where = 0 if self.device == "cuda" else 1  # every expert lives beside the model until the expert tier
+        where = 0 if self.device == "cuda" else 1  # an untiered layer's experts live beside the model
         return ExpertUsage(
             layers=[i for i, _ in self.moe_layers],
             routed=routed,
-            location=[[where] * experts for _ in self.moe_layers],
+            location=[
+                moe.experts.locations() if isinstance(moe.experts, TieredExperts) else [where] * experts
+                for _, moe in self.moe_layers
+            ],
             seconds=seconds,
         )
 

@@ -14,6 +14,7 @@ from app.kernels.reference import REFERENCE
 from app.loading.checkpoint import CheckpointDir
 from app.loading.progress import Progress
 from app.loading.safetensors import CheckpointError
+from app.models.expert_tier import TieredExperts, use_expert_tier
 from app.models.qwen3 import CausalLM
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -68,12 +69,19 @@ def load_model(
     device: str | torch.device = "cpu",
     progress: bool = True,
     backends: Backends = REFERENCE,
+    resident_experts: int | None = None,
 ) -> tuple[CausalLM, CheckpointDir]:
-    """Load an HF directory into a CausalLM on `device`, checking every tensor's presence, name and shape."""
+    """Load an HF directory into a CausalLM on `device`, checking every tensor's presence, name and shape.
+
+    With `resident_experts` below the model's experts per layer, every MoE layer gets an expert tier: its
+    experts load to host memory, and only the resident ones are copied to `device` (models/expert_tier.py).
+    """
     checkpoint = CheckpointDir(path)
     target = resolve_dtype(dtype, checkpoint)
     with torch.device("meta"):
         model = CausalLM(checkpoint.config, mtp_layers=mtp_layer_count(checkpoint), backends=backends)
+        if resident_experts is not None and resident_experts < checkpoint.config.num_experts:
+            use_expert_tier(model, resident_experts)
     sources = tensor_sources(model)
     params = dict(model.named_parameters())
     names = checkpoint.names()
@@ -95,10 +103,19 @@ def load_model(
                 f"wrong shape for {name} in {checkpoint.path}: checkpoint has {list(found)}, model expects "
                 f"{list(expected)}"
             )
-    state = _fill(params, sources, checkpoint, target, torch.device(device), progress)
+    host = {
+        f"{prefix}.{name}"
+        for prefix, module in model.named_modules()
+        if isinstance(module, TieredExperts)
+        for name in module.HOST_PARAMETERS
+    }
+    state = _fill(params, sources, checkpoint, target, torch.device(device), host, progress)
     model.load_state_dict(state, strict=True, assign=True)
     model.requires_grad_(False)
     model.model.rotary.to(device)
+    for module in model.modules():
+        if isinstance(module, TieredExperts):
+            module.place(torch.device(device))
     return model.eval(), checkpoint
 
 
@@ -108,19 +125,23 @@ def _fill(
     checkpoint: CheckpointDir,
     dtype: torch.dtype,
     device: torch.device,
+    host: set[str],
     progress: bool,
 ) -> dict[str, torch.Tensor]:
-    """Materialise every parameter: a mapped view where no conversion is needed, else a filled copy."""
+    """Materialise every parameter: a mapped view where no conversion is needed, else a filled copy; the
+    parameters named in `host` in host memory, whatever `device` is."""
     state: dict[str, torch.Tensor] = {}
     bar = Progress(len(sources), "loading", enabled=progress)
+    cpu = torch.device("cpu")
     for name, source in sources.items():
         tensor = checkpoint.tensor(name)
+        where = cpu if source.param in host else device
         if source.index == ():
-            state[source.param] = tensor.to(device=device, dtype=dtype)
+            state[source.param] = tensor.to(device=where, dtype=dtype)
         else:
             if source.param not in state:
                 meta = params[source.param]
-                state[source.param] = torch.empty(meta.shape, dtype=dtype, device=device)
+                state[source.param] = torch.empty(meta.shape, dtype=dtype, device=where)
             state[source.param][source.index].copy_(tensor)
         bar.advance()
     bar.close()

@@ -37,9 +37,17 @@ def open_model(
     device: str = "cpu",
     progress: bool = True,
     backends: Backends = REFERENCE,
+    resident_experts: int | None = None,
 ) -> LoadedModel:
     """Load weights and tokenizer of an HF directory; eos ids from the configs, else the tokenizer's eos."""
-    model, checkpoint = load_model(path, dtype=dtype, device=device, progress=progress, backends=backends)
+    model, checkpoint = load_model(
+        path,
+        dtype=dtype,
+        device=device,
+        progress=progress,
+        backends=backends,
+        resident_experts=resident_experts,
+    )
     tokenizer = Tokenizer.from_dir(checkpoint.path)
     eos = checkpoint.eos_token_ids()
     if not eos and tokenizer.eos_token_id is not None:

@@ -174,3 +174,17 @@ def test_captured_mixed_windows_price_prompt_rows_before_any_window_runs(checkpo
     core = make_core(checkpoint, device="cuda", dtype="bfloat16", parallel=4, max_batched_tokens=256)
     assert core.runner.graphs is not None and core.scheduler.cost.calibrated
     assert core.scheduler.cost.predict(256, 2) > 0
+
+
+def test_a_frozen_expert_tier_on_the_gpu_gives_the_all_resident_tokens(checkpoint: Path) -> None:
+    """Two experts a layer on the device (the Triton experts kernel), the rest computed on the CPU from host
+    RAM: the greedy tokens of the model with every expert on the device."""
+    settings = {"device": "cuda", "dtype": "float32", "parallel": 2}
+    params = {"max_tokens": 16, "temperature": 0, "ignore_eos": True}
+    arrivals = [(0, request(_prompt(40, 90), **params)), (1, request(_prompt(9, 91), **params))]
+    everything, _ = run(make_core(checkpoint, **settings), arrivals)
+    tiered = make_core(checkpoint, expert_cache=2, **settings)
+    assert tiered.tiered and tiered.runner.graphs is None
+    results, _ = run(tiered, arrivals)
+    for _, add in arrivals:
+        assert results[add.request_id].token_ids == everything[add.request_id].token_ids

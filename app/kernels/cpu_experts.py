@@ -1,0 +1,119 @@
+"""The CPU expert pool's kernel: one expert's SwiGLU over the rows routed to it, from host RAM.
+
+`expert_swiglu` runs the native kernel (native/cpu_experts.cpp: OpenMP threads, vectorised for the machine it
+was built on) when the install could build it, else `expert_swiglu_reference` in torch, and says so once.
+Weights are fp32, bf16, or int8 with one fp32 scale per output row; activations and results are fp32.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+try:
+    from app.kernels import _cpu_experts as _native  # type: ignore[attr-defined]
+except ImportError:
+    _native = None
+
+log = logging.getLogger("strata.kernels")
+_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
+_warned = False
+
+
+def native_available() -> bool:
+    """Whether the native kernel was built and loads."""
+    return _native is not None
+
+
+def threads() -> int:
+    """Threads the native kernel uses: STRATA_CPU_THREADS, else every core OpenMP sees."""
+    if "STRATA_CPU_THREADS" in os.environ:
+        return max(int(os.environ["STRATA_CPU_THREADS"]), 1)
+    return _native.max_threads() if _native is not None else torch.get_num_threads()
+
+
+def _dequantized(weight: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
+    if weight.dtype == torch.int8:
+        if scales is None:
+            raise ValueError("int8 weights need their scales")
+        return weight.float() * scales[:, None]
+    return weight.float()
+
+
+def expert_swiglu_reference(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    gate_up_scales: torch.Tensor | None = None,
+    down_scales: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """y [n, hidden] fp32 = down @ (silu(gate @ x) * (up @ x)) for x [n, hidden], in fp32 (torch)."""
+    gate, up = (x.float() @ _dequantized(gate_up, gate_up_scales).T).chunk(2, dim=-1)
+    return (torch.nn.functional.silu(gate) * up) @ _dequantized(down, down_scales).T
+
+
+def expert_swiglu(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    gate_up_scales: torch.Tensor | None = None,
+    down_scales: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One expert's SwiGLU of x [n, hidden] (fp32 result): gate_up [2 * inter, hidden] (gate rows first),
+    down [hidden, inter], both fp32, bf16 or int8 (with fp32 `*_scales` [rows] for int8); on the CPU."""
+    global _warned
+    if _native is None:
+        if not _warned:
+            log.warning("the native CPU expert kernel is not built: experts in host RAM run in torch")
+            _warned = True
+        return expert_swiglu_reference(x, gate_up, down, gate_up_scales, down_scales)
+    _check(x, gate_up, down, gate_up_scales, down_scales)
+    x = x.float().contiguous()
+    n, hidden = x.shape
+    inter = down.shape[1]
+    y = torch.empty(n, hidden, dtype=torch.float32)
+    _native.expert_swiglu(
+        x.data_ptr(),
+        gate_up.data_ptr(),
+        down.data_ptr(),
+        y.data_ptr(),
+        gate_up_scales.data_ptr() if gate_up_scales is not None else 0,
+        down_scales.data_ptr() if down_scales is not None else 0,
+        n,
+        hidden,
+        inter,
+        _KINDS[gate_up.dtype],
+        threads(),
+    )
+    return y
+
+
+def _check(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    gate_up_scales: torch.Tensor | None,
+    down_scales: torch.Tensor | None,
+) -> None:
+    """The native kernel reads raw memory: everything on the CPU, contiguous, of matching shapes and kinds."""
+    hidden, inter = down.shape
+    if x.dim() != 2 or x.shape[1] != hidden or gate_up.shape != (2 * inter, hidden):
+        shapes = f"x {tuple(x.shape)}, gate_up {tuple(gate_up.shape)}, down {tuple(down.shape)}"
+        raise ValueError(
+            f"shapes {shapes}: want x [n, hidden], gate_up [2 * inter, hidden], down [hidden, inter]"
+        )
+    if gate_up.dtype != down.dtype or gate_up.dtype not in _KINDS:
+        raise ValueError(f"weights of {gate_up.dtype} and {down.dtype}: both fp32, bf16 or int8")
+    tensors = [x, gate_up, down]
+    if gate_up.dtype == torch.int8:
+        if gate_up_scales is None or down_scales is None:
+            raise ValueError("int8 weights need their scales")
+        if gate_up_scales.shape != (2 * inter,) or down_scales.shape != (hidden,):
+            raise ValueError("one scale per output row of each weight")
+        if gate_up_scales.dtype != torch.float32 or down_scales.dtype != torch.float32:
+            raise ValueError("scales are fp32")
+        tensors += [gate_up_scales, down_scales]
+    if any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors[1:]):
+        raise ValueError("weights and scales must be contiguous tensors in host memory")

@@ -1,0 +1,111 @@
+"""The CPU expert pool's native kernel against this host's memory bandwidth.
+
+    python benchmarks/cpu_experts.py [--hidden 2048] [--inter 768] [--experts 48] [--rows 1 4 16]
+
+Measures the host's copy bandwidth (a 512 MiB tensor copied, bytes read plus written; the best of before and
+after the kernels), and runs one expert's
+SwiGLU for each expert of a layer in turn (more expert bytes than the caches hold, so every call reads its
+weights from RAM) for bf16 and int8 weights, and reports per call: time, bytes of weights read per second and
+that as a share of the copy bandwidth. Fails when a figure is above the measured bandwidth (a cache, not RAM,
+would have served it). Prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from app.kernels.cpu_experts import expert_swiglu, native_available, threads
+
+
+def copy_bandwidth(megabytes: int = 512, repeats: int = 10) -> float:
+    """Bytes per second of a large host copy (read + write), the best of `repeats`."""
+    source = torch.ones(megabytes << 18, dtype=torch.float32)
+    target = torch.empty_like(source)
+    best = float("inf")
+    for _ in range(repeats):
+        began = time.perf_counter()
+        target.copy_(source)
+        best = min(best, time.perf_counter() - began)
+    return 2 * source.nbytes / best
+
+
+def expert_weights(
+    kind: torch.dtype, experts: int, hidden: int, inter: int
+) -> list[tuple[torch.Tensor, ...]]:
+    """`experts` experts' random weights (int8 with per-row scales)."""
+    made = []
+    for _ in range(experts):
+        if kind == torch.int8:
+            gate_up = torch.randint(-127, 128, (2 * inter, hidden), dtype=torch.int8)
+            down = torch.randint(-127, 128, (hidden, inter), dtype=torch.int8)
+            made.append((gate_up, down, torch.rand(2 * inter) * 1e-3, torch.rand(hidden) * 1e-3))
+        else:
+            made.append(
+                (
+                    (torch.randn(2 * inter, hidden) * 0.02).to(kind),
+                    (torch.randn(hidden, inter) * 0.02).to(kind),
+                )
+            )
+    return made
+
+
+def time_kernel(weights: list[tuple], rows: int, hidden: int, rounds: int = 3) -> float:
+    """Seconds per expert call, cycling through every expert `rounds` times after one warm-up round."""
+    x = torch.randn(rows, hidden)
+    for w in weights:
+        expert_swiglu(x, *w)
+    began = time.perf_counter()
+    for _ in range(rounds):
+        for w in weights:
+            expert_swiglu(x, *w)
+    return (time.perf_counter() - began) / (rounds * len(weights))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--inter", type=int, default=768)
+    parser.add_argument("--experts", type=int, default=48)
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16])
+    args = parser.parse_args()
+    bandwidth = copy_bandwidth()
+    timings = {}
+    for name, kind in (("bf16", torch.bfloat16), ("int8", torch.int8)):
+        weights = expert_weights(kind, args.experts, args.hidden, args.inter)
+        per_expert = sum(t.nbytes for t in weights[0])
+        timings[name] = (per_expert, {rows: time_kernel(weights, rows, args.hidden) for rows in args.rows})
+        del weights
+    bandwidth = max(bandwidth, copy_bandwidth())  # the best of before and after: the machine may be shared
+    line: dict[str, object] = {
+        "date": time.strftime("%Y-%m-%d"),
+        "native": native_available(),
+        "threads": threads(),
+        "hidden": args.hidden,
+        "inter": args.inter,
+        "experts": args.experts,
+        "copy_bandwidth_gb_s": round(bandwidth / 1e9, 2),
+    }
+    above = []
+    for name, (per_expert, by_rows) in timings.items():
+        for rows, seconds in by_rows.items():
+            rate = per_expert / seconds
+            line[f"{name}_rows{rows}_us"] = round(seconds * 1e6, 1)
+            line[f"{name}_rows{rows}_gb_s"] = round(rate / 1e9, 2)
+            line[f"{name}_rows{rows}_share"] = round(rate / bandwidth, 3)
+            if rate > bandwidth:
+                above.append(f"{name} at {rows} rows: {rate / 1e9:.1f} GB/s")
+    print(json.dumps(line))
+    if above:
+        raise SystemExit(f"faster than the host's memory ({'; '.join(above)}): the weights came from a cache")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,151 @@
+// The CPU expert pool's kernel: one routed expert's SwiGLU over the rows routed to it, from host RAM.
+//
+//   h[t, j] = silu(gate_j . x_t) * (up_j . x_t)      j < I   (gate_up rows j and I + j)
+//   y[t, i] = down_i . h_t                            i < H
+//
+// x [n, H] and y [n, H] are fp32; the weights are fp32, bf16 or int8 with one fp32 scale per output row
+// (weight = int8 * scale). Work is split over output rows between threads (OpenMP); each dot product runs over
+// contiguous memory in fp32, four tokens per pass over a weight row, so the compiler vectorises it for the
+// machine it is built on (-march=native).
+// Bound with pybind11; called from app/kernels/cpu_experts.py, which checks shapes, dtypes and contiguity and
+// passes raw pointers.
+
+#include <pybind11/pybind11.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+#include <vector>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+namespace {
+
+enum class Kind : int { F32 = 0, BF16 = 1, I8 = 2 };
+
+inline float bf16_to_f32(uint16_t v) {
+    uint32_t bits = static_cast<uint32_t>(v) << 16;
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+constexpr int TILE = 4;  // tokens whose dot products share one pass over a weight row
+
+// Dot products of one weight row (length `cols`, converted to fp32 by `load`) with TILE token vectors at once,
+// so each weight is read and converted once per tile. acc[k] gets row . xs[k].
+template <typename Load>
+inline void dot_tile(Load load, int64_t cols, const float* const* xs, int count, float* acc) {
+    if (count == 1) {  // a decode row alone: one dot product, no padding work
+        const float* x0 = xs[0];
+        float a0 = 0.0f;
+#pragma omp simd reduction(+ : a0)
+        for (int64_t c = 0; c < cols; ++c) a0 += load(c) * x0[c];
+        acc[0] = a0;
+        return;
+    }
+    const float* x0 = xs[0];
+    const float* x1 = xs[1];
+    const float* x2 = xs[2];
+    const float* x3 = xs[3];
+    float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
+#pragma omp simd reduction(+ : a0, a1, a2, a3)
+    for (int64_t c = 0; c < cols; ++c) {
+        const float w = load(c);
+        a0 += w * x0[c];
+        a1 += w * x1[c];
+        a2 += w * x2[c];
+        a3 += w * x3[c];
+    }
+    acc[0] = a0;
+    acc[1] = a1;
+    acc[2] = a2;
+    acc[3] = a3;
+}
+
+// One weight row dotted with `count` (up to TILE) token vectors (`xs` padded by repeating its first), in fp32.
+inline void dot_row(const void* weights, Kind kind, int64_t row, int64_t cols, const float* scales,
+                    const float* const* xs, int count, float* acc) {
+    switch (kind) {
+        case Kind::F32: {
+            const float* w = static_cast<const float*>(weights) + row * cols;
+            dot_tile([w](int64_t c) { return w[c]; }, cols, xs, count, acc);
+            return;
+        }
+        case Kind::BF16: {
+            const uint16_t* w = static_cast<const uint16_t*>(weights) + row * cols;
+            dot_tile([w](int64_t c) { return bf16_to_f32(w[c]); }, cols, xs, count, acc);
+            return;
+        }
+        case Kind::I8: {
+            const int8_t* w = static_cast<const int8_t*>(weights) + row * cols;
+            dot_tile([w](int64_t c) { return static_cast<float>(w[c]); }, cols, xs, count, acc);
+            for (int k = 0; k < count; ++k) acc[k] *= scales[row];
+            return;
+        }
+    }
+    throw std::invalid_argument("unknown weight kind");
+}
+
+inline float silu(float v) { return v / (1.0f + std::exp(-v)); }
+
+// y [n, hidden] = SwiGLU of x [n, hidden] through one expert: gate_up [2 * inter, hidden], down [hidden, inter].
+void expert_swiglu(uintptr_t x_ptr, uintptr_t gate_up_ptr, uintptr_t down_ptr, uintptr_t y_ptr,
+                   uintptr_t gate_up_scales_ptr, uintptr_t down_scales_ptr, int64_t n, int64_t hidden,
+                   int64_t inter, int kind_code, int threads) {
+    const auto kind = static_cast<Kind>(kind_code);
+    const float* x = reinterpret_cast<const float*>(x_ptr);
+    float* y = reinterpret_cast<float*>(y_ptr);
+    const void* gate_up = reinterpret_cast<const void*>(gate_up_ptr);
+    const void* down = reinterpret_cast<const void*>(down_ptr);
+    const float* gate_up_scales = reinterpret_cast<const float*>(gate_up_scales_ptr);
+    const float* down_scales = reinterpret_cast<const float*>(down_scales_ptr);
+    if (kind == Kind::I8 && (gate_up_scales == nullptr || down_scales == nullptr)) {
+        throw std::invalid_argument("int8 weights need their scales");
+    }
+    std::vector<float> h(static_cast<size_t>(n * inter));
+    pybind11::gil_scoped_release release;
+    for (int64_t first = 0; first < n; first += TILE) {
+        const int count = static_cast<int>(std::min<int64_t>(TILE, n - first));
+        const float* xs[TILE];
+        for (int k = 0; k < TILE; ++k) xs[k] = x + (first + (k < count ? k : 0)) * hidden;
+#pragma omp parallel for schedule(static) num_threads(threads)
+        for (int64_t j = 0; j < inter; ++j) {
+            float gate[TILE], up[TILE];
+            dot_row(gate_up, kind, j, hidden, gate_up_scales, xs, count, gate);
+            dot_row(gate_up, kind, inter + j, hidden, gate_up_scales, xs, count, up);
+            for (int k = 0; k < count; ++k) h[(first + k) * inter + j] = silu(gate[k]) * up[k];
+        }
+    }
+    for (int64_t first = 0; first < n; first += TILE) {
+        const int count = static_cast<int>(std::min<int64_t>(TILE, n - first));
+        const float* hs[TILE];
+        for (int k = 0; k < TILE; ++k) hs[k] = h.data() + (first + (k < count ? k : 0)) * inter;
+#pragma omp parallel for schedule(static) num_threads(threads)
+        for (int64_t i = 0; i < hidden; ++i) {
+            float acc[TILE];
+            dot_row(down, kind, i, inter, down_scales, hs, count, acc);
+            for (int k = 0; k < count; ++k) y[(first + k) * hidden + i] = acc[k];
+        }
+    }
+}
+
+int max_threads() {
+#ifdef _OPENMP
+    return omp_get_max_threads();
+#else
+    return 1;
+#endif
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_cpu_experts, m) {
+    m.doc() = "The CPU expert pool's SwiGLU kernel (fp32, bf16 and int8 weights).";
+    m.def("expert_swiglu", &expert_swiglu, "y = SwiGLU(x) through one expert; raw pointers, see cpu_experts.py");
+    m.def("max_threads", &max_threads, "OpenMP threads available");
+}

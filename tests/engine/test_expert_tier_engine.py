@@ -1,0 +1,39 @@
+"""An engine whose MoE layers keep 2 experts on the device and the rest in host RAM: with the tier frozen,
+every request's tokens equal the all-resident model's, and the residency shows in the expert reports."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from engine_helpers import make_core, random_prompt, request, run
+
+from app.errors import StrataError
+from app.models.expert_tier import TieredExperts
+
+
+def test_a_frozen_tier_with_two_experts_resident_gives_the_all_resident_tokens(
+    checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("app.engine.core.EXPERT_REPORT_S", 0.0)
+    greedy = {"max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    arrivals = [
+        (0, request(random_prompt(30, 80), **greedy)),
+        (1, request(random_prompt(11, 81), **greedy)),
+        (2, request(random_prompt(45, 82), max_tokens=8, temperature=0.9, seed=6, ignore_eos=True)),
+    ]
+    everything, _ = run(make_core(checkpoint), arrivals)
+    core = make_core(checkpoint, expert_cache=2)
+    tiers = [m for m in core.loaded.model.modules() if isinstance(m, TieredExperts)]
+    assert tiers and all(t.gate_up is not None and t.gate_up.shape[0] == 2 for t in tiers)
+    tiered, windows = run(core, arrivals)
+    for _, add in arrivals:
+        assert tiered[add.request_id].token_ids == everything[add.request_id].token_ids
+    experts = core.loaded.model.config.num_experts
+    report = next(w.experts for w in windows if w.experts is not None)
+    assert all(row == [0, 0] + [1] * (experts - 2) for row in report.location)
+
+
+def test_an_expert_cache_below_zero_is_refused(checkpoint: Path) -> None:
+    with pytest.raises(StrataError, match="--expert-cache"):
+        make_core(checkpoint, expert_cache=-1)

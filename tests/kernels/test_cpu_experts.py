@@ -1,0 +1,67 @@
+"""The CPU expert pool's native kernel against its torch reference: fp32, bf16 and int8 weights."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from app.kernels import cpu_experts
+from app.kernels.cpu_experts import expert_swiglu, expert_swiglu_reference, native_available
+
+HIDDEN, INTER = 96, 40
+
+
+def _weights(kind: torch.dtype, seed: int) -> tuple[torch.Tensor, ...]:
+    generator = torch.Generator().manual_seed(seed)
+    if kind == torch.int8:
+        gate_up = torch.randint(-127, 128, (2 * INTER, HIDDEN), dtype=torch.int8, generator=generator)
+        down = torch.randint(-127, 128, (HIDDEN, INTER), dtype=torch.int8, generator=generator)
+        gate_up_scales = torch.rand(2 * INTER, generator=generator) * 1e-3
+        return gate_up, down, gate_up_scales, torch.rand(HIDDEN, generator=generator) * 1e-3
+    gate_up = (torch.randn(2 * INTER, HIDDEN, generator=generator) * 0.1).to(kind)
+    down = (torch.randn(HIDDEN, INTER, generator=generator) * 0.1).to(kind)
+    return gate_up, down, None, None
+
+
+def test_the_native_kernel_is_built() -> None:
+    """The install builds it wherever a C++ compiler with OpenMP exists (CI included)."""
+    assert native_available()
+
+
+@pytest.mark.parametrize("kind", [torch.float32, torch.bfloat16, torch.int8], ids=["fp32", "bf16", "int8"])
+@pytest.mark.parametrize("rows", [1, 7])
+def test_the_native_kernel_equals_the_reference(kind: torch.dtype, rows: int) -> None:
+    gate_up, down, gate_up_scales, down_scales = _weights(kind, rows)
+    x = torch.randn(rows, HIDDEN, generator=torch.Generator().manual_seed(9))
+    expected = expert_swiglu_reference(x, gate_up, down, gate_up_scales, down_scales)
+    got = expert_swiglu(x, gate_up, down, gate_up_scales, down_scales)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_bad_weights_are_refused_before_the_native_kernel_reads_them() -> None:
+    gate_up, down, _, _ = _weights(torch.float32, 0)
+    x = torch.randn(2, HIDDEN)
+    with pytest.raises(ValueError, match="shapes"):
+        expert_swiglu(x[:, :-1], gate_up, down)
+    with pytest.raises(ValueError, match="both fp32, bf16 or int8"):
+        expert_swiglu(x, gate_up, down.bfloat16())
+    with pytest.raises(ValueError, match="contiguous"):
+        expert_swiglu(x, gate_up.T.contiguous().T, down)
+    int8_gate_up, int8_down, _, _ = _weights(torch.int8, 0)
+    with pytest.raises(ValueError, match="scales"):
+        expert_swiglu(x, int8_gate_up, int8_down)
+
+
+def test_without_the_native_kernel_the_reference_runs_and_says_so_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(cpu_experts, "_native", None)
+    monkeypatch.setattr(cpu_experts, "_warned", False)
+    gate_up, down, _, _ = _weights(torch.bfloat16, 1)
+    x = torch.randn(3, HIDDEN)
+    with caplog.at_level(logging.WARNING, logger="strata.kernels"):
+        for _ in range(2):
+            assert torch.equal(expert_swiglu(x, gate_up, down), expert_swiglu_reference(x, gate_up, down))
+    assert sum("not built" in r.getMessage() for r in caplog.records) == 1
