@@ -17,7 +17,7 @@ from torch import nn
 
 from app.kernels.cpu_experts import expert_swiglu
 from app.kernels.interface import ExpertsFn
-from app.models.moe import RoutedExperts, SparseMoE
+from app.models.moe import RoutedExperts, SparseMoE, expert_parts
 
 
 class TieredExperts(nn.Module):
@@ -48,13 +48,8 @@ class TieredExperts(nn.Module):
 
     def checkpoint_parts(self, prefix: str) -> dict[str, tuple[str, tuple]]:
         """Checkpoint tensor name -> (parameter name, index into it), for every expert's projections."""
-        inter = self.intermediate
-        parts: dict[str, tuple[str, tuple]] = {}
-        for e in range(self.host_gate_up.shape[0]):
-            parts[f"{prefix}{e}.gate_proj.weight"] = ("host_gate_up", (e, slice(0, inter)))
-            parts[f"{prefix}{e}.up_proj.weight"] = ("host_gate_up", (e, slice(inter, 2 * inter)))
-            parts[f"{prefix}{e}.down_proj.weight"] = ("host_down", (e,))
-        return parts
+        experts = self.host_gate_up.shape[0]
+        return expert_parts(prefix, experts, self.intermediate, "host_gate_up", "host_down")
 
     @torch.no_grad()
     def place(self, device: torch.device) -> None:

@@ -10,6 +10,19 @@ from app.models.config import ModelConfig
 from app.models.layers import DenseMLP, Linear
 
 
+def expert_parts(
+    prefix: str, experts: int, intermediate: int, gate_up: str, down: str
+) -> dict[str, tuple[str, tuple]]:
+    """Where each expert's checkpoint projections go in stacked `gate_up` (gate rows first) and `down`
+    parameters: checkpoint tensor name -> (parameter name, index into it)."""
+    parts: dict[str, tuple[str, tuple]] = {}
+    for e in range(experts):
+        parts[f"{prefix}{e}.gate_proj.weight"] = (gate_up, (e, slice(0, intermediate)))
+        parts[f"{prefix}{e}.up_proj.weight"] = (gate_up, (e, slice(intermediate, 2 * intermediate)))
+        parts[f"{prefix}{e}.down_proj.weight"] = (down, (e,))
+    return parts
+
+
 class RoutedExperts(nn.Module):
     """All experts of one layer, stacked as kernels want them.
 
@@ -26,13 +39,7 @@ class RoutedExperts(nn.Module):
 
     def checkpoint_parts(self, prefix: str) -> dict[str, tuple[str, tuple]]:
         """Checkpoint tensor name -> (parameter name, index into it), for every expert's projections."""
-        inter = self.intermediate
-        parts: dict[str, tuple[str, tuple]] = {}
-        for e in range(self.gate_up.shape[0]):
-            parts[f"{prefix}{e}.gate_proj.weight"] = ("gate_up", (e, slice(0, inter)))
-            parts[f"{prefix}{e}.up_proj.weight"] = ("gate_up", (e, slice(inter, 2 * inter)))
-            parts[f"{prefix}{e}.down_proj.weight"] = ("down", (e,))
-        return parts
+        return expert_parts(prefix, self.gate_up.shape[0], self.intermediate, "gate_up", "down")
 
     def forward(self, x: torch.Tensor, top_ids: torch.Tensor, top_weights: torch.Tensor) -> torch.Tensor:
         """x [tokens, hidden], top_ids / top_weights [tokens, k] -> the weighted sum of expert outputs."""
