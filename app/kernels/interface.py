@@ -21,6 +21,7 @@ AddNormKernel = Callable[
 ]
 GatedNormKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 LinearKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+HostExpertFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # one expert from host RAM
 RouteKernel = Callable[
     [torch.Tensor, int, bool, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]
 ]

@@ -15,8 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from app.kernels.cpu_experts import expert_swiglu
-from app.kernels.interface import ExpertsFn
+from app.kernels.interface import ExpertsFn, HostExpertFn
 from app.models.moe import RoutedExperts, SparseMoE, expert_parts
 
 
@@ -32,9 +31,16 @@ class TieredExperts(nn.Module):
     HOST_PARAMETERS = ("host_gate_up", "host_down")
 
     def __init__(
-        self, experts: int, hidden: int, intermediate: int, kernel: ExpertsFn, resident: int
+        self,
+        experts: int,
+        hidden: int,
+        intermediate: int,
+        kernel: ExpertsFn,
+        resident: int,
+        host_kernel: HostExpertFn,
     ) -> None:
         super().__init__()
+        self.host_kernel = host_kernel
         if not 0 <= resident < experts:
             raise ValueError(f"resident experts must be in [0, {experts}), got {resident}")
         self.kernel = kernel
@@ -123,7 +129,7 @@ class TieredExperts(nn.Module):
     ) -> None:
         """Add the routed entries (row, column of top_ids) into `out`, expert by expert in expert order, each
         expert's weights read where it lives (all tensors on the CPU); with `pool`, through the CPU expert
-        pool's kernel (app/kernels/cpu_experts.py) into an fp32 `out`."""
+        pool's kernel (`host_kernel`: app/kernels/cpu_experts.py) into an fp32 `out`."""
         rows, cols = entries.unbind(1)
         ids = top_ids[rows, cols]
         order = ids.argsort(stable=True)
@@ -134,7 +140,7 @@ class TieredExperts(nn.Module):
             picked = rows[start : start + count]
             gate_up, down = self._weights(expert)
             if pool:
-                y = expert_swiglu(x[picked], gate_up, down) * weights[start : start + count, None].float()
+                y = self.host_kernel(x[picked], gate_up, down) * weights[start : start + count, None].float()
             else:
                 gate, up = F.linear(x[picked], gate_up).chunk(2, dim=-1)
                 y = F.linear(F.silu(gate) * up, down) * weights[start : start + count, None]
@@ -142,14 +148,17 @@ class TieredExperts(nn.Module):
             start += count
 
 
-def use_expert_tier(model: nn.Module, resident: int) -> int:
+def use_expert_tier(model: nn.Module, resident: int, host_kernel: HostExpertFn) -> int:
     """Give every MoE layer of a model built on the meta device (not loaded yet) an expert tier with the
-    first `resident` experts on the device; returns the number of layers. Call it under the meta device."""
+    first `resident` experts on the device and `host_kernel` for the others; returns the number of layers.
+    Call it under the meta device."""
     layers = 0
     for module in model.modules():
         if isinstance(module, SparseMoE) and isinstance(module.experts, RoutedExperts):
             routed = module.experts
             experts, _, hidden = routed.gate_up.shape
-            module.experts = TieredExperts(experts, hidden, routed.intermediate, routed.kernel, resident)
+            module.experts = TieredExperts(
+                experts, hidden, routed.intermediate, routed.kernel, resident, host_kernel
+            )
             layers += 1
     return layers

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from app.kernels.cpu_experts import expert_swiglu
 from app.kernels.reference import experts_reference
 from app.models.expert_tier import TieredExperts
 
@@ -14,7 +15,7 @@ EXPERTS, HIDDEN, INTER, TOP_K = 8, 16, 12, 3
 
 def _tier(resident: int, seed: int = 0) -> TieredExperts:
     generator = torch.Generator().manual_seed(seed)
-    tier = TieredExperts(EXPERTS, HIDDEN, INTER, experts_reference, resident)
+    tier = TieredExperts(EXPERTS, HIDDEN, INTER, experts_reference, resident, expert_swiglu)
     with torch.no_grad():
         tier.host_gate_up.copy_(torch.randn(EXPERTS, 2 * INTER, HIDDEN, generator=generator) * 0.2)
         tier.host_down.copy_(torch.randn(EXPERTS, HIDDEN, INTER, generator=generator) * 0.2)
@@ -53,4 +54,4 @@ def test_only_the_resident_experts_are_placed_on_the_device() -> None:
     assert tier.gate_up is not None and tier.gate_up.shape[0] == 3
     assert tier.slot_of is not None and tier.slot_of.tolist() == [0, 1, 2, -1, -1, -1, -1, -1]
     with pytest.raises(ValueError, match="resident experts"):
-        TieredExperts(EXPERTS, HIDDEN, INTER, experts_reference, EXPERTS)
+        TieredExperts(EXPERTS, HIDDEN, INTER, experts_reference, EXPERTS, expert_swiglu)
