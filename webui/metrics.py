@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from app.engine.protocol import FINISH_REASONS, ParkingStats, Ready, SlotStats, WindowStats
+from app.engine.protocol import EXPERT_SOURCES, FINISH_REASONS, ParkingStats, Ready, SlotStats, WindowStats
 from webui.auth import require_api_key
 from webui.engine_link import RequestRecord
 
@@ -112,6 +112,7 @@ class ServerMetrics:
         self.prefix_cache_hits_total = 0
         self.parking = ParkingStats(0, 0, 0, 0, 0, 0.0, 0)
         self.request_success_total = dict.fromkeys(FINISH_REASONS, 0)
+        self.expert_routed_total = dict.fromkeys(EXPERT_SOURCES, 0)
         self._recent: deque[tuple[float, float, int]] = deque()  # (start, end, tokens) of recent windows
         self._ended: dict[str, None] = {}  # ids of finished requests, oldest first
         self._histograms: dict[str, Histogram] = {}
@@ -207,6 +208,10 @@ class ServerMetrics:
         self.prefix_cache_hits_total += stats.prefix_cache_hits
         if stats.parking is not None:
             self.parking = stats.parking
+        if stats.experts is not None:
+            for routed, location in zip(stats.experts.routed, stats.experts.location, strict=True):
+                for count, where in zip(routed, location, strict=True):
+                    self.expert_routed_total[EXPERT_SOURCES[where]] += count
         self.iteration_tokens.observe(stats.rows)
         self.window_step.observe(stats.step_s)
         self.window_host.observe(stats.host_s)
@@ -297,6 +302,7 @@ class ServerMetrics:
             "park_restore_seconds_total": self.parking.restore_seconds,
             "park_copied_bytes_total": self.parking.copied_bytes,
             "request_success_total": dict(self.request_success_total),
+            "expert_routed_total": dict(self.expert_routed_total),
             "cache_config_info": {
                 "block_size": self.ready.block_size,
                 "cache_dtype": "auto",
@@ -363,6 +369,15 @@ class _ValuesCollector(Collector):
         for reason, count in values["request_success_total"].items():
             success.add_metric([*base, reason], count)
         yield success
+        routed = CounterMetricFamily(
+            "strata:expert_routed",
+            "Routed expert entries (a token's pick of an expert, in every MoE layer) by where they ran: vram "
+            "(an expert in device memory), pcie (copied over for the window), cpu (run in host RAM).",
+            labels=[*LABELS, "source"],
+        )
+        for source, count in values["expert_routed_total"].items():
+            routed.add_metric([*base, source], count)
+        yield routed
         config = {key: str(value) for key, value in values["cache_config_info"].items()}
         info = GaugeMetricFamily(
             "vllm:cache_config_info", "Information of the LLMEngine CacheConfig", labels=[*LABELS, *config]

@@ -166,10 +166,14 @@ class SlotStats(msgspec.Struct, array_like=True, frozen=True):
     window_tokens: int  # tokens this slot fed in this window
 
 
+EXPERT_SOURCES = ("vram", "cpu", "pcie")  # what each `ExpertUsage.location` code means for a routed entry
+
+
 class ExpertUsage(msgspec.Struct, frozen=True):
     """Where each routed expert lives and how often the router picked it since the previous report.
 
-    One row per MoE layer (`layers` holds the model's layer indices); `location`: 0 GPU memory, 1 host RAM.
+    One row per MoE layer (`layers` holds the model's layer indices); `location`: 0 GPU memory, 1 host RAM
+    (run on the CPU), 2 copied over PCIe for the window (`EXPERT_SOURCES` names them).
     """
 
     layers: list[int]

@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 from serving import Server
 
-from app.engine.protocol import ParkingStats, Ready, SlotStats, WindowStats
+from app.engine.protocol import ExpertUsage, ParkingStats, Ready, SlotStats, WindowStats
 from webui.engine_link import RequestRecord
 from webui.metrics import ServerMetrics, buckets_1_2_5, http_metrics_middleware, metrics_route
 from webui.settings import ServerSettings
@@ -521,3 +521,19 @@ def test_streams_closed_mid_answer_free_every_slot(server: Server) -> None:
     assert snap["kv_blocks_used"] == 0
     assert snap["request_success_total"]["abort"] - before["request_success_total"]["abort"] == 20
     assert _complete(server, probe)["choices"][0]["message"]["content"] == solo
+
+
+def test_routed_expert_entries_are_counted_by_where_they_ran() -> None:
+    """`strata:expert_routed_total{source}` adds up the engine's expert reports: vram for experts in device
+    memory, cpu for those in host RAM (an expert tier's misses, or a CPU engine)."""
+    metrics = ServerMetrics("tiny", READY)
+    usage = ExpertUsage(
+        layers=[1, 3], routed=[[4, 0, 2], [1, 5, 0]], location=[[0, 1, 1], [0, 1, 1]], seconds=1.0
+    )
+    metrics.on_window(window(1, time.time(), [decoding(0, "a")], experts=usage))
+    metrics.on_window(window(2, time.time(), [decoding(0, "a")], experts=usage))
+    found = scrape(metrics)
+    assert value(found, "strata:expert_routed_total", source="vram") == 10
+    assert value(found, "strata:expert_routed_total", source="cpu") == 14
+    assert value(found, "strata:expert_routed_total", source="pcie") == 0
+    assert metrics.values()["expert_routed_total"] == {"vram": 10, "cpu": 14, "pcie": 0}
