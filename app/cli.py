@@ -74,6 +74,13 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
         "(default: all on the device)",
     )
     parser.add_argument(
+        "--adapt-every",
+        type=int,
+        default=defaults.adapt_every,
+        metavar="N",
+        help="with --expert-cache: every N windows the most routed experts move onto the device (0: frozen)",
+    )
+    parser.add_argument(
         "--no-overlap",
         dest="overlap",
         action="store_false",
@@ -132,6 +139,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         enforce_eager=args.enforce_eager,
         overlap=args.overlap,
         expert_cache=args.expert_cache,
+        adapt_every=args.adapt_every,
         prefix_cache=args.prefix_cache,
         park_memory=args.park_memory,
         park_dir=str(args.park_dir),

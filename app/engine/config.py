@@ -31,7 +31,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     requests continue from cached KV blocks and saved recurrent states (docs/BATCHING.md); `park_memory`
     bytes of host RAM hold finished turns for their follow-ups, and with `park_dir` up to `park_disk` bytes
     of files (surviving restarts); `expert_cache` experts of each MoE layer live on the device, the rest in
-    host RAM, computed on the CPU (None: every expert on the device; app/models/expert_tier.py).
+    host RAM, computed on the CPU (None: every expert on the device; app/models/expert_tier.py), and every
+    `adapt_every` windows the most routed experts become the resident ones (0: the tier stays frozen).
     """
 
     model: str | None = None
@@ -53,3 +54,4 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     park_disk: int = 0
     seed: int = 0
     expert_cache: int | None = None
+    adapt_every: int = 32

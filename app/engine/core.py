@@ -92,6 +92,10 @@ class EngineCore:
         log.info("backends: %s on %s", self.backends.name, self.device)
         if loaded is None:
             path = config.model or default_model_dir()
+            if config.adapt_every < 0:
+                raise StrataError(
+                    f"--adapt-every must be 0 (frozen) or more windows, not {config.adapt_every}"
+                )
             if config.expert_cache is not None and config.expert_cache < 0:
                 raise StrataError(
                     f"--expert-cache must be 0 or more experts per layer, not {config.expert_cache}"
@@ -110,7 +114,10 @@ class EngineCore:
             config.max_model_len or model.config.max_position_embeddings, model.config.max_position_embeddings
         )
         self.recurrent = LINEAR_ATTENTION in model.config.layer_types
-        self.tiered = any(isinstance(m, TieredExperts) for m in model.modules())
+        self.tiers = [m for m in model.modules() if isinstance(m, TieredExperts)]
+        self.tiered = bool(self.tiers)
+        self.launched = 0  # windows launched, for the expert tier's adaptation
+        self.expert_swaps = 0
         state = self._paged_state()
         graphs = self._window_graphs(state)
         self.park = self._conversation_park(state)
@@ -327,6 +334,10 @@ class EngineCore:
         """Queue the window on the device; each request it samples for gets a placeholder token meanwhile."""
         started = time.time()
         launched = self.runner.launch(window) if window.chunks else None
+        if launched is not None:
+            self.launched += 1
+            if self.config.adapt_every and self.launched % self.config.adapt_every == 0:
+                self.expert_swaps += sum(tier.adapt() for tier in self.tiers)
         indices = []
         for row, chunk in enumerate(launched.sampling if launched is not None else []):
             chunk.request.output.append(placeholder(row))

@@ -5,8 +5,9 @@ to the device run at full speed) and `resident` of them in device memory as well
 routed entry where its expert lives: the entries of resident experts with the backends' experts kernel on the
 device, the others on the CPU from host RAM (the CPU pool's native kernel, app/kernels/cpu_experts.py), and
 adds the two. With the device itself the CPU, every entry is computed in expert order with the reference's
-arithmetic, so a frozen tier gives the all-resident model's outputs exactly.
-The tier is frozen for now: the resident experts are the first `resident` ones, chosen at load.
+arithmetic, so the tier gives the all-resident model's outputs exactly wherever the experts live.
+The resident experts are the first `resident` ones at load; `adapt` (every `--adapt-every` windows, the
+engine calls it) makes the most routed ones resident, copying them over in place of the coldest.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from torch import nn
 
 from app.kernels.interface import ExpertsFn, HostExpertFn
 from app.models.moe import RoutedExperts, SparseMoE, expert_parts
+
+ADAPT_DECAY = 0.5  # how much of the earlier routing counts when the tier adapts again
 
 
 class TieredExperts(nn.Module):
@@ -51,6 +54,8 @@ class TieredExperts(nn.Module):
         self.gate_up: torch.Tensor | None = None
         self.down: torch.Tensor | None = None
         self.slot_of: torch.Tensor | None = None
+        self.slots: list[int] = []  # each expert's device slot, -1 in host RAM only (host copy of slot_of)
+        self.heat: torch.Tensor | None = None  # routed entries per expert since the last adaptation, decayed
 
     def checkpoint_parts(self, prefix: str) -> dict[str, tuple[str, tuple]]:
         """Checkpoint tensor name -> (parameter name, index into it), for every expert's projections."""
@@ -64,30 +69,57 @@ class TieredExperts(nn.Module):
             self.host_gate_up = nn.Parameter(self.host_gate_up.data.pin_memory(), requires_grad=False)
             self.host_down = nn.Parameter(self.host_down.data.pin_memory(), requires_grad=False)
         experts = self.host_gate_up.shape[0]
-        self.gate_up = self.host_gate_up[: self.resident].to(device)
-        self.down = self.host_down[: self.resident].to(device)
-        slots = torch.full((experts,), -1, dtype=torch.long)
-        slots[: self.resident] = torch.arange(self.resident)
-        self.slot_of = slots.to(device)
+        self.gate_up = self.host_gate_up[: self.resident].to(device, copy=True)  # never a view of the host's
+        self.down = self.host_down[: self.resident].to(device, copy=True)
+        self.slots = [e if e < self.resident else -1 for e in range(experts)]
+        self.slot_of = torch.tensor(self.slots, dtype=torch.long).to(device)
+        self.heat = torch.zeros(experts, dtype=torch.float32, device=device)
 
     def locations(self) -> list[int]:
         """Where each expert is computed: 0 on the device, 1 in host RAM (the Monitor's residency grid)."""
-        experts = self.host_gate_up.shape[0]
-        return [0 if e < self.resident else 1 for e in range(experts)]
+        return [0 if slot >= 0 else 1 for slot in self.slots]
+
+    @torch.no_grad()
+    def adapt(self, decay: float = ADAPT_DECAY) -> int:
+        """Make the experts routed most since the last adaptation (the older counts decayed) the resident
+        ones: the hottest experts in host RAM take the slots of the coldest resident ones. Returns how many
+        were swapped. The copies are queued behind the windows already launched, so a window runs with the
+        experts it was planned with; on a frozen tier (never adapted) nothing moves."""
+        assert self.heat is not None and self.gate_up is not None and self.down is not None
+        heat = self.heat.tolist()
+        self.heat.mul_(decay)
+        if not self.resident:
+            return 0
+        resident = [e for e, slot in enumerate(self.slots) if slot >= 0]
+        # residents win ties, so equally hot experts do not move back and forth
+        ranked = sorted(range(len(heat)), key=lambda e: (heat[e], self.slots[e] >= 0), reverse=True)
+        wanted = set(ranked[: self.resident])
+        incoming = [e for e in ranked[: self.resident] if self.slots[e] < 0]
+        outgoing = sorted((e for e in resident if e not in wanted), key=lambda e: heat[e])
+        for new, old in zip(incoming, outgoing, strict=True):
+            slot = self.slots[old]
+            self.gate_up[slot].copy_(self.host_gate_up[new], non_blocking=True)
+            self.down[slot].copy_(self.host_down[new], non_blocking=True)
+            self.slots[new], self.slots[old] = slot, -1
+        if incoming:
+            self.slot_of.copy_(torch.tensor(self.slots, dtype=torch.long))
+        return len(incoming)
 
     def forward(self, x: torch.Tensor, top_ids: torch.Tensor, top_weights: torch.Tensor) -> torch.Tensor:
         """x [tokens, hidden], top_ids / top_weights [tokens, k] -> the weighted sum of expert outputs."""
-        if self.slot_of is None:
+        if self.slot_of is None or self.heat is None:
             raise RuntimeError("TieredExperts.place() must run before the first forward")
+        self.heat.index_add_(0, top_ids.flatten(), torch.ones_like(top_ids, dtype=torch.float32).flatten())
         if x.device.type == "cpu":
             return self._in_order(x, top_ids, top_weights)
         return self._split(x, top_ids, top_weights)
 
     def _weights(self, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
         """An expert's gate_up and down where it is computed: its device slot, or host RAM."""
-        assert self.slot_of is not None and self.gate_up is not None and self.down is not None
-        if expert < self.resident:
-            return self.gate_up[expert], self.down[expert]
+        assert self.gate_up is not None and self.down is not None
+        slot = self.slots[expert]
+        if slot >= 0:
+            return self.gate_up[slot], self.down[slot]
         return self.host_gate_up[expert], self.host_down[expert]
 
     def _in_order(self, x: torch.Tensor, top_ids: torch.Tensor, top_weights: torch.Tensor) -> torch.Tensor:

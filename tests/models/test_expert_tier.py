@@ -55,3 +55,17 @@ def test_only_the_resident_experts_are_placed_on_the_device() -> None:
     assert tier.slot_of is not None and tier.slot_of.tolist() == [0, 1, 2, -1, -1, -1, -1, -1]
     with pytest.raises(ValueError, match="resident experts"):
         TieredExperts(EXPERTS, HIDDEN, INTER, experts_reference, EXPERTS, expert_swiglu)
+
+
+def test_adapting_makes_the_most_routed_experts_resident() -> None:
+    tier = _tier(2, seed=4)
+    x, _, weights = _routing(12, 5)
+    hot = torch.tensor([[5, 6, e % 4] for e in range(12)])  # experts 5 and 6 in every row
+    tier(x, hot, weights)
+    assert tier.adapt() == 2
+    assert tier.locations() == [1, 1, 1, 1, 1, 0, 0, 1]
+    assert tier.gate_up is not None and {tier.slots[5], tier.slots[6]} == {0, 1}
+    assert torch.equal(tier.gate_up[tier.slots[5]], tier.host_gate_up[5])
+    expected = experts_reference(x, hot, weights, tier.host_gate_up, tier.host_down)
+    assert torch.equal(tier(x, hot, weights), expected)
+    assert tier.adapt() == 0  # still the hottest: nothing moves
