@@ -135,18 +135,23 @@ class TieredExperts(nn.Module):
 
     def _split(self, x: torch.Tensor, top_ids: torch.Tensor, top_weights: torch.Tensor) -> torch.Tensor:
         """Resident experts' entries with the experts kernel on the device (the others weighted 0 there),
-        the others on the CPU from host RAM; the two sums added on the device."""
+        the others on the CPU from host RAM while the device runs the kernel; the sums added on the device.
+
+        The host reads the routing (one wait for the layer so far) before it queues the kernel, so the CPU
+        pool's work overlaps the device's instead of waiting for it too.
+        """
         assert self.slot_of is not None and self.gate_up is not None and self.down is not None
         slots = self.slot_of[top_ids]
         on_device = slots >= 0
+        missed = (~on_device).nonzero().cpu()
+        routed = (x.cpu(), top_ids.cpu(), top_weights.cpu()) if missed.numel() else None
         if self.resident:
             out = self.kernel(x, slots.clamp_min(0), top_weights * on_device, self.gate_up, self.down)
         else:
             out = torch.zeros_like(x)
-        missed = (~on_device).nonzero()
-        if missed.numel():
+        if routed is not None:
             host = torch.zeros(out.shape, dtype=torch.float32)
-            self._add_entries(host, x.cpu(), top_ids.cpu(), top_weights.cpu(), missed.cpu(), pool=True)
+            self._add_entries(host, *routed, missed, pool=True)
             out += host.to(out.device, dtype=out.dtype)
         return out
 
