@@ -89,10 +89,6 @@ class ModelRunner:
         self.state.reset_slot(scratch)
         torch.cuda.synchronize()
 
-    def execute(self, window: Window) -> list[Sampled]:
-        """Run the window and wait for its tokens: one per chunk that ends at its request's newest token."""
-        return self.collect(self.launch(window))
-
     @torch.inference_mode()
     def launch(self, window: Window) -> Launched:
         """Queue the window's state copies, forward pass and sampling on the device; return without waiting.
