@@ -63,6 +63,7 @@ SCALARS = (
     ("strata:park_restores_total", "counter", "Parked conversations brought back for a follow-up."),
     ("strata:park_restore_seconds_total", "counter", "Time spent bringing parked conversations back."),
     ("strata:park_copied_bytes_total", "counter", "Bytes copied from the device to park conversations."),
+    ("strata:expert_swaps_total", "counter", "Experts the expert tier moved onto the device."),
 )
 SLOT_GAUGES = (
     ("strata:slot_context_tokens", "context_tokens", "Tokens held in the slot's state."),
@@ -113,6 +114,7 @@ class ServerMetrics:
         self.parking = ParkingStats(0, 0, 0, 0, 0, 0.0, 0)
         self.request_success_total = dict.fromkeys(FINISH_REASONS, 0)
         self.expert_routed_total = dict.fromkeys(EXPERT_SOURCES, 0)
+        self.expert_swaps_total = 0
         self._recent: deque[tuple[float, float, int]] = deque()  # (start, end, tokens) of recent windows
         self._ended: dict[str, None] = {}  # ids of finished requests, oldest first
         self._histograms: dict[str, Histogram] = {}
@@ -209,6 +211,7 @@ class ServerMetrics:
         if stats.parking is not None:
             self.parking = stats.parking
         if stats.experts is not None:
+            self.expert_swaps_total += stats.experts.swaps
             for routed, location in zip(stats.experts.routed, stats.experts.location, strict=True):
                 for count, where in zip(routed, location, strict=True):
                     self.expert_routed_total[EXPERT_SOURCES[where]] += count
@@ -303,6 +306,7 @@ class ServerMetrics:
             "park_copied_bytes_total": self.parking.copied_bytes,
             "request_success_total": dict(self.request_success_total),
             "expert_routed_total": dict(self.expert_routed_total),
+            "expert_swaps_total": self.expert_swaps_total,
             "cache_config_info": {
                 "block_size": self.ready.block_size,
                 "cache_dtype": "auto",

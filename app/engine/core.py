@@ -386,7 +386,13 @@ class EngineCore:
                 for _, moe in self.moe_layers
             ],
             seconds=seconds,
+            swaps=self._take_swaps(),
         )
+
+    def _take_swaps(self) -> int:
+        """Experts the tier moved onto the device since the last expert report."""
+        swaps, self.expert_swaps = self.expert_swaps, 0
+        return swaps
 
     def _emit(self, drawn: _Drawn) -> RequestOutput:
         """The output of one drawn token; ends its request when the token is its last."""

@@ -180,6 +180,7 @@ class ExpertUsage(msgspec.Struct, frozen=True):
     routed: list[list[int]]
     location: list[list[int]]
     seconds: float  # the span the counts cover
+    swaps: int = 0  # experts the tier moved onto the device in that span (app/models/expert_tier.py)
 
 
 class ParkingStats(msgspec.Struct, array_like=True, frozen=True):

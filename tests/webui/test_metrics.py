@@ -525,10 +525,10 @@ def test_streams_closed_mid_answer_free_every_slot(server: Server) -> None:
 
 def test_routed_expert_entries_are_counted_by_where_they_ran() -> None:
     """`strata:expert_routed_total{source}` adds up the engine's expert reports: vram for experts in device
-    memory, cpu for those in host RAM (an expert tier's misses, or a CPU engine)."""
+    memory, cpu for those in host RAM (an expert tier's misses, or a CPU engine); the tier's swaps too."""
     metrics = ServerMetrics("tiny", READY)
     usage = ExpertUsage(
-        layers=[1, 3], routed=[[4, 0, 2], [1, 5, 0]], location=[[0, 1, 1], [0, 1, 1]], seconds=1.0
+        layers=[1, 3], routed=[[4, 0, 2], [1, 5, 0]], location=[[0, 1, 1], [0, 1, 1]], seconds=1.0, swaps=3
     )
     metrics.on_window(window(1, time.time(), [decoding(0, "a")], experts=usage))
     metrics.on_window(window(2, time.time(), [decoding(0, "a")], experts=usage))
@@ -537,3 +537,4 @@ def test_routed_expert_entries_are_counted_by_where_they_ran() -> None:
     assert value(found, "strata:expert_routed_total", source="cpu") == 14
     assert value(found, "strata:expert_routed_total", source="pcie") == 0
     assert metrics.values()["expert_routed_total"] == {"vram": 10, "cpu": 14, "pcie": 0}
+    assert value(found, "strata:expert_swaps_total") == 6  # 3 reported with each window
