@@ -90,16 +90,14 @@ class EngineCore:
         self.device = resolve_device(config.device)
         self.backends = select_backends(config.backend, self.device, exact=config.exact)
         log.info("backends: %s on %s", self.backends.name, self.device)
+        if config.adapt_every < 0:
+            raise StrataError(f"--adapt-every must be 0 (frozen) or more windows, not {config.adapt_every}")
+        if config.expert_cache is not None and config.expert_cache < 0:
+            raise StrataError(
+                f"--expert-cache must be 0 or more experts per layer, not {config.expert_cache}"
+            )
         if loaded is None:
             path = config.model or default_model_dir()
-            if config.adapt_every < 0:
-                raise StrataError(
-                    f"--adapt-every must be 0 (frozen) or more windows, not {config.adapt_every}"
-                )
-            if config.expert_cache is not None and config.expert_cache < 0:
-                raise StrataError(
-                    f"--expert-cache must be 0 or more experts per layer, not {config.expert_cache}"
-                )
             loaded = open_model(
                 path,
                 config.dtype,
@@ -115,7 +113,6 @@ class EngineCore:
         )
         self.recurrent = LINEAR_ATTENTION in model.config.layer_types
         self.tiers = [m for m in model.modules() if isinstance(m, TieredExperts)]
-        self.tiered = bool(self.tiers)
         self.launched = 0  # windows launched, for the expert tier's adaptation
         self.expert_swaps = 0
         state = self._paged_state()
@@ -134,6 +131,11 @@ class EngineCore:
             (i, layer.mlp) for i, layer in enumerate(model.model.layers) if isinstance(layer.mlp, SparseMoE)
         ]
         self._experts_reported = time.monotonic()
+
+    @property
+    def tiered(self) -> bool:
+        """Whether the model's MoE layers have an expert tier (`--expert-cache`)."""
+        return bool(self.tiers)
 
     @property
     def _dtype(self) -> torch.dtype:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import queue
 import threading
@@ -176,7 +177,7 @@ class ConversationPark:
         conversations are parked, it stalls the windows the engine launches meanwhile."""
         layers, _, size, heads, dim = self.state.keys.shape
         shape, dtype = (2, layers, size, heads, dim), self.state.keys.dtype
-        block_bytes = 2 * layers * size * heads * dim * self.state.keys.element_size()
+        block_bytes = math.prod(shape) * self.state.keys.element_size()
         reserved = [
             torch.empty(shape, dtype=dtype, pin_memory=True)
             for _ in range(min(self.ram_budget, PIN_AHEAD) // block_bytes)

@@ -49,8 +49,9 @@ class SampleResult:
 
 @dataclass
 class DrawnTokens:
-    """Tokens drawn on the device and not yet read back: `tokens` [rows], and for the rows in `wanted`, the
-    chosen and top logprobs (`values` [wanted, 1 + width], `top_ids` [wanted, width]).
+    """Tokens drawn on the device and not yet read back: `tokens` [rows], and for the rows that asked for
+    logprobs (a width in `logprob_widths`, None elsewhere), the chosen and top ones (`values` [asking,
+    1 + width], `top_ids` [asking, width]).
 
     `to_host` queues their copy to host memory behind the work that computes them, so the host can go on
     planning the next window; `read` waits for that copy and returns the lists.

@@ -43,10 +43,10 @@ class TieredExperts(nn.Module):
         host_kernel: HostExpertFn,
     ) -> None:
         super().__init__()
-        self.host_kernel = host_kernel
         if not 0 <= resident < experts:
             raise ValueError(f"resident experts must be in [0, {experts}), got {resident}")
         self.kernel = kernel
+        self.host_kernel = host_kernel
         self.intermediate = intermediate
         self.resident = resident
         self.host_gate_up = nn.Parameter(torch.empty(experts, 2 * intermediate, hidden))
@@ -185,11 +185,9 @@ class TieredExperts(nn.Module):
             start += count
 
 
-def use_expert_tier(model: nn.Module, resident: int, host_kernel: HostExpertFn) -> int:
+def use_expert_tier(model: nn.Module, resident: int, host_kernel: HostExpertFn) -> None:
     """Give every MoE layer of a model built on the meta device (not loaded yet) an expert tier with the
-    first `resident` experts on the device and `host_kernel` for the others; returns the number of layers.
-    Call it under the meta device."""
-    layers = 0
+    first `resident` experts on the device and `host_kernel` for the others. Call it under the meta device."""
     for module in model.modules():
         if isinstance(module, SparseMoE) and isinstance(module.experts, RoutedExperts):
             routed = module.experts
@@ -197,5 +195,3 @@ def use_expert_tier(model: nn.Module, resident: int, host_kernel: HostExpertFn) 
             module.experts = TieredExperts(
                 experts, hidden, routed.intermediate, routed.kernel, resident, host_kernel
             )
-            layers += 1
-    return layers
