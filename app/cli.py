@@ -70,8 +70,22 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
         "--expert-cache",
         type=int,
         metavar="N",
-        help="experts of each MoE layer kept on the device; the rest live in host RAM and run on the CPU "
+        help="experts of each MoE layer kept on the device; the rest live in host RAM, and each window's "
+        "misses run on the CPU or are copied over PCIe, as this machine's measured costs say "
         "(default: all on the device)",
+    )
+    parser.add_argument(
+        "--adapt-async",
+        action="store_true",
+        help="with --expert-cache: copy the experts that move onto the device on a side stream while windows "
+        "run, into a few spare slots a layer, instead of before the next window",
+    )
+    parser.add_argument(
+        "--pcie-frac",
+        type=float,
+        metavar="F",
+        help="with --expert-cache on a GPU: send this share (0..1) of each window's missed experts over "
+        "PCIe, the rest to the CPU, instead of the measured costs' split (for experiments)",
     )
     parser.add_argument(
         "--adapt-every",
@@ -140,6 +154,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         overlap=args.overlap,
         expert_cache=args.expert_cache,
         adapt_every=args.adapt_every,
+        pcie_frac=args.pcie_frac,
+        adapt_async=args.adapt_async,
         prefix_cache=args.prefix_cache,
         park_memory=args.park_memory,
         park_dir=str(args.park_dir),

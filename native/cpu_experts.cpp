@@ -134,18 +134,9 @@ void expert_swiglu(uintptr_t x_ptr, uintptr_t gate_up_ptr, uintptr_t down_ptr, u
     }
 }
 
-int max_threads() {
-#ifdef _OPENMP
-    return omp_get_max_threads();
-#else
-    return 1;
-#endif
-}
-
 }  // namespace
 
 PYBIND11_MODULE(_cpu_experts, m) {
     m.doc() = "The CPU expert pool's SwiGLU kernel (fp32, bf16 and int8 weights).";
     m.def("expert_swiglu", &expert_swiglu, "y = SwiGLU(x) through one expert; raw pointers, see cpu_experts.py");
-    m.def("max_threads", &max_threads, "OpenMP threads available");
 }

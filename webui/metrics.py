@@ -16,7 +16,15 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from app.engine.protocol import EXPERT_SOURCES, FINISH_REASONS, ParkingStats, Ready, SlotStats, WindowStats
+from app.engine.protocol import (
+    EXPERT_SOURCES,
+    FINISH_REASONS,
+    ExpertUsage,
+    ParkingStats,
+    Ready,
+    SlotStats,
+    WindowStats,
+)
 from webui.auth import require_api_key
 from webui.engine_link import RequestRecord
 
@@ -64,6 +72,11 @@ SCALARS = (
     ("strata:park_restore_seconds_total", "counter", "Time spent bringing parked conversations back."),
     ("strata:park_copied_bytes_total", "counter", "Bytes copied from the device to park conversations."),
     ("strata:expert_swaps_total", "counter", "Experts the expert tier moved onto the device."),
+    (
+        "strata:expert_pcie_bytes_total",
+        "counter",
+        "Bytes the expert tier copied to the device: missed experts staged for a window, swapped-in experts.",
+    ),
 )
 SLOT_GAUGES = (
     ("strata:slot_context_tokens", "context_tokens", "Tokens held in the slot's state."),
@@ -115,6 +128,7 @@ class ServerMetrics:
         self.request_success_total = dict.fromkeys(FINISH_REASONS, 0)
         self.expert_routed_total = dict.fromkeys(EXPERT_SOURCES, 0)
         self.expert_swaps_total = 0
+        self.expert_pcie_bytes_total = 0
         self._recent: deque[tuple[float, float, int]] = deque()  # (start, end, tokens) of recent windows
         self._ended: dict[str, None] = {}  # ids of finished requests, oldest first
         self._histograms: dict[str, Histogram] = {}
@@ -212,9 +226,8 @@ class ServerMetrics:
             self.parking = stats.parking
         if stats.experts is not None:
             self.expert_swaps_total += stats.experts.swaps
-            for routed, location in zip(stats.experts.routed, stats.experts.location, strict=True):
-                for count, where in zip(routed, location, strict=True):
-                    self.expert_routed_total[EXPERT_SOURCES[where]] += count
+            self.expert_pcie_bytes_total += stats.experts.pcie_bytes
+            self._count_served(stats.experts)
         self.iteration_tokens.observe(stats.rows)
         self.window_step.observe(stats.step_s)
         self.window_host.observe(stats.host_s)
@@ -226,6 +239,16 @@ class ServerMetrics:
         self.live_tok_s = sum(tokens for *_, tokens in self._recent) / span if span > 0 else 0.0
         if not self.slots:
             self._idle()
+
+    def _count_served(self, experts: ExpertUsage) -> None:
+        """Routed entries by where they were served: as the tier counted them, else where the expert lives."""
+        if experts.served is not None:
+            for source, count in zip(EXPERT_SOURCES, experts.served, strict=True):
+                self.expert_routed_total[source] += count
+            return
+        for routed, location in zip(experts.routed, experts.location, strict=True):
+            for count, where in zip(routed, location, strict=True):
+                self.expert_routed_total[EXPERT_SOURCES[where]] += count
 
     def on_request_finished(self, record: RequestRecord) -> None:
         """Count a request that ended (once each), free its slot, and observe its sizes and times.
@@ -307,6 +330,7 @@ class ServerMetrics:
             "request_success_total": dict(self.request_success_total),
             "expert_routed_total": dict(self.expert_routed_total),
             "expert_swaps_total": self.expert_swaps_total,
+            "expert_pcie_bytes_total": self.expert_pcie_bytes_total,
             "cache_config_info": {
                 "block_size": self.ready.block_size,
                 "cache_dtype": "auto",

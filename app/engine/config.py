@@ -31,8 +31,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     requests continue from cached KV blocks and saved recurrent states (docs/BATCHING.md); `park_memory`
     bytes of host RAM hold finished turns for their follow-ups, and with `park_dir` up to `park_disk` bytes
     of files (surviving restarts); `expert_cache` experts of each MoE layer live on the device, the rest in
-    host RAM, computed on the CPU (None: every expert on the device; app/models/expert_tier.py), and every
-    `adapt_every` windows the most routed experts become the resident ones (0: the tier stays frozen).
+    host RAM (None: every expert on the device; app/models/expert_tier.py), each window's misses computed on
+    the CPU or copied over PCIe as the measured costs say (`pcie_frac` forces that share over PCIe), and every
+    `adapt_every` windows the most routed experts become the resident ones (0: the tier stays frozen), their
+    copies queued before the next window or, with `adapt_async`, made on a side stream while windows run.
     """
 
     model: str | None = None
@@ -55,3 +57,5 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     seed: int = 0
     expert_cache: int | None = None
     adapt_every: int = 32
+    pcie_frac: float | None = None
+    adapt_async: bool = False

@@ -6,6 +6,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -34,7 +35,7 @@ from app.kernels.interface import CHUNK
 from app.loading.identity import model_identity
 from app.loading.model import LoadedModel, open_model
 from app.models.config import LINEAR_ATTENTION
-from app.models.expert_tier import TieredExperts
+from app.models.expert_tier import TieredExperts, spare_slots, use_staging
 from app.models.moe import SparseMoE
 from app.text.stream import TextStream
 
@@ -92,6 +93,8 @@ class EngineCore:
         log.info("backends: %s on %s", self.backends.name, self.device)
         if config.adapt_every < 0:
             raise StrataError(f"--adapt-every must be 0 (frozen) or more windows, not {config.adapt_every}")
+        if config.pcie_frac is not None and not 0 <= config.pcie_frac <= 1:
+            raise StrataError(f"--pcie-frac must be a share between 0 and 1, not {config.pcie_frac}")
         if config.expert_cache is not None and config.expert_cache < 0:
             raise StrataError(
                 f"--expert-cache must be 0 or more experts per layer, not {config.expert_cache}"
@@ -105,6 +108,7 @@ class EngineCore:
                 progress=False,
                 backends=self.backends,
                 resident_experts=config.expert_cache,
+                spare_experts=spare_slots(config.expert_cache or 0) if config.adapt_async else 0,
             )
         self.loaded = loaded
         model = loaded.model
@@ -113,6 +117,16 @@ class EngineCore:
         )
         self.recurrent = LINEAR_ATTENTION in model.config.layer_types
         self.tiers = [m for m in model.modules() if isinstance(m, TieredExperts)]
+        costs = use_staging(self.tiers, config.pcie_frac)
+        if costs is not None:
+            # the host's torch work is small beside the CPU pool's; torch's own threads would only contend
+            torch.set_num_threads(1)
+            log.info(
+                "expert tier: misses over PCIe at %.1f GB/s, on the CPU at %.1f GB/s + %.0f us per row",
+                costs.pcie_bytes_s / 1e9,
+                costs.cpu_bytes_s / 1e9,
+                costs.cpu_row_s * 1e6,
+            )
         self.launched = 0  # windows launched, for the expert tier's adaptation
         self.expert_swaps = 0
         state = self._paged_state()
@@ -335,6 +349,8 @@ class EngineCore:
     def _launch(self, window: Window, began: float) -> _Flight:
         """Queue the window on the device; each request it samples for gets a placeholder token meanwhile."""
         started = time.time()
+        for tier in self.tiers:
+            tier.land()
         launched = self.runner.launch(window) if window.chunks else None
         if launched is not None:
             self.launched += 1
@@ -389,7 +405,18 @@ class EngineCore:
             ],
             seconds=seconds,
             swaps=self._take_swaps(),
+            **self._served(),
         )
+
+    def _served(self) -> dict[str, Any]:
+        """The tiers' counts since the last report: entries per source, bytes copied, adapt wait."""
+        if not self.tiers:
+            return {}
+        counts = [tier.take_served() for tier in self.tiers]
+        return {
+            "served": [sum(c) for c in zip(*(served for served, _ in counts), strict=True)],
+            "pcie_bytes": sum(copied for _, copied in counts),
+        }
 
     def _take_swaps(self) -> int:
         """Experts the tier moved onto the device since the last expert report."""

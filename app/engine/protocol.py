@@ -181,6 +181,8 @@ class ExpertUsage(msgspec.Struct, frozen=True):
     location: list[list[int]]
     seconds: float  # the span the counts cover
     swaps: int = 0  # experts the tier moved onto the device in that span (app/models/expert_tier.py)
+    served: list[int] | None = None  # with a tier: entries served per EXPERT_SOURCES in that span, all layers
+    pcie_bytes: int = 0  # bytes the tier copied to the device in that span (staged misses, swapped experts)
 
 
 class ParkingStats(msgspec.Struct, array_like=True, frozen=True):

@@ -28,10 +28,11 @@ def native_available() -> bool:
 
 
 def threads() -> int:
-    """Threads the native kernel uses: STRATA_CPU_THREADS, else every core OpenMP sees."""
+    """Threads the native kernel uses: STRATA_CPU_THREADS, else every core this process may run on (not
+    OpenMP's own count, which torch.set_num_threads changes where both share one OpenMP runtime)."""
     if "STRATA_CPU_THREADS" in os.environ:
         return max(int(os.environ["STRATA_CPU_THREADS"]), 1)
-    return _native.max_threads() if _native is not None else torch.get_num_threads()
+    return len(os.sched_getaffinity(0))
 
 
 def _dequantized(weight: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:

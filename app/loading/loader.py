@@ -71,18 +71,20 @@ def load_model(
     progress: bool = True,
     backends: Backends = REFERENCE,
     resident_experts: int | None = None,
+    spare_experts: int = 0,
 ) -> tuple[CausalLM, CheckpointDir]:
     """Load an HF directory into a CausalLM on `device`, checking every tensor's presence, name and shape.
 
     With `resident_experts` below the model's experts per layer, every MoE layer gets an expert tier: its
-    experts load to host memory, and only the resident ones are copied to `device` (models/expert_tier.py).
+    experts load to host memory, and only the resident ones are copied to `device` (models/expert_tier.py),
+    beside `spare_experts` free slots a layer for asynchronous swaps.
     """
     checkpoint = CheckpointDir(path)
     target = resolve_dtype(dtype, checkpoint)
     with torch.device("meta"):
         model = CausalLM(checkpoint.config, mtp_layers=mtp_layer_count(checkpoint), backends=backends)
         if resident_experts is not None and resident_experts < checkpoint.config.num_experts:
-            use_expert_tier(model, resident_experts, expert_swiglu)
+            use_expert_tier(model, resident_experts, expert_swiglu, spare_experts)
     sources = tensor_sources(model)
     params = dict(model.named_parameters())
     names = checkpoint.names()

@@ -38,6 +38,7 @@ def open_model(
     progress: bool = True,
     backends: Backends = REFERENCE,
     resident_experts: int | None = None,
+    spare_experts: int = 0,
 ) -> LoadedModel:
     """Load weights and tokenizer of an HF directory; eos ids from the configs, else the tokenizer's eos."""
     model, checkpoint = load_model(
@@ -47,6 +48,7 @@ def open_model(
         progress=progress,
         backends=backends,
         resident_experts=resident_experts,
+        spare_experts=spare_experts,
     )
     tokenizer = Tokenizer.from_dir(checkpoint.path)
     eos = checkpoint.eos_token_ids()

@@ -3,23 +3,74 @@
 A layer built with a tier keeps all its experts' weights in host memory (pinned on a GPU machine, so copies
 to the device run at full speed) and `resident` of them in device memory as well. Each forward computes a
 routed entry where its expert lives: the entries of resident experts with the backends' experts kernel on the
-device, the others on the CPU from host RAM (the CPU pool's native kernel, app/kernels/cpu_experts.py), and
-adds the two. With the device itself the CPU, every entry is computed in expert order with the reference's
-arithmetic, so the tier gives the all-resident model's outputs exactly wherever the experts live.
+device; each missed expert (one in host RAM only) either on the CPU from host RAM (the CPU pool's native
+kernel, app/kernels/cpu_experts.py) or copied over PCIe into a staging slot and run there by the same kernel,
+split per window by the machine's measured costs (app/models/expert_costs.py); the sums are added. With the
+device itself the CPU, every entry is computed in expert order with the reference's arithmetic, so the tier
+gives the all-resident model's outputs exactly wherever the experts live.
 The resident experts are the first `resident` ones at load; `adapt` (every `--adapt-every` windows, the
 engine calls it) makes the most routed ones resident, copying them over in place of the coldest.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from app.kernels.interface import ExpertsFn, HostExpertFn
+from app.models.expert_costs import MissCosts, measure
 from app.models.moe import RoutedExperts, SparseMoE, expert_parts
 
 ADAPT_DECAY = 0.5  # how much of the earlier routing counts when the tier adapts again
+VRAM, CPU, PCIE = range(3)  # where a routed entry was served (the order of protocol.EXPERT_SOURCES)
+
+
+@dataclass
+class SwapRound:
+    """Asynchronous swaps under way: (incoming, outgoing) experts, the spare slots being filled, and the
+    event that marks the copies done (None where the copies ran at once: a CPU device)."""
+
+    swaps: list[tuple[int, int]]
+    targets: list[int]
+    event: torch.cuda.Event | None
+
+
+class ExpertStaging:
+    """Device slots a window's missed experts are copied into over PCIe, shared by every tiered layer of a
+    model: the layers run one after another on one stream, so a layer's copies are queued behind the previous
+    layer's kernel, which has read the slots by then."""
+
+    def __init__(self, slots: int) -> None:
+        self.slots = slots
+        self.gate_up: torch.Tensor | None = None
+        self.down: torch.Tensor | None = None
+
+    def allocate(self, gate_up: torch.Tensor, down: torch.Tensor, device: torch.device) -> None:
+        """Room for `slots` experts shaped like gate_up / down [experts, ...] on `device` (once)."""
+        if self.gate_up is None:
+            self.gate_up = torch.empty((self.slots, *gate_up.shape[1:]), dtype=gate_up.dtype, device=device)
+            self.down = torch.empty((self.slots, *down.shape[1:]), dtype=down.dtype, device=device)
+
+    def load(self, experts: list[int], gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+        """Queue the copies of `experts` (at most `slots`) from the host's gate_up / down into the slots (a
+        run of consecutive experts as one copy); returns each expert's staging slot [experts], -1 for none."""
+        assert self.gate_up is not None and self.down is not None
+        ordered = sorted(experts)
+        start = 0
+        while start < len(ordered):
+            end = start + 1
+            while end < len(ordered) and ordered[end] == ordered[end - 1] + 1:
+                end += 1
+            first, last = ordered[start], ordered[end - 1] + 1
+            self.gate_up[start:end].copy_(gate_up[first:last], non_blocking=True)
+            self.down[start:end].copy_(down[first:last], non_blocking=True)
+            start = end
+        stage_of = torch.full((gate_up.shape[0],), -1, dtype=torch.long)
+        stage_of[ordered] = torch.arange(len(ordered))
+        return stage_of
 
 
 class TieredExperts(nn.Module):
@@ -41,10 +92,12 @@ class TieredExperts(nn.Module):
         kernel: ExpertsFn,
         resident: int,
         host_kernel: HostExpertFn,
+        spare: int = 0,
     ) -> None:
         super().__init__()
         if not 0 <= resident < experts:
             raise ValueError(f"resident experts must be in [0, {experts}), got {resident}")
+        self.spare = spare if resident else 0
         self.kernel = kernel
         self.host_kernel = host_kernel
         self.intermediate = intermediate
@@ -56,6 +109,15 @@ class TieredExperts(nn.Module):
         self.slot_of: torch.Tensor | None = None
         self.slots: list[int] = []  # each expert's device slot, -1 in host RAM only (host copy of slot_of)
         self.heat: torch.Tensor | None = None  # routed entries per expert since the last adaptation, decayed
+        self.staging: ExpertStaging | None = None  # with `costs`: misses may go over PCIe (`use_staging`)
+        self.costs: MissCosts | None = None
+        self.pcie_frac: float | None = None  # forces this share of a window's missed experts over PCIe
+        self.served = [0, 0, 0]  # routed entries served from VRAM / CPU / PCIe since `take_served`
+        self.pcie_bytes = 0  # bytes copied to the device (staging and swaps) since `take_served`
+        self.spare_slots: list[int] = []  # device slots holding no resident expert (asynchronous swaps)
+        self._round: SwapRound | None = None  # the asynchronous swaps under way
+        self._freed: torch.cuda.Event | None = None  # when the windows that used the spare slots are done
+        self._stream: torch.cuda.Stream | None = None
 
     def checkpoint_parts(self, prefix: str) -> dict[str, tuple[str, tuple]]:
         """Checkpoint tensor name -> (parameter name, index into it), for every expert's projections."""
@@ -69,11 +131,29 @@ class TieredExperts(nn.Module):
             self.host_gate_up = nn.Parameter(self.host_gate_up.data.pin_memory(), requires_grad=False)
             self.host_down = nn.Parameter(self.host_down.data.pin_memory(), requires_grad=False)
         experts = self.host_gate_up.shape[0]
-        self.gate_up = self.host_gate_up[: self.resident].to(device, copy=True)  # never a view of the host's
-        self.down = self.host_down[: self.resident].to(device, copy=True)
+        slots = self.resident + self.spare
+        self.gate_up = torch.empty(
+            (slots, *self.host_gate_up.shape[1:]), dtype=self.host_gate_up.dtype, device=device
+        )
+        self.down = torch.empty((slots, *self.host_down.shape[1:]), dtype=self.host_down.dtype, device=device)
+        self.gate_up[: self.resident].copy_(self.host_gate_up[: self.resident])
+        self.down[: self.resident].copy_(self.host_down[: self.resident])
+        self.spare_slots = list(range(self.resident, slots))
+        self._round, self._freed = None, None
         self.slots = [e if e < self.resident else -1 for e in range(experts)]
         self.slot_of = torch.tensor(self.slots, dtype=torch.long).to(device)
         self.heat = torch.zeros(experts, dtype=torch.float32, device=device)
+
+    def take_served(self) -> tuple[list[int], int]:
+        """Routed entries served from VRAM, by the CPU pool and over PCIe, and the bytes copied to the device
+        (staged misses and swapped-in experts), since the last call."""
+        served, self.served = self.served, [0, 0, 0]
+        copied, self.pcie_bytes = self.pcie_bytes, 0
+        return served, copied
+
+    def expert_bytes(self) -> int:
+        """Bytes of one expert's weights."""
+        return self.host_gate_up[0].nbytes + self.host_down[0].nbytes
 
     def locations(self) -> list[int]:
         """Where each expert is computed: 0 on the device, 1 in host RAM (the Monitor's residency grid)."""
@@ -82,13 +162,19 @@ class TieredExperts(nn.Module):
     @torch.no_grad()
     def adapt(self, decay: float = ADAPT_DECAY) -> int:
         """Make the experts routed most since the last adaptation (the older counts decayed) the resident
-        ones: the hottest experts in host RAM take the slots of the coldest resident ones. Returns how many
-        were swapped. The copies are queued behind the windows already launched, so a window runs with the
-        experts it was planned with; on a frozen tier (never adapted) nothing moves."""
+        ones: the hottest experts in host RAM take the places of the coldest resident ones. Returns how many
+        swaps began. On a frozen tier (never adapted) nothing moves.
+
+        Without spare slots the copies overwrite the outgoing experts' slots, queued behind the windows
+        already launched (a window runs with the experts it was planned with; the next waits for the copies).
+        With spare slots (`--adapt-async`) the copies go to them on a side stream while windows run, as many
+        swaps as there are spare slots at a time, and land (`land`) between windows once they are done; the
+        outgoing experts' slots become the spare ones.
+        """
         assert self.heat is not None and self.gate_up is not None and self.down is not None
         heat = self.heat.tolist()
         self.heat.mul_(decay)
-        if not self.resident:
+        if not self.resident or self._round is not None:
             return 0
         resident = [e for e, slot in enumerate(self.slots) if slot >= 0]
         # residents win ties, so equally hot experts do not move back and forth
@@ -96,6 +182,9 @@ class TieredExperts(nn.Module):
         wanted = set(ranked[: self.resident])
         incoming = [e for e in ranked[: self.resident] if self.slots[e] < 0]
         outgoing = sorted((e for e in resident if e not in wanted), key=lambda e: heat[e])
+        if self.spare:
+            return self._begin(list(zip(incoming, outgoing, strict=True))[: len(self.spare_slots)])
+        self.pcie_bytes += self.expert_bytes() * len(incoming)
         for new, old in zip(incoming, outgoing, strict=True):
             slot = self.slots[old]
             self.gate_up[slot].copy_(self.host_gate_up[new], non_blocking=True)
@@ -105,12 +194,62 @@ class TieredExperts(nn.Module):
             self.slot_of.copy_(torch.tensor(self.slots, dtype=torch.long))
         return len(incoming)
 
+    def _begin(self, swaps: list[tuple[int, int]]) -> int:
+        """Copy the incoming experts of `swaps` (incoming, outgoing) into spare slots, on a side stream that
+        first waits until no window still reads those slots; `land` puts them in place once copied."""
+        assert self.gate_up is not None and self.down is not None
+        if not swaps:
+            return 0
+        targets = self.spare_slots[: len(swaps)]
+        self.pcie_bytes += self.expert_bytes() * len(swaps)
+        event = None
+        if self.gate_up.device.type == "cuda":
+            self._stream = self._stream or torch.cuda.Stream(self.gate_up.device)
+            if self._freed is not None:
+                self._stream.wait_event(self._freed)
+            with torch.cuda.stream(self._stream):
+                self._copy_in(swaps, targets)
+                event = torch.cuda.Event()
+                event.record(self._stream)
+        else:
+            self._copy_in(swaps, targets)
+        self._round = SwapRound(swaps, targets, event)
+        return len(swaps)
+
+    def _copy_in(self, swaps: list[tuple[int, int]], targets: list[int]) -> None:
+        assert self.gate_up is not None and self.down is not None
+        for (new, _), slot in zip(swaps, targets, strict=True):
+            self.gate_up[slot].copy_(self.host_gate_up[new], non_blocking=True)
+            self.down[slot].copy_(self.host_down[new], non_blocking=True)
+
+    def land(self) -> None:
+        """Put the copied experts of the round under way in place, if their copies are done: each takes its
+        spare slot, and the outgoing expert's slot becomes spare (free once the windows queued so far ran).
+        The engine calls it between windows, so every layer of a window computes with one map of slots."""
+        swaps = self._round
+        if swaps is None or (swaps.event is not None and not swaps.event.query()):
+            return
+        assert self.slot_of is not None
+        freed = []
+        for (new, old), slot in zip(swaps.swaps, swaps.targets, strict=True):
+            freed.append(self.slots[old])
+            self.slots[new], self.slots[old] = slot, -1
+        self.spare_slots = [s for s in self.spare_slots if s not in swaps.targets] + freed
+        self.slot_of.copy_(torch.tensor(self.slots, dtype=torch.long))
+        if swaps.event is not None:
+            self._freed = torch.cuda.Event()
+            self._freed.record()
+        self._round = None
+
     def forward(self, x: torch.Tensor, top_ids: torch.Tensor, top_weights: torch.Tensor) -> torch.Tensor:
         """x [tokens, hidden], top_ids / top_weights [tokens, k] -> the weighted sum of expert outputs."""
         if self.slot_of is None or self.heat is None:
             raise RuntimeError("TieredExperts.place() must run before the first forward")
         self.heat.index_add_(0, top_ids.flatten(), torch.ones_like(top_ids, dtype=torch.float32).flatten())
         if x.device.type == "cpu":
+            missed = int((self.slot_of[top_ids] < 0).sum())
+            self.served[VRAM] += top_ids.numel() - missed
+            self.served[CPU] += missed
             return self._in_order(x, top_ids, top_weights)
         return self._split(x, top_ids, top_weights)
 
@@ -134,24 +273,57 @@ class TieredExperts(nn.Module):
         return out
 
     def _split(self, x: torch.Tensor, top_ids: torch.Tensor, top_weights: torch.Tensor) -> torch.Tensor:
-        """Resident experts' entries with the experts kernel on the device (the others weighted 0 there),
-        the others on the CPU from host RAM while the device runs the kernel; the sums added on the device.
+        """Resident experts' entries with the experts kernel on the device (the others weighted 0 there); the
+        missed experts split by the costs (`MissCosts.plan`): some copied into staging slots and run by the
+        same kernel, the others on the CPU from host RAM while the device works; the sums added on the device.
 
-        The host reads the routing (one wait for the layer so far) before it queues the kernel, so the CPU
-        pool's work overlaps the device's instead of waiting for it too.
+        The host reads the routing and the layer's input (one wait for the layer so far) before it queues any
+        of the device's work, so the CPU pool's share overlaps the copies and kernels instead of waiting.
         """
         assert self.slot_of is not None and self.gate_up is not None and self.down is not None
-        slots = self.slot_of[top_ids]
-        on_device = slots >= 0
-        missed = (~on_device).nonzero().cpu()
-        routed = (x.cpu(), top_ids.cpu(), top_weights.cpu()) if missed.numel() else None
-        if self.resident:
-            out = self.kernel(x, slots.clamp_min(0), top_weights * on_device, self.gate_up, self.down)
-        else:
-            out = torch.zeros_like(x)
-        if routed is not None:
+        routed = (
+            x.to("cpu", non_blocking=True),
+            top_ids.to("cpu", non_blocking=True),
+            top_weights.to("cpu", non_blocking=True),
+        )
+        if x.device.type == "cuda":
+            torch.cuda.current_stream(x.device).synchronize()
+        x_host, ids, weights_host = routed
+        slots = torch.tensor(self.slots)[ids]
+        missed = slots < 0
+        self.served[VRAM] += int(ids.numel() - missed.sum())
+        out = torch.zeros_like(x)
+        if self.resident and not bool(missed.all()):
+            slots_dev = self.slot_of[top_ids]
+            out += self.kernel(
+                x, slots_dev.clamp_min(0), top_weights * (slots_dev >= 0), self.gate_up, self.down
+            )
+        if not bool(missed.any()):
+            return out
+        experts, rows = ids[missed].unique(return_counts=True)
+        by_rows = rows.argsort(descending=True, stable=True)
+        experts, rows = experts[by_rows].tolist(), rows[by_rows].tolist()
+        copied = 0
+        if self.staging is not None and self.costs is not None:
+            copied = min(self.costs.plan(rows, self.pcie_frac), self.staging.slots)
+        if copied:
+            stage_of = self.staging.load(experts[:copied], self.host_gate_up, self.host_down)
+            staged = stage_of[ids]
+            self.served[PCIE] += sum(rows[:copied])
+            self.pcie_bytes += copied * self.expert_bytes()
+            staged_dev = staged.to(x.device, non_blocking=True)
+            out += self.kernel(
+                x,
+                staged_dev.clamp_min(0),
+                top_weights * (staged_dev >= 0),
+                self.staging.gate_up,
+                self.staging.down,
+            )
+            missed &= staged < 0
+        if copied < len(experts):
+            self.served[CPU] += sum(rows[copied:])
             host = torch.zeros(out.shape, dtype=torch.float32)
-            self._add_entries(host, *routed, missed, pool=True)
+            self._add_entries(host, x_host, ids, weights_host, missed.nonzero(), pool=True)
             out += host.to(out.device, dtype=out.dtype)
         return out
 
@@ -185,13 +357,36 @@ class TieredExperts(nn.Module):
             start += count
 
 
-def use_expert_tier(model: nn.Module, resident: int, host_kernel: HostExpertFn) -> None:
+def spare_slots(resident: int) -> int:
+    """Device slots an asynchronously adapting tier keeps free for the experts being copied in: a quarter of
+    its resident ones, 1 to 8 (so many swaps land per round)."""
+    return max(1, min(8, resident // 4)) if resident else 0
+
+
+def use_expert_tier(model: nn.Module, resident: int, host_kernel: HostExpertFn, spare: int = 0) -> None:
     """Give every MoE layer of a model built on the meta device (not loaded yet) an expert tier with the
-    first `resident` experts on the device and `host_kernel` for the others. Call it under the meta device."""
+    first `resident` experts on the device, `spare` device slots for asynchronous swaps, and `host_kernel`
+    for the others. Call it under the meta device."""
     for module in model.modules():
         if isinstance(module, SparseMoE) and isinstance(module.experts, RoutedExperts):
             routed = module.experts
             experts, _, hidden = routed.gate_up.shape
             module.experts = TieredExperts(
-                experts, hidden, routed.intermediate, routed.kernel, resident, host_kernel
+                experts, hidden, routed.intermediate, routed.kernel, resident, host_kernel, spare
             )
+
+
+def use_staging(tiers: list[TieredExperts], pcie_frac: float | None = None) -> MissCosts | None:
+    """On a GPU: one staging area for the tiers' missed experts (as many slots as a layer can miss) and this
+    machine's costs (measured now) to split each window's misses between it and the CPU pool. `pcie_frac`
+    forces that share of the missed experts over PCIe. Returns the costs (None on a CPU: misses run there)."""
+    if not tiers or tiers[0].slot_of is None or tiers[0].slot_of.device.type != "cuda":
+        return None
+    first = tiers[0]
+    device = first.slot_of.device
+    staging = ExpertStaging(first.host_gate_up.shape[0] - min(t.resident for t in tiers))
+    staging.allocate(first.host_gate_up, first.host_down, device)
+    costs = measure(first.host_kernel, first.host_gate_up, first.host_down, device)
+    for tier in tiers:
+        tier.staging, tier.costs, tier.pcie_frac = staging, costs, pcie_frac
+    return costs

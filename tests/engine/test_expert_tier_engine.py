@@ -39,16 +39,19 @@ def test_an_expert_cache_below_zero_is_refused(checkpoint: Path) -> None:
         make_core(checkpoint, expert_cache=-1)
 
 
+@pytest.mark.parametrize("asynchronous", [False, True])
 def test_a_tier_adapting_every_window_gives_the_all_resident_tokens(
-    checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+    checkpoint: Path, monkeypatch: pytest.MonkeyPatch, asynchronous: bool
 ) -> None:
     monkeypatch.setattr("app.engine.core.EXPERT_REPORT_S", 0.0)
     greedy = {"max_tokens": 10, "temperature": 0, "ignore_eos": True}
     arrivals = [(0, request(random_prompt(25, 83), **greedy)), (2, request(random_prompt(14, 84), **greedy))]
     everything, _ = run(make_core(checkpoint), arrivals)
-    core = make_core(checkpoint, expert_cache=2, adapt_every=1)
+    core = make_core(checkpoint, expert_cache=2, adapt_every=1, adapt_async=asynchronous)
+    assert all(len(t.spare_slots) == asynchronous for t in core.tiers)
     adapting, windows = run(core, arrivals)
     assert sum(w.experts.swaps for w in windows if w.experts is not None) > 0
+    assert sum(w.experts.pcie_bytes for w in windows if w.experts is not None) > 0
     for _, add in arrivals:
         assert adapting[add.request_id].token_ids == everything[add.request_id].token_ids
 

@@ -176,15 +176,24 @@ def test_captured_mixed_windows_price_prompt_rows_before_any_window_runs(checkpo
     assert core.scheduler.cost.predict(256, 2) > 0
 
 
-def test_a_frozen_expert_tier_on_the_gpu_gives_the_all_resident_tokens(checkpoint: Path) -> None:
-    """Two experts a layer on the device (the Triton experts kernel), the rest computed on the CPU from host
-    RAM: the greedy tokens of the model with every expert on the device."""
+@pytest.mark.parametrize("pcie_frac", [None, 0.0, 1.0])
+def test_a_frozen_expert_tier_on_the_gpu_gives_the_all_resident_tokens(
+    checkpoint: Path, pcie_frac: float | None
+) -> None:
+    """Two experts a layer on the device (the Triton experts kernel), the misses computed on the CPU from
+    host RAM or copied over PCIe into staging slots (as measured, all on the CPU, all over PCIe): the greedy
+    tokens of the model with every expert on the device."""
     settings = {"device": "cuda", "dtype": "float32", "parallel": 2}
     params = {"max_tokens": 16, "temperature": 0, "ignore_eos": True}
     arrivals = [(0, request(_prompt(40, 90), **params)), (1, request(_prompt(9, 91), **params))]
     everything, _ = run(make_core(checkpoint, **settings), arrivals)
-    tiered = make_core(checkpoint, expert_cache=2, **settings)
+    tiered = make_core(checkpoint, expert_cache=2, adapt_every=0, pcie_frac=pcie_frac, **settings)
     assert tiered.tiered and tiered.runner.graphs is None
-    results, _ = run(tiered, arrivals)
+    results, stats = run(tiered, arrivals)
     for _, add in arrivals:
         assert results[add.request_id].token_ids == everything[add.request_id].token_ids
+    reported = [s.experts.served for s in stats if s.experts is not None and s.experts.served is not None]
+    reported += [t.take_served()[0] for t in tiered.tiers]  # since the last report
+    vram, cpu, pcie = (sum(c) for c in zip(*reported, strict=True))
+    assert vram > 0 and cpu + pcie > 0
+    assert (pcie_frac != 1.0 or cpu == 0) and (pcie_frac != 0.0 or pcie == 0)

@@ -8,14 +8,15 @@ import torch
 
 from app.kernels.cpu_experts import expert_swiglu
 from app.kernels.reference import experts_reference
-from app.models.expert_tier import TieredExperts
+from app.models.expert_costs import MissCosts
+from app.models.expert_tier import ExpertStaging, TieredExperts
 
 EXPERTS, HIDDEN, INTER, TOP_K = 8, 16, 12, 3
 
 
-def _tier(resident: int, seed: int = 0) -> TieredExperts:
+def _tier(resident: int, seed: int = 0, spare: int = 0) -> TieredExperts:
     generator = torch.Generator().manual_seed(seed)
-    tier = TieredExperts(EXPERTS, HIDDEN, INTER, experts_reference, resident, expert_swiglu)
+    tier = TieredExperts(EXPERTS, HIDDEN, INTER, experts_reference, resident, expert_swiglu, spare)
     with torch.no_grad():
         tier.host_gate_up.copy_(torch.randn(EXPERTS, 2 * INTER, HIDDEN, generator=generator) * 0.2)
         tier.host_down.copy_(torch.randn(EXPERTS, HIDDEN, INTER, generator=generator) * 0.2)
@@ -49,6 +50,36 @@ def test_the_device_path_adds_the_host_experts_to_the_kernels_resident_sum(resid
     torch.testing.assert_close(tier._split(x, ids, weights), expected, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("pcie_frac", [0.5, 1.0])
+def test_missed_experts_copied_to_staging_slots_add_up_like_the_reference(pcie_frac: float) -> None:
+    """Misses split between staging slots (copied, run by the experts kernel) and the CPU pool; the entries
+    of each source counted."""
+    tier = _tier(2, seed=4)
+    tier.staging = ExpertStaging(EXPERTS - 2)
+    tier.staging.allocate(tier.host_gate_up, tier.host_down, torch.device("cpu"))
+    tier.costs = MissCosts(expert_bytes=1, pcie_bytes_s=1.0, cpu_bytes_s=1.0, cpu_row_s=0.0)
+    tier.pcie_frac = pcie_frac
+    x, ids, weights = _routing(11, 5)
+    expected = experts_reference(x, ids, weights, tier.host_gate_up, tier.host_down)
+    torch.testing.assert_close(tier._split(x, ids, weights), expected, rtol=1e-5, atol=1e-6)
+    (vram, cpu, pcie), copied = tier.take_served()
+    assert vram == int((ids < 2).sum()) and vram + cpu + pcie == ids.numel()
+    assert pcie > 0 and (cpu == 0) == (pcie_frac == 1.0)
+    staged = round(pcie_frac * len(set(ids[ids >= 2].tolist())))
+    assert copied == staged * tier.expert_bytes()
+    assert tier.take_served() == ([0, 0, 0], 0)
+
+
+def test_staging_copies_runs_of_consecutive_experts_into_the_first_slots() -> None:
+    gate_up = torch.arange(8.0).reshape(8, 1, 1).expand(8, 2, 3).contiguous()
+    down = gate_up[:, :1, :2].contiguous()
+    staging = ExpertStaging(5)
+    staging.allocate(gate_up, down, torch.device("cpu"))
+    stage_of = staging.load([6, 2, 3, 4], gate_up, down)
+    assert stage_of.tolist() == [-1, -1, 0, 1, 2, -1, 3, -1]
+    assert staging.gate_up is not None and staging.gate_up[:4, 0, 0].tolist() == [2.0, 3.0, 4.0, 6.0]
+
+
 def test_only_the_resident_experts_are_placed_on_the_device() -> None:
     tier = _tier(3)
     assert tier.gate_up is not None and tier.gate_up.shape[0] == 3
@@ -69,3 +100,27 @@ def test_adapting_makes_the_most_routed_experts_resident() -> None:
     expected = experts_reference(x, hot, weights, tier.host_gate_up, tier.host_down)
     assert torch.equal(tier(x, hot, weights), expected)
     assert tier.adapt() == 0  # still the hottest: nothing moves
+
+
+def test_asynchronous_swaps_fill_spare_slots_and_land_at_the_next_forward() -> None:
+    """One spare slot: one swap a round; the copied expert takes the spare slot when it lands (between
+    windows), and the outgoing expert's slot becomes the spare one."""
+    tier = _tier(2, seed=6, spare=1)
+    assert tier.gate_up is not None and tier.gate_up.shape[0] == 3 and tier.spare_slots == [2]
+    x, _, weights = _routing(12, 7)
+    hot = torch.tensor([[5, 6, e % 4] for e in range(12)])
+    tier(x, hot, weights)
+    assert tier.adapt() == 1  # the hottest expert in host RAM, into the spare slot
+    assert tier.locations() == [0, 0, 1, 1, 1, 1, 1, 1]  # not landed yet
+    assert tier.adapt() == 0  # one round at a time
+    tier.land()
+    expected = experts_reference(x, hot, weights, tier.host_gate_up, tier.host_down)
+    assert torch.equal(tier(x, hot, weights), expected)
+    moved = 5 if tier.slots[5] >= 0 else 6
+    assert tier.slots[moved] == 2 and tier.locations().count(0) == 2 and len(tier.spare_slots) == 1
+    assert torch.equal(tier.gate_up[2], tier.host_gate_up[moved])
+    assert tier.adapt() == 1
+    tier.land()
+    assert tier.locations() == [1, 1, 1, 1, 1, 0, 0, 1]
+    (_, _, _), copied = tier.take_served()
+    assert copied == 2 * tier.expert_bytes()

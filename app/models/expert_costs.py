@@ -1,0 +1,97 @@
+"""Where a window's missed experts are computed: the CPU pool, or copied over PCIe and run on the device.
+
+An expert the tier holds in host RAM only can be computed where it lies (the CPU pool reads its weights once
+and pays per routed row) or copied to a staging slot on the device (its bytes cross PCIe once, however many
+rows it serves; the device's compute is small beside the copy). The two run at the same time, so a window's
+misses are split between them to make the slower side as fast as it can be: the experts with the most rows
+go over PCIe first (their CPU cost grows with rows, their copy does not), the rest stay on the CPU.
+`MissCosts` holds the machine's figures, measured at start (`measure`) or described (tests, experiments).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from app.kernels.interface import HostExpertFn
+
+
+@dataclass(frozen=True)
+class MissCosts:
+    """What one missed expert of `expert_bytes` costs on each side.
+
+    pcie_bytes_s: pinned host-to-device copy rate; cpu_bytes_s: the CPU pool's rate reading an expert's
+    weights for one row; cpu_row_s: what each further row adds on the CPU.
+    """
+
+    expert_bytes: int
+    pcie_bytes_s: float
+    cpu_bytes_s: float
+    cpu_row_s: float
+
+    def pcie_s(self) -> float:
+        """Seconds to copy one expert to the device."""
+        return self.expert_bytes / self.pcie_bytes_s
+
+    def cpu_s(self, rows: int) -> float:
+        """Seconds for the CPU pool to run one expert over `rows` rows."""
+        return self.expert_bytes / self.cpu_bytes_s + max(rows - 1, 0) * self.cpu_row_s
+
+    def plan(self, rows: list[int], pcie_frac: float | None = None) -> int:
+        """How many of the missed experts, taken in order of most rows first, go over PCIe.
+
+        `rows` is each missed expert's routed rows, sorted descending; the split makes max(copy time, CPU
+        time) smallest. `pcie_frac` forces that share of the experts (rounded) over PCIe instead.
+        """
+        if pcie_frac is not None:
+            return round(pcie_frac * len(rows))
+        cpu_left = sum(self.cpu_s(r) for r in rows)
+        best, best_s = 0, cpu_left
+        for taken, r in enumerate(rows, start=1):
+            cpu_left -= self.cpu_s(r)
+            seconds = max(taken * self.pcie_s(), cpu_left)
+            if seconds < best_s:
+                best, best_s = taken, seconds
+        return best
+
+
+def measure(
+    host_kernel: HostExpertFn,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    device: torch.device,
+    rows: int = 32,
+) -> MissCosts:
+    """This machine's costs for experts like `gate_up` [experts, ...] / `down` (pinned, in host RAM): a
+    pinned copy of a few experts to `device`, and the CPU pool's kernel over 1 and `rows` rows (the best of
+    three, each on an expert not touched before: its weights come from RAM, not a cache). A few tens of ms."""
+    expert_bytes = gate_up[0].nbytes + down[0].nbytes
+    experts = gate_up.shape[0]
+    count = min(4, experts)
+    target = torch.empty((count, *gate_up.shape[1:]), dtype=gate_up.dtype, device=device)
+    target.copy_(gate_up[:count], non_blocking=True)  # first use of the copy path
+    torch.cuda.synchronize(device)
+    began = time.perf_counter()
+    target.copy_(gate_up[:count], non_blocking=True)
+    torch.cuda.synchronize(device)
+    pcie_bytes_s = gate_up[0].nbytes * count / (time.perf_counter() - began)
+    x = torch.randn(rows, gate_up.shape[2])
+    host_kernel(x[:1], gate_up[-1], down[-1])  # first use (threads started)
+    timings = []
+    for picked in (x[:1], x):
+        best = float("inf")
+        for repeat in range(3):  # the best of three, each on an expert not read before (from RAM)
+            expert = (experts - 2 - len(timings) * 3 - repeat) % experts
+            began = time.perf_counter()
+            host_kernel(picked, gate_up[expert], down[expert])
+            best = min(best, time.perf_counter() - began)
+        timings.append(best)
+    one, many = timings
+    return MissCosts(
+        expert_bytes=expert_bytes,
+        pcie_bytes_s=pcie_bytes_s,
+        cpu_bytes_s=expert_bytes / one,
+        cpu_row_s=max(many - one, 0.0) / (rows - 1),
+    )

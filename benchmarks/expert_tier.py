@@ -1,0 +1,268 @@
+"""The expert tier on one GPU: decode and prompt speed with some or no experts resident, against all resident.
+
+    python benchmarks/expert_tier.py [--shape q30-half] [--resident 0 32] [--routing uniform zipf]
+        [--adapt-every 0 32] [--pcie-frac F] [--out results.jsonl]
+
+Builds the shape with random bf16 weights on the GPU, keeps every routed expert in pinned host RAM, and for
+each routing, each resident count and each adaptation setting starts an in-process engine core and measures:
+decode tok/s at batch 1, 8 and 16 (an adapting tier after 128 warm-up windows: it has followed the routing),
+a 2K- and an 8K-token prompt read (tok/s, each prompt new: no prefix-cache hit), and where the timed windows'
+routed entries were served (VRAM / CPU / PCIe shares). The all-resident model (every expert on the GPU, CUDA
+graphs) runs first for each routing, as the reference speed.
+
+Routing: `uniform` is the random router's (close to uniform); `zipf` adds to each layer's router logits a bias
+that makes expert e (in a random order per layer) about as likely as 1 / rank: the top quarter of the experts
+then takes about three quarters of the picks, the kind of skew a trained router shows. Prints a JSON line per
+configuration and fails on a figure above the machine's limits (a cache, not the tier, would have served it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from app.engine.config import EngineConfig
+from app.engine.core import EngineCore
+from app.engine.protocol import EXPERT_SOURCES, AddRequest, SamplingParams
+from app.kernels.backends import select_backends
+from app.kernels.cpu_experts import expert_swiglu, native_available, threads
+from app.loading.checkpoint import CheckpointDir
+from app.loading.model import LoadedModel
+from app.models.expert_tier import TieredExperts
+from app.models.moe import RoutedExperts, SparseMoE
+from app.text.tokenizer import Tokenizer
+from benchmarks.gpu_bench import build_model, write_model_dir
+from benchmarks.roofline import measure_copy_bandwidth, roofline_tok_s
+from benchmarks.shapes import shape
+
+BATCHES = (1, 8, 16)
+PROMPT_LEN = 128
+WARM_WINDOWS = 128  # an adapting tier's: 4 adaptations at --adapt-every 32
+TIMED_WINDOWS = 32
+PROMPTS = (2048, 8192)
+GUMBEL_STD = math.pi / math.sqrt(6)
+
+
+class SkewedGate(nn.Module):
+    """A router whose logits, scaled to the spread of Gumbel noise, get log(1 / rank) added per expert: top-k
+    of them then draws experts about as a Zipf law over a random order of the layer's experts."""
+
+    def __init__(self, gate: nn.Module, experts: int, spread: float, seed: int) -> None:
+        super().__init__()
+        self.gate = gate
+        self.out_features = experts
+        self.scale = GUMBEL_STD / spread
+        order = torch.randperm(experts, generator=torch.Generator().manual_seed(seed))
+        bias = torch.empty(experts)
+        bias[order] = -torch.log(torch.arange(1, experts + 1, dtype=torch.float32))
+        self.register_buffer("bias", bias, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gate(x) * self.scale + self.bias.to(x.dtype)
+
+
+class Tiering:
+    """The model's MoE layers with both forms of their experts: all on the GPU, or a tier over pinned RAM."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.layers: list[tuple[SparseMoE, RoutedExperts, TieredExperts]] = []
+        for moe in model.modules():
+            if isinstance(moe, SparseMoE) and isinstance(moe.experts, RoutedExperts):
+                routed = moe.experts
+                experts, _, hidden = routed.gate_up.shape
+                tier = TieredExperts(experts, hidden, routed.intermediate, routed.kernel, 0, expert_swiglu)
+                for name in TieredExperts.HOST_PARAMETERS:
+                    device_weights = getattr(routed, name.removeprefix("host_"))
+                    pinned = torch.empty(device_weights.shape, dtype=device_weights.dtype, pin_memory=True)
+                    pinned.copy_(device_weights)
+                    setattr(tier, name, nn.Parameter(pinned, requires_grad=False))
+                self.layers.append((moe, routed, tier))
+        self.gates = {moe: moe.gate for moe, _, _ in self.layers}
+
+    def all_resident(self) -> None:
+        for moe, routed, _ in self.layers:
+            moe.experts = routed
+
+    def tiered(self, resident: int) -> list[TieredExperts]:
+        tiers = []
+        for moe, _, tier in self.layers:
+            tier.resident = resident
+            tier.place(torch.device("cuda"))
+            moe.experts = tier
+            tiers.append(tier)
+        torch.cuda.empty_cache()
+        return tiers
+
+    def route(self, routing: str, hidden: int) -> None:
+        for i, (moe, _, _) in enumerate(self.layers):
+            gate = self.gates[moe]
+            experts = gate.out_features
+            moe.gate = (
+                gate if routing == "uniform" else SkewedGate(gate, experts, 0.02 * hidden**0.5, i).cuda()
+            )
+
+
+def open_core(loaded: LoadedModel, adapt_every: int, pcie_frac: float | None) -> EngineCore:
+    engine = EngineConfig(
+        model=str(loaded.checkpoint.path),
+        device="cuda",
+        dtype="bfloat16",
+        parallel=max(BATCHES),
+        max_batched_tokens=max(PROMPTS),
+        kv_memory=8 << 30,
+        max_model_len=max(PROMPTS) + 64,
+        adapt_every=adapt_every,
+        pcie_frac=pcie_frac,
+        park_memory=0,
+    )
+    return EngineCore(engine, loaded)
+
+
+def drain(tiers: list[TieredExperts]) -> list[int]:
+    """Entries served from VRAM / CPU / PCIe since the tiers' counts were last taken."""
+    return [sum(c) for c in zip(*(t.take_served()[0] for t in tiers), strict=True)] if tiers else [0, 0, 0]
+
+
+def decode(
+    core: EngineCore, tiers: list[TieredExperts], batch: int, vocab: int, warm: int
+) -> tuple[float, list[int]]:
+    """Aggregate tok/s of `batch` requests over TIMED_WINDOWS decode windows after `warm` others, and where
+    the timed windows' routed entries were served (the engine's reports in between included)."""
+    generator = torch.Generator().manual_seed(batch)
+    params = SamplingParams(max_tokens=warm + TIMED_WINDOWS + 4, temperature=0, ignore_eos=True)
+    for i in range(batch):
+        prompt = torch.randint(3, vocab, (PROMPT_LEN,), generator=generator).tolist()
+        core.add_request(AddRequest(f"d{batch}-{i}-{time.monotonic()}", prompt, params))
+    timed, seen, served = [], 0, [0, 0, 0]
+    while core.has_work():
+        if seen == warm:
+            drain(tiers)
+        _, stats = core.step()
+        if stats is None or stats.prompt_tokens or stats.decode_tokens != batch:
+            continue
+        seen += 1
+        if warm < seen <= warm + TIMED_WINDOWS:
+            timed.append(stats.duration_s)
+            if stats.experts is not None and stats.experts.served is not None:
+                served = [a + b for a, b in zip(served, stats.experts.served, strict=True)]
+        if seen == warm + TIMED_WINDOWS:
+            served = [a + b for a, b in zip(served, drain(tiers), strict=True)]
+    return batch * len(timed) / sum(timed), served
+
+
+def read_prompt(core: EngineCore, length: int, vocab: int, seed: int) -> tuple[float, float]:
+    """One new `length`-token prompt read: tok/s over the wall time from its arrival to its first token, and
+    over the engine's own window durations (which should agree)."""
+    generator = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(3, vocab, (length,), generator=generator).tolist()
+    began = time.perf_counter()
+    core.add_request(AddRequest(f"p{seed}", prompt, SamplingParams(max_tokens=1, temperature=0)))
+    duration, hits = 0.0, 0
+    while core.has_work():
+        _, stats = core.step()
+        if stats is not None:
+            duration += stats.duration_s
+            hits += stats.prefix_cache_hits
+    wall = time.perf_counter() - began
+    if hits:
+        raise RuntimeError(f"the timed prompt was served {hits} tokens from the prefix cache")
+    return length / wall, length / duration
+
+
+def measure(core: EngineCore, tiers: list[TieredExperts], vocab: int, warm: int) -> dict[str, Any]:
+    line: dict[str, Any] = {}
+    read_prompt(core, PROMPTS[0], vocab, 1)  # kernels compiled for prompt-sized windows
+    totals = [0, 0, 0]
+    for batch in BATCHES:
+        tok_s, served = decode(core, tiers, batch, vocab, warm)
+        line[f"decode_bs{batch}_tok_s"] = round(tok_s, 1)
+        totals = [a + b for a, b in zip(totals, served, strict=True)]
+    for length in PROMPTS:
+        wall, windows = read_prompt(core, length, vocab, 100 + length)
+        line[f"prompt_{length}_tok_s"] = round(wall, 1)
+        line[f"prompt_{length}_windows_tok_s"] = round(windows, 1)
+    total = sum(totals)
+    if total:
+        line.update(
+            {f"decode_{k}_share": round(v / total, 3) for k, v in zip(EXPERT_SOURCES, totals, strict=True)}
+        )
+    return line
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shape", default="q30-half")
+    parser.add_argument("--resident", type=int, nargs="+", default=[0, 32])
+    parser.add_argument("--routing", nargs="+", default=["uniform", "zipf"], choices=["uniform", "zipf"])
+    parser.add_argument("--adapt-every", type=int, nargs="+", default=[0, 32])
+    parser.add_argument("--pcie-frac", type=float, nargs="+", default=[None])
+    parser.add_argument("--out", help="also append the JSON lines to this file")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("expert_tier needs a CUDA device")
+    config = shape(args.shape)
+    backends = select_backends("auto", "cuda")
+    model = build_model(config, backends, "cuda")
+    path = Path(tempfile.mkdtemp(prefix="strata-tier-")) / "random"
+    write_model_dir(path, config)
+    loaded = LoadedModel(model, Tokenizer.from_dir(path), CheckpointDir(path), (), torch.device("cuda"))
+    tiering = Tiering(model)
+    bandwidth = measure_copy_bandwidth("cuda")
+    base = {
+        "shape": args.shape,
+        "layers": config["num_hidden_layers"],
+        "device": torch.cuda.get_device_name(),
+        "date": time.strftime("%Y-%m-%d"),
+        "native_cpu_kernel": native_available(),
+        "cpu_threads": threads(),
+    }
+    vocab = config["vocab_size"]
+    runs: list[tuple[int | None, int, float | None]] = [(None, 0, None)]
+    for resident in args.resident:
+        for adapt in args.adapt_every if resident else [0]:
+            runs += [(resident, adapt, frac) for frac in args.pcie_frac]
+    for routing in args.routing:
+        tiering.route(routing, config["hidden_size"])
+        for resident, adapt, frac in runs:
+            if resident is None:
+                tiering.all_resident()
+                tiers: list[TieredExperts] = []
+            else:
+                tiers = tiering.tiered(resident)
+            core = open_core(loaded, adapt, frac)
+            line = {**base, "routing": routing, "resident": resident, "adapt_every": adapt, "pcie_frac": frac}
+            costs = tiers[0].costs if tiers else None
+            if costs is not None:
+                line["pcie_gb_s"] = round(costs.pcie_bytes_s / 1e9, 1)
+                line["cpu_gb_s"] = round(costs.cpu_bytes_s / 1e9, 1)
+                line["cpu_row_us"] = round(costs.cpu_row_s * 1e6, 1)
+            line.update(measure(core, tiers, vocab, WARM_WINDOWS if adapt else 4))
+            if resident is None:
+                roofline = roofline_tok_s(config, 1, PROMPT_LEN + WARM_WINDOWS + TIMED_WINDOWS, bandwidth)
+                line["roofline_bs1_tok_s"] = round(roofline, 1)
+                if line["decode_bs1_tok_s"] > roofline:
+                    raise SystemExit(f"decode above the card's roofline: {json.dumps(line)}")
+            print(json.dumps(line), flush=True)
+            if args.out:
+                with open(args.out, "a") as out:
+                    out.write(json.dumps(line) + "\n")
+            del core
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
