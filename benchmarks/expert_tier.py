@@ -1,18 +1,20 @@
 """The expert tier on one GPU: decode and prompt speed with some or no experts resident, against all resident.
 
     python benchmarks/expert_tier.py [--shape q30-half] [--resident 0 32] [--routing uniform zipf]
-        [--adapt-every 0 32] [--pcie-frac F] [--out results.jsonl]
+        [--adapt frozen blocking async] [--adapt-every 16] [--pcie-frac F] [--out results.jsonl]
 
 Builds the shape with random bf16 weights on the GPU, keeps every routed expert in pinned host RAM, and for
-each routing, each resident count and each adaptation setting starts an in-process engine core and measures:
-decode tok/s at batch 1, 8 and 16 (an adapting tier after 128 warm-up windows: it has followed the routing),
+each routing, each resident count and each adaptation mode (frozen; blocking or asynchronous swaps every
+`--adapt-every` windows) starts an in-process engine core and measures: decode tok/s at batch 1, 8 and 16
+(an adapting tier after 8 adaptations' worth of warm-up windows, so it has followed the routing),
 a 2K- and an 8K-token prompt read (tok/s, each prompt new: no prefix-cache hit), and where the timed windows'
 routed entries were served (VRAM / CPU / PCIe shares). The all-resident model (every expert on the GPU, CUDA
 graphs) runs first for each routing, as the reference speed.
 
 Routing: `uniform` is the random router's (close to uniform); `zipf` adds to each layer's router logits a bias
 that makes expert e (in a random order per layer) about as likely as 1 / rank: the top quarter of the experts
-then takes about three quarters of the picks, the kind of skew a trained router shows. Prints a JSON line per
+then takes about three quarters of the picks; `demo` does the same with the shares the demo model's trained
+router gives its experts on real text (milder: its top quarter takes 30-60%). Prints a JSON line per
 configuration and fails on a figure above the machine's limits (a cache, not the tier, would have served it).
 """
 
@@ -39,10 +41,10 @@ from app.engine.config import EngineConfig
 from app.engine.core import EngineCore
 from app.engine.protocol import EXPERT_SOURCES, AddRequest, SamplingParams
 from app.kernels.backends import select_backends
-from app.kernels.cpu_experts import expert_swiglu, native_available, threads
+from app.kernels.cpu_experts import experts_swiglu_sum, native_available, threads
 from app.loading.checkpoint import CheckpointDir
 from app.loading.model import LoadedModel
-from app.models.expert_tier import TieredExperts
+from app.models.expert_tier import TieredExperts, spare_slots
 from app.models.moe import RoutedExperts, SparseMoE
 from app.text.tokenizer import Tokenizer
 from benchmarks.gpu_bench import build_model, write_model_dir
@@ -51,28 +53,69 @@ from benchmarks.shapes import shape
 
 BATCHES = (1, 8, 16)
 PROMPT_LEN = 128
-WARM_WINDOWS = 128  # an adapting tier's: 4 adaptations at --adapt-every 32
+ADAPTATIONS_BEFORE_TIMING = 8
 TIMED_WINDOWS = 32
 PROMPTS = (2048, 8192)
 GUMBEL_STD = math.pi / math.sqrt(6)
 
 
 class SkewedGate(nn.Module):
-    """A router whose logits, scaled to the spread of Gumbel noise, get log(1 / rank) added per expert: top-k
-    of them then draws experts about as a Zipf law over a random order of the layer's experts."""
+    """A router whose logits, scaled to the spread of Gumbel noise, get log(p) added per expert: top-k of them
+    then draws experts about as `p` says, over a random order of the layer's experts."""
 
-    def __init__(self, gate: nn.Module, experts: int, spread: float, seed: int) -> None:
+    def __init__(self, gate: nn.Module, shares: torch.Tensor, spread: float, seed: int) -> None:
         super().__init__()
+        experts = shares.numel()
         self.gate = gate
         self.out_features = experts
         self.scale = GUMBEL_STD / spread
         order = torch.randperm(experts, generator=torch.Generator().manual_seed(seed))
         bias = torch.empty(experts)
-        bias[order] = -torch.log(torch.arange(1, experts + 1, dtype=torch.float32))
+        bias[order] = torch.log(shares / shares.sum())
         self.register_buffer("bias", bias, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.gate(x) * self.scale + self.bias.to(x.dtype)
+
+
+def zipf_shares(experts: int, layers: int) -> list[torch.Tensor]:
+    """1 / rank for every layer."""
+    return [1.0 / torch.arange(1, experts + 1, dtype=torch.float32)] * layers
+
+
+def demo_shares(experts: int, layers: int) -> list[torch.Tensor]:
+    """The demo model's routing on real text (this repository's README and architecture notes, 1,500 tokens
+    read and 64 generated), each layer's shares sorted and stretched over `experts` experts and `layers`
+    layers (the demo has 16 experts and 8 layers)."""
+    import app.engine.core as engine_core
+    from app.default_model import default_model_dir
+    from app.loading.model import open_model
+
+    previous, engine_core.EXPERT_REPORT_S = engine_core.EXPERT_REPORT_S, 0.0
+    try:
+        loaded = open_model(default_model_dir(), "float32", "cpu", progress=False)
+        root = Path(__file__).resolve().parents[1]
+        text = (root / "README.md").read_text()[:6000] + (root / "docs/ARCHITECTURE.md").read_text()[:6000]
+        ids = loaded.tokenizer.encode(text)[:1500]
+        config = EngineConfig(model=str(default_model_dir()), device="cpu", max_batched_tokens=2048)
+        core = EngineCore(config, loaded)
+        core.add_request(
+            AddRequest("demo", ids, SamplingParams(max_tokens=64, temperature=0, ignore_eos=True))
+        )
+        counts = None
+        while core.has_work():
+            _, stats = core.step()
+            if stats is not None and stats.experts is not None:
+                routed = torch.tensor(stats.experts.routed, dtype=torch.float32)
+                counts = routed if counts is None else counts + routed
+    finally:
+        engine_core.EXPERT_REPORT_S = previous
+    assert counts is not None
+    demo = counts.sort(dim=1, descending=True).values
+    stretch = experts // demo.shape[1]
+    return [
+        demo[layer * demo.shape[0] // layers].repeat_interleave(stretch) + 1e-3 for layer in range(layers)
+    ]
 
 
 class Tiering:
@@ -84,7 +127,9 @@ class Tiering:
             if isinstance(moe, SparseMoE) and isinstance(moe.experts, RoutedExperts):
                 routed = moe.experts
                 experts, _, hidden = routed.gate_up.shape
-                tier = TieredExperts(experts, hidden, routed.intermediate, routed.kernel, 0, expert_swiglu)
+                tier = TieredExperts(
+                    experts, hidden, routed.intermediate, routed.kernel, 0, experts_swiglu_sum
+                )
                 for name in TieredExperts.HOST_PARAMETERS:
                     device_weights = getattr(routed, name.removeprefix("host_"))
                     pinned = torch.empty(device_weights.shape, dtype=device_weights.dtype, pin_memory=True)
@@ -97,10 +142,11 @@ class Tiering:
         for moe, routed, _ in self.layers:
             moe.experts = routed
 
-    def tiered(self, resident: int) -> list[TieredExperts]:
+    def tiered(self, resident: int, asynchronous: bool) -> list[TieredExperts]:
         tiers = []
         for moe, _, tier in self.layers:
             tier.resident = resident
+            tier.spare = spare_slots(resident) if asynchronous else 0
             tier.place(torch.device("cuda"))
             moe.experts = tier
             tiers.append(tier)
@@ -116,7 +162,9 @@ class Tiering:
             )
 
 
-def open_core(loaded: LoadedModel, adapt_every: int, pcie_frac: float | None) -> EngineCore:
+def open_core(
+    loaded: LoadedModel, adapt_every: int, asynchronous: bool, pcie_frac: float | None
+) -> EngineCore:
     engine = EngineConfig(
         model=str(loaded.checkpoint.path),
         device="cuda",
@@ -126,15 +174,18 @@ def open_core(loaded: LoadedModel, adapt_every: int, pcie_frac: float | None) ->
         kv_memory=8 << 30,
         max_model_len=max(PROMPTS) + 64,
         adapt_every=adapt_every,
+        adapt_async=asynchronous,
         pcie_frac=pcie_frac,
         park_memory=0,
     )
     return EngineCore(engine, loaded)
 
 
-def drain(tiers: list[TieredExperts]) -> list[int]:
-    """Entries served from VRAM / CPU / PCIe since the tiers' counts were last taken."""
-    return [sum(c) for c in zip(*(t.take_served()[0] for t in tiers), strict=True)] if tiers else [0, 0, 0]
+def drain(tiers: list[TieredExperts]) -> tuple[list[int], int]:
+    """Entries served from VRAM / CPU / PCIe and bytes copied since the tiers' counts were last taken."""
+    counts = [t.take_served() for t in tiers]
+    served = [sum(c) for c in zip(*(c[0] for c in counts), strict=True)] if tiers else [0, 0, 0]
+    return served, sum(c[1] for c in counts)
 
 
 def decode(
@@ -160,41 +211,58 @@ def decode(
             if stats.experts is not None and stats.experts.served is not None:
                 served = [a + b for a, b in zip(served, stats.experts.served, strict=True)]
         if seen == warm + TIMED_WINDOWS:
-            served = [a + b for a, b in zip(served, drain(tiers), strict=True)]
+            served = [a + b for a, b in zip(served, drain(tiers)[0], strict=True)]
     return batch * len(timed) / sum(timed), served
 
 
-def read_prompt(core: EngineCore, length: int, vocab: int, seed: int) -> tuple[float, float]:
-    """One new `length`-token prompt read: tok/s over the wall time from its arrival to its first token, and
-    over the engine's own window durations (which should agree)."""
+def read_prompt(
+    core: EngineCore, tiers: list[TieredExperts], length: int, vocab: int, seed: int
+) -> dict[str, float]:
+    """One new `length`-token prompt read: tok/s over the wall time from its arrival to its first token (and
+    over the engine's window durations, which should agree), and the bytes the tier copied to the device."""
     generator = torch.Generator().manual_seed(seed)
     prompt = torch.randint(3, vocab, (length,), generator=generator).tolist()
+    drain(tiers)
     began = time.perf_counter()
     core.add_request(AddRequest(f"p{seed}", prompt, SamplingParams(max_tokens=1, temperature=0)))
-    duration, hits = 0.0, 0
+    duration, hits, copied = 0.0, 0, 0
     while core.has_work():
         _, stats = core.step()
         if stats is not None:
             duration += stats.duration_s
             hits += stats.prefix_cache_hits
+            copied += stats.experts.pcie_bytes if stats.experts is not None else 0
     wall = time.perf_counter() - began
+    copied += drain(tiers)[1]
     if hits:
         raise RuntimeError(f"the timed prompt was served {hits} tokens from the prefix cache")
-    return length / wall, length / duration
+    return {
+        "tok_s": length / wall,
+        "windows_tok_s": length / duration,
+        "pcie_gb": copied / 1e9,
+        "wall_s": wall,
+    }
 
 
 def measure(core: EngineCore, tiers: list[TieredExperts], vocab: int, warm: int) -> dict[str, Any]:
     line: dict[str, Any] = {}
-    read_prompt(core, PROMPTS[0], vocab, 1)  # kernels compiled for prompt-sized windows
+    read_prompt(core, tiers, PROMPTS[0], vocab, 1)  # kernels compiled for prompt-sized windows
     totals = [0, 0, 0]
     for batch in BATCHES:
         tok_s, served = decode(core, tiers, batch, vocab, warm)
         line[f"decode_bs{batch}_tok_s"] = round(tok_s, 1)
         totals = [a + b for a, b in zip(totals, served, strict=True)]
+    pcie = tiers[0].costs.pcie_bytes_s if tiers and tiers[0].costs is not None else None
     for length in PROMPTS:
-        wall, windows = read_prompt(core, length, vocab, 100 + length)
-        line[f"prompt_{length}_tok_s"] = round(wall, 1)
-        line[f"prompt_{length}_windows_tok_s"] = round(windows, 1)
+        read = read_prompt(core, tiers, length, vocab, 100 + length)
+        line[f"prompt_{length}_tok_s"] = round(read["tok_s"], 1)
+        line[f"prompt_{length}_windows_tok_s"] = round(read["windows_tok_s"], 1)
+        if tiers:
+            layer_bytes = len(tiers) * tiers[0].expert_bytes()
+            line[f"prompt_{length}_experts_copied_per_layer"] = round(read["pcie_gb"] * 1e9 / layer_bytes, 1)
+            line[f"prompt_{length}_pcie_gb_s"] = round(read["pcie_gb"] / read["wall_s"], 1)
+            if pcie is not None and read["pcie_gb"] * 1e9 / read["wall_s"] > 1.1 * pcie:
+                raise SystemExit(f"more bytes over PCIe than the link carries: {json.dumps(line)}")
     total = sum(totals)
     if total:
         line.update(
@@ -207,8 +275,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", default="q30-half")
     parser.add_argument("--resident", type=int, nargs="+", default=[0, 32])
-    parser.add_argument("--routing", nargs="+", default=["uniform", "zipf"], choices=["uniform", "zipf"])
-    parser.add_argument("--adapt-every", type=int, nargs="+", default=[0, 32])
+    parser.add_argument(
+        "--routing", nargs="+", default=["uniform", "zipf"], choices=["uniform", "zipf", "demo"]
+    )
+    parser.add_argument(
+        "--adapt", nargs="+", default=["frozen", "blocking"], choices=["frozen", "blocking", "async"]
+    )
+    parser.add_argument("--adapt-every", type=int, default=16)
     parser.add_argument("--pcie-frac", type=float, nargs="+", default=[None])
     parser.add_argument("--out", help="also append the JSON lines to this file")
     args = parser.parse_args()
@@ -231,9 +304,9 @@ def main() -> None:
         "cpu_threads": threads(),
     }
     vocab = config["vocab_size"]
-    runs: list[tuple[int | None, int, float | None]] = [(None, 0, None)]
+    runs: list[tuple[int | None, str, float | None]] = [(None, "frozen", None)]
     for resident in args.resident:
-        for adapt in args.adapt_every if resident else [0]:
+        for adapt in args.adapt if resident else ["frozen"]:
             runs += [(resident, adapt, frac) for frac in args.pcie_frac]
     for routing in args.routing:
         tiering.route(routing, config["hidden_size"])
@@ -242,17 +315,19 @@ def main() -> None:
                 tiering.all_resident()
                 tiers: list[TieredExperts] = []
             else:
-                tiers = tiering.tiered(resident)
-            core = open_core(loaded, adapt, frac)
-            line = {**base, "routing": routing, "resident": resident, "adapt_every": adapt, "pcie_frac": frac}
+                tiers = tiering.tiered(resident, adapt == "async")
+            every = 0 if adapt == "frozen" else args.adapt_every
+            core = open_core(loaded, every, adapt == "async", frac)
+            line = {**base, "routing": routing, "resident": resident, "adapt": adapt, "adapt_every": every}
+            line["pcie_frac"] = frac
             costs = tiers[0].costs if tiers else None
             if costs is not None:
                 line["pcie_gb_s"] = round(costs.pcie_bytes_s / 1e9, 1)
                 line["cpu_gb_s"] = round(costs.cpu_bytes_s / 1e9, 1)
                 line["cpu_row_us"] = round(costs.cpu_row_s * 1e6, 1)
-            line.update(measure(core, tiers, vocab, WARM_WINDOWS if adapt else 4))
+            line.update(measure(core, tiers, vocab, ADAPTATIONS_BEFORE_TIMING * every if every else 4))
             if resident is None:
-                roofline = roofline_tok_s(config, 1, PROMPT_LEN + WARM_WINDOWS + TIMED_WINDOWS, bandwidth)
+                roofline = roofline_tok_s(config, 1, PROMPT_LEN + TIMED_WINDOWS, bandwidth)
                 line["roofline_bs1_tok_s"] = round(roofline, 1)
                 if line["decode_bs1_tok_s"] > roofline:
                     raise SystemExit(f"decode above the card's roofline: {json.dumps(line)}")

@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from app.kernels.backends import select_backends
-from app.kernels.cpu_experts import expert_swiglu, threads
+from app.kernels.cpu_experts import experts_swiglu_sum, threads
 from app.models.expert_tier import TieredExperts, use_staging
 
 EXPERTS, HIDDEN, INTER, TOP_K = 128, 2048, 768, 8
@@ -32,7 +32,7 @@ EXPERTS, HIDDEN, INTER, TOP_K = 128, 2048, 768, 8
 
 def build(resident: int) -> TieredExperts:
     backends = select_backends("auto", "cuda")
-    tier = TieredExperts(EXPERTS, HIDDEN, INTER, backends.experts, resident, expert_swiglu)
+    tier = TieredExperts(EXPERTS, HIDDEN, INTER, backends.experts, resident, experts_swiglu_sum)
     generator = torch.Generator(device="cuda").manual_seed(0)
     for name in TieredExperts.HOST_PARAMETERS:
         shape = getattr(tier, name).shape

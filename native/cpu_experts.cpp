@@ -1,4 +1,4 @@
-// The CPU expert pool's kernel: one routed expert's SwiGLU over the rows routed to it, from host RAM.
+// The CPU expert pool's kernel: routed experts' SwiGLU over the rows routed to each, from host RAM.
 //
 //   h[t, j] = silu(gate_j . x_t) * (up_j . x_t)      j < I   (gate_up rows j and I + j)
 //   y[t, i] = down_i . h_t                            i < H
@@ -94,21 +94,9 @@ inline void dot_row(const void* weights, Kind kind, int64_t row, int64_t cols, c
 inline float silu(float v) { return v / (1.0f + std::exp(-v)); }
 
 // y [n, hidden] = SwiGLU of x [n, hidden] through one expert: gate_up [2 * inter, hidden], down [hidden, inter].
-void expert_swiglu(uintptr_t x_ptr, uintptr_t gate_up_ptr, uintptr_t down_ptr, uintptr_t y_ptr,
-                   uintptr_t gate_up_scales_ptr, uintptr_t down_scales_ptr, int64_t n, int64_t hidden,
-                   int64_t inter, int kind_code, int threads) {
-    const auto kind = static_cast<Kind>(kind_code);
-    const float* x = reinterpret_cast<const float*>(x_ptr);
-    float* y = reinterpret_cast<float*>(y_ptr);
-    const void* gate_up = reinterpret_cast<const void*>(gate_up_ptr);
-    const void* down = reinterpret_cast<const void*>(down_ptr);
-    const float* gate_up_scales = reinterpret_cast<const float*>(gate_up_scales_ptr);
-    const float* down_scales = reinterpret_cast<const float*>(down_scales_ptr);
-    if (kind == Kind::I8 && (gate_up_scales == nullptr || down_scales == nullptr)) {
-        throw std::invalid_argument("int8 weights need their scales");
-    }
+void swiglu(const float* x, const void* gate_up, const void* down, float* y, const float* gate_up_scales,
+            const float* down_scales, int64_t n, int64_t hidden, int64_t inter, Kind kind, int threads) {
     std::vector<float> h(static_cast<size_t>(n * inter));
-    pybind11::gil_scoped_release release;
     for (int64_t first = 0; first < n; first += TILE) {
         const int count = static_cast<int>(std::min<int64_t>(TILE, n - first));
         const float* xs[TILE];
@@ -134,9 +122,80 @@ void expert_swiglu(uintptr_t x_ptr, uintptr_t gate_up_ptr, uintptr_t down_ptr, u
     }
 }
 
+int64_t element_bytes(Kind kind) {
+    switch (kind) {
+        case Kind::F32: return 4;
+        case Kind::BF16: return 2;
+        case Kind::I8: return 1;
+    }
+    throw std::invalid_argument("unknown weight kind");
+}
+
+Kind checked_kind(int kind_code, uintptr_t gate_up_scales_ptr, uintptr_t down_scales_ptr) {
+    const auto kind = static_cast<Kind>(kind_code);
+    element_bytes(kind);
+    if (kind == Kind::I8 && (gate_up_scales_ptr == 0 || down_scales_ptr == 0)) {
+        throw std::invalid_argument("int8 weights need their scales");
+    }
+    return kind;
+}
+
+// y [n, hidden] = SwiGLU of x [n, hidden] through one expert.
+void expert_swiglu(uintptr_t x_ptr, uintptr_t gate_up_ptr, uintptr_t down_ptr, uintptr_t y_ptr,
+                   uintptr_t gate_up_scales_ptr, uintptr_t down_scales_ptr, int64_t n, int64_t hidden,
+                   int64_t inter, int kind_code, int threads) {
+    const Kind kind = checked_kind(kind_code, gate_up_scales_ptr, down_scales_ptr);
+    pybind11::gil_scoped_release release;
+    swiglu(reinterpret_cast<const float*>(x_ptr), reinterpret_cast<const void*>(gate_up_ptr),
+           reinterpret_cast<const void*>(down_ptr), reinterpret_cast<float*>(y_ptr),
+           reinterpret_cast<const float*>(gate_up_scales_ptr), reinterpret_cast<const float*>(down_scales_ptr), n,
+           hidden, inter, kind, threads);
+}
+
+// y [n, hidden] += the weighted SwiGLU of several experts of one layer, each over the rows routed to it:
+// expert experts[e] (an index into gate_up [E, 2 * inter, hidden] / down [E, hidden, inter], and their scales
+// [E, rows]) takes entries offsets[e] .. offsets[e + 1] of rows / weights. One call for a window's CPU share.
+void experts_swiglu_sum(uintptr_t x_ptr, uintptr_t gate_up_ptr, uintptr_t down_ptr, uintptr_t y_ptr,
+                        uintptr_t gate_up_scales_ptr, uintptr_t down_scales_ptr, int64_t hidden, int64_t inter,
+                        int kind_code, int threads, uintptr_t experts_ptr, uintptr_t offsets_ptr,
+                        uintptr_t rows_ptr, uintptr_t weights_ptr, int64_t count) {
+    const Kind kind = checked_kind(kind_code, gate_up_scales_ptr, down_scales_ptr);
+    const float* x = reinterpret_cast<const float*>(x_ptr);
+    float* y = reinterpret_cast<float*>(y_ptr);
+    const auto* experts = reinterpret_cast<const int64_t*>(experts_ptr);
+    const auto* offsets = reinterpret_cast<const int64_t*>(offsets_ptr);
+    const auto* rows = reinterpret_cast<const int64_t*>(rows_ptr);
+    const auto* weights = reinterpret_cast<const float*>(weights_ptr);
+    const auto* gate_up = reinterpret_cast<const char*>(gate_up_ptr);
+    const auto* down = reinterpret_cast<const char*>(down_ptr);
+    const auto* gate_up_scales = reinterpret_cast<const float*>(gate_up_scales_ptr);
+    const auto* down_scales = reinterpret_cast<const float*>(down_scales_ptr);
+    const int64_t gate_up_size = 2 * inter * hidden, down_size = hidden * inter;
+    pybind11::gil_scoped_release release;
+    std::vector<float> xs, ys;
+    for (int64_t e = 0; e < count; ++e) {
+        const int64_t first = offsets[e], n = offsets[e + 1] - first, expert = experts[e];
+        xs.resize(static_cast<size_t>(n * hidden));
+        ys.resize(static_cast<size_t>(n * hidden));
+        for (int64_t k = 0; k < n; ++k) std::memcpy(&xs[k * hidden], x + rows[first + k] * hidden, hidden * 4);
+        swiglu(xs.data(), gate_up + expert * gate_up_size * element_bytes(kind),
+               down + expert * down_size * element_bytes(kind), ys.data(),
+               gate_up_scales ? gate_up_scales + expert * 2 * inter : nullptr,
+               down_scales ? down_scales + expert * hidden : nullptr, n, hidden, inter, kind, threads);
+        for (int64_t k = 0; k < n; ++k) {
+            float* out = y + rows[first + k] * hidden;
+            const float w = weights[first + k];
+            const float* in = &ys[k * hidden];
+            for (int64_t i = 0; i < hidden; ++i) out[i] += w * in[i];
+        }
+    }
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_cpu_experts, m) {
     m.doc() = "The CPU expert pool's SwiGLU kernel (fp32, bf16 and int8 weights).";
     m.def("expert_swiglu", &expert_swiglu, "y = SwiGLU(x) through one expert; raw pointers, see cpu_experts.py");
+    m.def("experts_swiglu_sum", &experts_swiglu_sum,
+          "y += weighted SwiGLU of several experts over their rows; raw pointers, see cpu_experts.py");
 }

@@ -176,15 +176,10 @@ class EngineCore:
         )
 
     def _window_graphs(self, state: PagedState) -> WindowGraphs | None:
-        """Captured window graphs on a GPU with whole-batch kernels, unless `--enforce-eager` or an expert
-        tier (its windows read on the host which entries miss the device)."""
+        """Captured window graphs on a GPU with whole-batch kernels, unless `--enforce-eager` (with an expert
+        tier: decode windows only, captured piecewise around each layer's misses)."""
         config = self.config
-        if (
-            self.device != "cuda"
-            or self.backends.paged_attention is None
-            or config.enforce_eager
-            or self.tiered
-        ):
+        if self.device != "cuda" or self.backends.paged_attention is None or config.enforce_eager:
             return None
         max_blocks = -(-self.max_model_len // config.block_size)
         # a prompt piece may pass the token budget to reach its next chunk multiple (scheduler.py)

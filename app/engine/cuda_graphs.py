@@ -25,6 +25,8 @@ import torch
 from app.engine.paged_state import PagedState
 from app.engine.scheduler import Chunk
 from app.models.batch import ForwardBatch, PagedLayout, SequenceSpan
+from app.models.expert_tier import TieredExperts
+from app.models.pieces import Pieces
 from app.models.qwen3 import CausalLM
 
 log = logging.getLogger("strata.engine")
@@ -76,6 +78,10 @@ class WindowGraphs:
 
     `slots` batch slots; `max_blocks` block-table columns a request can need; `max_tokens` the most rows of a
     window the scheduler plans (token budget plus the alignment overrun of a prompt piece).
+
+    A model with an expert tier gets decode windows only, each captured piecewise (app/models/pieces.py): a
+    graph up to each tiered layer's resident experts, the layer's misses computed by the host between two
+    replays. Its windows with prompt rows run eagerly (their misses cost far more than the launches).
     """
 
     def __init__(
@@ -90,7 +96,9 @@ class WindowGraphs:
         self.state = state
         self.slots = slots
         seqs = slots + 1  # the chunks' sequences and one of padding
-        self.buckets = mixed_buckets(max_tokens, seqs) + [Bucket(n, n, 1) for n in buckets_up_to(slots)]
+        self.tiers = [m for m in model.modules() if isinstance(m, TieredExperts)]
+        mixed = [] if self.tiers else mixed_buckets(max_tokens, seqs)
+        self.buckets = mixed + [Bucket(n, n, 1) for n in buckets_up_to(slots)]
         self.max_tokens = max(b.tokens for b in self.buckets)
         self.max_seqs = max(b.seqs for b in self.buckets)
         size = state.block_size
@@ -125,6 +133,7 @@ class WindowGraphs:
         self._long_views = np.split(self._long_host.numpy(), np.cumsum(self._long_sizes)[:-1])
         self._int_views = np.split(self._int_host.numpy(), np.cumsum(self._int_sizes)[:-1])
         self.graphs: dict[Bucket, torch.cuda.CUDAGraph] = {}
+        self.pieces: dict[Bucket, Pieces] = {}  # a tiered model's buckets
         self.logits: dict[Bucket, torch.Tensor] = {}
         self._fill([], self.buckets[-1])
 
@@ -229,7 +238,7 @@ class WindowGraphs:
     @torch.inference_mode()
     def capture(self) -> None:
         """Warm up and capture every bucket, largest first (so smaller ones reuse its memory)."""
-        pool = None
+        pool = torch.cuda.graph_pool_handle() if self.tiers else None
         for bucket in sorted(self.buckets, key=lambda b: (b.tokens, b.longest), reverse=True):
             self._fill([], bucket)
             side = torch.cuda.Stream()
@@ -238,6 +247,10 @@ class WindowGraphs:
                 for _ in range(2):
                     self.forward(bucket)
             torch.cuda.current_stream().wait_stream(side)
+            if self.tiers:
+                assert pool is not None
+                self._capture_pieces(bucket, Pieces(pool), side)
+                continue
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 self.logits[bucket] = self.forward(bucket)
@@ -246,6 +259,21 @@ class WindowGraphs:
         torch.cuda.synchronize()
         decode = [b.tokens for b in self.buckets if b.decode]
         log.info("captured window graphs: decode %s rows; mixed %s rows", decode, list(self.mixed_rows))
+
+    def _capture_pieces(self, bucket: Bucket, pieces: Pieces, stream: torch.cuda.Stream) -> None:
+        """Capture `bucket` piecewise on `stream`: every tier cuts the graph at its misses."""
+        for tier in self.tiers:
+            tier.pieces = pieces
+        try:
+            with torch.cuda.stream(stream):
+                pieces.begin()
+                self.logits[bucket] = self.forward(bucket)
+                pieces.end()
+        finally:
+            for tier in self.tiers:
+                tier.pieces = None
+        torch.cuda.current_stream().wait_stream(stream)
+        self.pieces[bucket] = pieces
 
     @torch.inference_mode()
     def time_mixed(self, repeats: int = 3) -> list[tuple[int, float]]:
@@ -278,6 +306,10 @@ class WindowGraphs:
         self._fill(chunks, bucket)
         if fed is not None:
             self.input_ids[fed[0]] = fed[1]
+        pieces = self.pieces.get(bucket)
+        if pieces is not None:
+            pieces.replay()
+            return self.logits[bucket][: len(chunks)]
         graph = self.graphs.get(bucket)
         if graph is None:
             return self.forward(bucket)[: len(chunks)]

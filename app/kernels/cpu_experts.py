@@ -1,8 +1,10 @@
-"""The CPU expert pool's kernel: one expert's SwiGLU over the rows routed to it, from host RAM.
+"""The CPU expert pool's kernel: experts' SwiGLU over the rows routed to each, from host RAM.
 
-`expert_swiglu` runs the native kernel (native/cpu_experts.cpp: OpenMP threads, vectorised for the machine it
-was built on) when the install could build it, else `expert_swiglu_reference` in torch, and says so once.
-Weights are fp32, bf16, or int8 with one fp32 scale per output row; activations and results are fp32.
+`expert_swiglu` (one expert) and `experts_swiglu_sum` (several experts of a layer, weighted and added at their
+rows: a window's whole CPU share in one call) run the native kernel (native/cpu_experts.cpp: OpenMP threads,
+vectorised for the machine it was built on) when the install could build it, else the torch references
+(`expert_swiglu_reference`, `experts_swiglu_sum_reference`), and say so once. Weights are fp32, bf16, or int8
+with one fp32 scale per output row; activations and results are fp32.
 """
 
 from __future__ import annotations
@@ -55,6 +57,94 @@ def expert_swiglu_reference(
     return (torch.nn.functional.silu(gate) * up) @ _dequantized(down, down_scales).T
 
 
+def experts_swiglu_sum_reference(
+    x: torch.Tensor,
+    experts: torch.Tensor,
+    offsets: torch.Tensor,
+    rows: torch.Tensor,
+    weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    gate_up_scales: torch.Tensor | None = None,
+    down_scales: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`experts_swiglu_sum` in torch: expert by expert, each result weighted and added at its rows."""
+    y = torch.zeros(x.shape, dtype=torch.float32)
+    for i, expert in enumerate(experts.tolist()):
+        first, last = int(offsets[i]), int(offsets[i + 1])
+        picked = rows[first:last]
+        scales = (None, None) if gate_up_scales is None else (gate_up_scales[expert], down_scales[expert])
+        out = expert_swiglu_reference(x[picked], gate_up[expert], down[expert], *scales)
+        y.index_add_(0, picked, out * weights[first:last, None].float())
+    return y
+
+
+def experts_swiglu_sum(
+    x: torch.Tensor,
+    experts: torch.Tensor,
+    offsets: torch.Tensor,
+    rows: torch.Tensor,
+    weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    gate_up_scales: torch.Tensor | None = None,
+    down_scales: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """y [n, hidden] fp32: for each i, the SwiGLU of x [n, hidden] at rows[offsets[i]:offsets[i + 1]] through
+    expert experts[i] of gate_up [E, 2 * inter, hidden] / down [E, hidden, inter] (int8 with fp32 scales
+    [E, rows]), weighted by those entries of `weights` and added at those rows; on the CPU, one call."""
+    if _native is None:
+        _warn_once()
+        return experts_swiglu_sum_reference(
+            x, experts, offsets, rows, weights, gate_up, down, gate_up_scales, down_scales
+        )
+    if gate_up.dim() != 3 or down.dim() != 3:
+        raise ValueError(
+            "stacked weights: gate_up [experts, 2 * inter, hidden], down [experts, hidden, inter]"
+        )
+    scales = (None, None) if gate_up_scales is None else (gate_up_scales[0], down_scales[0])
+    _check(x, gate_up[0], down[0], *scales)
+    if gate_up_scales is not None and (gate_up_scales.dim() != 2 or not gate_up_scales.is_contiguous()):
+        raise ValueError("int8 scales of stacked weights: [experts, rows], contiguous")
+    n = x.shape[0]
+    experts, offsets, rows = (t.to(torch.int64).contiguous() for t in (experts, offsets, rows))
+    weights = weights.float().contiguous()
+    count = experts.numel()
+    if offsets.numel() != count + 1 or rows.numel() != weights.numel() or int(offsets[-1]) != rows.numel():
+        raise ValueError("offsets must bound each expert's entries of rows and weights")
+    if count and (int(experts.min()) < 0 or int(experts.max()) >= gate_up.shape[0]):
+        raise ValueError(f"experts must be in [0, {gate_up.shape[0]})")
+    if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= n):
+        raise ValueError(f"rows must be in [0, {n})")
+    x = x.float().contiguous()
+    y = torch.zeros(x.shape, dtype=torch.float32)
+    _native.experts_swiglu_sum(
+        x.data_ptr(),
+        gate_up.data_ptr(),
+        down.data_ptr(),
+        y.data_ptr(),
+        gate_up_scales.data_ptr() if gate_up_scales is not None else 0,
+        down_scales.data_ptr() if down_scales is not None else 0,
+        x.shape[1],
+        down.shape[2],
+        _KINDS[gate_up.dtype],
+        threads(),
+        experts.data_ptr(),
+        offsets.data_ptr(),
+        rows.data_ptr(),
+        weights.data_ptr(),
+        count,
+    )
+    return y
+
+
+def _warn_once() -> None:
+    global _warned
+    if not _warned:
+        log.warning("the native CPU expert kernel is not built: experts in host RAM run in torch")
+        _warned = True
+
+
 def expert_swiglu(
     x: torch.Tensor,
     gate_up: torch.Tensor,
@@ -64,11 +154,8 @@ def expert_swiglu(
 ) -> torch.Tensor:
     """One expert's SwiGLU of x [n, hidden] (fp32 result): gate_up [2 * inter, hidden] (gate rows first),
     down [hidden, inter], both fp32, bf16 or int8 (with fp32 `*_scales` [rows] for int8); on the CPU."""
-    global _warned
     if _native is None:
-        if not _warned:
-            log.warning("the native CPU expert kernel is not built: experts in host RAM run in torch")
-            _warned = True
+        _warn_once()
         return expert_swiglu_reference(x, gate_up, down, gate_up_scales, down_scales)
     _check(x, gate_up, down, gate_up_scales, down_scales)
     x = x.float().contiguous()

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from app.kernels.cpu_experts import expert_swiglu
+from app.kernels.cpu_experts import experts_swiglu_sum
 from app.kernels.interface import Backends
 from app.kernels.reference import REFERENCE
 from app.loading.checkpoint import CheckpointDir
@@ -84,7 +84,7 @@ def load_model(
     with torch.device("meta"):
         model = CausalLM(checkpoint.config, mtp_layers=mtp_layer_count(checkpoint), backends=backends)
         if resident_experts is not None and resident_experts < checkpoint.config.num_experts:
-            use_expert_tier(model, resident_experts, expert_swiglu, spare_experts)
+            use_expert_tier(model, resident_experts, experts_swiglu_sum, spare_experts)
     sources = tensor_sources(model)
     params = dict(model.named_parameters())
     names = checkpoint.names()

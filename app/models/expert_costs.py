@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from app.kernels.interface import HostExpertFn
+from app.kernels.interface import HostExpertsFn
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ class MissCosts:
 
 
 def measure(
-    host_kernel: HostExpertFn,
+    host_kernel: HostExpertsFn,
     gate_up: torch.Tensor,
     down: torch.Tensor,
     device: torch.device,
@@ -78,16 +78,18 @@ def measure(
     torch.cuda.synchronize(device)
     pcie_bytes_s = gate_up[0].nbytes * count / (time.perf_counter() - began)
     x = torch.randn(rows, gate_up.shape[2])
-    host_kernel(x[:1], gate_up[-1], down[-1])  # first use (threads started)
+
+    def run(expert: int, count: int) -> float:
+        one = torch.tensor([expert])
+        began = time.perf_counter()
+        host_kernel(x, one, torch.tensor([0, count]), torch.arange(count), torch.ones(count), gate_up, down)
+        return time.perf_counter() - began
+
+    run(experts - 1, 1)  # first use (threads started)
     timings = []
-    for picked in (x[:1], x):
-        best = float("inf")
-        for repeat in range(3):  # the best of three, each on an expert not read before (from RAM)
-            expert = (experts - 2 - len(timings) * 3 - repeat) % experts
-            began = time.perf_counter()
-            host_kernel(picked, gate_up[expert], down[expert])
-            best = min(best, time.perf_counter() - began)
-        timings.append(best)
+    for count in (1, rows):
+        # the best of three, each on an expert not read before (from RAM)
+        timings.append(min(run((experts - 2 - len(timings) * 3 - r) % experts, count) for r in range(3)))
     one, many = timings
     return MissCosts(
         expert_bytes=expert_bytes,

@@ -20,9 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from app.kernels.interface import ExpertsFn, HostExpertFn
+from app.kernels.interface import ExpertsFn, HostExpertsFn
 from app.models.expert_costs import MissCosts, measure
 from app.models.moe import RoutedExperts, SparseMoE, expert_parts
+from app.models.pieces import Pieces
 
 ADAPT_DECAY = 0.5  # how much of the earlier routing counts when the tier adapts again
 VRAM, CPU, PCIE = range(3)  # where a routed entry was served (the order of protocol.EXPERT_SOURCES)
@@ -91,7 +92,7 @@ class TieredExperts(nn.Module):
         intermediate: int,
         kernel: ExpertsFn,
         resident: int,
-        host_kernel: HostExpertFn,
+        host_kernel: HostExpertsFn,
         spare: int = 0,
     ) -> None:
         super().__init__()
@@ -118,6 +119,7 @@ class TieredExperts(nn.Module):
         self._round: SwapRound | None = None  # the asynchronous swaps under way
         self._freed: torch.cuda.Event | None = None  # when the windows that used the spare slots are done
         self._stream: torch.cuda.Stream | None = None
+        self.pieces: Pieces | None = None  # set while a piecewise CUDA graph is captured (cuda_graphs.py)
 
     def checkpoint_parts(self, prefix: str) -> dict[str, tuple[str, tuple]]:
         """Checkpoint tensor name -> (parameter name, index into it), for every expert's projections."""
@@ -241,8 +243,15 @@ class TieredExperts(nn.Module):
             self._freed.record()
         self._round = None
 
-    def forward(self, x: torch.Tensor, top_ids: torch.Tensor, top_weights: torch.Tensor) -> torch.Tensor:
-        """x [tokens, hidden], top_ids / top_weights [tokens, k] -> the weighted sum of expert outputs."""
+    def forward(
+        self,
+        x: torch.Tensor,
+        top_ids: torch.Tensor,
+        top_weights: torch.Tensor,
+        live: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """x [tokens, hidden], top_ids / top_weights [tokens, k] -> the weighted sum of expert outputs;
+        `live` [tokens] is 0 on padding rows (whose misses are not computed)."""
         if self.slot_of is None or self.heat is None:
             raise RuntimeError("TieredExperts.place() must run before the first forward")
         self.heat.index_add_(0, top_ids.flatten(), torch.ones_like(top_ids, dtype=torch.float32).flatten())
@@ -251,7 +260,9 @@ class TieredExperts(nn.Module):
             self.served[VRAM] += top_ids.numel() - missed
             self.served[CPU] += missed
             return self._in_order(x, top_ids, top_weights)
-        return self._split(x, top_ids, top_weights)
+        if self.pieces is not None:
+            return self._captured(x, top_ids, top_weights, live)
+        return self._split(x, top_ids, top_weights, live)
 
     def _weights(self, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
         """An expert's gate_up and down where it is computed: its device slot, or host RAM."""
@@ -272,60 +283,120 @@ class TieredExperts(nn.Module):
         self._add_entries(out, x, top_ids, top_weights, entries)
         return out
 
-    def _split(self, x: torch.Tensor, top_ids: torch.Tensor, top_weights: torch.Tensor) -> torch.Tensor:
-        """Resident experts' entries with the experts kernel on the device (the others weighted 0 there); the
-        missed experts split by the costs (`MissCosts.plan`): some copied into staging slots and run by the
-        same kernel, the others on the CPU from host RAM while the device works; the sums added on the device.
+    def _split(
+        self,
+        x: torch.Tensor,
+        top_ids: torch.Tensor,
+        top_weights: torch.Tensor,
+        live: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Resident experts' entries with the experts kernel on the device (the others weighted 0 there), the
+        missed ones where the costs send them (`_serve_misses`); the sums added on the device.
 
         The host reads the routing and the layer's input (one wait for the layer so far) before it queues any
-        of the device's work, so the CPU pool's share overlaps the copies and kernels instead of waiting.
+        of the device's work, so the CPU pool's share overlaps the kernels and copies instead of waiting.
         """
-        assert self.slot_of is not None and self.gate_up is not None and self.down is not None
-        routed = (
-            x.to("cpu", non_blocking=True),
-            top_ids.to("cpu", non_blocking=True),
-            top_weights.to("cpu", non_blocking=True),
-        )
+        staged, host = self._serve_misses(*self._read(x, top_ids, top_weights, live))
+        out = self._resident(x, top_ids, top_weights)
+        if staged is not None:
+            out = out + self._staged(x, staged.to(x.device, non_blocking=True), top_weights)
+        if host is not None:
+            out = out + host.to(x.device, dtype=x.dtype)
+        return out
+
+    def _captured(
+        self, x: torch.Tensor, top_ids: torch.Tensor, top_weights: torch.Tensor, live: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Under a piecewise capture (`pieces`): the resident experts' sum in the graph being captured, then a
+        cut. The host step at the cut plans the misses, queues the staging copies and fills two buffers the
+        next graph reads: each entry's staging slot (its experts kernel runs there) and the CPU pool's sum."""
+        assert self.pieces is not None
+        out = self._resident(x, top_ids, top_weights)
+        # in the graphs' pool, kept by the step: the same memory at every replay
+        staged_slots = torch.full_like(top_ids, -1)
+        host_sum = torch.zeros_like(x)
+        cleared = [True, True]  # whether each buffer holds nothing yet (so a step need not clear it again)
+
+        def step() -> None:
+            staged, host = self._serve_misses(*self._read(x, top_ids, top_weights, live))
+            if staged is not None:
+                staged_slots.copy_(staged, non_blocking=True)
+            elif not cleared[0]:
+                staged_slots.fill_(-1)
+            if host is not None:
+                host_sum.copy_(host, non_blocking=True)
+            elif not cleared[1]:
+                host_sum.zero_()
+            cleared[:] = [staged is None, host is None]
+
+        self.pieces.cut(step)
+        if self.staging is not None:
+            out = out + self._staged(x, staged_slots, top_weights)
+        return out + host_sum
+
+    def _read(
+        self, x: torch.Tensor, top_ids: torch.Tensor, top_weights: torch.Tensor, live: torch.Tensor | None
+    ) -> tuple[torch.Tensor, ...]:
+        """The layer's input, routing and live rows on the host (one wait for the device's work so far)."""
+        tensors = (x, top_ids, top_weights) + ((live,) if live is not None else ())
+        copies = [t.to("cpu", non_blocking=True) for t in tensors]
         if x.device.type == "cuda":
             torch.cuda.current_stream(x.device).synchronize()
-        x_host, ids, weights_host = routed
+        return tuple(copies)
+
+    def _resident(self, x: torch.Tensor, top_ids: torch.Tensor, top_weights: torch.Tensor) -> torch.Tensor:
+        """The resident experts' entries through the experts kernel (the others weighted 0); device work
+        only, so a CUDA graph can hold it."""
+        assert self.slot_of is not None and self.gate_up is not None and self.down is not None
+        if not self.resident:
+            return torch.zeros_like(x)
+        slots = self.slot_of[top_ids]
+        return self.kernel(x, slots.clamp_min(0), top_weights * (slots >= 0), self.gate_up, self.down)
+
+    def _staged(self, x: torch.Tensor, staged: torch.Tensor, top_weights: torch.Tensor) -> torch.Tensor:
+        """The entries whose experts were copied into staging slots (`staged`: each entry's slot, -1 for the
+        others, weighted 0) through the experts kernel."""
+        assert self.staging is not None and self.staging.gate_up is not None and self.staging.down is not None
+        return self.kernel(
+            x, staged.clamp_min(0), top_weights * (staged >= 0), self.staging.gate_up, self.staging.down
+        )
+
+    def _serve_misses(
+        self,
+        x_host: torch.Tensor,
+        ids: torch.Tensor,
+        weights_host: torch.Tensor,
+        live: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The entries of experts in host RAM only (padding rows, where `live` is 0, left out), split by the
+        costs (`MissCosts.plan`): the experts with most rows copied into staging slots (queued here), the
+        others run now by the CPU pool. Returns each entry's staging slot [tokens, k] (-1: none) and the CPU
+        pool's sum [tokens, hidden] fp32, both on the host, None where that side has nothing. Counts where
+        every entry was served."""
         slots = torch.tensor(self.slots)[ids]
-        missed = slots < 0
-        self.served[VRAM] += int(ids.numel() - missed.sum())
-        out = torch.zeros_like(x)
-        if self.resident and not bool(missed.all()):
-            slots_dev = self.slot_of[top_ids]
-            out += self.kernel(
-                x, slots_dev.clamp_min(0), top_weights * (slots_dev >= 0), self.gate_up, self.down
-            )
+        counted = torch.ones_like(ids, dtype=torch.bool) if live is None else live[:, None].expand_as(ids) > 0
+        missed = (slots < 0) & counted
+        self.served[VRAM] += int(((slots >= 0) & counted).sum())
         if not bool(missed.any()):
-            return out
+            return None, None
         experts, rows = ids[missed].unique(return_counts=True)
         by_rows = rows.argsort(descending=True, stable=True)
         experts, rows = experts[by_rows].tolist(), rows[by_rows].tolist()
         copied = 0
         if self.staging is not None and self.costs is not None:
             copied = min(self.costs.plan(rows, self.pcie_frac), self.staging.slots)
+        staged = None
         if copied:
+            assert self.staging is not None
             stage_of = self.staging.load(experts[:copied], self.host_gate_up, self.host_down)
-            staged = stage_of[ids]
+            staged = stage_of[ids].masked_fill(~counted, -1)
             self.served[PCIE] += sum(rows[:copied])
             self.pcie_bytes += copied * self.expert_bytes()
-            staged_dev = staged.to(x.device, non_blocking=True)
-            out += self.kernel(
-                x,
-                staged_dev.clamp_min(0),
-                top_weights * (staged_dev >= 0),
-                self.staging.gate_up,
-                self.staging.down,
-            )
             missed &= staged < 0
-        if copied < len(experts):
-            self.served[CPU] += sum(rows[copied:])
-            host = torch.zeros(out.shape, dtype=torch.float32)
-            self._add_entries(host, x_host, ids, weights_host, missed.nonzero(), pool=True)
-            out += host.to(out.device, dtype=out.dtype)
-        return out
+        if copied == len(experts):
+            return staged, None
+        self.served[CPU] += sum(rows[copied:])
+        return staged, self._pool(x_host, ids, weights_host, missed.nonzero())
 
     def _add_entries(
         self,
@@ -334,27 +405,39 @@ class TieredExperts(nn.Module):
         top_ids: torch.Tensor,
         top_weights: torch.Tensor,
         entries: torch.Tensor,
-        pool: bool = False,
     ) -> None:
         """Add the routed entries (row, column of top_ids) into `out`, expert by expert in expert order, each
-        expert's weights read where it lives (all tensors on the CPU); with `pool`, through the CPU expert
-        pool's kernel (`host_kernel`: app/kernels/cpu_experts.py) into an fp32 `out`."""
-        rows, cols = entries.unbind(1)
-        ids = top_ids[rows, cols]
-        order = ids.argsort(stable=True)
-        rows, ids, weights = rows[order], ids[order], top_weights[rows, cols][order]
-        experts, counts = ids.unique_consecutive(return_counts=True)
-        start = 0
-        for expert, count in zip(experts.tolist(), counts.tolist(), strict=True):
-            picked = rows[start : start + count]
+        expert's weights read where it lives, with the reference's arithmetic (all tensors on the CPU)."""
+        rows, experts, offsets, weights = _by_expert(top_ids, top_weights, entries)
+        for i, expert in enumerate(experts.tolist()):
+            picked = rows[offsets[i] : offsets[i + 1]]
             gate_up, down = self._weights(expert)
-            if pool:
-                y = self.host_kernel(x[picked], gate_up, down) * weights[start : start + count, None].float()
-            else:
-                gate, up = F.linear(x[picked], gate_up).chunk(2, dim=-1)
-                y = F.linear(F.silu(gate) * up, down) * weights[start : start + count, None]
-            out.index_add_(0, picked, y.to(out.dtype))
-            start += count
+            gate, up = F.linear(x[picked], gate_up).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, down) * weights[offsets[i] : offsets[i + 1], None]
+            out.index_add_(0, picked, y)
+
+    def _pool(
+        self, x: torch.Tensor, top_ids: torch.Tensor, top_weights: torch.Tensor, entries: torch.Tensor
+    ) -> torch.Tensor:
+        """The routed entries (row, column of top_ids) of experts in host RAM through the CPU pool's kernel
+        (`host_kernel`: app/kernels/cpu_experts.py), in one call: their weighted sum [tokens, hidden] fp32."""
+        rows, experts, offsets, weights = _by_expert(top_ids, top_weights, entries)
+        return self.host_kernel(x, experts, offsets, rows, weights, self.host_gate_up, self.host_down)
+
+
+def _by_expert(
+    top_ids: torch.Tensor, top_weights: torch.Tensor, entries: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Entries (row, column of top_ids) grouped by expert in expert order: their rows, the experts, each
+    expert's offsets into the rows [experts + 1], and the entries' weights."""
+    rows, cols = entries.unbind(1)
+    ids = top_ids[rows, cols]
+    order = ids.argsort(stable=True)
+    rows, ids, weights = rows[order], ids[order], top_weights[rows, cols][order]
+    experts, counts = ids.unique_consecutive(return_counts=True)
+    offsets = torch.zeros(experts.numel() + 1, dtype=torch.int64)
+    torch.cumsum(counts, 0, out=offsets[1:])
+    return rows, experts, offsets, weights
 
 
 def spare_slots(resident: int) -> int:
@@ -363,7 +446,7 @@ def spare_slots(resident: int) -> int:
     return max(1, min(8, resident // 4)) if resident else 0
 
 
-def use_expert_tier(model: nn.Module, resident: int, host_kernel: HostExpertFn, spare: int = 0) -> None:
+def use_expert_tier(model: nn.Module, resident: int, host_kernel: HostExpertsFn, spare: int = 0) -> None:
     """Give every MoE layer of a model built on the meta device (not loaded yet) an expert tier with the
     first `resident` experts on the device, `spare` device slots for asynchronous swaps, and `host_kernel`
     for the others. Call it under the meta device."""

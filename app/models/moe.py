@@ -41,8 +41,15 @@ class RoutedExperts(nn.Module):
         """Checkpoint tensor name -> (parameter name, index into it), for every expert's projections."""
         return expert_parts(prefix, self.gate_up.shape[0], self.intermediate, "gate_up", "down")
 
-    def forward(self, x: torch.Tensor, top_ids: torch.Tensor, top_weights: torch.Tensor) -> torch.Tensor:
-        """x [tokens, hidden], top_ids / top_weights [tokens, k] -> the weighted sum of expert outputs."""
+    def forward(
+        self,
+        x: torch.Tensor,
+        top_ids: torch.Tensor,
+        top_weights: torch.Tensor,
+        live: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """x [tokens, hidden], top_ids / top_weights [tokens, k] -> the weighted sum of expert outputs
+        (`live`, which marks padding rows, matters only to an expert tier)."""
         return self.kernel(x, top_ids, top_weights, self.gate_up, self.down)
 
 
@@ -116,7 +123,7 @@ class SparseMoE(nn.Module):
         else:
             ids, weights = self.route(logits)
             self.count_routes(ids, live)
-        out = self.experts(x, ids, weights)
+        out = self.experts(x, ids, weights, live)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out

@@ -176,19 +176,23 @@ def test_captured_mixed_windows_price_prompt_rows_before_any_window_runs(checkpo
     assert core.scheduler.cost.predict(256, 2) > 0
 
 
-@pytest.mark.parametrize("pcie_frac", [None, 0.0, 1.0])
+@pytest.mark.parametrize(("pcie_frac", "eager"), [(None, False), (0.0, False), (1.0, False), (None, True)])
 def test_a_frozen_expert_tier_on_the_gpu_gives_the_all_resident_tokens(
-    checkpoint: Path, pcie_frac: float | None
+    checkpoint: Path, pcie_frac: float | None, eager: bool
 ) -> None:
     """Two experts a layer on the device (the Triton experts kernel), the misses computed on the CPU from
-    host RAM or copied over PCIe into staging slots (as measured, all on the CPU, all over PCIe): the greedy
-    tokens of the model with every expert on the device."""
+    host RAM or copied over PCIe into staging slots (as measured, all on the CPU, all over PCIe), decode
+    windows replayed as piecewise graphs (or all eager): the greedy tokens of the all-resident model."""
     settings = {"device": "cuda", "dtype": "float32", "parallel": 2}
     params = {"max_tokens": 16, "temperature": 0, "ignore_eos": True}
     arrivals = [(0, request(_prompt(40, 90), **params)), (1, request(_prompt(9, 91), **params))]
     everything, _ = run(make_core(checkpoint, **settings), arrivals)
-    tiered = make_core(checkpoint, expert_cache=2, adapt_every=0, pcie_frac=pcie_frac, **settings)
-    assert tiered.tiered and tiered.runner.graphs is None
+    tiered = make_core(
+        checkpoint, expert_cache=2, adapt_every=0, pcie_frac=pcie_frac, enforce_eager=eager, **settings
+    )
+    assert tiered.tiered
+    graphs = tiered.runner.graphs
+    assert (graphs is None) if eager else (graphs is not None and graphs.pieces and not graphs.graphs)
     results, stats = run(tiered, arrivals)
     for _, add in arrivals:
         assert results[add.request_id].token_ids == everything[add.request_id].token_ids
@@ -197,3 +201,20 @@ def test_a_frozen_expert_tier_on_the_gpu_gives_the_all_resident_tokens(
     vram, cpu, pcie = (sum(c) for c in zip(*reported, strict=True))
     assert vram > 0 and cpu + pcie > 0
     assert (pcie_frac != 1.0 or cpu == 0) and (pcie_frac != 0.0 or pcie == 0)
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_an_adapting_expert_tier_on_the_gpu_gives_the_all_resident_tokens(
+    checkpoint: Path, asynchronous: bool
+) -> None:
+    """Swaps every window (queued before the next, or copied on a side stream and landed between windows)
+    while decode windows replay piecewise graphs: the greedy tokens of the all-resident model."""
+    settings = {"device": "cuda", "dtype": "float32", "parallel": 2}
+    params = {"max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    arrivals = [(0, request(_prompt(30, 92), **params)), (3, request(_prompt(12, 93), **params))]
+    everything, _ = run(make_core(checkpoint, **settings), arrivals)
+    tiered = make_core(checkpoint, expert_cache=2, adapt_every=1, adapt_async=asynchronous, **settings)
+    results, stats = run(tiered, arrivals)
+    for _, add in arrivals:
+        assert results[add.request_id].token_ids == everything[add.request_id].token_ids
+    assert sum(s.experts.swaps for s in stats if s.experts is not None) + tiered.expert_swaps > 0

@@ -8,7 +8,13 @@ import pytest
 import torch
 
 from app.kernels import cpu_experts
-from app.kernels.cpu_experts import expert_swiglu, expert_swiglu_reference, native_available
+from app.kernels.cpu_experts import (
+    expert_swiglu,
+    expert_swiglu_reference,
+    experts_swiglu_sum,
+    experts_swiglu_sum_reference,
+    native_available,
+)
 
 HIDDEN, INTER = 96, 40
 
@@ -38,6 +44,39 @@ def test_the_native_kernel_equals_the_reference(kind: torch.dtype, rows: int) ->
     expected = expert_swiglu_reference(x, gate_up, down, gate_up_scales, down_scales)
     got = expert_swiglu(x, gate_up, down, gate_up_scales, down_scales)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def _stacked(kind: torch.dtype, experts: int) -> tuple[torch.Tensor | None, ...]:
+    parts = [_weights(kind, seed) for seed in range(experts)]
+    return tuple(None if p[0] is None else torch.stack(list(p)) for p in zip(*parts, strict=True))
+
+
+@pytest.mark.parametrize("kind", [torch.bfloat16, torch.int8], ids=["bf16", "int8"])
+def test_several_experts_in_one_call_equal_the_reference(kind: torch.dtype) -> None:
+    """A window's CPU share: experts 4, 1 and 5 of a stacked layer over 1, 6 and 2 of its 7 rows, weighted
+    and added at those rows (rows shared between experts add up)."""
+    gate_up, down, gate_up_scales, down_scales = _stacked(kind, 6)
+    x = torch.randn(7, HIDDEN, generator=torch.Generator().manual_seed(3))
+    experts = torch.tensor([4, 1, 5])
+    offsets = torch.tensor([0, 1, 7, 9])
+    rows = torch.tensor([3, 0, 1, 2, 3, 5, 6, 3, 6])
+    weights = torch.rand(9, generator=torch.Generator().manual_seed(4))
+    args = (x, experts, offsets, rows, weights, gate_up, down, gate_up_scales, down_scales)
+    expected = experts_swiglu_sum_reference(*args)
+    assert expected[4].abs().sum() == 0  # a row no expert took
+    torch.testing.assert_close(experts_swiglu_sum(*args), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_entries_outside_the_layer_are_refused() -> None:
+    gate_up, down, _, _ = _stacked(torch.float32, 2)
+    x = torch.randn(3, HIDDEN)
+    one = torch.ones(1)
+    with pytest.raises(ValueError, match="experts must be"):
+        experts_swiglu_sum(x, torch.tensor([2]), torch.tensor([0, 1]), torch.tensor([0]), one, gate_up, down)
+    with pytest.raises(ValueError, match="rows must be"):
+        experts_swiglu_sum(x, torch.tensor([1]), torch.tensor([0, 1]), torch.tensor([3]), one, gate_up, down)
+    with pytest.raises(ValueError, match="offsets"):
+        experts_swiglu_sum(x, torch.tensor([1]), torch.tensor([0, 2]), torch.tensor([0]), one, gate_up, down)
 
 
 def test_bad_weights_are_refused_before_the_native_kernel_reads_them() -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from app.kernels.cpu_experts import expert_swiglu
+from app.kernels.cpu_experts import experts_swiglu_sum
 from app.kernels.reference import experts_reference
 from app.models.expert_costs import MissCosts
 from app.models.expert_tier import ExpertStaging, TieredExperts
@@ -16,7 +16,7 @@ EXPERTS, HIDDEN, INTER, TOP_K = 8, 16, 12, 3
 
 def _tier(resident: int, seed: int = 0, spare: int = 0) -> TieredExperts:
     generator = torch.Generator().manual_seed(seed)
-    tier = TieredExperts(EXPERTS, HIDDEN, INTER, experts_reference, resident, expert_swiglu, spare)
+    tier = TieredExperts(EXPERTS, HIDDEN, INTER, experts_reference, resident, experts_swiglu_sum, spare)
     with torch.no_grad():
         tier.host_gate_up.copy_(torch.randn(EXPERTS, 2 * INTER, HIDDEN, generator=generator) * 0.2)
         tier.host_down.copy_(torch.randn(EXPERTS, HIDDEN, INTER, generator=generator) * 0.2)
@@ -70,6 +70,21 @@ def test_missed_experts_copied_to_staging_slots_add_up_like_the_reference(pcie_f
     assert tier.take_served() == ([0, 0, 0], 0)
 
 
+def test_the_misses_of_padding_rows_are_left_out() -> None:
+    """Rows marked dead (graph padding) get only their resident experts' sum, and are not counted."""
+    tier = _tier(3, seed=8)
+    x, ids, weights = _routing(6, 9)
+    live = torch.tensor([1, 1, 0, 1, 0, 0])
+    out = tier._split(x, ids, weights, live)
+    expected = experts_reference(x, ids, weights, tier.host_gate_up, tier.host_down)
+    resident_only = experts_reference(x, ids, weights * (ids < 3), tier.host_gate_up, tier.host_down)
+    alive = live.bool()
+    torch.testing.assert_close(out[alive], expected[alive], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out[~alive], resident_only[~alive], rtol=1e-5, atol=1e-6)
+    (vram, cpu, pcie), _ = tier.take_served()
+    assert vram + cpu + pcie == 3 * ids.shape[1] and vram == int((ids[alive] < 3).sum())
+
+
 def test_staging_copies_runs_of_consecutive_experts_into_the_first_slots() -> None:
     gate_up = torch.arange(8.0).reshape(8, 1, 1).expand(8, 2, 3).contiguous()
     down = gate_up[:, :1, :2].contiguous()
@@ -85,7 +100,7 @@ def test_only_the_resident_experts_are_placed_on_the_device() -> None:
     assert tier.gate_up is not None and tier.gate_up.shape[0] == 3
     assert tier.slot_of is not None and tier.slot_of.tolist() == [0, 1, 2, -1, -1, -1, -1, -1]
     with pytest.raises(ValueError, match="resident experts"):
-        TieredExperts(EXPERTS, HIDDEN, INTER, experts_reference, EXPERTS, expert_swiglu)
+        TieredExperts(EXPERTS, HIDDEN, INTER, experts_reference, EXPERTS, experts_swiglu_sum)
 
 
 def test_adapting_makes_the_most_routed_experts_resident() -> None:
