@@ -6,7 +6,7 @@
 Builds the shape with random bf16 weights on the GPU, keeps every routed expert in pinned host RAM, and for
 each routing, each resident count and each adaptation mode (frozen; blocking or asynchronous swaps every
 `--adapt-every` windows) starts an in-process engine core and measures: decode tok/s at batch 1, 8 and 16
-(an adapting tier after 8 adaptations' worth of warm-up windows, so it has followed the routing),
+(an adapting tier after 6 adaptations' worth of warm-up windows, so it has followed the routing),
 a 2K- and an 8K-token prompt read (tok/s, each prompt new: no prefix-cache hit), and where the timed windows'
 routed entries were served (VRAM / CPU / PCIe shares). The all-resident model (every expert on the GPU, CUDA
 graphs) runs first for each routing, as the reference speed.
@@ -53,8 +53,8 @@ from benchmarks.shapes import shape
 
 BATCHES = (1, 8, 16)
 PROMPT_LEN = 128
-ADAPTATIONS_BEFORE_TIMING = 8
-TIMED_WINDOWS = 32
+ADAPTATIONS_BEFORE_TIMING = 6
+TIMED_WINDOWS = 24
 PROMPTS = (2048, 8192)
 GUMBEL_STD = math.pi / math.sqrt(6)
 
@@ -154,12 +154,16 @@ class Tiering:
         return tiers
 
     def route(self, routing: str, hidden: int) -> None:
+        """Give every layer the named routing (module docstring)."""
+        experts = self.layers[0][1].gate_up.shape[0]
+        shares = {"zipf": zipf_shares, "demo": demo_shares}.get(routing)
+        per_layer = shares(experts, len(self.layers)) if shares is not None else None
         for i, (moe, _, _) in enumerate(self.layers):
             gate = self.gates[moe]
-            experts = gate.out_features
-            moe.gate = (
-                gate if routing == "uniform" else SkewedGate(gate, experts, 0.02 * hidden**0.5, i).cuda()
-            )
+            if per_layer is None:
+                moe.gate = gate
+            else:
+                moe.gate = SkewedGate(gate, per_layer[i], 0.02 * hidden**0.5, i).cuda()
 
 
 def open_core(
@@ -183,9 +187,9 @@ def open_core(
 
 def drain(tiers: list[TieredExperts]) -> tuple[list[int], int]:
     """Entries served from VRAM / CPU / PCIe and bytes copied since the tiers' counts were last taken."""
-    counts = [t.take_served() for t in tiers]
-    served = [sum(c) for c in zip(*(c[0] for c in counts), strict=True)] if tiers else [0, 0, 0]
-    return served, sum(c[1] for c in counts)
+    counts = [t.take_counts() for t in tiers]
+    served = [sum(c) for c in zip(*(c.served for c in counts), strict=True)] if tiers else [0, 0, 0]
+    return served, sum(c.pcie_bytes for c in counts)
 
 
 def decode(
@@ -225,15 +229,20 @@ def read_prompt(
     drain(tiers)
     began = time.perf_counter()
     core.add_request(AddRequest(f"p{seed}", prompt, SamplingParams(max_tokens=1, temperature=0)))
-    duration, hits, copied = 0.0, 0, 0
+    duration, hits, copied, windows, served = 0.0, 0, 0, 0, [0, 0, 0]
     while core.has_work():
         _, stats = core.step()
         if stats is not None:
             duration += stats.duration_s
             hits += stats.prefix_cache_hits
-            copied += stats.experts.pcie_bytes if stats.experts is not None else 0
+            windows += stats.prompt_tokens > 0
+            if stats.experts is not None:
+                copied += stats.experts.pcie_bytes
+                served = [a + b for a, b in zip(served, stats.experts.served or [0, 0, 0], strict=True)]
     wall = time.perf_counter() - began
-    copied += drain(tiers)[1]
+    last, last_copied = drain(tiers)
+    copied += last_copied
+    served = [a + b for a, b in zip(served, last, strict=True)]
     if hits:
         raise RuntimeError(f"the timed prompt was served {hits} tokens from the prefix cache")
     return {
@@ -241,6 +250,8 @@ def read_prompt(
         "windows_tok_s": length / duration,
         "pcie_gb": copied / 1e9,
         "wall_s": wall,
+        "windows": windows,
+        "cpu_share": served[1] / max(sum(served), 1),
     }
 
 
@@ -257,6 +268,8 @@ def measure(core: EngineCore, tiers: list[TieredExperts], vocab: int, warm: int)
         read = read_prompt(core, tiers, length, vocab, 100 + length)
         line[f"prompt_{length}_tok_s"] = round(read["tok_s"], 1)
         line[f"prompt_{length}_windows_tok_s"] = round(read["windows_tok_s"], 1)
+        line[f"prompt_{length}_windows"] = read["windows"]
+        line[f"prompt_{length}_cpu_share"] = round(read["cpu_share"], 3)
         if tiers:
             layer_bytes = len(tiers) * tiers[0].expert_bytes()
             line[f"prompt_{length}_experts_copied_per_layer"] = round(read["pcie_gb"] * 1e9 / layer_bytes, 1)

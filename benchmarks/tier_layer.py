@@ -67,7 +67,7 @@ def main() -> None:
     for x, ids, weights in inputs[:20]:
         tier(x, ids, weights)
     torch.cuda.synchronize()
-    tier.take_served()
+    tier.take_counts()
     profiler = cProfile.Profile() if args.profile else None
     began = time.perf_counter()
     if profiler is not None:
@@ -78,7 +78,8 @@ def main() -> None:
     if profiler is not None:
         profiler.disable()
     seconds = (time.perf_counter() - began) / args.iters
-    (vram, cpu, pcie), copied = tier.take_served()
+    counts = tier.take_counts()
+    (vram, cpu, pcie), copied = counts.served, counts.pcie_bytes
     line = {
         "resident": args.resident,
         "rows": args.rows,

@@ -77,6 +77,11 @@ SCALARS = (
         "counter",
         "Bytes the expert tier copied to the device: missed experts staged for a window, swapped-in experts.",
     ),
+    (
+        "strata:expert_adapt_wait_seconds_total",
+        "counter",
+        "Device time windows waited for the expert tier's blocking swaps (none with --adapt-async).",
+    ),
 )
 SLOT_GAUGES = (
     ("strata:slot_context_tokens", "context_tokens", "Tokens held in the slot's state."),
@@ -129,6 +134,7 @@ class ServerMetrics:
         self.expert_routed_total = dict.fromkeys(EXPERT_SOURCES, 0)
         self.expert_swaps_total = 0
         self.expert_pcie_bytes_total = 0
+        self.expert_adapt_wait_seconds_total = 0.0
         self._recent: deque[tuple[float, float, int]] = deque()  # (start, end, tokens) of recent windows
         self._ended: dict[str, None] = {}  # ids of finished requests, oldest first
         self._histograms: dict[str, Histogram] = {}
@@ -227,6 +233,7 @@ class ServerMetrics:
         if stats.experts is not None:
             self.expert_swaps_total += stats.experts.swaps
             self.expert_pcie_bytes_total += stats.experts.pcie_bytes
+            self.expert_adapt_wait_seconds_total += stats.experts.adapt_wait_s
             self._count_served(stats.experts)
         self.iteration_tokens.observe(stats.rows)
         self.window_step.observe(stats.step_s)
@@ -331,6 +338,7 @@ class ServerMetrics:
             "expert_routed_total": dict(self.expert_routed_total),
             "expert_swaps_total": self.expert_swaps_total,
             "expert_pcie_bytes_total": self.expert_pcie_bytes_total,
+            "expert_adapt_wait_seconds_total": self.expert_adapt_wait_seconds_total,
             "cache_config_info": {
                 "block_size": self.ready.block_size,
                 "cache_dtype": "auto",

@@ -407,10 +407,11 @@ class EngineCore:
         """The tiers' counts since the last report: entries per source, bytes copied, adapt wait."""
         if not self.tiers:
             return {}
-        counts = [tier.take_served() for tier in self.tiers]
+        counts = [tier.take_counts() for tier in self.tiers]
         return {
-            "served": [sum(c) for c in zip(*(served for served, _ in counts), strict=True)],
-            "pcie_bytes": sum(copied for _, copied in counts),
+            "served": [sum(c) for c in zip(*(c.served for c in counts), strict=True)],
+            "pcie_bytes": sum(c.pcie_bytes for c in counts),
+            "adapt_wait_s": sum(c.adapt_wait_s for c in counts),
         }
 
     def _take_swaps(self) -> int:

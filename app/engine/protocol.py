@@ -183,6 +183,7 @@ class ExpertUsage(msgspec.Struct, frozen=True):
     swaps: int = 0  # experts the tier moved onto the device in that span (app/models/expert_tier.py)
     served: list[int] | None = None  # with a tier: entries served per EXPERT_SOURCES in that span, all layers
     pcie_bytes: int = 0  # bytes the tier copied to the device in that span (staged misses, swapped experts)
+    adapt_wait_s: float = 0.0  # device time windows waited in that span for the tier's blocking swaps
 
 
 class ParkingStats(msgspec.Struct, array_like=True, frozen=True):

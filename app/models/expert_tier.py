@@ -14,6 +14,7 @@ engine calls it) makes the most routed ones resident, copying them over in place
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +28,17 @@ from app.models.pieces import Pieces
 
 ADAPT_DECAY = 0.5  # how much of the earlier routing counts when the tier adapts again
 VRAM, CPU, PCIE = range(3)  # where a routed entry was served (the order of protocol.EXPERT_SOURCES)
+HOST_READ_ENTRIES = 1024  # up to so many routed entries a window's routing is read whole to the host
+
+
+@dataclass
+class TierCounts:
+    """What a tier did since its counts were last taken: routed entries served from VRAM / CPU / PCIe, bytes
+    copied to the device (staged misses and swapped-in experts), and seconds windows waited for swaps."""
+
+    served: list[int]
+    pcie_bytes: int
+    adapt_wait_s: float
 
 
 @dataclass
@@ -113,8 +125,10 @@ class TieredExperts(nn.Module):
         self.staging: ExpertStaging | None = None  # with `costs`: misses may go over PCIe (`use_staging`)
         self.costs: MissCosts | None = None
         self.pcie_frac: float | None = None  # forces this share of a window's missed experts over PCIe
-        self.served = [0, 0, 0]  # routed entries served from VRAM / CPU / PCIe since `take_served`
-        self.pcie_bytes = 0  # bytes copied to the device (staging and swaps) since `take_served`
+        self.served = [0, 0, 0]  # routed entries served from VRAM / CPU / PCIe since `take_counts`
+        self.pcie_bytes = 0  # bytes copied to the device (staging and swaps) since `take_counts`
+        self.adapt_wait_s = 0.0  # time windows waited for blocking swaps, measured so far
+        self._swap_timings: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # not yet read
         self.spare_slots: list[int] = []  # device slots holding no resident expert (asynchronous swaps)
         self._round: SwapRound | None = None  # the asynchronous swaps under way
         self._freed: torch.cuda.Event | None = None  # when the windows that used the spare slots are done
@@ -146,12 +160,18 @@ class TieredExperts(nn.Module):
         self.slot_of = torch.tensor(self.slots, dtype=torch.long).to(device)
         self.heat = torch.zeros(experts, dtype=torch.float32, device=device)
 
-    def take_served(self) -> tuple[list[int], int]:
-        """Routed entries served from VRAM, by the CPU pool and over PCIe, and the bytes copied to the device
-        (staged misses and swapped-in experts), since the last call."""
-        served, self.served = self.served, [0, 0, 0]
-        copied, self.pcie_bytes = self.pcie_bytes, 0
-        return served, copied
+    def take_counts(self) -> TierCounts:
+        """What the tier did since the last call (`TierCounts`); swaps whose copies are still queued count
+        their wait at a later call."""
+        waited, timings = self.adapt_wait_s, []
+        for begin, end in self._swap_timings:
+            if end.query():
+                waited += begin.elapsed_time(end) / 1000
+            else:
+                timings.append((begin, end))
+        counts = TierCounts(self.served, self.pcie_bytes, waited)
+        self.served, self.pcie_bytes, self.adapt_wait_s, self._swap_timings = [0, 0, 0], 0, 0.0, timings
+        return counts
 
     def expert_bytes(self) -> int:
         """Bytes of one expert's weights."""
@@ -186,14 +206,25 @@ class TieredExperts(nn.Module):
         outgoing = sorted((e for e in resident if e not in wanted), key=lambda e: heat[e])
         if self.spare:
             return self._begin(list(zip(incoming, outgoing, strict=True))[: len(self.spare_slots)])
+        if not incoming:
+            return 0
         self.pcie_bytes += self.expert_bytes() * len(incoming)
+        on_gpu = self.gate_up.device.type == "cuda"
+        began = time.perf_counter()
+        if on_gpu:  # the copies' time on the device: what the next window waits for
+            timing = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            timing[0].record()
         for new, old in zip(incoming, outgoing, strict=True):
             slot = self.slots[old]
             self.gate_up[slot].copy_(self.host_gate_up[new], non_blocking=True)
             self.down[slot].copy_(self.host_down[new], non_blocking=True)
             self.slots[new], self.slots[old] = slot, -1
-        if incoming:
-            self.slot_of.copy_(torch.tensor(self.slots, dtype=torch.long))
+        self.slot_of.copy_(torch.tensor(self.slots, dtype=torch.long))
+        if on_gpu:
+            timing[1].record()
+            self._swap_timings.append(timing)
+        else:
+            self.adapt_wait_s += time.perf_counter() - began
         return len(incoming)
 
     def _begin(self, swaps: list[tuple[int, int]]) -> int:
@@ -291,17 +322,14 @@ class TieredExperts(nn.Module):
         live: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Resident experts' entries with the experts kernel on the device (the others weighted 0 there), the
-        missed ones where the costs send them (`_serve_misses`); the sums added on the device.
-
-        The host reads the routing and the layer's input (one wait for the layer so far) before it queues any
-        of the device's work, so the CPU pool's share overlaps the kernels and copies instead of waiting.
-        """
-        staged, host = self._serve_misses(*self._read(x, top_ids, top_weights, live))
+        missed ones where the costs send them (`_serve_misses`); the sums added on the device."""
+        stage_of, host = self._serve_misses(x, top_ids, top_weights, live)
         out = self._resident(x, top_ids, top_weights)
-        if staged is not None:
-            out = out + self._staged(x, staged.to(x.device, non_blocking=True), top_weights)
+        if stage_of is not None:
+            out = out + self._staged(x, stage_of.to(x.device, non_blocking=True)[top_ids], top_weights, live)
         if host is not None:
-            out = out + host.to(x.device, dtype=x.dtype)
+            rows, sums = host
+            out = out.index_add(0, rows, sums.to(x.device, dtype=x.dtype, non_blocking=True))
         return out
 
     def _captured(
@@ -309,40 +337,32 @@ class TieredExperts(nn.Module):
     ) -> torch.Tensor:
         """Under a piecewise capture (`pieces`): the resident experts' sum in the graph being captured, then a
         cut. The host step at the cut plans the misses, queues the staging copies and fills two buffers the
-        next graph reads: each entry's staging slot (its experts kernel runs there) and the CPU pool's sum."""
-        assert self.pieces is not None
+        next graph reads: each expert's staging slot (the entries of staged experts run there) and the CPU
+        pool's sum."""
+        assert self.pieces is not None and self.slot_of is not None
         out = self._resident(x, top_ids, top_weights)
         # in the graphs' pool, kept by the step: the same memory at every replay
-        staged_slots = torch.full_like(top_ids, -1)
+        stage_of = torch.full_like(self.slot_of, -1)
         host_sum = torch.zeros_like(x)
         cleared = [True, True]  # whether each buffer holds nothing yet (so a step need not clear it again)
 
         def step() -> None:
-            staged, host = self._serve_misses(*self._read(x, top_ids, top_weights, live))
+            staged, host = self._serve_misses(x, top_ids, top_weights, live)
             if staged is not None:
-                staged_slots.copy_(staged, non_blocking=True)
+                stage_of.copy_(staged, non_blocking=True)
             elif not cleared[0]:
-                staged_slots.fill_(-1)
-            if host is not None:
-                host_sum.copy_(host, non_blocking=True)
-            elif not cleared[1]:
+                stage_of.fill_(-1)
+            if host is not None or not cleared[1]:
                 host_sum.zero_()
+            if host is not None:
+                rows, sums = host
+                host_sum.index_copy_(0, rows, sums.to(x.device, dtype=x.dtype, non_blocking=True))
             cleared[:] = [staged is None, host is None]
 
         self.pieces.cut(step)
         if self.staging is not None:
-            out = out + self._staged(x, staged_slots, top_weights)
+            out = out + self._staged(x, stage_of[top_ids], top_weights, live)
         return out + host_sum
-
-    def _read(
-        self, x: torch.Tensor, top_ids: torch.Tensor, top_weights: torch.Tensor, live: torch.Tensor | None
-    ) -> tuple[torch.Tensor, ...]:
-        """The layer's input, routing and live rows on the host (one wait for the device's work so far)."""
-        tensors = (x, top_ids, top_weights) + ((live,) if live is not None else ())
-        copies = [t.to("cpu", non_blocking=True) for t in tensors]
-        if x.device.type == "cuda":
-            torch.cuda.current_stream(x.device).synchronize()
-        return tuple(copies)
 
     def _resident(self, x: torch.Tensor, top_ids: torch.Tensor, top_weights: torch.Tensor) -> torch.Tensor:
         """The resident experts' entries through the experts kernel (the others weighted 0); device work
@@ -353,50 +373,84 @@ class TieredExperts(nn.Module):
         slots = self.slot_of[top_ids]
         return self.kernel(x, slots.clamp_min(0), top_weights * (slots >= 0), self.gate_up, self.down)
 
-    def _staged(self, x: torch.Tensor, staged: torch.Tensor, top_weights: torch.Tensor) -> torch.Tensor:
+    def _staged(
+        self, x: torch.Tensor, staged: torch.Tensor, top_weights: torch.Tensor, live: torch.Tensor | None
+    ) -> torch.Tensor:
         """The entries whose experts were copied into staging slots (`staged`: each entry's slot, -1 for the
-        others, weighted 0) through the experts kernel."""
+        others and on padding rows, weighted 0) through the experts kernel."""
         assert self.staging is not None and self.staging.gate_up is not None and self.staging.down is not None
+        if live is not None:
+            staged = staged.masked_fill(live[:, None] == 0, -1)
         return self.kernel(
             x, staged.clamp_min(0), top_weights * (staged >= 0), self.staging.gate_up, self.staging.down
         )
 
     def _serve_misses(
-        self,
-        x_host: torch.Tensor,
-        ids: torch.Tensor,
-        weights_host: torch.Tensor,
-        live: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        self, x: torch.Tensor, top_ids: torch.Tensor, top_weights: torch.Tensor, live: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
         """The entries of experts in host RAM only (padding rows, where `live` is 0, left out), split by the
         costs (`MissCosts.plan`): the experts with most rows copied into staging slots (queued here), the
-        others run now by the CPU pool. Returns each entry's staging slot [tokens, k] (-1: none) and the CPU
-        pool's sum [tokens, hidden] fp32, both on the host, None where that side has nothing. Counts where
-        every entry was served."""
-        slots = torch.tensor(self.slots)[ids]
-        counted = torch.ones_like(ids, dtype=torch.bool) if live is None else live[:, None].expand_as(ids) > 0
-        missed = (slots < 0) & counted
-        self.served[VRAM] += int(((slots >= 0) & counted).sum())
-        if not bool(missed.any()):
+        others run now by the CPU pool. Returns each expert's staging slot [experts] (-1: none) on the host,
+        and the CPU pool's sums with the rows they belong to (both on the device); None where that side has
+        nothing. Counts where every entry was served.
+
+        A small window's routing and input are read to the host at once (one wait for the layer so far); a
+        large one's entries per expert are counted on the device and only those counts, then the rows and
+        entries the CPU pool computes, are read (its routing is far larger than what the host needs)."""
+        experts = len(self.slots)
+        ids = top_ids if live is None else top_ids.masked_fill(live[:, None] == 0, experts)
+        read: list[torch.Tensor] = []
+        if ids.numel() <= HOST_READ_ENTRIES:
+            read = self._to_host(ids, x, top_ids, top_weights)
+            counts = torch.bincount(read[0].flatten(), minlength=experts + 1)[:experts]
+        else:
+            counts = torch.zeros(experts + 1, dtype=torch.int64, device=x.device)
+            counts.index_add_(0, ids.flatten(), torch.ones_like(ids).flatten())
+            counts = self._to_host(counts[:experts])[0]
+        resident = torch.tensor(self.slots) >= 0
+        self.served[VRAM] += int(counts[resident].sum())
+        missed = (counts * ~resident).nonzero().flatten()
+        if not missed.numel():
             return None, None
-        experts, rows = ids[missed].unique(return_counts=True)
-        by_rows = rows.argsort(descending=True, stable=True)
-        experts, rows = experts[by_rows].tolist(), rows[by_rows].tolist()
+        rows = counts[missed]
+        order = rows.argsort(descending=True, stable=True)
+        missed, rows = missed[order].tolist(), rows[order].tolist()
         copied = 0
         if self.staging is not None and self.costs is not None:
             copied = min(self.costs.plan(rows, self.pcie_frac), self.staging.slots)
-        staged = None
+        stage_of = None
         if copied:
             assert self.staging is not None
-            stage_of = self.staging.load(experts[:copied], self.host_gate_up, self.host_down)
-            staged = stage_of[ids].masked_fill(~counted, -1)
+            stage_of = self.staging.load(missed[:copied], self.host_gate_up, self.host_down)
             self.served[PCIE] += sum(rows[:copied])
             self.pcie_bytes += copied * self.expert_bytes()
-            missed &= staged < 0
-        if copied == len(experts):
-            return staged, None
+        if copied == len(missed):
+            return stage_of, None
         self.served[CPU] += sum(rows[copied:])
-        return staged, self._pool(x_host, ids, weights_host, missed.nonzero())
+        on_cpu = torch.zeros(experts + 1, dtype=torch.bool)
+        on_cpu[missed[copied:]] = True
+        if read:
+            ids_host, x_host, ids_all, weights_all = read
+            entries = on_cpu[ids_host].nonzero()
+            rows_needed, local = entries[:, 0].unique(return_inverse=True)
+            picked = (entries[:, 0], entries[:, 1])
+            sums = self._pool(x_host[rows_needed], local, ids_all[picked], weights_all[picked])
+            return stage_of, (rows_needed.to(x.device, non_blocking=True), sums)
+        entries = on_cpu.to(x.device, non_blocking=True)[ids].nonzero()
+        rows_needed, local = entries[:, 0].unique(return_inverse=True)
+        picked = (entries[:, 0], entries[:, 1])
+        x_host, local, entry_ids, entry_weights = self._to_host(
+            x[rows_needed], local, top_ids[picked], top_weights[picked]
+        )
+        return stage_of, (rows_needed, self._pool(x_host, local, entry_ids, entry_weights))
+
+    @staticmethod
+    def _to_host(*tensors: torch.Tensor) -> list[torch.Tensor]:
+        """The tensors on the host, after one wait for the device's work so far."""
+        copies = [t.to("cpu", non_blocking=True) for t in tensors]
+        if tensors[0].device.type == "cuda":
+            torch.cuda.current_stream(tensors[0].device).synchronize()
+        return copies
 
     def _add_entries(
         self,
@@ -417,12 +471,17 @@ class TieredExperts(nn.Module):
             out.index_add_(0, picked, y)
 
     def _pool(
-        self, x: torch.Tensor, top_ids: torch.Tensor, top_weights: torch.Tensor, entries: torch.Tensor
+        self, x: torch.Tensor, rows: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
-        """The routed entries (row, column of top_ids) of experts in host RAM through the CPU pool's kernel
-        (`host_kernel`: app/kernels/cpu_experts.py), in one call: their weighted sum [tokens, hidden] fp32."""
-        rows, experts, offsets, weights = _by_expert(top_ids, top_weights, entries)
-        return self.host_kernel(x, experts, offsets, rows, weights, self.host_gate_up, self.host_down)
+        """Entries (a row of x, an expert in host RAM, a weight) through the CPU pool's kernel (`host_kernel`:
+        app/kernels/cpu_experts.py) in one call: their weighted sums per row of x, fp32."""
+        order = experts.argsort(stable=True)
+        experts, counts = experts[order].unique_consecutive(return_counts=True)
+        offsets = torch.zeros(experts.numel() + 1, dtype=torch.int64)
+        torch.cumsum(counts, 0, out=offsets[1:])
+        return self.host_kernel(
+            x, experts, offsets, rows[order], weights[order], self.host_gate_up, self.host_down
+        )
 
 
 def _by_expert(

@@ -9,7 +9,7 @@ import torch
 from app.kernels.cpu_experts import experts_swiglu_sum
 from app.kernels.reference import experts_reference
 from app.models.expert_costs import MissCosts
-from app.models.expert_tier import ExpertStaging, TieredExperts
+from app.models.expert_tier import ExpertStaging, TierCounts, TieredExperts
 
 EXPERTS, HIDDEN, INTER, TOP_K = 8, 16, 12, 3
 
@@ -51,9 +51,13 @@ def test_the_device_path_adds_the_host_experts_to_the_kernels_resident_sum(resid
 
 
 @pytest.mark.parametrize("pcie_frac", [0.5, 1.0])
-def test_missed_experts_copied_to_staging_slots_add_up_like_the_reference(pcie_frac: float) -> None:
+@pytest.mark.parametrize("read_whole", [True, False], ids=["routing-read", "counts-read"])
+def test_missed_experts_copied_to_staging_slots_add_up_like_the_reference(
+    pcie_frac: float, read_whole: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Misses split between staging slots (copied, run by the experts kernel) and the CPU pool; the entries
-    of each source counted."""
+    of each source counted. A small window reads its routing whole, a large one counts per expert first."""
+    monkeypatch.setattr("app.models.expert_tier.HOST_READ_ENTRIES", 1024 if read_whole else 0)
     tier = _tier(2, seed=4)
     tier.staging = ExpertStaging(EXPERTS - 2)
     tier.staging.allocate(tier.host_gate_up, tier.host_down, torch.device("cpu"))
@@ -62,17 +66,29 @@ def test_missed_experts_copied_to_staging_slots_add_up_like_the_reference(pcie_f
     x, ids, weights = _routing(11, 5)
     expected = experts_reference(x, ids, weights, tier.host_gate_up, tier.host_down)
     torch.testing.assert_close(tier._split(x, ids, weights), expected, rtol=1e-5, atol=1e-6)
-    (vram, cpu, pcie), copied = tier.take_served()
+    counts = tier.take_counts()
+    (vram, cpu, pcie), copied = counts.served, counts.pcie_bytes
     assert vram == int((ids < 2).sum()) and vram + cpu + pcie == ids.numel()
     assert pcie > 0 and (cpu == 0) == (pcie_frac == 1.0)
     staged = round(pcie_frac * len(set(ids[ids >= 2].tolist())))
     assert copied == staged * tier.expert_bytes()
-    assert tier.take_served() == ([0, 0, 0], 0)
+    assert tier.take_counts() == TierCounts([0, 0, 0], 0, 0.0)
 
 
-def test_the_misses_of_padding_rows_are_left_out() -> None:
-    """Rows marked dead (graph padding) get only their resident experts' sum, and are not counted."""
+@pytest.mark.parametrize("pcie_frac", [None, 0.5])
+@pytest.mark.parametrize("read_whole", [True, False], ids=["routing-read", "counts-read"])
+def test_the_misses_of_padding_rows_are_left_out(
+    pcie_frac: float | None, read_whole: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rows marked dead (graph padding) get only their resident experts' sum, and are not counted (misses
+    on the CPU only, or half of them staged)."""
+    monkeypatch.setattr("app.models.expert_tier.HOST_READ_ENTRIES", 1024 if read_whole else 0)
     tier = _tier(3, seed=8)
+    if pcie_frac is not None:
+        tier.staging = ExpertStaging(EXPERTS - 3)
+        tier.staging.allocate(tier.host_gate_up, tier.host_down, torch.device("cpu"))
+        tier.costs = MissCosts(expert_bytes=1, pcie_bytes_s=1.0, cpu_bytes_s=1.0, cpu_row_s=0.0)
+        tier.pcie_frac = pcie_frac
     x, ids, weights = _routing(6, 9)
     live = torch.tensor([1, 1, 0, 1, 0, 0])
     out = tier._split(x, ids, weights, live)
@@ -81,7 +97,7 @@ def test_the_misses_of_padding_rows_are_left_out() -> None:
     alive = live.bool()
     torch.testing.assert_close(out[alive], expected[alive], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(out[~alive], resident_only[~alive], rtol=1e-5, atol=1e-6)
-    (vram, cpu, pcie), _ = tier.take_served()
+    vram, cpu, pcie = tier.take_counts().served
     assert vram + cpu + pcie == 3 * ids.shape[1] and vram == int((ids[alive] < 3).sum())
 
 
@@ -115,6 +131,8 @@ def test_adapting_makes_the_most_routed_experts_resident() -> None:
     expected = experts_reference(x, hot, weights, tier.host_gate_up, tier.host_down)
     assert torch.equal(tier(x, hot, weights), expected)
     assert tier.adapt() == 0  # still the hottest: nothing moves
+    counts = tier.take_counts()
+    assert counts.pcie_bytes == 2 * tier.expert_bytes() and counts.adapt_wait_s > 0
 
 
 def test_asynchronous_swaps_fill_spare_slots_and_land_at_the_next_forward() -> None:
@@ -137,5 +155,5 @@ def test_asynchronous_swaps_fill_spare_slots_and_land_at_the_next_forward() -> N
     assert tier.adapt() == 1
     tier.land()
     assert tier.locations() == [1, 1, 1, 1, 1, 0, 0, 1]
-    (_, _, _), copied = tier.take_served()
-    assert copied == 2 * tier.expert_bytes()
+    counts = tier.take_counts()
+    assert counts.pcie_bytes == 2 * tier.expert_bytes() and counts.adapt_wait_s == 0.0  # windows never wait

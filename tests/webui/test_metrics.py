@@ -542,10 +542,16 @@ def test_routed_expert_entries_are_counted_by_where_they_ran() -> None:
 
 def test_a_tiers_own_counts_of_where_entries_ran_and_its_pcie_bytes_are_added_up() -> None:
     """A tier counts each window's entries where they ran (a missed expert may go over PCIe one window and
-    to the CPU the next), and the bytes it copied to the device."""
+    to the CPU the next), the bytes it copied to the device, and how long windows waited for its swaps."""
     metrics = ServerMetrics("tiny", READY)
     usage = ExpertUsage(
-        layers=[1], routed=[[4, 4]], location=[[0, 1]], seconds=1.0, served=[4, 1, 3], pcie_bytes=300
+        layers=[1],
+        routed=[[4, 4]],
+        location=[[0, 1]],
+        seconds=1.0,
+        served=[4, 1, 3],
+        pcie_bytes=300,
+        adapt_wait_s=0.25,
     )
     metrics.on_window(window(1, time.time(), [decoding(0, "a")], experts=usage))
     metrics.on_window(window(2, time.time(), [decoding(0, "a")], experts=usage))
@@ -553,3 +559,4 @@ def test_a_tiers_own_counts_of_where_entries_ran_and_its_pcie_bytes_are_added_up
     assert metrics.values()["expert_routed_total"] == {"vram": 8, "cpu": 2, "pcie": 6}
     assert value(found, "strata:expert_routed_total", source="pcie") == 6
     assert value(found, "strata:expert_pcie_bytes_total") == 600
+    assert value(found, "strata:expert_adapt_wait_seconds_total") == 0.5
