@@ -21,6 +21,7 @@ configuration and fails on a figure above the machine's limits (a cache, not the
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -122,32 +123,29 @@ class Tiering:
     """The model's MoE layers with both forms of their experts: all on the GPU, or a tier over pinned RAM."""
 
     def __init__(self, model: nn.Module) -> None:
-        self.layers: list[tuple[SparseMoE, RoutedExperts, TieredExperts]] = []
-        for moe in model.modules():
-            if isinstance(moe, SparseMoE) and isinstance(moe.experts, RoutedExperts):
-                routed = moe.experts
-                experts, _, hidden = routed.gate_up.shape
-                tier = TieredExperts(
-                    experts, hidden, routed.intermediate, routed.kernel, 0, experts_swiglu_sum
-                )
-                for name in TieredExperts.HOST_PARAMETERS:
-                    device_weights = getattr(routed, name.removeprefix("host_"))
-                    pinned = torch.empty(device_weights.shape, dtype=device_weights.dtype, pin_memory=True)
-                    pinned.copy_(device_weights)
-                    setattr(tier, name, nn.Parameter(pinned, requires_grad=False))
-                self.layers.append((moe, routed, tier))
-        self.gates = {moe: moe.gate for moe, _, _ in self.layers}
+        self.layers = [
+            (moe, moe.experts)
+            for moe in model.modules()
+            if isinstance(moe, SparseMoE) and isinstance(moe.experts, RoutedExperts)
+        ]
+        self.gates = {moe: moe.gate for moe, _ in self.layers}
 
     def all_resident(self) -> None:
-        for moe, routed, _ in self.layers:
+        for moe, routed in self.layers:
             moe.experts = routed
 
     def tiered(self, resident: int, asynchronous: bool) -> list[TieredExperts]:
+        """Fresh tiers with `resident` experts a layer on the GPU, the others in pinned host RAM."""
+        self.all_resident()
+        gc.collect()
         tiers = []
-        for moe, _, tier in self.layers:
-            tier.resident = resident
-            tier.spare = spare_slots(resident) if asynchronous else 0
-            tier.place(torch.device("cuda"))
+        for moe, routed in self.layers:
+            experts, _, hidden = routed.gate_up.shape
+            spare = spare_slots(resident) if asynchronous else 0
+            tier = TieredExperts(
+                experts, hidden, routed.intermediate, routed.kernel, resident, experts_swiglu_sum, spare
+            )
+            tier.fill(routed.gate_up, routed.down, torch.device("cuda"))
             moe.experts = tier
             tiers.append(tier)
         torch.cuda.empty_cache()
@@ -158,7 +156,7 @@ class Tiering:
         experts = self.layers[0][1].gate_up.shape[0]
         shares = {"zipf": zipf_shares, "demo": demo_shares}.get(routing)
         per_layer = shares(experts, len(self.layers)) if shares is not None else None
-        for i, (moe, _, _) in enumerate(self.layers):
+        for i, (moe, _) in enumerate(self.layers):
             gate = self.gates[moe]
             if per_layer is None:
                 moe.gate = gate

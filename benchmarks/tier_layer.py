@@ -34,15 +34,11 @@ def build(resident: int) -> TieredExperts:
     backends = select_backends("auto", "cuda")
     tier = TieredExperts(EXPERTS, HIDDEN, INTER, backends.experts, resident, experts_swiglu_sum)
     generator = torch.Generator(device="cuda").manual_seed(0)
-    for name in TieredExperts.HOST_PARAMETERS:
-        shape = getattr(tier, name).shape
-        pinned = torch.empty(shape, dtype=torch.bfloat16, pin_memory=True)
-        for e in range(EXPERTS):
-            pinned[e].copy_(
-                torch.randn(shape[1:], device="cuda", generator=generator, dtype=torch.bfloat16) * 0.02
-            )
-        setattr(tier, name, torch.nn.Parameter(pinned, requires_grad=False))
-    tier.place(torch.device("cuda"))
+    gate_up, down = (
+        torch.randn(shape, device="cuda", generator=generator, dtype=torch.bfloat16) * 0.02
+        for shape in ((EXPERTS, 2 * INTER, HIDDEN), (EXPERTS, HIDDEN, INTER))
+    )
+    tier.fill(gate_up, down, torch.device("cuda"))
     return tier
 
 

@@ -1,15 +1,17 @@
-"""The expert tier of one MoE layer: some experts in device memory, every expert in host RAM.
+"""The expert tier of one MoE layer: some experts in device memory, the others in host RAM.
 
-A layer built with a tier keeps all its experts' weights in host memory (pinned on a GPU machine, so copies
-to the device run at full speed) and `resident` of them in device memory as well. Each forward computes a
-routed entry where its expert lives: the entries of resident experts with the backends' experts kernel on the
-device; each missed expert (one in host RAM only) either on the CPU from host RAM (the CPU pool's native
-kernel, app/kernels/cpu_experts.py) or copied over PCIe into a staging slot and run there by the same kernel,
-split per window by the machine's measured costs (app/models/expert_costs.py); the sums are added. With the
+A layer built with a tier keeps `resident` experts in device memory and the others in host memory (pinned
+on a GPU machine, so copies to the device run at full speed); each expert lives in exactly one of the two,
+so a model needs host RAM only for what the device does not hold. Each forward computes a routed entry
+where its expert lives: the entries of resident experts with the backends' experts kernel on the device;
+each missed expert (one in host RAM) either on the CPU from host RAM (the CPU pool's native kernel,
+app/kernels/cpu_experts.py) or copied over PCIe into a staging slot and run there by the same kernel, split
+per window by the machine's measured costs (app/models/expert_costs.py); the sums are added. With the
 device itself the CPU, every entry is computed in expert order with the reference's arithmetic, so the tier
 gives the all-resident model's outputs exactly wherever the experts live.
 The resident experts are the first `resident` ones at load; `adapt` (every `--adapt-every` windows, the
-engine calls it) makes the most routed ones resident, copying them over in place of the coldest.
+engine calls it) makes the most routed ones resident, exchanging them with the coldest: the incoming
+expert's weights go to the device, the outgoing one's back to host RAM.
 """
 
 from __future__ import annotations
@@ -67,11 +69,15 @@ class ExpertStaging:
             self.gate_up = torch.empty((self.slots, *gate_up.shape[1:]), dtype=gate_up.dtype, device=device)
             self.down = torch.empty((self.slots, *down.shape[1:]), dtype=down.dtype, device=device)
 
-    def load(self, experts: list[int], gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-        """Queue the copies of `experts` (at most `slots`) from the host's gate_up / down into the slots (a
-        run of consecutive experts as one copy); returns each expert's staging slot [experts], -1 for none."""
+    def load(
+        self, experts: list[int], host_slots: list[int], gate_up: torch.Tensor, down: torch.Tensor, total: int
+    ) -> torch.Tensor:
+        """Queue the copies of `experts` (at most `slots`), held at `host_slots` of the host's gate_up / down,
+        into the staging slots (a run of consecutive host slots as one copy); returns each of the layer's
+        `total` experts' staging slot, -1 for none."""
         assert self.gate_up is not None and self.down is not None
-        ordered = sorted(experts)
+        order = sorted(range(len(experts)), key=lambda i: host_slots[i])
+        ordered = [host_slots[i] for i in order]
         start = 0
         while start < len(ordered):
             end = start + 1
@@ -81,18 +87,20 @@ class ExpertStaging:
             self.gate_up[start:end].copy_(gate_up[first:last], non_blocking=True)
             self.down[start:end].copy_(down[first:last], non_blocking=True)
             start = end
-        stage_of = torch.full((gate_up.shape[0],), -1, dtype=torch.long)
-        stage_of[ordered] = torch.arange(len(ordered))
+        stage_of = torch.full((total,), -1, dtype=torch.long)
+        stage_of[[experts[i] for i in order]] = torch.arange(len(order))
         return stage_of
 
 
 class TieredExperts(nn.Module):
     """Routed experts of one layer, `resident` of them on the device.
 
-    `host_gate_up` [experts, 2 * intermediate, hidden] and `host_down` [experts, hidden, intermediate] hold
-    every expert (loaded straight to host memory: experts beyond the device budget never touch the device);
-    `place(device)` copies the resident ones into `gate_up` / `down` [resident, ...] on the device, in slot
-    order, and `slot_of` [experts] gives each expert's slot, -1 for one that lives in host RAM only.
+    `gate_up` [resident + spare, 2 * intermediate, hidden] / `down` [resident + spare, hidden, intermediate]
+    on the device hold the resident experts (loaded there straight from the checkpoint) and `spare` free
+    slots for asynchronous swaps; `host_gate_up` / `host_down` [experts - resident + 1, ...] in host memory
+    hold the others (loaded straight to host memory: experts beyond the device budget never touch the device)
+    and one free slot that exchanges pass through. `slots` / `slot_of` give each expert's device slot and
+    `host_of` its host slot, -1 where it is not; `place(device)` pins the host part and builds the maps.
     """
 
     HOST_PARAMETERS = ("host_gate_up", "host_down")
@@ -110,17 +118,24 @@ class TieredExperts(nn.Module):
         super().__init__()
         if not 0 <= resident < experts:
             raise ValueError(f"resident experts must be in [0, {experts}), got {resident}")
+        self.experts = experts
         self.spare = spare if resident else 0
         self.kernel = kernel
         self.host_kernel = host_kernel
         self.intermediate = intermediate
         self.resident = resident
-        self.host_gate_up = nn.Parameter(torch.empty(experts, 2 * intermediate, hidden))
-        self.host_down = nn.Parameter(torch.empty(experts, hidden, intermediate))
-        self.gate_up: torch.Tensor | None = None
-        self.down: torch.Tensor | None = None
+        host = experts - resident + 1
+        self.host_gate_up = nn.Parameter(torch.empty(host, 2 * intermediate, hidden))
+        self.host_down = nn.Parameter(torch.empty(host, hidden, intermediate))
+        self.gate_up: nn.Parameter | None = None
+        self.down: nn.Parameter | None = None
+        if resident:
+            self.gate_up = nn.Parameter(torch.empty(resident + self.spare, 2 * intermediate, hidden))
+            self.down = nn.Parameter(torch.empty(resident + self.spare, hidden, intermediate))
         self.slot_of: torch.Tensor | None = None
-        self.slots: list[int] = []  # each expert's device slot, -1 in host RAM only (host copy of slot_of)
+        self.slots = [e if e < resident else -1 for e in range(experts)]  # device slot (host copy of slot_of)
+        self.host_of = [e - resident if e >= resident else -1 for e in range(experts)]  # host slot
+        self.free_host = [experts - resident]  # host slots holding no expert
         self.heat: torch.Tensor | None = None  # routed entries per expert since the last adaptation, decayed
         self.staging: ExpertStaging | None = None  # with `costs`: misses may go over PCIe (`use_staging`)
         self.costs: MissCosts | None = None
@@ -136,29 +151,53 @@ class TieredExperts(nn.Module):
         self.pieces: Pieces | None = None  # set while a piecewise CUDA graph is captured (cuda_graphs.py)
 
     def checkpoint_parts(self, prefix: str) -> dict[str, tuple[str, tuple]]:
-        """Checkpoint tensor name -> (parameter name, index into it), for every expert's projections."""
-        experts = self.host_gate_up.shape[0]
-        return expert_parts(prefix, experts, self.intermediate, "host_gate_up", "host_down")
+        """Checkpoint tensor name -> (parameter name, index into it), for every expert's projections: a
+        resident expert's into the device slots, the others' into the host slots."""
+
+        def where(expert: int) -> tuple[str, str, int]:
+            if expert < self.resident:
+                return "gate_up", "down", expert
+            return "host_gate_up", "host_down", expert - self.resident
+
+        return expert_parts(prefix, self.experts, self.intermediate, where)
+
+    @torch.no_grad()
+    def fill(self, gate_up: torch.Tensor, down: torch.Tensor, device: torch.device) -> None:
+        """Set every expert from stacked weights [experts, ...] (tests and benchmarks, where no checkpoint
+        is loaded): the resident ones into device slots on `device`, the others into host slots; then
+        `place`."""
+        host, pin = (self.host_gate_up.shape[0], *gate_up.shape[1:]), device.type == "cuda"
+        self.host_gate_up = nn.Parameter(
+            torch.empty(host, dtype=gate_up.dtype, pin_memory=pin), requires_grad=False
+        )
+        self.host_down = nn.Parameter(
+            torch.empty((host[0], *down.shape[1:]), dtype=down.dtype, pin_memory=pin), requires_grad=False
+        )
+        self.host_gate_up[:-1].copy_(gate_up[self.resident :])
+        self.host_down[:-1].copy_(down[self.resident :])
+        if self.resident:
+            slots = self.resident + self.spare
+            self.gate_up = nn.Parameter(
+                torch.empty((slots, *gate_up.shape[1:]), dtype=gate_up.dtype, device=device),
+                requires_grad=False,
+            )
+            self.down = nn.Parameter(
+                torch.empty((slots, *down.shape[1:]), dtype=down.dtype, device=device), requires_grad=False
+            )
+            self.gate_up[: self.resident].copy_(gate_up[: self.resident])
+            self.down[: self.resident].copy_(down[: self.resident])
+        self.place(device)
 
     @torch.no_grad()
     def place(self, device: torch.device) -> None:
-        """Pin the host copies on a GPU machine and copy the resident experts to `device`."""
+        """Pin the host part on a GPU machine and build the maps of where each expert lives on `device`."""
         if device.type == "cuda" and not self.host_gate_up.is_pinned():
             self.host_gate_up = nn.Parameter(self.host_gate_up.data.pin_memory(), requires_grad=False)
             self.host_down = nn.Parameter(self.host_down.data.pin_memory(), requires_grad=False)
-        experts = self.host_gate_up.shape[0]
-        slots = self.resident + self.spare
-        self.gate_up = torch.empty(
-            (slots, *self.host_gate_up.shape[1:]), dtype=self.host_gate_up.dtype, device=device
-        )
-        self.down = torch.empty((slots, *self.host_down.shape[1:]), dtype=self.host_down.dtype, device=device)
-        self.gate_up[: self.resident].copy_(self.host_gate_up[: self.resident])
-        self.down[: self.resident].copy_(self.host_down[: self.resident])
-        self.spare_slots = list(range(self.resident, slots))
+        self.spare_slots = list(range(self.resident, self.resident + self.spare))
         self._round, self._freed = None, None
-        self.slots = [e if e < self.resident else -1 for e in range(experts)]
         self.slot_of = torch.tensor(self.slots, dtype=torch.long).to(device)
-        self.heat = torch.zeros(experts, dtype=torch.float32, device=device)
+        self.heat = torch.zeros(self.experts, dtype=torch.float32, device=device)
 
     def take_counts(self) -> TierCounts:
         """What the tier did since the last call (`TierCounts`); swaps whose copies are still queued count
@@ -184,20 +223,21 @@ class TieredExperts(nn.Module):
     @torch.no_grad()
     def adapt(self, decay: float = ADAPT_DECAY) -> int:
         """Make the experts routed most since the last adaptation (the older counts decayed) the resident
-        ones: the hottest experts in host RAM take the places of the coldest resident ones. Returns how many
-        swaps began. On a frozen tier (never adapted) nothing moves.
+        ones: the hottest experts in host RAM take the places of the coldest resident ones, which go back to
+        host RAM. Returns how many swaps began. On a frozen tier (never adapted) nothing moves.
 
-        Without spare slots the copies overwrite the outgoing experts' slots, queued behind the windows
-        already launched (a window runs with the experts it was planned with; the next waits for the copies).
-        With spare slots (`--adapt-async`) the copies go to them on a side stream while windows run, as many
-        swaps as there are spare slots at a time, and land (`land`) between windows once they are done; the
-        outgoing experts' slots become the spare ones.
+        Without spare slots each exchange is queued behind the windows already launched (a window runs with
+        the experts it was planned with; the next waits for the copies): the outgoing expert to a free host
+        slot, the incoming one into its device slot, whose host slot is then the free one. With spare slots
+        (`--adapt-async`) the incoming experts are copied into them on a side stream while windows run, as
+        many swaps as there are spare slots at a time, and land (`land`) between windows once copied.
         """
-        assert self.heat is not None and self.gate_up is not None and self.down is not None
+        assert self.heat is not None
         heat = self.heat.tolist()
         self.heat.mul_(decay)
         if not self.resident or self._round is not None:
             return 0
+        assert self.gate_up is not None and self.down is not None and self.slot_of is not None
         resident = [e for e, slot in enumerate(self.slots) if slot >= 0]
         # residents win ties, so equally hot experts do not move back and forth
         ranked = sorted(range(len(heat)), key=lambda e: (heat[e], self.slots[e] >= 0), reverse=True)
@@ -215,10 +255,14 @@ class TieredExperts(nn.Module):
             timing = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             timing[0].record()
         for new, old in zip(incoming, outgoing, strict=True):
-            slot = self.slots[old]
-            self.gate_up[slot].copy_(self.host_gate_up[new], non_blocking=True)
-            self.down[slot].copy_(self.host_down[new], non_blocking=True)
+            slot, free = self.slots[old], self.free_host.pop()
+            self._evict(slot, free)
+            self.gate_up[slot].copy_(self.host_gate_up[self.host_of[new]], non_blocking=True)
+            self.down[slot].copy_(self.host_down[self.host_of[new]], non_blocking=True)
+            # the incoming expert's host slot is free once that copy ran: later copies into it queue behind
+            self.free_host.append(self.host_of[new])
             self.slots[new], self.slots[old] = slot, -1
+            self.host_of[new], self.host_of[old] = -1, free
         self.slot_of.copy_(torch.tensor(self.slots, dtype=torch.long))
         if on_gpu:
             timing[1].record()
@@ -226,6 +270,13 @@ class TieredExperts(nn.Module):
         else:
             self.adapt_wait_s += time.perf_counter() - began
         return len(incoming)
+
+    def _evict(self, slot: int, host_slot: int) -> None:
+        """Queue the copy of the expert in device `slot` back to `host_slot` (after the windows queued so
+        far, which may read it; the host reads a host slot only after waiting for the device's work)."""
+        assert self.gate_up is not None and self.down is not None
+        self.host_gate_up[host_slot].copy_(self.gate_up[slot], non_blocking=True)
+        self.host_down[host_slot].copy_(self.down[slot], non_blocking=True)
 
     def _begin(self, swaps: list[tuple[int, int]]) -> int:
         """Copy the incoming experts of `swaps` (incoming, outgoing) into spare slots, on a side stream that
@@ -252,21 +303,25 @@ class TieredExperts(nn.Module):
     def _copy_in(self, swaps: list[tuple[int, int]], targets: list[int]) -> None:
         assert self.gate_up is not None and self.down is not None
         for (new, _), slot in zip(swaps, targets, strict=True):
-            self.gate_up[slot].copy_(self.host_gate_up[new], non_blocking=True)
-            self.down[slot].copy_(self.host_down[new], non_blocking=True)
+            self.gate_up[slot].copy_(self.host_gate_up[self.host_of[new]], non_blocking=True)
+            self.down[slot].copy_(self.host_down[self.host_of[new]], non_blocking=True)
 
     def land(self) -> None:
         """Put the copied experts of the round under way in place, if their copies are done: each takes its
-        spare slot, and the outgoing expert's slot becomes spare (free once the windows queued so far ran).
-        The engine calls it between windows, so every layer of a window computes with one map of slots."""
+        spare slot, the outgoing expert goes back to the incoming one's host slot, and the outgoing expert's
+        device slot becomes spare (free once that copy and the windows queued so far ran). The engine calls
+        it between windows, so every layer of a window computes with one map of slots."""
         swaps = self._round
         if swaps is None or (swaps.event is not None and not swaps.event.query()):
             return
         assert self.slot_of is not None
         freed = []
         for (new, old), slot in zip(swaps.swaps, swaps.targets, strict=True):
+            host_slot = self.host_of[new]
+            self._evict(self.slots[old], host_slot)
             freed.append(self.slots[old])
             self.slots[new], self.slots[old] = slot, -1
+            self.host_of[new], self.host_of[old] = -1, host_slot
         self.spare_slots = [s for s in self.spare_slots if s not in swaps.targets] + freed
         self.slot_of.copy_(torch.tensor(self.slots, dtype=torch.long))
         if swaps.event is not None:
@@ -297,11 +352,11 @@ class TieredExperts(nn.Module):
 
     def _weights(self, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
         """An expert's gate_up and down where it is computed: its device slot, or host RAM."""
-        assert self.gate_up is not None and self.down is not None
         slot = self.slots[expert]
         if slot >= 0:
+            assert self.gate_up is not None and self.down is not None
             return self.gate_up[slot], self.down[slot]
-        return self.host_gate_up[expert], self.host_down[expert]
+        return self.host_gate_up[self.host_of[expert]], self.host_down[self.host_of[expert]]
 
     def _in_order(self, x: torch.Tensor, top_ids: torch.Tensor, top_weights: torch.Tensor) -> torch.Tensor:
         """Every entry on the CPU, expert by expert in expert order: the reference kernel's sum, term for
@@ -367,9 +422,9 @@ class TieredExperts(nn.Module):
     def _resident(self, x: torch.Tensor, top_ids: torch.Tensor, top_weights: torch.Tensor) -> torch.Tensor:
         """The resident experts' entries through the experts kernel (the others weighted 0); device work
         only, so a CUDA graph can hold it."""
-        assert self.slot_of is not None and self.gate_up is not None and self.down is not None
         if not self.resident:
             return torch.zeros_like(x)
+        assert self.slot_of is not None and self.gate_up is not None and self.down is not None
         slots = self.slot_of[top_ids]
         return self.kernel(x, slots.clamp_min(0), top_weights * (slots >= 0), self.gate_up, self.down)
 
@@ -421,7 +476,8 @@ class TieredExperts(nn.Module):
         stage_of = None
         if copied:
             assert self.staging is not None
-            stage_of = self.staging.load(missed[:copied], self.host_gate_up, self.host_down)
+            hosts = [self.host_of[e] for e in missed[:copied]]
+            stage_of = self.staging.load(missed[:copied], hosts, self.host_gate_up, self.host_down, experts)
             self.served[PCIE] += sum(rows[:copied])
             self.pcie_bytes += copied * self.expert_bytes()
         if copied == len(missed):
@@ -479,8 +535,9 @@ class TieredExperts(nn.Module):
         experts, counts = experts[order].unique_consecutive(return_counts=True)
         offsets = torch.zeros(experts.numel() + 1, dtype=torch.int64)
         torch.cumsum(counts, 0, out=offsets[1:])
+        hosts = torch.tensor(self.host_of)[experts]
         return self.host_kernel(
-            x, experts, offsets, rows[order], weights[order], self.host_gate_up, self.host_down
+            x, hosts, offsets, rows[order], weights[order], self.host_gate_up, self.host_down
         )
 
 
@@ -526,9 +583,10 @@ def use_staging(tiers: list[TieredExperts], pcie_frac: float | None = None) -> M
         return None
     first = tiers[0]
     device = first.slot_of.device
-    staging = ExpertStaging(first.host_gate_up.shape[0] - min(t.resident for t in tiers))
+    staging = ExpertStaging(first.experts - min(t.resident for t in tiers))
     staging.allocate(first.host_gate_up, first.host_down, device)
-    costs = measure(first.host_kernel, first.host_gate_up, first.host_down, device)
+    held = first.experts - first.resident  # host slots with an expert in them (the last one is free)
+    costs = measure(first.host_kernel, first.host_gate_up[:held], first.host_down[:held], device)
     for tier in tiers:
         tier.staging, tier.costs, tier.pcie_frac = staging, costs, pcie_frac
     return costs

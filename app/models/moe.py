@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -11,15 +13,17 @@ from app.models.layers import DenseMLP, Linear
 
 
 def expert_parts(
-    prefix: str, experts: int, intermediate: int, gate_up: str, down: str
+    prefix: str, experts: int, intermediate: int, where: Callable[[int], tuple[str, str, int]]
 ) -> dict[str, tuple[str, tuple]]:
-    """Where each expert's checkpoint projections go in stacked `gate_up` (gate rows first) and `down`
-    parameters: checkpoint tensor name -> (parameter name, index into it)."""
+    """Where each expert's checkpoint projections go in stacked gate_up (gate rows first) and down
+    parameters, `where(expert)` naming the two parameters and the index in them: checkpoint tensor name ->
+    (parameter name, index into it)."""
     parts: dict[str, tuple[str, tuple]] = {}
     for e in range(experts):
-        parts[f"{prefix}{e}.gate_proj.weight"] = (gate_up, (e, slice(0, intermediate)))
-        parts[f"{prefix}{e}.up_proj.weight"] = (gate_up, (e, slice(intermediate, 2 * intermediate)))
-        parts[f"{prefix}{e}.down_proj.weight"] = (down, (e,))
+        gate_up, down, index = where(e)
+        parts[f"{prefix}{e}.gate_proj.weight"] = (gate_up, (index, slice(0, intermediate)))
+        parts[f"{prefix}{e}.up_proj.weight"] = (gate_up, (index, slice(intermediate, 2 * intermediate)))
+        parts[f"{prefix}{e}.down_proj.weight"] = (down, (index,))
     return parts
 
 
@@ -39,7 +43,9 @@ class RoutedExperts(nn.Module):
 
     def checkpoint_parts(self, prefix: str) -> dict[str, tuple[str, tuple]]:
         """Checkpoint tensor name -> (parameter name, index into it), for every expert's projections."""
-        return expert_parts(prefix, self.gate_up.shape[0], self.intermediate, "gate_up", "down")
+        return expert_parts(
+            prefix, self.gate_up.shape[0], self.intermediate, lambda e: ("gate_up", "down", e)
+        )
 
     def forward(
         self,

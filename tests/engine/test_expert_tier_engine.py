@@ -26,10 +26,11 @@ def test_a_frozen_tier_with_two_experts_resident_gives_the_all_resident_tokens(
     core = make_core(checkpoint, expert_cache=2)
     tiers = [m for m in core.loaded.model.modules() if isinstance(m, TieredExperts)]
     assert tiers and all(t.gate_up is not None and t.gate_up.shape[0] == 2 for t in tiers)
+    experts = core.loaded.model.config.num_experts
+    assert all(t.host_gate_up.shape[0] == experts - 2 + 1 for t in tiers)  # host RAM: the others only
     tiered, windows = run(core, arrivals)
     for _, add in arrivals:
         assert tiered[add.request_id].token_ids == everything[add.request_id].token_ids
-    experts = core.loaded.model.config.num_experts
     report = next(w.experts for w in windows if w.experts is not None)
     assert all(row == [0, 0] + [1] * (experts - 2) for row in report.location)
 

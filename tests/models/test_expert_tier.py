@@ -1,4 +1,4 @@
-"""The expert tier of a MoE layer: some experts on the device, every expert in host RAM, each routed entry
+"""The expert tier of a MoE layer: some experts on the device, the others in host RAM, each routed entry
 computed where its expert lives; frozen, it gives the all-resident layer's outputs."""
 
 from __future__ import annotations
@@ -14,14 +14,31 @@ from app.models.expert_tier import ExpertStaging, TierCounts, TieredExperts
 EXPERTS, HIDDEN, INTER, TOP_K = 8, 16, 12, 3
 
 
+FULL: dict[TieredExperts, tuple[torch.Tensor, torch.Tensor]] = {}  # each test tier's experts, all of them
+
+
 def _tier(resident: int, seed: int = 0, spare: int = 0) -> TieredExperts:
     generator = torch.Generator().manual_seed(seed)
     tier = TieredExperts(EXPERTS, HIDDEN, INTER, experts_reference, resident, experts_swiglu_sum, spare)
-    with torch.no_grad():
-        tier.host_gate_up.copy_(torch.randn(EXPERTS, 2 * INTER, HIDDEN, generator=generator) * 0.2)
-        tier.host_down.copy_(torch.randn(EXPERTS, HIDDEN, INTER, generator=generator) * 0.2)
-    tier.place(torch.device("cpu"))
+    gate_up = torch.randn(EXPERTS, 2 * INTER, HIDDEN, generator=generator) * 0.2
+    down = torch.randn(EXPERTS, HIDDEN, INTER, generator=generator) * 0.2
+    tier.fill(gate_up, down, torch.device("cpu"))
+    FULL[tier] = (gate_up, down)
     return tier
+
+
+def _assert_every_expert_intact(tier: TieredExperts) -> None:
+    """Each expert lives in exactly one place, a device slot or a host slot, with its own weights there."""
+    gate_up, down = FULL[tier]
+    for e in range(EXPERTS):
+        slot, host = tier.slots[e], tier.host_of[e]
+        assert (slot >= 0) != (host >= 0)
+        held = (
+            (tier.gate_up[slot], tier.down[slot])
+            if slot >= 0
+            else (tier.host_gate_up[host], tier.host_down[host])
+        )
+        assert torch.equal(held[0], gate_up[e]) and torch.equal(held[1], down[e])
 
 
 def _routing(tokens: int, seed: int) -> tuple[torch.Tensor, ...]:
@@ -36,7 +53,7 @@ def _routing(tokens: int, seed: int) -> tuple[torch.Tensor, ...]:
 def test_a_frozen_tier_sums_like_the_reference_term_for_term(resident: int) -> None:
     tier = _tier(resident)
     x, ids, weights = _routing(20, 1)
-    expected = experts_reference(x, ids, weights, tier.host_gate_up, tier.host_down)
+    expected = experts_reference(x, ids, weights, *FULL[tier])
     assert torch.equal(tier(x, ids, weights), expected)
     assert tier.locations() == [0] * resident + [1] * (EXPERTS - resident)
 
@@ -46,7 +63,7 @@ def test_the_device_path_adds_the_host_experts_to_the_kernels_resident_sum(resid
     """What runs on a GPU: the experts kernel over resident entries (others weighted 0), misses on the CPU."""
     tier = _tier(resident, seed=2)
     x, ids, weights = _routing(9, 3)
-    expected = experts_reference(x, ids, weights, tier.host_gate_up, tier.host_down)
+    expected = experts_reference(x, ids, weights, *FULL[tier])
     torch.testing.assert_close(tier._split(x, ids, weights), expected, rtol=1e-5, atol=1e-6)
 
 
@@ -64,7 +81,7 @@ def test_missed_experts_copied_to_staging_slots_add_up_like_the_reference(
     tier.costs = MissCosts(expert_bytes=1, pcie_bytes_s=1.0, cpu_bytes_s=1.0, cpu_row_s=0.0)
     tier.pcie_frac = pcie_frac
     x, ids, weights = _routing(11, 5)
-    expected = experts_reference(x, ids, weights, tier.host_gate_up, tier.host_down)
+    expected = experts_reference(x, ids, weights, *FULL[tier])
     torch.testing.assert_close(tier._split(x, ids, weights), expected, rtol=1e-5, atol=1e-6)
     counts = tier.take_counts()
     (vram, cpu, pcie), copied = counts.served, counts.pcie_bytes
@@ -92,8 +109,8 @@ def test_the_misses_of_padding_rows_are_left_out(
     x, ids, weights = _routing(6, 9)
     live = torch.tensor([1, 1, 0, 1, 0, 0])
     out = tier._split(x, ids, weights, live)
-    expected = experts_reference(x, ids, weights, tier.host_gate_up, tier.host_down)
-    resident_only = experts_reference(x, ids, weights * (ids < 3), tier.host_gate_up, tier.host_down)
+    expected = experts_reference(x, ids, weights, *FULL[tier])
+    resident_only = experts_reference(x, ids, weights * (ids < 3), *FULL[tier])
     alive = live.bool()
     torch.testing.assert_close(out[alive], expected[alive], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(out[~alive], resident_only[~alive], rtol=1e-5, atol=1e-6)
@@ -106,13 +123,16 @@ def test_staging_copies_runs_of_consecutive_experts_into_the_first_slots() -> No
     down = gate_up[:, :1, :2].contiguous()
     staging = ExpertStaging(5)
     staging.allocate(gate_up, down, torch.device("cpu"))
-    stage_of = staging.load([6, 2, 3, 4], gate_up, down)
+    stage_of = staging.load([6, 2, 3, 4], [6, 2, 3, 4], gate_up, down, 8)
     assert stage_of.tolist() == [-1, -1, 0, 1, 2, -1, 3, -1]
     assert staging.gate_up is not None and staging.gate_up[:4, 0, 0].tolist() == [2.0, 3.0, 4.0, 6.0]
 
 
 def test_only_the_resident_experts_are_placed_on_the_device() -> None:
+    """The resident experts on the device, the others in host RAM (one free host slot beside them)."""
     tier = _tier(3)
+    assert tier.host_gate_up.shape[0] == EXPERTS - 3 + 1
+    _assert_every_expert_intact(tier)
     assert tier.gate_up is not None and tier.gate_up.shape[0] == 3
     assert tier.slot_of is not None and tier.slot_of.tolist() == [0, 1, 2, -1, -1, -1, -1, -1]
     with pytest.raises(ValueError, match="resident experts"):
@@ -127,10 +147,11 @@ def test_adapting_makes_the_most_routed_experts_resident() -> None:
     assert tier.adapt() == 2
     assert tier.locations() == [1, 1, 1, 1, 1, 0, 0, 1]
     assert tier.gate_up is not None and {tier.slots[5], tier.slots[6]} == {0, 1}
-    assert torch.equal(tier.gate_up[tier.slots[5]], tier.host_gate_up[5])
-    expected = experts_reference(x, hot, weights, tier.host_gate_up, tier.host_down)
+    assert torch.equal(tier.gate_up[tier.slots[5]], FULL[tier][0][5])
+    expected = experts_reference(x, hot, weights, *FULL[tier])
     assert torch.equal(tier(x, hot, weights), expected)
     assert tier.adapt() == 0  # still the hottest: nothing moves
+    _assert_every_expert_intact(tier)  # the outgoing experts went back to host RAM whole
     counts = tier.take_counts()
     assert counts.pcie_bytes == 2 * tier.expert_bytes() and counts.adapt_wait_s > 0
 
@@ -147,13 +168,14 @@ def test_asynchronous_swaps_fill_spare_slots_and_land_at_the_next_forward() -> N
     assert tier.locations() == [0, 0, 1, 1, 1, 1, 1, 1]  # not landed yet
     assert tier.adapt() == 0  # one round at a time
     tier.land()
-    expected = experts_reference(x, hot, weights, tier.host_gate_up, tier.host_down)
+    expected = experts_reference(x, hot, weights, *FULL[tier])
     assert torch.equal(tier(x, hot, weights), expected)
     moved = 5 if tier.slots[5] >= 0 else 6
     assert tier.slots[moved] == 2 and tier.locations().count(0) == 2 and len(tier.spare_slots) == 1
-    assert torch.equal(tier.gate_up[2], tier.host_gate_up[moved])
+    assert torch.equal(tier.gate_up[2], FULL[tier][0][moved])
     assert tier.adapt() == 1
     tier.land()
     assert tier.locations() == [1, 1, 1, 1, 1, 0, 0, 1]
+    _assert_every_expert_intact(tier)
     counts = tier.take_counts()
     assert counts.pcie_bytes == 2 * tier.expert_bytes() and counts.adapt_wait_s == 0.0  # windows never wait
