@@ -28,6 +28,7 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,14 +44,17 @@ from app.engine.core import EngineCore
 from app.engine.protocol import EXPERT_SOURCES, AddRequest, SamplingParams
 from app.kernels.backends import select_backends
 from app.kernels.cpu_experts import experts_swiglu_sum, native_available, threads
+from app.kernels.interface import Backends
 from app.loading.checkpoint import CheckpointDir
 from app.loading.model import LoadedModel
-from app.models.expert_tier import TieredExperts, spare_slots
+from app.models.config import ModelConfig
+from app.models.expert_tier import TieredExperts, spare_slots, use_expert_tier
 from app.models.moe import RoutedExperts, SparseMoE
+from app.models.qwen3 import CausalLM
 from app.text.tokenizer import Tokenizer
-from benchmarks.gpu_bench import build_model, write_model_dir
+from benchmarks.gpu_bench import WEIGHT_BUDGET, build_model, write_model_dir
 from benchmarks.roofline import measure_copy_bandwidth, roofline_tok_s
-from benchmarks.shapes import shape
+from benchmarks.shapes import param_bytes, shape, with_layers
 
 BATCHES = (1, 8, 16)
 PROMPT_LEN = 128
@@ -153,7 +157,7 @@ class Tiering:
 
     def route(self, routing: str, hidden: int) -> None:
         """Give every layer the named routing (module docstring)."""
-        experts = self.layers[0][1].gate_up.shape[0]
+        experts = self.gates[self.layers[0][0]].out_features
         shares = {"zipf": zipf_shares, "demo": demo_shares}.get(routing)
         per_layer = shares(experts, len(self.layers)) if shares is not None else None
         for i, (moe, _) in enumerate(self.layers):
@@ -162,6 +166,87 @@ class Tiering:
                 moe.gate = gate
             else:
                 moe.gate = SkewedGate(gate, per_layer[i], 0.02 * hidden**0.5, i).cuda()
+
+
+class BuiltTiers(Tiering):
+    """A shape larger than the card, built tiered from the start (`build_tiered_model`): its one resident
+    count and adaptation mode, no all-resident form."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.layers = [
+            (moe, moe.experts)
+            for moe in model.modules()
+            if isinstance(moe, SparseMoE) and isinstance(moe.experts, TieredExperts)
+        ]
+        self.gates = {moe: moe.gate for moe, _ in self.layers}
+
+    def all_resident(self) -> None:
+        raise SystemExit("a shape larger than the card has no all-resident form")
+
+    def tiered(self, resident: int, asynchronous: bool) -> list[TieredExperts]:
+        tiers = [tier for _, tier in self.layers]
+        if resident != tiers[0].resident or asynchronous != bool(tiers[0].spare):
+            raise SystemExit("a shape larger than the card is built once: one --resident and one --adapt")
+        for tier in tiers:
+            tier.place(torch.device("cuda"))
+        return tiers
+
+
+def initial_vectors(config: dict[str, Any], backends: Backends) -> Callable[[str], torch.Tensor]:
+    """Each 1-D parameter's initial value (norm weights, the delta rule's dt_bias and A_log) by name: a
+    model built on meta has none, so they come from a 4-layer copy of the shape with 2 experts, built on the
+    CPU, its layer of the same type standing for each layer."""
+    small = {**with_layers(config, min(4, config["num_hidden_layers"])), "vocab_size": 16}
+    small.update(num_experts=2, num_experts_per_tok=1)
+    model = CausalLM(ModelConfig.from_dict(small), backends=backends)
+    types, small_types = ModelConfig.from_dict(config).layer_types, ModelConfig.from_dict(small).layer_types
+    params = dict(model.named_parameters())
+
+    def value(name: str) -> torch.Tensor:
+        parts = name.split(".")
+        if parts[:2] == ["model", "layers"]:
+            parts[2] = str(small_types.index(types[int(parts[2])]))
+        return params[".".join(parts)].detach()
+
+    return value
+
+
+def build_tiered_model(config: dict[str, Any], resident: int, backends: Backends, spare: int) -> CausalLM:
+    """The shape with random bf16 weights (std 0.02, 1-D ones as initialised), its experts tiered from the
+    start: the resident ones on the GPU, the others generated on the GPU a layer's expert at a time and
+    copied to pinned host RAM. No full copy of the experts exists anywhere, so the shape may be larger than
+    the card (and than host RAM)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("meta"):
+            model = CausalLM(ModelConfig.from_dict(config), backends=backends)
+            use_expert_tier(model, resident, experts_swiglu_sum, spare)
+        initial = initial_vectors(config, backends)
+    finally:
+        torch.set_default_dtype(previous)
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    with torch.no_grad():
+        for prefix, module in model.named_modules():
+            for name, param in list(module.named_parameters(recurse=False)):
+                host = isinstance(module, TieredExperts) and name in TieredExperts.HOST_PARAMETERS
+                tensor = torch.empty(
+                    param.shape, dtype=torch.bfloat16, device="cpu" if host else "cuda", pin_memory=host
+                )
+                if param.dim() < 2:
+                    tensor.copy_(initial(f"{prefix}.{name}"))
+                elif host:
+                    for i in range(param.shape[0]):
+                        part = torch.empty(param.shape[1:], dtype=torch.bfloat16, device="cuda")
+                        tensor[i].copy_(part.normal_(0.0, 0.02, generator=generator))
+                else:
+                    tensor.normal_(0.0, 0.02, generator=generator)
+                setattr(module, name, nn.Parameter(tensor, requires_grad=False))
+    model.model.rotary.to("cuda")
+    for module in model.modules():
+        if isinstance(module, TieredExperts):
+            module.place(torch.device("cuda"))
+    return model.eval()
 
 
 def open_core(
@@ -300,11 +385,19 @@ def main() -> None:
         raise SystemExit("expert_tier needs a CUDA device")
     config = shape(args.shape)
     backends = select_backends("auto", "cuda")
-    model = build_model(config, backends, "cuda")
+    large = param_bytes(config) > WEIGHT_BUDGET  # built tiered: never whole on the card
+    if large:
+        if len(args.resident) != 1 or len(args.adapt) != 1:
+            raise SystemExit(f"{args.shape} is larger than the card: give one --resident and one --adapt")
+        spare = spare_slots(args.resident[0]) if args.adapt == ["async"] else 0
+        model = build_tiered_model(config, args.resident[0], backends, spare)
+        tiering: Tiering = BuiltTiers(model)
+    else:
+        model = build_model(config, backends, "cuda")
+        tiering = Tiering(model)
     path = Path(tempfile.mkdtemp(prefix="strata-tier-")) / "random"
     write_model_dir(path, config)
     loaded = LoadedModel(model, Tokenizer.from_dir(path), CheckpointDir(path), (), torch.device("cuda"))
-    tiering = Tiering(model)
     bandwidth = measure_copy_bandwidth("cuda")
     base = {
         "shape": args.shape,
@@ -315,7 +408,7 @@ def main() -> None:
         "cpu_threads": threads(),
     }
     vocab = config["vocab_size"]
-    runs: list[tuple[int | None, str, float | None]] = [(None, "frozen", None)]
+    runs: list[tuple[int | None, str, float | None]] = [] if large else [(None, "frozen", None)]
     for resident in args.resident:
         for adapt in args.adapt if resident else ["frozen"]:
             runs += [(resident, adapt, frac) for frac in args.pcie_frac]
