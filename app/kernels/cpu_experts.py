@@ -112,9 +112,9 @@ def experts_swiglu_sum(
     count = experts.numel()
     if offsets.numel() != count + 1 or rows.numel() != weights.numel() or int(offsets[-1]) != rows.numel():
         raise ValueError("offsets must bound each expert's entries of rows and weights")
-    if count and (int(experts.min()) < 0 or int(experts.max()) >= gate_up.shape[0]):
+    if count and not _within(experts, gate_up.shape[0]):
         raise ValueError(f"experts must be in [0, {gate_up.shape[0]})")
-    if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= n):
+    if rows.numel() and not _within(rows, n):
         raise ValueError(f"rows must be in [0, {n})")
     x = x.float().contiguous()
     y = torch.zeros(x.shape, dtype=torch.float32)
@@ -136,6 +136,11 @@ def experts_swiglu_sum(
         count,
     )
     return y
+
+
+def _within(indices: torch.Tensor, bound: int) -> bool:
+    low, high = indices.aminmax()
+    return int(low) >= 0 and int(high) < bound
 
 
 def _warn_once() -> None:

@@ -47,11 +47,12 @@ class MissCosts:
         """
         if pcie_frac is not None:
             return round(pcie_frac * len(rows))
-        cpu_left = sum(self.cpu_s(r) for r in rows)
+        base, per_row, copy = self.expert_bytes / self.cpu_bytes_s, self.cpu_row_s, self.pcie_s()
+        cpu_left = base * len(rows) + per_row * (sum(rows) - len(rows))
         best, best_s = 0, cpu_left
         for taken, r in enumerate(rows, start=1):
-            cpu_left -= self.cpu_s(r)
-            seconds = max(taken * self.pcie_s(), cpu_left)
+            cpu_left -= base + per_row * (r - 1)
+            seconds = max(taken * copy, cpu_left)
             if seconds < best_s:
                 best, best_s = taken, seconds
         return best

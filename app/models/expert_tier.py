@@ -136,6 +136,7 @@ class TieredExperts(nn.Module):
         self.slots = [e if e < resident else -1 for e in range(experts)]  # device slot (host copy of slot_of)
         self.host_of = [e - resident if e >= resident else -1 for e in range(experts)]  # host slot
         self.free_host = [experts - resident]  # host slots holding no expert
+        self._host_of = torch.tensor(self.host_of, dtype=torch.long)  # `host_of` as a tensor (host)
         self.heat: torch.Tensor | None = None  # routed entries per expert since the last adaptation, decayed
         self.staging: ExpertStaging | None = None  # with `costs`: misses may go over PCIe (`use_staging`)
         self.costs: MissCosts | None = None
@@ -197,6 +198,7 @@ class TieredExperts(nn.Module):
         self.spare_slots = list(range(self.resident, self.resident + self.spare))
         self._round, self._freed = None, None
         self.slot_of = torch.tensor(self.slots, dtype=torch.long).to(device)
+        self._host_of = torch.tensor(self.host_of, dtype=torch.long)
         self.heat = torch.zeros(self.experts, dtype=torch.float32, device=device)
 
     def take_counts(self) -> TierCounts:
@@ -214,7 +216,10 @@ class TieredExperts(nn.Module):
 
     def expert_bytes(self) -> int:
         """Bytes of one expert's weights."""
-        return self.host_gate_up[0].nbytes + self.host_down[0].nbytes
+        gate_up, down = self.host_gate_up, self.host_down
+        return (gate_up.shape[1] * gate_up.shape[2] * gate_up.element_size()) + (
+            down.shape[1] * down.shape[2] * down.element_size()
+        )
 
     def locations(self) -> list[int]:
         """Where each expert is computed: 0 on the device, 1 in host RAM (the Monitor's residency grid)."""
@@ -263,13 +268,19 @@ class TieredExperts(nn.Module):
             self.free_host.append(self.host_of[new])
             self.slots[new], self.slots[old] = slot, -1
             self.host_of[new], self.host_of[old] = -1, free
-        self.slot_of.copy_(torch.tensor(self.slots, dtype=torch.long))
+        self._moved()
         if on_gpu:
             timing[1].record()
             self._swap_timings.append(timing)
         else:
             self.adapt_wait_s += time.perf_counter() - began
         return len(incoming)
+
+    def _moved(self) -> None:
+        """Experts changed places: the device's map and the host's tensor of host slots follow the lists."""
+        assert self.slot_of is not None
+        self.slot_of.copy_(torch.tensor(self.slots, dtype=torch.long))
+        self._host_of = torch.tensor(self.host_of, dtype=torch.long)
 
     def _evict(self, slot: int, host_slot: int) -> None:
         """Queue the copy of the expert in device `slot` back to `host_slot` (after the windows queued so
@@ -323,7 +334,7 @@ class TieredExperts(nn.Module):
             self.slots[new], self.slots[old] = slot, -1
             self.host_of[new], self.host_of[old] = -1, host_slot
         self.spare_slots = [s for s in self.spare_slots if s not in swaps.targets] + freed
-        self.slot_of.copy_(torch.tensor(self.slots, dtype=torch.long))
+        self._moved()
         if swaps.event is not None:
             self._freed = torch.cuda.Event()
             self._freed.record()
@@ -462,14 +473,17 @@ class TieredExperts(nn.Module):
             counts = torch.zeros(experts + 1, dtype=torch.int64, device=x.device)
             counts.index_add_(0, ids.flatten(), torch.ones_like(ids).flatten())
             counts = self._to_host(counts[:experts])[0]
-        resident = torch.tensor(self.slots) >= 0
-        self.served[VRAM] += int(counts[resident].sum())
-        missed = (counts * ~resident).nonzero().flatten()
-        if not missed.numel():
+        on_device, by_rows = 0, []
+        for expert, count in enumerate(counts.tolist()):
+            if count and self.slots[expert] >= 0:
+                on_device += count
+            elif count:
+                by_rows.append((count, expert))
+        self.served[VRAM] += on_device
+        if not by_rows:
             return None, None
-        rows = counts[missed]
-        order = rows.argsort(descending=True, stable=True)
-        missed, rows = missed[order].tolist(), rows[order].tolist()
+        by_rows.sort(key=lambda pair: -pair[0])  # most rows first; stable, so ties in expert order
+        rows, missed = [count for count, _ in by_rows], [expert for _, expert in by_rows]
         copied = 0
         if self.staging is not None and self.costs is not None:
             copied = min(self.costs.plan(rows, self.pcie_frac), self.staging.slots)
@@ -535,7 +549,7 @@ class TieredExperts(nn.Module):
         experts, counts = experts[order].unique_consecutive(return_counts=True)
         offsets = torch.zeros(experts.numel() + 1, dtype=torch.int64)
         torch.cumsum(counts, 0, out=offsets[1:])
-        hosts = torch.tensor(self.host_of)[experts]
+        hosts = self._host_of[experts]
         return self.host_kernel(
             x, hosts, offsets, rows[order], weights[order], self.host_gate_up, self.host_down
         )

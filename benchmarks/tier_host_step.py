@@ -1,0 +1,70 @@
+"""The host's own work in one tiered layer's step, on the CPU: what a window pays per layer beyond copies
+and kernels.
+
+    python benchmarks/tier_host_step.py
+
+A layer of 128 experts, top-8, with tiny experts (hidden 64: the CPU pool's arithmetic is negligible) and
+the costs of the H200 machine (PCIe 52 GB/s, CPU pool 50 GB/s + 28 us a row), torch on one thread as in the
+engine: microseconds per `_serve_misses` (count entries per expert, plan, queue staging copies, run the CPU
+share) for 96 and 0 experts resident at 1 and 16 rows. Prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from app.kernels.cpu_experts import experts_swiglu_sum
+from app.kernels.reference import experts_reference
+from app.models.expert_costs import MissCosts
+from app.models.expert_tier import ExpertStaging, TieredExperts
+
+EXPERTS, HIDDEN, INTER, TOP_K = 128, 64, 32, 8
+H200_HOST = MissCosts(9_437_184, pcie_bytes_s=52e9, cpu_bytes_s=50e9, cpu_row_s=28e-6)
+
+
+def step_us(resident: int, rows: int, calls: int = 250) -> float:
+    tier = TieredExperts(EXPERTS, HIDDEN, INTER, experts_reference, resident, experts_swiglu_sum)
+    tier.fill(
+        torch.randn(EXPERTS, 2 * INTER, HIDDEN) * 0.1,
+        torch.randn(EXPERTS, HIDDEN, INTER) * 0.1,
+        torch.device("cpu"),
+    )
+    tier.staging = ExpertStaging(EXPERTS - resident)
+    tier.staging.allocate(tier.host_gate_up, tier.host_down, torch.device("cpu"))
+    tier.costs = H200_HOST
+    generator = torch.Generator().manual_seed(0)
+    inputs = [
+        (
+            torch.randn(rows, HIDDEN, generator=generator),
+            torch.stack([torch.randperm(EXPERTS, generator=generator)[:TOP_K] for _ in range(rows)]),
+            torch.rand(rows, TOP_K, generator=generator),
+        )
+        for _ in range(calls + 50)
+    ]
+    for x, ids, weights in inputs[:50]:
+        tier._serve_misses(x, ids, weights, None)
+    began = time.perf_counter()
+    for x, ids, weights in inputs[50:]:
+        tier._serve_misses(x, ids, weights, None)
+    return (time.perf_counter() - began) / calls * 1e6
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    line = {
+        f"resident{resident}_rows{rows}_us": round(step_us(resident, rows), 1)
+        for resident in (96, 0)
+        for rows in (1, 16)
+    }
+    print(json.dumps({"date": time.strftime("%Y-%m-%d"), **line}))
+
+
+if __name__ == "__main__":
+    main()
