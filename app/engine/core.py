@@ -410,7 +410,8 @@ class EngineCore:
         counts = [tier.take_counts() for tier in self.tiers]
         return {
             "served": [sum(c) for c in zip(*(c.served for c in counts), strict=True)],
-            "pcie_bytes": sum(c.pcie_bytes for c in counts),
+            # a CPU engine's tier copies within host RAM: nothing crosses PCIe
+            "pcie_bytes": sum(c.pcie_bytes for c in counts) if self.device == "cuda" else 0,
             "adapt_wait_s": sum(c.adapt_wait_s for c in counts),
         }
 
