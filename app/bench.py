@@ -22,7 +22,7 @@ import msgspec
 
 from app.engine.client import EngineClient
 from app.engine.config import EngineConfig
-from app.engine.protocol import Ready, SamplingParams, WindowStats
+from app.engine.protocol import EXPERT_SOURCES, Ready, SamplingParams, WindowStats
 
 
 @dataclass
@@ -121,6 +121,25 @@ def _summary(
         "decode_during_peer_reads_tok_s": _round(during_reads),
         "windows": len(windows),
         **_host_times(windows),
+        **_expert_tier(windows),
+    }
+
+
+def _expert_tier(windows: list[WindowStats]) -> dict[str, float | int]:
+    """With an expert tier: where routed entries ran (shares from VRAM / CPU / PCIe), the experts swapped
+    onto the device and the bytes copied there, over the run's expert reports; nothing without a tier."""
+    reports = [w.experts for w in windows if w.experts is not None and w.experts.served is not None]
+    if not reports:
+        return {}
+    served = [sum(r.served[i] for r in reports) for i in range(len(EXPERT_SOURCES))]
+    total = max(sum(served), 1)
+    return {
+        **{
+            f"experts_{source}_share": round(count / total, 4)
+            for source, count in zip(EXPERT_SOURCES, served, strict=True)
+        },
+        "expert_swaps": sum(r.swaps for r in reports),
+        "expert_pcie_bytes": sum(r.pcie_bytes for r in reports),
     }
 
 

@@ -335,7 +335,7 @@ class EngineCore:
             parking=self.park.stats() if self.park is not None else None,
             finished=sum(o.finished for o in outputs),
             preempted=done.window.preempted,
-            experts=self._expert_usage(),
+            experts=self._expert_usage(idle=not self.has_work()),
             step_s=span,
             host_s=span - done.wait_s,
         )
@@ -380,10 +380,11 @@ class EngineCore:
             for c in window.chunks
         )
 
-    def _expert_usage(self) -> ExpertUsage | None:
-        """Routing counts since the last report, at most every EXPERT_REPORT_S seconds (one device sync)."""
+    def _expert_usage(self, idle: bool = False) -> ExpertUsage | None:
+        """Routing counts since the last report, at most every EXPERT_REPORT_S seconds (one device sync),
+        and whenever the engine falls idle (so a burst's counts are all reported when it ends)."""
         now = time.monotonic()
-        if not self.moe_layers or now - self._experts_reported < EXPERT_REPORT_S:
+        if not self.moe_layers or (now - self._experts_reported < EXPERT_REPORT_S and not idle):
             return None
         seconds, self._experts_reported = now - self._experts_reported, now
         experts = self.loaded.model.config.num_experts

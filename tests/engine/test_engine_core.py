@@ -202,6 +202,17 @@ def test_expert_usage_counts_every_routed_token(checkpoint: Path, monkeypatch: p
     assert {code for r in reports for row in r.location for code in row} == {1}  # on the CPU: host RAM
 
 
+def test_the_window_that_leaves_the_engine_idle_reports_every_routed_token_left(checkpoint: Path) -> None:
+    """Reports come at most every EXPERT_REPORT_S seconds, and when a burst ends: none of it unreported."""
+    core = make_core(checkpoint)
+    _, windows = run(
+        core, [(0, request(random_prompt(20, 13), max_tokens=4, temperature=0, ignore_eos=True))]
+    )
+    assert windows[-1].experts is not None
+    routed = sum(sum(r.routed[0]) for r in (w.experts for w in windows) if r is not None)
+    assert routed == sum(w.rows for w in windows) * core.loaded.model.config.num_experts_per_tok
+
+
 def test_the_pool_holds_no_more_than_full_slots_can_use(checkpoint: Path) -> None:
     core = make_core(checkpoint, parallel=2, max_model_len=1000, kv_memory=256 << 20)
     assert core.scheduler.pool.total == 2 * 63  # 1000 tokens need 63 blocks of 16

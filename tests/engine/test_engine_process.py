@@ -63,13 +63,16 @@ def test_an_engine_crash_reaches_a_waiting_client_within_5_seconds(checkpoint: P
         client.shutdown()
 
 
-def test_bench_reports_throughput_latency_and_decode_during_peer_reads(
+def test_bench_reports_throughput_latency_decode_during_peer_reads_and_expert_sources(
     checkpoint: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     args = ["bench", "--model", str(checkpoint), "--dtype", "float32", "--kv-memory", "64MiB"]
     args += ["--concurrency", "4", "--prompt-len", "600", "--output-len", "24", "--max-batched-tokens", "128"]
+    args += ["--expert-cache", "2"]  # where the routed entries ran is in the summary too
     assert main(args) == 0
     summary = json.loads(capsys.readouterr().out)
+    shares = [summary[f"experts_{source}_share"] for source in ("vram", "cpu", "pcie")]
+    assert shares[0] > 0 and shares[1] > 0 and shares[2] == 0 and sum(shares) == pytest.approx(1, abs=1e-3)
     assert len(summary["ttft_s"]) == 4 and all(t > 0 for t in summary["ttft_s"])
     assert summary["aggregate_tok_s"] > 0 and summary["itl_p95_s"] >= summary["itl_p50_s"] > 0
     assert summary["decode_solo_tok_s"] > 0 and summary["decode_during_peer_reads_tok_s"] > 0
