@@ -141,7 +141,9 @@ class Tiering:
     def tiered(self, resident: int, asynchronous: bool) -> list[TieredExperts]:
         """Fresh tiers with `resident` experts a layer on the GPU, the others in pinned host RAM."""
         self.all_resident()
-        gc.collect()
+        gc.collect()  # the last configuration's tiers, and their pinned host memory
+        if hasattr(torch._C, "_host_emptyCache"):
+            torch._C._host_emptyCache()
         tiers = []
         for moe, routed in self.layers:
             experts, _, hidden = routed.gate_up.shape
@@ -234,7 +236,7 @@ def build_tiered_model(config: dict[str, Any], resident: int, backends: Backends
                     param.shape, dtype=torch.bfloat16, device="cpu" if host else "cuda", pin_memory=host
                 )
                 if param.dim() < 2:
-                    tensor.copy_(initial(f"{prefix}.{name}"))
+                    tensor.copy_(initial(f"{prefix}.{name}" if prefix else name))
                 elif host:
                     for i in range(param.shape[0]):
                         part = torch.empty(param.shape[1:], dtype=torch.bfloat16, device="cuda")

@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # One call on a fresh GPU machine: GPU tests, then the benchmark of the given shapes.
-#   bash benchmarks/gpu_check.sh [tests|bench|all|serving] [shape ...]
+#   bash benchmarks/gpu_check.sh [tests|bench|all|serving|tier|tier-large] [shape ...]
+# tier: the expert tier's GPU tests and benchmarks/expert_tier.py on q30-half (no expert / 96 resident on the
+# random router's routing; 32 resident on Zipf and the demo model's routing, frozen / blocking / async);
+# tier-large: the full 48-layer Qwen3-Next shape built tiered (368 experts a layer on the card).
 # serving: writes each shape as a random checkpoint on disk, starts `strata serve` on it and drives it over
 # HTTP (benchmarks/http_burst.py: 32 clients at once, a slot decoding while peers' prompts are read).
 # Wheels the machine's image lacks can sit in .whl/ (installed to /tmp/site first).
@@ -17,6 +20,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     export PYTHONPATH=/tmp/site
 fi
 export PYTHONUNBUFFERED=1
+python3 setup.py build_ext --inplace 2>&1 | tail -1  # the native CPU expert kernel, for this machine's CPU
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 status=0
@@ -35,5 +39,17 @@ if [[ $what == serving ]]; then
         python3 benchmarks/http_burst.py --model "$dir" --long-peers 4 --out "$out/serving.jsonl" \
             --serve-arg=--parallel=32 --serve-arg=--kv-memory=24GiB 2>&1 | tee -a "$out/serving.log" || status=1
     done
+fi
+if [[ $what == tier ]]; then
+    python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_fast_path_gpu.py -k tier 2>&1 \
+        | tee "$out/gpu-tests.log" || status=1
+    python3 benchmarks/expert_tier.py --routing uniform --resident 0 96 --adapt frozen \
+        --out "$out/tier.jsonl" 2>&1 | tee "$out/tier.log" || status=1
+    python3 benchmarks/expert_tier.py --routing zipf demo --resident 32 --adapt frozen blocking async \
+        --out "$out/tier.jsonl" 2>&1 | tee -a "$out/tier.log" || status=1
+fi
+if [[ $what == tier-large ]]; then
+    python3 benchmarks/expert_tier.py --shape qnext --resident 368 --routing zipf --adapt blocking \
+        --out "$out/tier.jsonl" 2>&1 | tee "$out/tier.log" || status=1
 fi
 exit $status
