@@ -136,7 +136,9 @@ class TieredExperts(nn.Module):
         self.slots = [e if e < resident else -1 for e in range(experts)]  # device slot (host copy of slot_of)
         self.host_of = [e - resident if e >= resident else -1 for e in range(experts)]  # host slot
         self.free_host = [experts - resident]  # host slots holding no expert
-        self._host_of = torch.tensor(self.host_of, dtype=torch.long)  # `host_of` as a tensor (host)
+        self._host_of = torch.tensor(
+            self.host_of, dtype=torch.long, device="cpu"
+        )  # `host_of` as a tensor (host)
         self.heat: torch.Tensor | None = None  # routed entries per expert since the last adaptation, decayed
         self.staging: ExpertStaging | None = None  # with `costs`: misses may go over PCIe (`use_staging`)
         self.costs: MissCosts | None = None
@@ -198,7 +200,7 @@ class TieredExperts(nn.Module):
         self.spare_slots = list(range(self.resident, self.resident + self.spare))
         self._round, self._freed = None, None
         self.slot_of = torch.tensor(self.slots, dtype=torch.long).to(device)
-        self._host_of = torch.tensor(self.host_of, dtype=torch.long)
+        self._host_of = torch.tensor(self.host_of, dtype=torch.long, device="cpu")
         self.heat = torch.zeros(self.experts, dtype=torch.float32, device=device)
 
     def take_counts(self) -> TierCounts:
@@ -280,7 +282,7 @@ class TieredExperts(nn.Module):
         """Experts changed places: the device's map and the host's tensor of host slots follow the lists."""
         assert self.slot_of is not None
         self.slot_of.copy_(torch.tensor(self.slots, dtype=torch.long))
-        self._host_of = torch.tensor(self.host_of, dtype=torch.long)
+        self._host_of = torch.tensor(self.host_of, dtype=torch.long, device="cpu")
 
     def _evict(self, slot: int, host_slot: int) -> None:
         """Queue the copy of the expert in device `slot` back to `host_slot` (after the windows queued so
