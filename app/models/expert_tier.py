@@ -499,15 +499,10 @@ class TieredExperts(nn.Module):
         if copied == len(missed):
             return stage_of, None
         self.served[CPU] += sum(rows[copied:])
+        if read:
+            return stage_of, self._pool_read(x.device, set(missed[copied:]), *read)
         on_cpu = torch.zeros(experts + 1, dtype=torch.bool)
         on_cpu[missed[copied:]] = True
-        if read:
-            ids_host, x_host, ids_all, weights_all = read
-            entries = on_cpu[ids_host].nonzero()
-            rows_needed, local = entries[:, 0].unique(return_inverse=True)
-            picked = (entries[:, 0], entries[:, 1])
-            sums = self._pool(x_host[rows_needed], local, ids_all[picked], weights_all[picked])
-            return stage_of, (rows_needed.to(x.device, non_blocking=True), sums)
         entries = on_cpu.to(x.device, non_blocking=True)[ids].nonzero()
         rows_needed, local = entries[:, 0].unique(return_inverse=True)
         picked = (entries[:, 0], entries[:, 1])
@@ -541,6 +536,43 @@ class TieredExperts(nn.Module):
             gate, up = F.linear(x[picked], gate_up).chunk(2, dim=-1)
             y = F.linear(F.silu(gate) * up, down) * weights[offsets[i] : offsets[i + 1], None]
             out.index_add_(0, picked, y)
+
+    def _pool_read(
+        self,
+        device: torch.device,
+        on_cpu: set[int],
+        ids: torch.Tensor,
+        x: torch.Tensor,
+        top_ids: torch.Tensor,
+        top_weights: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A small window's CPU share from its routing read whole (`ids`: padding rows' entries pointing past
+        the experts): the entries of the `on_cpu` experts grouped by expert in plain Python (a few dozen at
+        most), one call of the CPU pool's kernel; its sums with their rows (on `device`)."""
+        width = ids.shape[1]
+        weights = top_weights.flatten().tolist()
+        picked: dict[int, list[int]] = {}
+        for entry, expert in enumerate(ids.flatten().tolist()):
+            if expert in on_cpu:
+                picked.setdefault(expert, []).append(entry)
+        needed = sorted({entry // width for entries in picked.values() for entry in entries})
+        local = {row: i for i, row in enumerate(needed)}
+        order = sorted(picked)
+        rows, entry_weights, offsets = [], [], [0]
+        for expert in order:
+            rows += [local[entry // width] for entry in picked[expert]]
+            entry_weights += [weights[entry] for entry in picked[expert]]
+            offsets.append(len(rows))
+        sums = self.host_kernel(
+            x[needed],
+            torch.tensor([self.host_of[e] for e in order]),
+            torch.tensor(offsets),
+            torch.tensor(rows),
+            torch.tensor(entry_weights, dtype=torch.float32),
+            self.host_gate_up,
+            self.host_down,
+        )
+        return torch.tensor(needed).to(device, non_blocking=True), sums
 
     def _pool(
         self, x: torch.Tensor, rows: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
