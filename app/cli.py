@@ -75,6 +75,13 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
         "(default: all on the device)",
     )
     parser.add_argument(
+        "--expert-vram",
+        type=_size,
+        metavar="SIZE",
+        help="instead of --expert-cache: as many experts of each MoE layer on the device as SIZE "
+        "(e.g. 10GiB) holds in the weights' dtype",
+    )
+    parser.add_argument(
         "--adapt-async",
         action="store_true",
         help="with --expert-cache: copy the experts that move onto the device on a side stream while windows "
@@ -153,6 +160,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         enforce_eager=args.enforce_eager,
         overlap=args.overlap,
         expert_cache=args.expert_cache,
+        expert_vram=args.expert_vram,
         adapt_every=args.adapt_every,
         pcie_frac=args.pcie_frac,
         adapt_async=args.adapt_async,

@@ -30,7 +30,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     window while the device runs the one before (docs/BATCHING.md); `prefix_cache` lets
     requests continue from cached KV blocks and saved recurrent states (docs/BATCHING.md); `park_memory`
     bytes of host RAM hold finished turns for their follow-ups, and with `park_dir` up to `park_disk` bytes
-    of files (surviving restarts); `expert_cache` experts of each MoE layer live on the device, the rest in
+    of files (surviving restarts); `expert_cache` experts of each MoE layer live on the device (or as many as
+    `expert_vram` bytes hold), the rest in
     host RAM (None: every expert on the device; app/models/expert_tier.py), each window's misses computed on
     the CPU or copied over PCIe as the measured costs say (`pcie_frac` forces that share over PCIe), and every
     `adapt_every` windows the most routed experts become the resident ones (0: the tier stays frozen), their
@@ -56,6 +57,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     park_disk: int = 0
     seed: int = 0
     expert_cache: int | None = None
+    expert_vram: int | None = None
     adapt_every: int = 32
     pcie_frac: float | None = None
     adapt_async: bool = False

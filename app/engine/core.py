@@ -33,6 +33,7 @@ from app.errors import StrataError
 from app.kernels.backends import select_backends
 from app.kernels.interface import CHUNK
 from app.loading.identity import model_identity
+from app.loading.loader import experts_within
 from app.loading.model import LoadedModel, open_model
 from app.models.config import LINEAR_ATTENTION
 from app.models.expert_tier import TieredExperts, spare_slots, use_staging
@@ -99,16 +100,27 @@ class EngineCore:
             raise StrataError(
                 f"--expert-cache must be 0 or more experts per layer, not {config.expert_cache}"
             )
+        if config.expert_cache is not None and config.expert_vram is not None:
+            raise StrataError("give --expert-cache (experts a layer) or --expert-vram (bytes), not both")
+        if config.expert_vram is not None and config.expert_vram < 0:
+            raise StrataError(f"--expert-vram must be 0 or more bytes, not {config.expert_vram}")
         if loaded is None:
             path = config.model or default_model_dir()
+            resident = config.expert_cache
+            if config.expert_vram is not None:
+                resident = experts_within(path, config.dtype, config.expert_vram)
+                log.info(
+                    "--expert-vram holds %s experts a layer",
+                    "every one of the" if resident is None else resident,
+                )
             loaded = open_model(
                 path,
                 config.dtype,
                 self.device,
                 progress=False,
                 backends=self.backends,
-                resident_experts=config.expert_cache,
-                spare_experts=spare_slots(config.expert_cache or 0) if config.adapt_async else 0,
+                resident_experts=resident,
+                spare_experts=spare_slots(resident or 0) if config.adapt_async else 0,
             )
         self.loaded = loaded
         model = loaded.model

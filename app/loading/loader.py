@@ -39,6 +39,20 @@ def resolve_dtype(name: str, checkpoint: CheckpointDir) -> torch.dtype:
     return DTYPES[name]
 
 
+def experts_within(path: Path | str, dtype: str, budget: int) -> int | None:
+    """How many experts of each MoE layer (MTP layers included) fit `budget` bytes of device memory in the
+    weights' dtype: the `--expert-vram` form of `--expert-cache`; None when every expert fits."""
+    checkpoint = CheckpointDir(path)
+    config = checkpoint.config
+    layers = sum(config.moe_layers) + (mtp_layer_count(checkpoint) if config.num_experts else 0)
+    if not layers:
+        return None
+    element = torch.empty((), dtype=resolve_dtype(dtype, checkpoint)).element_size()
+    expert = 3 * config.hidden_size * config.moe_intermediate_size * element
+    fits = budget // (layers * expert)
+    return None if fits >= config.num_experts else fits
+
+
 def mtp_layer_count(checkpoint: CheckpointDir) -> int:
     """MTP layers to build: from config.json when it says, else from the `mtp.layers.N` tensors present."""
     if checkpoint.config.model_type != "qwen3_next":

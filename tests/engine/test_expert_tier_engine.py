@@ -10,6 +10,7 @@ from engine_helpers import make_core, random_prompt, request, run
 
 from app.errors import StrataError
 from app.models.expert_tier import TieredExperts
+from app.models.moe import SparseMoE
 
 
 def test_a_frozen_tier_with_two_experts_resident_gives_the_all_resident_tokens(
@@ -60,3 +61,16 @@ def test_a_tier_adapting_every_window_gives_the_all_resident_tokens(
 def test_a_negative_adaptation_period_is_refused(checkpoint: Path) -> None:
     with pytest.raises(StrataError, match="--adapt-every"):
         make_core(checkpoint, expert_cache=2, adapt_every=-1)
+
+
+def test_expert_vram_keeps_as_many_experts_a_layer_as_the_bytes_hold(checkpoint: Path) -> None:
+    """`--expert-vram` is `--expert-cache` in bytes: the weights' dtype, every MoE layer (MTP included)."""
+    everything = make_core(checkpoint, dtype="float32")
+    config = everything.loaded.model.config
+    layers = sum(isinstance(m, SparseMoE) for m in everything.loaded.model.modules())
+    expert = 3 * config.hidden_size * config.moe_intermediate_size * 4
+    tiered = make_core(checkpoint, dtype="float32", expert_vram=layers * expert * 3 + expert)
+    assert tiered.tiers and all(t.resident == 3 for t in tiered.tiers)
+    assert not make_core(checkpoint, dtype="float32", expert_vram=layers * expert * config.num_experts).tiers
+    with pytest.raises(StrataError, match="not both"):
+        make_core(checkpoint, expert_cache=2, expert_vram=1 << 30)
