@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -19,6 +20,7 @@ from webui.monitor import MonitorFeed
 from webui.openai import ROUTES as OPENAI_ROUTES
 from webui.pages import PAGE_ROUTES, template_config
 from webui.settings import ServerSettings
+from webui.system import SystemProbe, SystemSampler
 
 
 @get("/health", media_type=MediaType.JSON, summary="Liveness: 200 while the engine runs, 503 once it is gone")
@@ -43,12 +45,16 @@ def create_app(settings: ServerSettings, announce: bool = False) -> Litestar:
         metrics = ServerMetrics(model_name=name, ready=client.ready)
         app.state.metrics = metrics
         app.state.link = EngineLink(client, name, metrics)
-        app.state.monitor = MonitorFeed(app.state.link, metrics)
+        system = SystemSampler(SystemProbe(getattr(client, "pid", None)))
+        metrics.system = system
+        app.state.monitor = MonitorFeed(app.state.link, metrics, system)
+        sampling = asyncio.create_task(system.run())
         if announce:
             print(f"Strata serves {name} at http://{settings.host}:{settings.port}", flush=True)
         try:
             yield
         finally:
+            sampling.cancel()
             await app.state.link.shutdown()
 
     return Litestar(

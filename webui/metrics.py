@@ -27,6 +27,7 @@ from app.engine.protocol import (
 )
 from webui.auth import require_api_key
 from webui.engine_link import RequestRecord
+from webui.system import SystemSampler
 
 ENGINE = "0"
 LABELS = ("model_name", "engine")
@@ -83,6 +84,14 @@ SCALARS = (
         "Device time windows waited for the expert tier's blocking swaps (none with --adapt-async).",
     ),
 )
+GPU_GAUGES = (  # (name, card field, scale, documentation): one series per NVIDIA card, labelled gpu and name
+    ("strata:gpu_utilization_ratio", "utilization", 0.01, "Share of the last sample period a kernel ran."),
+    ("strata:gpu_memory_used_bytes", "memory_used", 1, "Device memory in use."),
+    ("strata:gpu_memory_total_bytes", "memory_total", 1, "Device memory in all."),
+    ("strata:gpu_power_watts", "power_w", 1, "Power draw."),
+    ("strata:gpu_power_limit_watts", "power_limit_w", 1, "Enforced power limit."),
+    ("strata:gpu_temperature_celsius", "temperature_c", 1, "Core temperature."),
+)
 SLOT_GAUGES = (
     ("strata:slot_context_tokens", "context_tokens", "Tokens held in the slot's state."),
     ("strata:slot_output_tokens", "output_tokens", "Tokens the slot's request generated."),
@@ -133,6 +142,7 @@ class ServerMetrics:
         self.request_success_total = dict.fromkeys(FINISH_REASONS, 0)
         self.expert_routed_total = dict.fromkeys(EXPERT_SOURCES, 0)
         self.expert_swaps_total = 0
+        self.system: SystemSampler | None = None  # host, process and card figures (webui/system.py)
         self.expert_pcie_bytes_total = 0
         self.expert_adapt_wait_seconds_total = 0.0
         self._recent: deque[tuple[float, float, int]] = deque()  # (start, end, tokens) of recent windows
@@ -414,6 +424,8 @@ class _ValuesCollector(Collector):
         for source, count in values["expert_routed_total"].items():
             routed.add_metric([*base, source], count)
         yield routed
+        if self.metrics.system is not None:
+            yield from _system_families(self.metrics.system.latest, base)
         config = {key: str(value) for key, value in values["cache_config_info"].items()}
         info = GaugeMetricFamily(
             "vllm:cache_config_info", "Information of the LLMEngine CacheConfig", labels=[*LABELS, *config]
@@ -426,6 +438,37 @@ class _ValuesCollector(Collector):
                 value = SLOT_STATES[slot[key]] if key == "state" else slot[key]
                 family.add_metric([*base, str(slot["slot"])], value)
             yield family
+
+
+def _system_families(sample: dict[str, Any], base: list[str]) -> Iterator[Metric]:
+    """The host's CPU and RAM, the server's and the engine's resident memory, and one series per NVIDIA card
+    and figure (none without cards), from the system sampler's latest sample (nothing before the first)."""
+    host = sample.get("host")
+    if host:
+        for name, value, documentation in (
+            ("strata:host_cpu_ratio", host["cpu_percent"] / 100, "Share of the host's CPU time in use."),
+            ("strata:host_memory_used_bytes", host["ram_used"], "Host RAM in use (total minus available)."),
+            ("strata:host_memory_total_bytes", host["ram_total"], "Host RAM in all."),
+        ):
+            family = GaugeMetricFamily(name, documentation, labels=LABELS)
+            family.add_metric(base, value)
+            yield family
+        resident = GaugeMetricFamily(
+            "process_resident_memory_bytes", "Resident memory size in bytes.", labels=[*LABELS, "process"]
+        )
+        for process in ("server", "engine"):
+            if host.get(f"{process}_rss") is not None:
+                resident.add_metric([*base, process], host[f"{process}_rss"])
+        yield resident
+    cards = (sample.get("gpus") or {}).get("cards") or []
+    if not cards:
+        return
+    for name, key, scale, documentation in GPU_GAUGES:
+        family = GaugeMetricFamily(name, documentation, labels=[*LABELS, "gpu", "name"])
+        for card in cards:
+            if card[key] is not None:
+                family.add_metric([*base, str(card["index"]), card["name"]], card[key] * scale)
+        yield family
 
 
 def _wants_prometheus(output: str | None, accept: str) -> bool:

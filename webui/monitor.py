@@ -2,8 +2,8 @@
 
 Slot states, queue, KV usage and the aggregate tok/s come from `ServerMetrics.snapshot()` (the same values
 as `/metrics`); a slot's own tok/s from its request's token times in the engine link; the expert grid from
-the engine's `ExpertUsage` reports; the host from psutil and the GPUs from NVML. Frames are built at most
-every `FRAME_S` and shared by every viewer.
+the engine's `ExpertUsage` reports; the host, the processes and the GPUs from the system sampler that
+`/metrics` reads too (webui/system.py). Frames are built at most every `FRAME_S` and shared by every viewer.
 """
 
 from __future__ import annotations
@@ -16,19 +16,16 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-import psutil
-
 from app.engine.protocol import ExpertUsage, WindowStats
 from webui.engine_link import EngineLink
 from webui.metrics import ServerMetrics
+from webui.system import SystemSampler
 
 FRAME_S = 0.1  # a frame younger than this is reused
-SYSTEM_S = 1.0  # host and GPU figures are sampled at most this often
 HISTORY_S = 300.0  # the tok/s chart spans this many seconds
 HISTORY_STEP_S = 1.0  # one chart point per this many seconds
 HEAT_SPAN_S = 10.0  # expert heat sums the routing reports of this many seconds
 SLOT_RATE_S = 3.0  # a slot's tok/s counts the tokens of this many seconds
-NO_GPU = "No NVIDIA GPU found"
 
 
 def slot_tok_s(token_times: list[float], now: float) -> float:
@@ -118,84 +115,6 @@ def _bytes64(values: list[int]) -> str:
     return base64.b64encode(bytes(values)).decode()
 
 
-class SystemProbe:
-    """Host CPU and RAM (psutil) and every NVIDIA card's utilisation, memory and power (NVML)."""
-
-    def __init__(self, engine_pid: int | None) -> None:
-        self.engine = _process(engine_pid)
-        self.nvml: Any = None
-        self.gpu_detail = ""
-        psutil.cpu_percent(interval=None)  # the first call only starts the measurement
-        try:
-            import pynvml
-
-            pynvml.nvmlInit()
-            if pynvml.nvmlDeviceGetCount() > 0:
-                self.nvml = pynvml
-        except Exception as exc:  # no driver, no device, no permission: all mean no GPU figures
-            self.gpu_detail = str(exc)
-
-    def sample(self) -> dict[str, Any]:
-        """The host and GPU figures now (blocking: call it in a thread)."""
-        memory = psutil.virtual_memory()
-        host = {
-            "cpu_percent": psutil.cpu_percent(interval=None),
-            "cpu_count": psutil.cpu_count() or 0,
-            "ram_used": memory.total - memory.available,
-            "ram_total": memory.total,
-            "engine_rss": None,
-        }
-        if self.engine is not None:
-            try:
-                host["engine_rss"] = self.engine.memory_info().rss
-            except psutil.Error:
-                self.engine = None
-        if self.nvml is None:
-            return {"host": host, "gpus": {"message": NO_GPU, "detail": self.gpu_detail, "cards": []}}
-        return {"host": host, "gpus": {"message": "", "detail": "", "cards": self._cards()}}
-
-    def _cards(self) -> list[dict[str, Any]]:
-        nvml = self.nvml
-        cards = []
-        for index in range(nvml.nvmlDeviceGetCount()):
-            handle = nvml.nvmlDeviceGetHandleByIndex(index)
-            memory = _nvml(nvml.nvmlDeviceGetMemoryInfo, handle)
-            utilization = _nvml(nvml.nvmlDeviceGetUtilizationRates, handle)
-            power = _nvml(nvml.nvmlDeviceGetPowerUsage, handle)
-            limit = _nvml(nvml.nvmlDeviceGetEnforcedPowerLimit, handle)
-            name = _nvml(nvml.nvmlDeviceGetName, handle)
-            cards.append(
-                {
-                    "index": index,
-                    "name": name.decode() if isinstance(name, bytes) else name,
-                    "utilization": utilization.gpu if utilization is not None else None,
-                    "memory_used": memory.used if memory is not None else None,
-                    "memory_total": memory.total if memory is not None else None,
-                    "power_w": power / 1000 if power is not None else None,
-                    "power_limit_w": limit / 1000 if limit is not None else None,
-                    "temperature_c": _nvml(nvml.nvmlDeviceGetTemperature, handle, nvml.NVML_TEMPERATURE_GPU),
-                }
-            )
-        return cards
-
-
-def _process(pid: int | None) -> psutil.Process | None:
-    if pid is None:
-        return None
-    try:
-        return psutil.Process(pid)
-    except psutil.Error:
-        return None
-
-
-def _nvml(query: Any, *args: Any) -> Any:
-    """One NVML query, or None where the card does not support it."""
-    try:
-        return query(*args)
-    except Exception:
-        return None
-
-
 @dataclass
 class Viewer:
     """What one Monitor connection has been sent: the chart history once, the expert grid when it changes."""
@@ -209,19 +128,17 @@ class Viewer:
 class _Cache:
     built: float = -1.0
     frame: dict[str, Any] = field(default_factory=dict)
-    system: dict[str, Any] = field(default_factory=dict)
-    system_at: float = -1.0
 
 
 class MonitorFeed:
     """Builds the Monitor's frames for every viewer of one server."""
 
-    def __init__(self, link: EngineLink, metrics: ServerMetrics) -> None:
+    def __init__(self, link: EngineLink, metrics: ServerMetrics, system: SystemSampler) -> None:
         self.link = link
         self.metrics = metrics
         self.heat = ExpertHeat()
         self.history: deque[tuple[float, float]] = deque()
-        self.probe = SystemProbe(getattr(link.client, "pid", None))
+        self.system = system
         self._cache = _Cache()
         self._lock = asyncio.Lock()
         link.client.add_stats_listener(self.heat.on_window)
@@ -230,13 +147,11 @@ class MonitorFeed:
         """The current frame, with what this viewer has not seen yet (history, a changed expert grid)."""
         async with self._lock:
             now = time.monotonic()
-            if now - self._cache.system_at >= SYSTEM_S:
-                self._cache.system = await asyncio.to_thread(self.probe.sample)
-                self._cache.system_at = now
+            await self.system.refresh()
             if now - self._cache.built >= FRAME_S:
                 self._cache.frame = self._build()
                 self._cache.built = now
-        frame = dict(self._cache.frame, **self._cache.system)
+        frame = dict(self._cache.frame, **self.system.latest)
         if not viewer.sent_history:
             frame["history"] = list(self.history)
             viewer.sent_history = True

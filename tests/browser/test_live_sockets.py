@@ -104,3 +104,29 @@ def test_keyed_server_takes_the_key_as_header_or_subprotocol(keyed_live_server: 
     with connect(url, subprotocols=["strata", f"bearer.{encoded}"], open_timeout=30) as socket:
         assert socket.subprotocol == "strata"
         _first_frame(socket)
+
+
+def test_the_monitor_and_metrics_show_one_sample_of_the_host_and_processes(live_server: Server) -> None:
+    """Both read the system sampler's latest sample: a frame and a scrape taken between two equal frames
+    agree exactly; without NVIDIA cards no card series appear."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with connect(_ws(live_server, "/ws/monitor"), origin=live_server.url, open_timeout=30) as socket:
+        for _ in range(5):
+            before = _first_frame(socket)["host"]
+            text = httpx.get(f"{live_server.url}/metrics", headers={"Accept": "text/plain"}, timeout=30).text
+            if _first_frame(socket)["host"] == before:
+                break
+        else:
+            pytest.fail("the sample changed under every scrape")
+    found = {
+        (sample.name, sample.labels.get("process")): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+    assert found["strata:host_cpu_ratio", None] == pytest.approx(before["cpu_percent"] / 100)
+    assert found["strata:host_memory_used_bytes", None] == before["ram_used"]
+    assert found["strata:host_memory_total_bytes", None] == before["ram_total"]
+    assert found["process_resident_memory_bytes", "server"] == before["server_rss"] > 0
+    assert found["process_resident_memory_bytes", "engine"] == before["engine_rss"] > 0
+    assert not any(name.startswith("strata:gpu_") for name, _ in found)

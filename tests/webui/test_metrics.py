@@ -560,3 +560,48 @@ def test_a_tiers_own_counts_of_where_entries_ran_and_its_pcie_bytes_are_added_up
     assert value(found, "strata:expert_routed_total", source="pcie") == 6
     assert value(found, "strata:expert_pcie_bytes_total") == 600
     assert value(found, "strata:expert_adapt_wait_seconds_total") == 0.5
+
+
+class _Sampled:
+    """A system sampler stand-in holding one sample."""
+
+    def __init__(self, latest: dict[str, Any]) -> None:
+        self.latest = latest
+
+
+def test_cards_host_and_processes_come_from_the_systems_latest_sample() -> None:
+    """One series per card and figure (a figure the card does not report is left out), the host's CPU and
+    RAM, the server's and the engine's resident memory; no card series without cards."""
+    host = {
+        "cpu_percent": 50.0,
+        "ram_used": 7,
+        "ram_total": 9,
+        "server_rss": 3,
+        "engine_rss": 5,
+        "cpu_count": 2,
+    }
+    card = {
+        "index": 0,
+        "name": "NVIDIA H200",
+        "utilization": 93,
+        "memory_used": 100,
+        "memory_total": 141,
+        "power_w": 650.5,
+        "power_limit_w": 700.0,
+        "temperature_c": None,
+    }
+    metrics = ServerMetrics("tiny", READY)
+    assert not any(s.name.startswith("strata:host_") for s in scrape(metrics))  # nothing before a sample
+    metrics.system = _Sampled(
+        {"host": host, "gpus": {"cards": [card, {**card, "index": 1, "utilization": 0}]}}
+    )
+    found = scrape(metrics)
+    assert value(found, "strata:host_cpu_ratio") == 0.5 and value(found, "strata:host_memory_used_bytes") == 7
+    assert value(found, "process_resident_memory_bytes", process="engine") == 5
+    card0 = [s for s in found if s.name == "strata:gpu_utilization_ratio" and s.labels["gpu"] == "0"]
+    assert card0[0].labels["name"] == "NVIDIA H200" and card0[0].value == pytest.approx(0.93)
+    assert value(found, "strata:gpu_utilization_ratio", gpu="1") == 0
+    assert value(found, "strata:gpu_power_limit_watts", gpu="1") == 700.0
+    assert not [s for s in found if s.name == "strata:gpu_temperature_celsius"]
+    metrics.system = _Sampled({"host": host, "gpus": {"message": "No NVIDIA GPU found", "cards": []}})
+    assert not any(s.name.startswith("strata:gpu_") for s in scrape(metrics))
