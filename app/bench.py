@@ -131,7 +131,7 @@ def _expert_tier(windows: list[WindowStats]) -> dict[str, float | int]:
     reports = [w.experts for w in windows if w.experts is not None and w.experts.served is not None]
     if not reports:
         return {}
-    served = [sum(r.served[i] for r in reports) for i in range(len(EXPERT_SOURCES))]
+    served = [sum(column) for column in zip(*(r.served_total() for r in reports), strict=True)]
     total = max(sum(served), 1)
     return {
         **{

@@ -201,6 +201,11 @@ def build_parser() -> argparse.ArgumentParser:
     key.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on the API and /metrics")
     key.add_argument("--api-key-file", help="read the API key from this file")
     serve.add_argument("--served-model-name", help="the model id clients send (default: the directory name)")
+    serve.add_argument(
+        "--metrics-per-expert",
+        action="store_true",
+        help="/metrics also has a series per (MoE layer, expert): where it lives, its share of the routing",
+    )
 
     bench = commands.add_parser("bench", help="measure concurrent requests offline (no HTTP)")
     _add_engine_options(bench)
@@ -276,6 +281,7 @@ def run_serve(args: argparse.Namespace) -> None:
         port=args.port,
         api_key=api_key,
         model_name=args.served_model_name,
+        metrics_per_expert=args.metrics_per_expert,
     )
     app = create_app(settings, announce=True)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))

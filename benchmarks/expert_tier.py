@@ -298,7 +298,7 @@ def decode(
         if warm < seen <= warm + TIMED_WINDOWS:
             timed.append(stats.duration_s)
             if stats.experts is not None and stats.experts.served is not None:
-                served = [a + b for a, b in zip(served, stats.experts.served, strict=True)]
+                served = [a + b for a, b in zip(served, stats.experts.served_total(), strict=True)]
         if seen == warm + TIMED_WINDOWS:
             served = [a + b for a, b in zip(served, drain(tiers)[0], strict=True)]
     return batch * len(timed) / sum(timed), served
@@ -323,7 +323,7 @@ def read_prompt(
             windows += stats.prompt_tokens > 0
             if stats.experts is not None:
                 copied += stats.experts.pcie_bytes
-                served = [a + b for a, b in zip(served, stats.experts.served or [0, 0, 0], strict=True)]
+                served = [a + b for a, b in zip(served, stats.experts.served_total(), strict=True)]
     wall = time.perf_counter() - began
     last, last_copied = drain(tiers)
     copied += last_copied

@@ -42,7 +42,7 @@ def create_app(settings: ServerSettings, announce: bool = False) -> Litestar:
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
         client = await AsyncEngineClient.start(settings.engine)
         name = settings.model_name or client.ready.model
-        metrics = ServerMetrics(model_name=name, ready=client.ready)
+        metrics = ServerMetrics(name, client.ready, per_expert=settings.metrics_per_expert)
         app.state.metrics = metrics
         app.state.link = EngineLink(client, name, metrics)
         system = SystemSampler(SystemProbe(getattr(client, "pid", None)))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -27,6 +28,7 @@ from app.engine.protocol import (
 )
 from webui.auth import require_api_key
 from webui.engine_link import RequestRecord
+from webui.experts import ExpertHeat
 from webui.system import SystemSampler
 
 ENGINE = "0"
@@ -122,7 +124,7 @@ class ServerMetrics:
     finished requests are kept out of the slots, and an empty engine holds no KV blocks and makes no tokens.
     """
 
-    def __init__(self, model_name: str, ready: Ready) -> None:
+    def __init__(self, model_name: str, ready: Ready, per_expert: bool = False) -> None:
         self.model_name = model_name
         self.ready = ready
         self.registry = CollectorRegistry()
@@ -141,6 +143,9 @@ class ServerMetrics:
         self.parking = ParkingStats(0, 0, 0, 0, 0, 0.0, 0)
         self.request_success_total = dict.fromkeys(FINISH_REASONS, 0)
         self.expert_routed_total = dict.fromkeys(EXPERT_SOURCES, 0)
+        self.expert_routed_by_layer: dict[int, list[int]] = {}  # layer -> entries per EXPERT_SOURCES
+        self.heat = ExpertHeat()  # where each expert lives and how hot it is (the Monitor's grid too)
+        self.per_expert = per_expert
         self.expert_swaps_total = 0
         self.system: SystemSampler | None = None  # host, process and card figures (webui/system.py)
         self.expert_pcie_bytes_total = 0
@@ -240,6 +245,7 @@ class ServerMetrics:
         self.prefix_cache_hits_total += stats.prefix_cache_hits
         if stats.parking is not None:
             self.parking = stats.parking
+        self.heat.on_window(stats)
         if stats.experts is not None:
             self.expert_swaps_total += stats.experts.swaps
             self.expert_pcie_bytes_total += stats.experts.pcie_bytes
@@ -258,14 +264,19 @@ class ServerMetrics:
             self._idle()
 
     def _count_served(self, experts: ExpertUsage) -> None:
-        """Routed entries by where they were served: as the tier counted them, else where the expert lives."""
-        if experts.served is not None:
-            for source, count in zip(EXPERT_SOURCES, experts.served, strict=True):
-                self.expert_routed_total[source] += count
-            return
-        for routed, location in zip(experts.routed, experts.location, strict=True):
-            for count, where in zip(routed, location, strict=True):
-                self.expert_routed_total[EXPERT_SOURCES[where]] += count
+        """Routed entries of each layer by where they were served: as the tier counted them, else where the
+        expert lives."""
+        for i, layer in enumerate(experts.layers):
+            if experts.served is not None:
+                counts = experts.served[i]
+            else:
+                counts = [0] * len(EXPERT_SOURCES)
+                for count, where in zip(experts.routed[i], experts.location[i], strict=True):
+                    counts[where] += count
+            totals = self.expert_routed_by_layer.setdefault(layer, [0] * len(EXPERT_SOURCES))
+            for source, count in enumerate(counts):
+                totals[source] += count
+                self.expert_routed_total[EXPERT_SOURCES[source]] += count
 
     def on_request_finished(self, record: RequestRecord) -> None:
         """Count a request that ended (once each), free its slot, and observe its sizes and times.
@@ -415,15 +426,7 @@ class _ValuesCollector(Collector):
         for reason, count in values["request_success_total"].items():
             success.add_metric([*base, reason], count)
         yield success
-        routed = CounterMetricFamily(
-            "strata:expert_routed",
-            "Routed expert entries (a token's pick of an expert, in every MoE layer) by where they ran: vram "
-            "(an expert in device memory), pcie (copied over for the window), cpu (run in host RAM).",
-            labels=[*LABELS, "source"],
-        )
-        for source, count in values["expert_routed_total"].items():
-            routed.add_metric([*base, source], count)
-        yield routed
+        yield from _expert_families(self.metrics, base)
         if self.metrics.system is not None:
             yield from _system_families(self.metrics.system.latest, base)
         config = {key: str(value) for key, value in values["cache_config_info"].items()}
@@ -438,6 +441,56 @@ class _ValuesCollector(Collector):
                 value = SLOT_STATES[slot[key]] if key == "state" else slot[key]
                 family.add_metric([*base, str(slot["slot"])], value)
             yield family
+
+
+def _expert_families(metrics: ServerMetrics, base: list[str]) -> Iterator[Metric]:
+    """Per MoE layer: routed entries by where they ran, experts on the device, the busiest expert's share of
+    the layer's recent routing; per (layer, expert) with `per_expert`: on the device or not, and its share."""
+    routed = CounterMetricFamily(
+        "strata:expert_routed",
+        "Routed expert entries (a token's pick of an expert) of each MoE layer by where they ran: vram (an "
+        "expert in device memory), pcie (copied over for the window), cpu (run in host RAM).",
+        labels=[*LABELS, "layer", "source"],
+    )
+    for layer, counts in sorted(metrics.expert_routed_by_layer.items()):
+        for source, count in zip(EXPERT_SOURCES, counts, strict=True):
+            routed.add_metric([*base, str(layer), source], count)
+    yield routed
+    latest, shares = metrics.heat.snapshot()
+    if latest is None:
+        return
+    resident = GaugeMetricFamily(
+        "strata:expert_resident", "Experts of each MoE layer in device memory.", labels=[*LABELS, "layer"]
+    )
+    hottest = GaugeMetricFamily(
+        "strata:expert_heat_max_share",
+        "The busiest expert's share of its MoE layer's routing over the last 10 s.",
+        labels=[*LABELS, "layer"],
+    )
+    for layer, where, layer_shares in zip(latest.layers, latest.location, shares, strict=True):
+        resident.add_metric([*base, str(layer)], where.count(0))
+        hottest.add_metric([*base, str(layer)], max(layer_shares, default=0.0))
+    yield resident
+    yield hottest
+    if not metrics.per_expert:
+        return
+    on_device = GaugeMetricFamily(
+        "strata:expert_on_device",
+        "1 for an expert in device memory, 0 in host RAM.",
+        labels=[*LABELS, "layer", "expert"],
+    )
+    heat = GaugeMetricFamily(
+        "strata:expert_heat_share",
+        "The expert's share of its MoE layer's routing over the last 10 s.",
+        labels=[*LABELS, "layer", "expert"],
+    )
+    for layer, where, layer_shares in zip(latest.layers, latest.location, shares, strict=True):
+        for expert, (place, share) in enumerate(zip(where, layer_shares, strict=True)):
+            labels = [*base, str(layer), str(expert)]
+            on_device.add_metric(labels, 1 if place == 0 else 0)
+            heat.add_metric(labels, share)
+    yield on_device
+    yield heat
 
 
 def _system_families(sample: dict[str, Any], base: list[str]) -> Iterator[Metric]:
@@ -480,7 +533,6 @@ def _wants_prometheus(output: str | None, accept: str) -> bool:
 @get(
     "/metrics",
     guards=[require_api_key],
-    sync_to_thread=False,
     summary="Server metrics: Prometheus text for scrapers, JSON otherwise",
     description=(
         "With `?format=prometheus`, or an Accept header naming `text/plain` or "
@@ -491,16 +543,21 @@ def _wants_prometheus(output: str | None, accept: str) -> bool:
         "state of every slot under `slots`, and each histogram's `count` and `sum`."
     ),
 )
-def metrics_route(
+async def metrics_route(
     request: Request,
     output: Annotated[
         Literal["prometheus", "json"] | None,
         QueryParameter(name="format", description="prometheus or json; default: chosen by the Accept header"),
     ] = None,
 ) -> Response:
-    """Prometheus exposition or JSON snapshot of the server's metrics."""
+    """Prometheus exposition or JSON snapshot of the server's metrics. With a series per expert the text
+    (tens of thousands of lines) is rendered in a worker thread, so a scrape does not hold the event loop."""
     metrics: ServerMetrics = request.app.state.metrics
     if _wants_prometheus(output, request.headers.get("accept", "")):
+        if metrics.per_expert:
+            return Response(
+                await asyncio.to_thread(generate_latest, metrics.registry), media_type=PROMETHEUS_TEXT
+            )
         return Response(generate_latest(metrics.registry), media_type=PROMETHEUS_TEXT)
     return Response(metrics.snapshot(), media_type=MediaType.JSON)
 

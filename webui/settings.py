@@ -12,7 +12,7 @@ class ServerSettings:
     """Where the server listens, who may use it, and the engine it starts.
 
     `model_name` is the id clients send as `model` (default: the model directory's name); `api_key` None
-    leaves the API open.
+    leaves the API open; `metrics_per_expert` adds a series per (MoE layer, expert) to `/metrics`.
     """
 
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -20,3 +20,4 @@ class ServerSettings:
     port: int = 8000
     api_key: str | None = None
     model_name: str | None = None
+    metrics_per_expert: bool = False

@@ -17,6 +17,7 @@ from app.engine.paged_state import PagedState, kv_block_bytes, slot_state_bytes
 from app.engine.parking import ConversationPark
 from app.engine.protocol import (
     EXPERT_REPORT_S,
+    EXPERT_SOURCES,
     AddRequest,
     ExpertUsage,
     PositionLogprobs,
@@ -417,15 +418,20 @@ class EngineCore:
         )
 
     def _served(self) -> dict[str, Any]:
-        """The tiers' counts since the last report: entries per source, bytes copied, adapt wait."""
+        """The tiers' counts since the last report: each layer's entries per source, bytes copied, adapt wait
+        (the MTP head's tiers, outside the reported layers, count in the bytes and the wait)."""
         if not self.tiers:
             return {}
-        counts = [tier.take_counts() for tier in self.tiers]
+        counts = {id(tier): tier.take_counts() for tier in self.tiers}
+        served = []
+        for _, moe in self.moe_layers:
+            tier = counts.get(id(moe.experts))
+            served.append(tier.served if tier is not None else [0] * len(EXPERT_SOURCES))
         return {
-            "served": [sum(c) for c in zip(*(c.served for c in counts), strict=True)],
+            "served": served,
             # a CPU engine's tier copies within host RAM: nothing crosses PCIe
-            "pcie_bytes": sum(c.pcie_bytes for c in counts) if self.device == "cuda" else 0,
-            "adapt_wait_s": sum(c.adapt_wait_s for c in counts),
+            "pcie_bytes": sum(c.pcie_bytes for c in counts.values()) if self.device == "cuda" else 0,
+            "adapt_wait_s": sum(c.adapt_wait_s for c in counts.values()),
         }
 
     def _take_swaps(self) -> int:

@@ -181,9 +181,15 @@ class ExpertUsage(msgspec.Struct, frozen=True):
     location: list[list[int]]
     seconds: float  # the span the counts cover
     swaps: int = 0  # experts the tier moved onto the device in that span (app/models/expert_tier.py)
-    served: list[int] | None = None  # with a tier: entries served per EXPERT_SOURCES in that span, all layers
+    served: list[list[int]] | None = None  # with a tier: per layer, entries served per EXPERT_SOURCES
     pcie_bytes: int = 0  # bytes the tier copied to the device in that span (staged misses, swapped experts)
     adapt_wait_s: float = 0.0  # device time windows waited in that span for the tier's blocking swaps
+
+    def served_total(self) -> list[int]:
+        """Entries served per EXPERT_SOURCES over every layer (all 0 without a tier)."""
+        if not self.served:
+            return [0] * len(EXPERT_SOURCES)
+        return [sum(column) for column in zip(*self.served, strict=True)]
 
 
 class ParkingStats(msgspec.Struct, array_like=True, frozen=True):

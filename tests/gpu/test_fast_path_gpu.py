@@ -196,7 +196,7 @@ def test_a_frozen_expert_tier_on_the_gpu_gives_the_all_resident_tokens(
     results, stats = run(tiered, arrivals)
     for _, add in arrivals:
         assert results[add.request_id].token_ids == everything[add.request_id].token_ids
-    reported = [s.experts.served for s in stats if s.experts is not None and s.experts.served is not None]
+    reported = [s.experts.served_total() for s in stats if s.experts is not None]
     reported += [t.take_counts().served for t in tiered.tiers]  # since the last report
     vram, cpu, pcie = (sum(c) for c in zip(*reported, strict=True))
     assert vram > 0 and cpu + pcie > 0

@@ -1,5 +1,6 @@
 """A real `strata serve --expert-cache` on a tiny checkpoint: the same greedy answers as the server with
-every expert resident, and `/metrics` counting where routed entries ran and the tier's swaps."""
+every expert resident, and `/metrics` counting where routed entries ran, the tier's swaps, and (with
+`--metrics-per-expert`) where each expert lives."""
 
 from __future__ import annotations
 
@@ -17,8 +18,11 @@ CHAT = "/v1/chat/completions"
 
 @pytest.fixture(scope="module")
 def tiered_server(model_dir: Path) -> Iterator[Server]:
-    """Two experts a layer on the device, the rest in host RAM, adapting every 2 windows."""
-    running = start_server(model_dir, "--parallel", "2", "--expert-cache", "2", "--adapt-every", "2")
+    """Two experts a layer on the device, the rest in host RAM, adapting every 2 windows; a series per
+    expert in /metrics."""
+    running = start_server(
+        model_dir, "--parallel", "2", "--expert-cache", "2", "--adapt-every", "2", "--metrics-per-expert"
+    )
     yield running
     stop_server(running)
 
@@ -35,10 +39,12 @@ def _expert_counters(server: Server) -> dict[str, float]:
     found: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name == "strata:expert_routed_total":
-                found[sample.labels["source"]] = sample.value
+            if sample.name == "strata:expert_routed_total":  # summed over the layers
+                found[sample.labels["source"]] = found.get(sample.labels["source"], 0) + sample.value
             elif sample.name in ("strata:expert_swaps_total", "strata:expert_pcie_bytes_total"):
                 found[sample.name] = sample.value
+            elif sample.name in ("strata:expert_resident", "strata:expert_on_device"):
+                found[sample.name] = found.get(sample.name, 0) + sample.value
     return found
 
 
@@ -55,3 +61,6 @@ def test_a_tiered_server_answers_like_the_all_resident_one_and_counts_its_expert
         counters = _expert_counters(tiered_server)
     assert counters["cpu"] > 0 and counters["vram"] > 0 and counters["pcie"] == 0  # a CPU engine
     assert counters["strata:expert_swaps_total"] > 0 and counters["strata:expert_pcie_bytes_total"] == 0
+    # 2 experts a layer on the device, counted per layer and per expert alike
+    assert counters["strata:expert_resident"] == counters["strata:expert_on_device"] > 0
+    assert counters["strata:expert_resident"] % 2 == 0

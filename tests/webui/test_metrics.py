@@ -533,9 +533,10 @@ def test_routed_expert_entries_are_counted_by_where_they_ran() -> None:
     metrics.on_window(window(1, time.time(), [decoding(0, "a")], experts=usage))
     metrics.on_window(window(2, time.time(), [decoding(0, "a")], experts=usage))
     found = scrape(metrics)
-    assert value(found, "strata:expert_routed_total", source="vram") == 10
-    assert value(found, "strata:expert_routed_total", source="cpu") == 14
-    assert value(found, "strata:expert_routed_total", source="pcie") == 0
+    assert total(found, "strata:expert_routed_total", source="vram") == 10
+    assert total(found, "strata:expert_routed_total", source="cpu") == 14
+    assert total(found, "strata:expert_routed_total", source="pcie") == 0
+    assert value(found, "strata:expert_routed_total", layer="3", source="cpu") == 10  # 5 a report
     assert metrics.values()["expert_routed_total"] == {"vram": 10, "cpu": 14, "pcie": 0}
     assert value(found, "strata:expert_swaps_total") == 6  # 3 reported with each window
 
@@ -549,7 +550,7 @@ def test_a_tiers_own_counts_of_where_entries_ran_and_its_pcie_bytes_are_added_up
         routed=[[4, 4]],
         location=[[0, 1]],
         seconds=1.0,
-        served=[4, 1, 3],
+        served=[[4, 1, 3]],
         pcie_bytes=300,
         adapt_wait_s=0.25,
     )
@@ -557,7 +558,7 @@ def test_a_tiers_own_counts_of_where_entries_ran_and_its_pcie_bytes_are_added_up
     metrics.on_window(window(2, time.time(), [decoding(0, "a")], experts=usage))
     found = scrape(metrics)
     assert metrics.values()["expert_routed_total"] == {"vram": 8, "cpu": 2, "pcie": 6}
-    assert value(found, "strata:expert_routed_total", source="pcie") == 6
+    assert value(found, "strata:expert_routed_total", layer="1", source="pcie") == 6
     assert value(found, "strata:expert_pcie_bytes_total") == 600
     assert value(found, "strata:expert_adapt_wait_seconds_total") == 0.5
 
@@ -605,3 +606,28 @@ def test_cards_host_and_processes_come_from_the_systems_latest_sample() -> None:
     assert not [s for s in found if s.name == "strata:gpu_temperature_celsius"]
     metrics.system = _Sampled({"host": host, "gpus": {"message": "No NVIDIA GPU found", "cards": []}})
     assert not any(s.name.startswith("strata:gpu_") for s in scrape(metrics))
+
+
+def test_each_moe_layer_reports_its_resident_experts_and_busiest_share_and_per_expert_on_request() -> None:
+    """Per layer: experts on the device and the busiest expert's share of the recent routing, as the
+    Monitor's grid has them; per (layer, expert) only with per_expert."""
+    usage = ExpertUsage(
+        layers=[0, 2], routed=[[6, 2, 0, 0], [1, 1, 1, 1]], location=[[0, 1, 1, 1], [0, 0, 1, 1]], seconds=1.0
+    )
+    plain, detailed = ServerMetrics("tiny", READY), ServerMetrics("tiny", READY, per_expert=True)
+    for metrics in (plain, detailed):
+        metrics.on_window(window(1, time.time(), [decoding(0, "a")], experts=usage))
+    found = scrape(plain)
+    assert (
+        value(found, "strata:expert_resident", layer="0") == 1
+        and value(found, "strata:expert_resident", layer="2") == 2
+    )
+    assert value(found, "strata:expert_heat_max_share", layer="0") == 0.75
+    assert value(found, "strata:expert_heat_max_share", layer="2") == 0.25
+    assert plain.heat.grid()["max_share"] == 0.75  # what the Monitor's grid shows
+    assert not [s for s in found if s.name in ("strata:expert_on_device", "strata:expert_heat_share")]
+    found = scrape(detailed)
+    assert value(found, "strata:expert_on_device", layer="2", expert="1") == 1
+    assert value(found, "strata:expert_on_device", layer="2", expert="2") == 0
+    assert value(found, "strata:expert_heat_share", layer="0", expert="1") == 0.25
+    assert len([s for s in found if s.name == "strata:expert_heat_share"]) == 8

@@ -8,7 +8,8 @@ import pytest
 
 from app.engine.protocol import ExpertUsage, WindowStats
 from webui import monitor
-from webui.monitor import HEAT_SPAN_S, ExpertHeat, slot_tok_s
+from webui.experts import HEAT_SPAN_S, ExpertHeat
+from webui.monitor import slot_tok_s
 
 
 def _stats(routed: list[list[int]] | None, location: list[list[int]] | None = None) -> WindowStats:
