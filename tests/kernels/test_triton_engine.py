@@ -58,7 +58,7 @@ def test_long_prompts_cut_into_other_pieces_beside_others_equal_each_alone(hybri
     """
     core = make_core(hybrid, backend="triton", parallel=3, max_batched_tokens=72, decode_share=0.01)
     params = {"max_tokens": 3, "temperature": 0, "ignore_eos": True}
-    arrivals = [(at, request(_prompt(length, at), **params)) for at, length in [(0, 100), (1, 110), (2, 90)]]
+    arrivals = [(at, request(_prompt(length, at), **params)) for at, length in [(0, 80), (1, 90), (2, 70)]]
     together, windows = run(core, arrivals)
     assert any(w.prompt_tokens and w.decode_tokens for w in windows)
     for _, add in arrivals:
@@ -66,13 +66,13 @@ def test_long_prompts_cut_into_other_pieces_beside_others_equal_each_alone(hybri
 
 
 def test_a_shared_prompt_start_is_continued_from_the_cache(hybrid: Path) -> None:
-    """The first prompt leaves full blocks (and on hybrid models a checkpoint) up to 192: the others go on."""
+    """The first prompt leaves full blocks (and on hybrid models a checkpoint) up to 128: the others go on."""
     core = make_core(hybrid, backend="triton", max_batched_tokens=256)
-    shared = _prompt(200, 7)
+    shared = _prompt(136, 7)
     params = {"max_tokens": 2, "temperature": 0, "ignore_eos": True}
     adds = [request([*shared, *_prompt(20, 20 + i)], **params) for i in range(3)]
     results, windows = run(core, [(0, adds[0]), (3, adds[1]), (3, adds[2])])
-    assert sum(w.prefix_cache_hits for w in windows) == 2 * 192
+    assert sum(w.prefix_cache_hits for w in windows) == 2 * 128
     fresh = make_core(hybrid, backend="triton", prefix_cache=False)
     for add in adds[1:]:
         assert results[add.request_id].token_ids == complete(fresh, add.prompt_token_ids, **params).token_ids
