@@ -459,8 +459,8 @@ class TieredExperts(nn.Module):
         """The entries of experts in host RAM only (padding rows, where `live` is 0, left out), split by the
         costs (`MissCosts.plan`): the experts with most rows copied into staging slots (queued here), the
         others run now by the CPU pool. Returns each expert's staging slot [experts] (-1: none) on the host,
-        and the CPU pool's sums with the rows they belong to (both on the device); None where that side has
-        nothing. Counts where every entry was served.
+        and the rows the CPU pool computed (on the device) with their sums (fp32, on the host); None where
+        that side has nothing. Counts where every entry was served.
 
         A small window's routing and input are read to the host at once (one wait for the layer so far); a
         large one's entries per expert are counted on the device and only those counts, then the rows and
