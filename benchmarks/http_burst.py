@@ -7,7 +7,8 @@ Starts `strata serve` on the model (its own engine process, as a user would), th
 
 - solo: one stream (a 128-token prompt, `--output-len` tokens); decode tok/s after its first token;
 - burst: `--clients` streams arriving together with `--prompt-len`-token prompts: time to first token
-  p50 / max, inter-token latency p50 / p95 over every stream's gaps, the whole burst's time;
+  p50 / max, inter-token latency p50 / p95 over every stream's gaps, the whole burst's time, and the busiest
+  card's `strata:gpu_*` figures in /metrics half a second in (`burst_gpu_*`);
 - observer: one stream decoding alone, then `--clients - 1` peers' prompts arrive together; its tok/s from
   their arrival until the last peer's first token, over its solo tok/s just before;
 - long peers (with `--long-peers N`): the same with N peers of `--long-prompt-len` tokens.
@@ -113,6 +114,17 @@ class Client:
                     totals[key] = float(value)
         return totals["step_count"], totals["step_sum"], totals["host_sum"]
 
+    async def cards(self) -> dict[str, float]:
+        """The busiest card's figures in /metrics now (`strata:gpu_*`; empty without NVIDIA cards)."""
+        text = (await self.http.get("/metrics", headers={"Accept": "text/plain"})).text
+        by_card: dict[str, dict[str, float]] = {}
+        for line in text.splitlines():
+            if line.startswith("strata:gpu_"):
+                name, labels = line.split("{", 1)[0], line.split("{", 1)[1].split("}", 1)[0]
+                gpu = next(part for part in labels.split(",") if part.startswith("gpu="))
+                by_card.setdefault(gpu, {})[name.removeprefix("strata:gpu_")] = float(line.rsplit(" ", 1)[-1])
+        return max(by_card.values(), key=lambda card: card.get("utilization_ratio", 0.0), default={})
+
     async def cache_hits(self) -> int:
         metrics = (await self.http.get("/metrics", headers={"Accept": "application/json"})).json()
         return int(metrics["prefix_cache_hits_total"])
@@ -135,9 +147,17 @@ async def solo(client: Client, output_len: int) -> dict[str, float]:
 
 
 async def burst(client: Client, clients: int, prompt_len: int, output_len: int) -> dict[str, float]:
+    """`clients` streams at once; midway, the busiest card's figures as /metrics shows them."""
+
+    async def scrape_midway() -> dict[str, float]:
+        await asyncio.sleep(0.5)
+        return await client.cards()
+
     began = time.perf_counter()
+    scrape = asyncio.create_task(scrape_midway())
     streams = await asyncio.gather(*(client.stream(prompt_len, output_len) for _ in range(clients)))
     wall = time.perf_counter() - began
+    card = await scrape
     ttfts = [s.ttft for s in streams]
     gaps = [g for s in streams for g in s.gaps()]
     return {
@@ -147,6 +167,7 @@ async def burst(client: Client, clients: int, prompt_len: int, output_len: int) 
         "burst_itl_p50_ms": 1000 * statistics.median(gaps),
         "burst_itl_p95_ms": 1000 * percentile(gaps, 0.95),
         "burst_tok_s": clients * output_len / wall,
+        **{f"burst_gpu_{name}": value for name, value in card.items()},
     }
 
 
