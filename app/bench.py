@@ -11,18 +11,40 @@ restart, and when it is read again from its start (`--no-prefix-cache`).
 
 from __future__ import annotations
 
+import contextlib
+import os
+import platform
 import random
 import statistics
 import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import msgspec
 
 from app.engine.client import EngineClient
 from app.engine.config import EngineConfig
 from app.engine.protocol import EXPERT_SOURCES, Ready, SamplingParams, WindowStats
+
+VECTOR_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
+
+
+def host() -> dict[str, object]:
+    """The machine a run's figures come from: the CPU's model, the cores this process may use, the vector
+    instructions that matter to the CPU kernels (from /proc/cpuinfo where there is one)."""
+    model, flags = platform.processor() or platform.machine(), set()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+                break
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {"cpu": model, "cores": cores, "vector": [f for f in VECTOR_FLAGS if f in flags]}
 
 
 @dataclass
@@ -101,6 +123,7 @@ def _summary(
     generated = sum(len(t.token_times) for t in timelines)
     return {
         "device": ready.device,
+        "host": host(),
         "model": ready.model,
         "backends": ready.backends,
         "concurrency": concurrency,
@@ -223,6 +246,7 @@ def run_follow_up(config: EngineConfig, prompt_len: int, output_len: int, seed: 
     parked = next((w.parking for w in reversed(restores) if w.parking is not None), None)
     return {
         "device": ready.device,
+        "host": host(),
         "model": ready.model,
         "backends": ready.backends,
         "conversation_tokens": len(first) + len(answer),

@@ -71,6 +71,7 @@ def test_bench_reports_throughput_latency_decode_during_peer_reads_and_expert_so
     args += ["--expert-cache", "2"]  # where the routed entries ran is in the summary too
     assert main(args) == 0
     summary = json.loads(capsys.readouterr().out)
+    assert summary["host"]["cores"] >= 1 and summary["host"]["cpu"]  # the machine the figures come from
     shares = [summary[f"experts_{source}_share"] for source in ("vram", "cpu", "pcie")]
     assert shares[0] > 0 and shares[1] > 0 and shares[2] == 0 and sum(shares) == pytest.approx(1, abs=1e-3)
     assert len(summary["ttft_s"]) == 4 and all(t > 0 for t in summary["ttft_s"])
