@@ -92,29 +92,23 @@ def demo_shares(experts: int, layers: int) -> list[torch.Tensor]:
     """The demo model's routing on real text (this repository's README and architecture notes, 1,500 tokens
     read and 64 generated), each layer's shares sorted and stretched over `experts` experts and `layers`
     layers (the demo has 16 experts and 8 layers)."""
-    import app.engine.core as engine_core
     from app.default_model import default_model_dir
     from app.loading.model import open_model
 
-    previous, engine_core.EXPERT_REPORT_S = engine_core.EXPERT_REPORT_S, 0.0
-    try:
-        loaded = open_model(default_model_dir(), "float32", "cpu", progress=False)
-        root = Path(__file__).resolve().parents[1]
-        text = (root / "README.md").read_text()[:6000] + (root / "docs/ARCHITECTURE.md").read_text()[:6000]
-        ids = loaded.tokenizer.encode(text)[:1500]
-        config = EngineConfig(model=str(default_model_dir()), device="cpu", max_batched_tokens=2048)
-        core = EngineCore(config, loaded)
-        core.add_request(
-            AddRequest("demo", ids, SamplingParams(max_tokens=64, temperature=0, ignore_eos=True))
-        )
-        counts = None
-        while core.has_work():
-            _, stats = core.step()
-            if stats is not None and stats.experts is not None:
-                routed = torch.tensor(stats.experts.routed, dtype=torch.float32)
-                counts = routed if counts is None else counts + routed
-    finally:
-        engine_core.EXPERT_REPORT_S = previous
+    loaded = open_model(default_model_dir(), "float32", "cpu", progress=False)
+    root = Path(__file__).resolve().parents[1]
+    text = (root / "README.md").read_text()[:6000] + (root / "docs/ARCHITECTURE.md").read_text()[:6000]
+    ids = loaded.tokenizer.encode(text)[:1500]
+    core = EngineCore(
+        EngineConfig(model=str(default_model_dir()), device="cpu", max_batched_tokens=2048), loaded
+    )
+    core.add_request(AddRequest("demo", ids, SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)))
+    counts = None
+    while core.has_work():  # reports come every 0.5 s and when the engine falls idle: every pick is counted
+        _, stats = core.step()
+        if stats is not None and stats.experts is not None:
+            routed = torch.tensor(stats.experts.routed, dtype=torch.float32)
+            counts = routed if counts is None else counts + routed
     assert counts is not None
     demo = counts.sort(dim=1, descending=True).values
     stretch = experts // demo.shape[1]

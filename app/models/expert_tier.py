@@ -469,7 +469,7 @@ class TieredExperts(nn.Module):
         ids = top_ids if live is None else top_ids.masked_fill(live[:, None] == 0, experts)
         read: list[torch.Tensor] = []
         if ids.numel() <= HOST_READ_ENTRIES:
-            read = self._to_host(ids, x, top_ids, top_weights)
+            read = self._to_host(ids, x, top_weights)
             counts = torch.bincount(read[0].flatten(), minlength=experts + 1)[:experts]
         else:
             counts = torch.zeros(experts + 1, dtype=torch.int64, device=x.device)
@@ -543,7 +543,6 @@ class TieredExperts(nn.Module):
         on_cpu: set[int],
         ids: torch.Tensor,
         x: torch.Tensor,
-        top_ids: torch.Tensor,
         top_weights: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """A small window's CPU share from its routing read whole (`ids`: padding rows' entries pointing past
