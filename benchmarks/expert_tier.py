@@ -1,7 +1,7 @@
 """The expert tier on one GPU: decode and prompt speed with some or no experts resident, against all resident.
 
     python benchmarks/expert_tier.py [--shape q30-half] [--resident 0 32] [--routing uniform zipf]
-        [--adapt frozen blocking async] [--adapt-every 16] [--pcie-frac F] [--out results.jsonl]
+        [--adapt frozen blocking async] [--adapt-every 16] [--pcie-frac F] [--phases] [--out results.jsonl]
 
 Builds the shape with random bf16 weights on the GPU, keeps every routed expert in pinned host RAM, and for
 each routing, each resident count and each adaptation mode (frozen; blocking or asynchronous swaps every
@@ -16,6 +16,10 @@ that makes expert e (in a random order per layer) about as likely as 1 / rank: t
 then takes about three quarters of the picks; `demo` does the same with the shares the demo model's trained
 router gives its experts on real text (milder: its top quarter takes 30-60%). Prints a JSON line per
 configuration and fails on a figure above the machine's limits (a cache, not the tier, would have served it).
+
+`--phases` measures only batch-1 decode, with the host's time per tiered layer split by phase: replaying the
+graph pieces, waiting for the device's work up to the layer's routing, planning, queueing the staging copies,
+the CPU pool's kernel, and the rest of the step.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import os
 import sys
 import tempfile
 import time
+from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -48,8 +53,9 @@ from app.kernels.interface import Backends
 from app.loading.checkpoint import CheckpointDir
 from app.loading.model import LoadedModel
 from app.models.config import ModelConfig
-from app.models.expert_tier import TieredExperts, spare_slots, use_expert_tier
+from app.models.expert_tier import HostLink, TieredExperts, spare_slots, use_expert_tier
 from app.models.moe import RoutedExperts, SparseMoE
+from app.models.pieces import Pieces
 from app.models.qwen3 import CausalLM
 from app.text.tokenizer import Tokenizer
 from benchmarks.gpu_bench import WEIGHT_BUDGET, build_model, write_model_dir
@@ -363,6 +369,75 @@ def measure(core: EngineCore, tiers: list[TieredExperts], vocab: int, warm: int)
     return line
 
 
+class PhaseTimes:
+    """Host seconds by phase of the tiered layers' steps in decode forwards (replays of graph pieces) for
+    `--phases`, by wrapping the functions they call; the prompt window's eager forward is left out."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.forwards = 0
+        self.inside = False
+
+    def timed(self, function: Callable, phase: str) -> Callable:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            if not self.inside and phase != "forward":
+                return function(*args, **kwargs)
+            self.inside = True
+            began = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                self.seconds[phase] += time.perf_counter() - began
+                if phase == "forward":
+                    self.inside = False
+                    self.forwards += 1
+
+        return run
+
+    def install(self, tiers: list[TieredExperts]) -> None:
+        """Time every graph piece's replay, each tier's whole miss service and its parts."""
+        graph = torch.cuda.CUDAGraph
+        graph.replay = self.timed(graph.replay, "replay")  # type: ignore[method-assign]
+        Pieces.replay = self.timed(Pieces.replay, "forward")  # type: ignore[method-assign]
+        TieredExperts._serve_small = self.timed(TieredExperts._serve_small, "serve")  # type: ignore[method-assign]
+        TieredExperts._serve_large = self.timed(TieredExperts._serve_large, "serve")  # type: ignore[method-assign]
+        HostLink.wait = self.timed(HostLink.wait, "wait")  # type: ignore[method-assign]
+        staging = tiers[0].staging
+        if staging is not None:
+            staging.load = self.timed(staging.load, "copies")  # type: ignore[method-assign]
+        for tier in tiers:
+            tier.host_kernel = self.timed(tier.host_kernel, "cpu_pool")
+
+    def per_layer_us(self, layers: int) -> dict[str, float]:
+        """Microseconds a decode forward spends per tiered layer in each phase."""
+        s = self.seconds
+        phases = {
+            "forward": s["forward"],
+            "replay": s["replay"],
+            "wait": s["wait"],
+            "plan": s["serve"] - s["copies"] - s["cpu_pool"],
+            "copies": s["copies"],
+            "cpu_pool": s["cpu_pool"],
+            "hand_back": s["forward"] - s["replay"] - s["wait"] - s["serve"],
+        }
+        return {k: round(v / max(self.forwards, 1) / layers * 1e6, 1) for k, v in phases.items()}
+
+
+def phases(core: EngineCore, tiers: list[TieredExperts], vocab: int, warm: int) -> dict[str, Any]:
+    """Batch-1 decode with the host's time per tiered layer by phase (`PhaseTimes`)."""
+    read_prompt(core, tiers, PROMPTS[0], vocab, 1)
+    decode(core, tiers, 1, vocab, warm)  # graphs captured and replayed before the timers go in
+    times = PhaseTimes()
+    times.install(tiers)
+    tok_s, served = decode(core, tiers, 1, vocab, warm)
+    total = max(sum(served), 1)
+    return {
+        "decode_bs1_tok_s": round(tok_s, 1),
+        "us_per_layer": times.per_layer_us(len(tiers)),
+        **{f"decode_{k}_share": round(v / total, 3) for k, v in zip(EXPERT_SOURCES, served, strict=True)},
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", default="q30-half")
@@ -375,6 +450,7 @@ def main() -> None:
     )
     parser.add_argument("--adapt-every", type=int, default=16)
     parser.add_argument("--pcie-frac", type=float, nargs="+", default=[None])
+    parser.add_argument("--phases", action="store_true", help="batch-1 decode only, host time by phase")
     parser.add_argument("--out", help="also append the JSON lines to this file")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -425,7 +501,13 @@ def main() -> None:
                 line["pcie_gb_s"] = round(costs.pcie_bytes_s / 1e9, 1)
                 line["cpu_gb_s"] = round(costs.cpu_bytes_s / 1e9, 1)
                 line["cpu_row_us"] = round(costs.cpu_row_s * 1e6, 1)
-            line.update(measure(core, tiers, vocab, ADAPTATIONS_BEFORE_TIMING * every if every else 4))
+            warm = ADAPTATIONS_BEFORE_TIMING * every if every else 4
+            if args.phases and tiers:
+                line.update(phases(core, tiers, vocab, warm))
+            elif args.phases:
+                line["decode_bs1_tok_s"] = round(decode(core, tiers, 1, vocab, warm)[0], 1)
+            else:
+                line.update(measure(core, tiers, vocab, warm))
             if resident is None:
                 roofline = roofline_tok_s(config, 1, PROMPT_LEN + TIMED_WINDOWS, bandwidth)
                 line["roofline_bs1_tok_s"] = round(roofline, 1)

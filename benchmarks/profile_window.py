@@ -50,7 +50,7 @@ def _decode_case(core, batch: int, vocab: int, windows: int = 10, top: int = 25)
     graphs = core.runner.graphs
     replay_ms = float("nan")
     if graphs is not None:
-        bucket = next(b for b in graphs.buckets if b >= batch)
+        bucket = next(b for b in graphs.buckets if b.decode and b.tokens >= batch)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(20):

@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
+#include <string>
 #include <vector>
 
 #ifdef _OPENMP
@@ -155,10 +156,13 @@ void expert_swiglu(uintptr_t x_ptr, uintptr_t gate_up_ptr, uintptr_t down_ptr, u
 // y [n, hidden] += the weighted SwiGLU of several experts of one layer, each over the rows routed to it:
 // expert experts[e] (an index into gate_up [E, 2 * inter, hidden] / down [E, hidden, inter], and their scales
 // [E, rows]) takes entries offsets[e] .. offsets[e + 1] of rows / weights. One call for a window's CPU share.
+// Every index is checked against n (rows of x and y), total (experts in gate_up / down) and entries (the
+// length of rows / weights) before any memory is read.
 void experts_swiglu_sum(uintptr_t x_ptr, uintptr_t gate_up_ptr, uintptr_t down_ptr, uintptr_t y_ptr,
                         uintptr_t gate_up_scales_ptr, uintptr_t down_scales_ptr, int64_t hidden, int64_t inter,
                         int kind_code, int threads, uintptr_t experts_ptr, uintptr_t offsets_ptr,
-                        uintptr_t rows_ptr, uintptr_t weights_ptr, int64_t count) {
+                        uintptr_t rows_ptr, uintptr_t weights_ptr, int64_t count, int64_t n, int64_t total,
+                        int64_t entries) {
     const Kind kind = checked_kind(kind_code, gate_up_scales_ptr, down_scales_ptr);
     const float* x = reinterpret_cast<const float*>(x_ptr);
     float* y = reinterpret_cast<float*>(y_ptr);
@@ -171,6 +175,20 @@ void experts_swiglu_sum(uintptr_t x_ptr, uintptr_t gate_up_ptr, uintptr_t down_p
     const auto* gate_up_scales = reinterpret_cast<const float*>(gate_up_scales_ptr);
     const auto* down_scales = reinterpret_cast<const float*>(down_scales_ptr);
     const int64_t gate_up_size = 2 * inter * hidden, down_size = hidden * inter;
+    if (offsets[0] != 0 || offsets[count] != entries) {
+        throw pybind11::value_error("offsets must bound each expert's entries of rows and weights");
+    }
+    for (int64_t e = 0; e < count; ++e) {
+        if (experts[e] < 0 || experts[e] >= total) {
+            throw pybind11::value_error("experts must be in [0, " + std::to_string(total) + ")");
+        }
+        if (offsets[e + 1] < offsets[e]) {
+            throw pybind11::value_error("offsets must bound each expert's entries of rows and weights");
+        }
+    }
+    for (int64_t k = 0; k < entries; ++k) {
+        if (rows[k] < 0 || rows[k] >= n) throw pybind11::value_error("rows must be in [0, " + std::to_string(n) + ")");
+    }
     pybind11::gil_scoped_release release;
     std::vector<float> xs, ys;
     for (int64_t e = 0; e < count; ++e) {

@@ -67,9 +67,10 @@ def experts_swiglu_sum_reference(
     down: torch.Tensor,
     gate_up_scales: torch.Tensor | None = None,
     down_scales: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`experts_swiglu_sum` in torch: expert by expert, each result weighted and added at its rows."""
-    y = torch.zeros(x.shape, dtype=torch.float32)
+    y = torch.zeros(x.shape, dtype=torch.float32) if out is None else out
     for i, expert in enumerate(experts.tolist()):
         first, last = int(offsets[i]), int(offsets[i + 1])
         picked = rows[first:last]
@@ -89,35 +90,32 @@ def experts_swiglu_sum(
     down: torch.Tensor,
     gate_up_scales: torch.Tensor | None = None,
     down_scales: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y [n, hidden] fp32: for each i, the SwiGLU of x [n, hidden] at rows[offsets[i]:offsets[i + 1]] through
     expert experts[i] of gate_up [E, 2 * inter, hidden] / down [E, hidden, inter] (int8 with fp32 scales
-    [E, rows]), weighted by those entries of `weights` and added at those rows; on the CPU, one call."""
+    [E, rows]), weighted by those entries of `weights` and added at those rows; on the CPU, one call.
+    With `out` (fp32, contiguous, shaped like x) the sums are added into it and it is returned."""
+    if out is not None and (out.shape != x.shape or out.dtype != torch.float32 or not out.is_contiguous()):
+        raise ValueError("out must be a contiguous fp32 tensor shaped like x")
     if _native is None:
         _warn_once()
         return experts_swiglu_sum_reference(
-            x, experts, offsets, rows, weights, gate_up, down, gate_up_scales, down_scales
+            x, experts, offsets, rows, weights, gate_up, down, gate_up_scales, down_scales, out
         )
     if gate_up.dim() != 3 or down.dim() != 3:
         raise ValueError(
             "stacked weights: gate_up [experts, 2 * inter, hidden], down [experts, hidden, inter]"
         )
-    scales = (None, None) if gate_up_scales is None else (gate_up_scales[0], down_scales[0])
-    _check(x, gate_up[0], down[0], *scales)
-    if gate_up_scales is not None and (gate_up_scales.dim() != 2 or not gate_up_scales.is_contiguous()):
-        raise ValueError("int8 scales of stacked weights: [experts, rows], contiguous")
+    _check(x, gate_up, down, gate_up_scales, down_scales, stacked=True)
     n = x.shape[0]
-    experts, offsets, rows = (t.to(torch.int64).contiguous() for t in (experts, offsets, rows))
-    weights = weights.float().contiguous()
+    experts, offsets, rows = _as(experts, torch.int64), _as(offsets, torch.int64), _as(rows, torch.int64)
+    weights = _as(weights, torch.float32)
     count = experts.numel()
-    if offsets.numel() != count + 1 or rows.numel() != weights.numel() or int(offsets[-1]) != rows.numel():
+    if offsets.numel() != count + 1 or rows.numel() != weights.numel():
         raise ValueError("offsets must bound each expert's entries of rows and weights")
-    if count and not _within(experts, gate_up.shape[0]):
-        raise ValueError(f"experts must be in [0, {gate_up.shape[0]})")
-    if rows.numel() and not _within(rows, n):
-        raise ValueError(f"rows must be in [0, {n})")
-    x = x.float().contiguous()
-    y = torch.zeros(x.shape, dtype=torch.float32)
+    x = _as(x, torch.float32)
+    y = torch.zeros(x.shape, dtype=torch.float32) if out is None else out
     _native.experts_swiglu_sum(
         x.data_ptr(),
         gate_up.data_ptr(),
@@ -134,13 +132,11 @@ def experts_swiglu_sum(
         rows.data_ptr(),
         weights.data_ptr(),
         count,
+        n,
+        gate_up.shape[0],
+        rows.numel(),
     )
     return y
-
-
-def _within(indices: torch.Tensor, bound: int) -> bool:
-    low, high = indices.aminmax()
-    return int(low) >= 0 and int(high) < bound
 
 
 def _warn_once() -> None:
@@ -183,30 +179,38 @@ def expert_swiglu(
     return y
 
 
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`t` contiguous and of `dtype` (itself when it already is: no call into torch)."""
+    return t if t.dtype == dtype and t.is_contiguous() else t.to(dtype).contiguous()
+
+
 def _check(
     x: torch.Tensor,
     gate_up: torch.Tensor,
     down: torch.Tensor,
     gate_up_scales: torch.Tensor | None,
     down_scales: torch.Tensor | None,
+    stacked: bool = False,
 ) -> None:
-    """The native kernel reads raw memory: everything on the CPU, contiguous, of matching shapes and kinds."""
-    hidden, inter = down.shape
-    if x.dim() != 2 or x.shape[1] != hidden or gate_up.shape != (2 * inter, hidden):
-        shapes = f"x {tuple(x.shape)}, gate_up {tuple(gate_up.shape)}, down {tuple(down.shape)}"
+    """The native kernel reads raw memory: everything on the CPU, contiguous, of matching shapes and kinds
+    (one expert's weights, or `stacked` ones with a leading experts dimension, scales [experts, rows])."""
+    lead = 1 if stacked else 0
+    hidden, inter = down.shape[lead:]
+    if x.dim() != 2 or x.shape[1] != hidden or gate_up.shape[lead:] != (2 * inter, hidden):
+        shapes = f"x {tuple(x.shape)}, gate_up {tuple(gate_up.shape[lead:])}, down {tuple(down.shape[lead:])}"
         raise ValueError(
             f"shapes {shapes}: want x [n, hidden], gate_up [2 * inter, hidden], down [hidden, inter]"
         )
     if gate_up.dtype != down.dtype or gate_up.dtype not in _KINDS:
         raise ValueError(f"weights of {gate_up.dtype} and {down.dtype}: both fp32, bf16 or int8")
-    tensors = [x, gate_up, down]
+    tensors = [gate_up, down]
     if gate_up.dtype == torch.int8:
         if gate_up_scales is None or down_scales is None:
             raise ValueError("int8 weights need their scales")
-        if gate_up_scales.shape != (2 * inter,) or down_scales.shape != (hidden,):
+        if gate_up_scales.shape[lead:] != (2 * inter,) or down_scales.shape[lead:] != (hidden,):
             raise ValueError("one scale per output row of each weight")
         if gate_up_scales.dtype != torch.float32 or down_scales.dtype != torch.float32:
             raise ValueError("scales are fp32")
         tensors += [gate_up_scales, down_scales]
-    if any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors[1:]):
+    if any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
         raise ValueError("weights and scales must be contiguous tensors in host memory")

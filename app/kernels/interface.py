@@ -21,7 +21,8 @@ AddNormKernel = Callable[
 ]
 GatedNormKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 LinearKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
-# several experts of a layer from host RAM: (x, experts, offsets, rows, weights, gate_up, down) -> their sum
+# several experts of a layer from host RAM: (x, experts, offsets, rows, weights, gate_up, down, out=None) ->
+# their sum (added into `out` where given)
 HostExpertsFn = Callable[..., torch.Tensor]
 RouteKernel = Callable[
     [torch.Tensor, int, bool, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]

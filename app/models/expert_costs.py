@@ -5,7 +5,9 @@ and pays per routed row) or copied to a staging slot on the device (its bytes cr
 rows it serves; the device's compute is small beside the copy). The two run at the same time, so a window's
 misses are split between them to make the slower side as fast as it can be: the experts with the most rows
 go over PCIe first (their CPU cost grows with rows, their copy does not), the rest stay on the CPU.
-`MissCosts` holds the machine's figures, measured at start (`measure`) or described (tests, experiments).
+`MissCosts` holds the machine's figures, measured at start (`measure`) or described (tests, experiments); the
+CPU pool's rate then follows what its runs take while serving (`observe_cpu`), so a figure measured on a busy
+host at start corrects itself within a few windows.
 """
 
 from __future__ import annotations
@@ -17,8 +19,10 @@ import torch
 
 from app.kernels.interface import HostExpertsFn
 
+OBSERVED_WEIGHT = 0.25  # how much one observed CPU pool run moves its rate
 
-@dataclass(frozen=True)
+
+@dataclass
 class MissCosts:
     """What one missed expert of `expert_bytes` costs on each side.
 
@@ -30,6 +34,15 @@ class MissCosts:
     pcie_bytes_s: float
     cpu_bytes_s: float
     cpu_row_s: float
+
+    def observe_cpu(self, experts: int, rows: int, seconds: float) -> None:
+        """Fold in a CPU pool run that took `seconds` for `experts` experts over `rows` routed rows in all:
+        the rate an expert is read at for one row moves a step towards what the run showed."""
+        if experts <= 0:
+            return
+        per_expert = (seconds - max(rows - experts, 0) * self.cpu_row_s) / experts
+        if per_expert > 0:
+            self.cpu_bytes_s += OBSERVED_WEIGHT * (self.expert_bytes / per_expert - self.cpu_bytes_s)
 
     def pcie_s(self) -> float:
         """Seconds to copy one expert to the device."""

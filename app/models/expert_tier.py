@@ -70,11 +70,10 @@ class ExpertStaging:
             self.down = torch.empty((self.slots, *down.shape[1:]), dtype=down.dtype, device=device)
 
     def load(
-        self, experts: list[int], host_slots: list[int], gate_up: torch.Tensor, down: torch.Tensor, total: int
-    ) -> torch.Tensor:
+        self, experts: list[int], host_slots: list[int], gate_up: torch.Tensor, down: torch.Tensor
+    ) -> dict[int, int]:
         """Queue the copies of `experts` (at most `slots`), held at `host_slots` of the host's gate_up / down,
-        into the staging slots (a run of consecutive host slots as one copy); returns each of the layer's
-        `total` experts' staging slot, -1 for none."""
+        into the staging slots (a run of consecutive host slots as one copy); returns each one's slot."""
         assert self.gate_up is not None and self.down is not None
         order = sorted(range(len(experts)), key=lambda i: host_slots[i])
         ordered = [host_slots[i] for i in order]
@@ -87,9 +86,66 @@ class ExpertStaging:
             self.gate_up[start:end].copy_(gate_up[first:last], non_blocking=True)
             self.down[start:end].copy_(down[first:last], non_blocking=True)
             start = end
-        stage_of = torch.full((total,), -1, dtype=torch.long)
-        stage_of[[experts[i] for i in order]] = torch.arange(len(order))
-        return stage_of
+        return {experts[i]: slot for slot, i in enumerate(order)}
+
+
+class HostLink:
+    """Pinned host buffers through which a small window's tiered layers and the host step at each layer's
+    cut talk, so the step itself issues no device work. The graph before the cut packs the layer's routing
+    (padding rows' entries pointing past the experts), routing weights and input, all as fp32, into one
+    buffer, copies it to `down` and records `ready`; the step waits for that (`wait`, `read`), plans, queues
+    the staging copies and runs the CPU pool into the sums of `up`, after each expert's staging slot (-1 for
+    none); the graph after the cut copies `up` to the device in one piece (`unpack`). One link serves every
+    layer of a model: the layers run one after another and each step waits for its layer's copy, by when
+    the copies of the layer before it have run."""
+
+    def __init__(self, entries: int, hidden: int, experts: int) -> None:
+        self.entries, self.hidden, self.experts = entries, hidden, experts
+        self.down = torch.empty(entries * (2 + hidden), dtype=torch.float32, pin_memory=True)
+        self.up = torch.zeros(experts + entries * hidden, dtype=torch.float32, pin_memory=True)
+        self.up[:experts] = -1
+        self._stage_of = self.up[:experts].numpy()  # written item by item without torch's per-call cost
+        self.ready = torch.cuda.Event(external=True)
+        self.summed_rows = 0  # rows of the sums the last step wrote (zeroed before the next one)
+        self.staged: list[int] = []  # experts the staging map names now
+
+    def pack(self, ids: torch.Tensor, weights: torch.Tensor, x: torch.Tensor) -> None:
+        """(Captured) copy a layer's routing ids / weights [rows, k] and input x [rows, hidden] to `down`."""
+        packed = torch.cat([ids.flatten().float(), weights.flatten().float(), x.flatten().float()])
+        self.down[: packed.numel()].copy_(packed, non_blocking=True)
+        self.ready.record()
+
+    def wait(self) -> None:
+        """Wait until the device has copied the layer's routing and input here (`ready`)."""
+        self.ready.synchronize()
+
+    def read(self, rows: int, width: int) -> tuple[list[float], list[float], torch.Tensor, torch.Tensor]:
+        """What `pack` copied for `rows` rows of `width` picks: ids and weights as lists, x [rows, hidden]
+        (pinned, fp32), and the sums [rows, hidden] the CPU pool adds into (zero: what the last step's pool
+        added is cleared here)."""
+        entries = rows * width
+        picks = self.down[: 2 * entries].tolist()
+        x = self.down[2 * entries : 2 * entries + rows * self.hidden].view(rows, self.hidden)
+        if self.summed_rows:
+            self.up[self.experts : self.experts + self.summed_rows * self.hidden].zero_()
+            self.summed_rows = 0
+        sums = self.up[self.experts : self.experts + rows * self.hidden].view(rows, self.hidden)
+        return picks[:entries], picks[entries:], x, sums
+
+    def name_staged(self, staged: dict[int, int]) -> None:
+        """The staging map names the experts of `staged` (expert -> staging slot) and no others."""
+        for expert in self.staged:
+            self._stage_of[expert] = -1
+        for expert, slot in staged.items():
+            self._stage_of[expert] = slot
+        self.staged = list(staged)
+
+    def unpack(self, rows: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(Captured) the staging map [experts] (int64) and the CPU pool's sums [rows, hidden] (fp32) on
+        `device`, copied from `up` in one piece."""
+        up = torch.empty(self.experts + rows * self.hidden, dtype=torch.float32, device=device)
+        up.copy_(self.up[: up.numel()], non_blocking=True)
+        return up[: self.experts].long(), up[self.experts :].view(rows, self.hidden)
 
 
 class TieredExperts(nn.Module):
@@ -141,6 +197,7 @@ class TieredExperts(nn.Module):
         )  # `host_of` as a tensor (host)
         self.heat: torch.Tensor | None = None  # routed entries per expert since the last adaptation, decayed
         self.staging: ExpertStaging | None = None  # with `costs`: misses may go over PCIe (`use_staging`)
+        self.link: HostLink | None = None  # pinned buffers small captured windows' host steps use
         self.costs: MissCosts | None = None
         self.pcie_frac: float | None = None  # forces this share of a window's missed experts over PCIe
         self.served = [0, 0, 0]  # routed entries served from VRAM / CPU / PCIe since `take_counts`
@@ -390,47 +447,64 @@ class TieredExperts(nn.Module):
         live: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Resident experts' entries with the experts kernel on the device (the others weighted 0 there), the
-        missed ones where the costs send them (`_serve_misses`); the sums added on the device."""
-        stage_of, host = self._serve_misses(x, top_ids, top_weights, live)
+        missed ones where the costs send them; the sums added on the device. A small window's routing is
+        read whole to the host (`_serve_small`), a large one's counted per expert on the device
+        (`_serve_large`)."""
+        ids = self._masked(top_ids, live)
+        host: tuple[torch.Tensor | None, torch.Tensor] | None = None
+        if ids.numel() <= HOST_READ_ENTRIES:
+            read_ids, read_x, read_weights = self._to_host(ids, x.float(), top_weights.float())
+            sums = torch.zeros(read_x.shape, dtype=torch.float32)
+            staged, pooled = self._serve_small(
+                read_ids.flatten().tolist(), ids.shape[1], read_x, read_weights.flatten().tolist(), sums
+            )
+            host = (None, sums) if pooled else None
+        else:
+            staged, host = self._serve_large(x, ids, top_ids, top_weights)
         out = self._resident(x, top_ids, top_weights)
-        if stage_of is not None:
+        if staged:
+            stage_of = torch.full((len(self.slots),), -1, dtype=torch.long)
+            stage_of[list(staged)] = torch.tensor(list(staged.values()))
             out = out + self._staged(x, stage_of.to(x.device, non_blocking=True)[top_ids], top_weights, live)
         if host is not None:
             rows, sums = host
-            out = out.index_add(0, rows, sums.to(x.device, dtype=x.dtype, non_blocking=True))
+            sums = sums.to(x.device, dtype=x.dtype, non_blocking=True)
+            out = out + sums if rows is None else out.index_add(0, rows, sums)
         return out
+
+    def _masked(self, top_ids: torch.Tensor, live: torch.Tensor | None) -> torch.Tensor:
+        """The routing with padding rows' entries (`live` 0) pointing past the experts."""
+        return top_ids if live is None else top_ids.masked_fill(live[:, None] == 0, len(self.slots))
 
     def _captured(
         self, x: torch.Tensor, top_ids: torch.Tensor, top_weights: torch.Tensor, live: torch.Tensor | None
     ) -> torch.Tensor:
         """Under a piecewise capture (`pieces`): the resident experts' sum in the graph being captured, then a
-        cut. The host step at the cut plans the misses, queues the staging copies and fills two buffers the
-        next graph reads: each expert's staging slot (the entries of staged experts run there) and the CPU
-        pool's sum."""
+        cut. The host step at the cut plans the misses, queues the staging copies and hands the next graph
+        each expert's staging slot (the entries of staged experts run there) and the CPU pool's sum. A small
+        window talks to its step through the pinned `HostLink` alone (the step launches nothing on the
+        device, and waits only for the copies to the host, not for the resident experts)."""
         assert self.pieces is not None and self.slot_of is not None
+        ids = self._masked(top_ids, live)
+        link = self.link
+        if link is None or ids.numel() > min(HOST_READ_ENTRIES, link.entries):
+            return self._captured_large(x, ids, top_ids, top_weights, live)
+        rows, width = ids.shape
+        link.pack(ids, top_weights, x)
         out = self._resident(x, top_ids, top_weights)
-        # in the graphs' pool, kept by the step: the same memory at every replay
-        stage_of = torch.full_like(self.slot_of, -1)
-        host_sum = torch.zeros_like(x)
-        cleared = [True, True]  # whether each buffer holds nothing yet (so a step need not clear it again)
 
         def step() -> None:
-            staged, host = self._serve_misses(x, top_ids, top_weights, live)
-            if staged is not None:
-                stage_of.copy_(staged, non_blocking=True)
-            elif not cleared[0]:
-                stage_of.fill_(-1)
-            if host is not None or not cleared[1]:
-                host_sum.zero_()
-            if host is not None:
-                rows, sums = host
-                host_sum.index_copy_(0, rows, sums.to(x.device, dtype=x.dtype, non_blocking=True))
-            cleared[:] = [staged is None, host is None]
+            link.wait()
+            picks, weights, x_host, sums = link.read(rows, width)
+            staged, pooled = self._serve_small(picks, width, x_host, weights, sums)
+            link.name_staged(staged)
+            link.summed_rows = rows if pooled else 0
 
         self.pieces.cut(step)
+        stage_of, sums = link.unpack(rows, x.device)
         if self.staging is not None:
             out = out + self._staged(x, stage_of[top_ids], top_weights, live)
-        return out + host_sum
+        return out + sums.to(x.dtype)
 
     def _resident(self, x: torch.Tensor, top_ids: torch.Tensor, top_weights: torch.Tensor) -> torch.Tensor:
         """The resident experts' entries through the experts kernel (the others weighted 0); device work
@@ -453,63 +527,138 @@ class TieredExperts(nn.Module):
             x, staged.clamp_min(0), top_weights * (staged >= 0), self.staging.gate_up, self.staging.down
         )
 
-    def _serve_misses(
-        self, x: torch.Tensor, top_ids: torch.Tensor, top_weights: torch.Tensor, live: torch.Tensor | None
-    ) -> tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
-        """The entries of experts in host RAM only (padding rows, where `live` is 0, left out), split by the
-        costs (`MissCosts.plan`): the experts with most rows copied into staging slots (queued here), the
-        others run now by the CPU pool. Returns each expert's staging slot [experts] (-1: none) on the host,
-        and the rows the CPU pool computed (on the device) with their sums (fp32, on the host); None where
-        that side has nothing. Counts where every entry was served.
+    def _captured_large(
+        self,
+        x: torch.Tensor,
+        ids: torch.Tensor,
+        top_ids: torch.Tensor,
+        top_weights: torch.Tensor,
+        live: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """`_captured` for a window too large to read its routing whole (`_serve_large`): the step fills two
+        buffers of the graphs' pool, each expert's staging slot and the CPU pool's sum."""
+        assert self.pieces is not None and self.slot_of is not None
+        out = self._resident(x, top_ids, top_weights)
+        # in the graphs' pool, kept by the step: the same memory at every replay
+        stage_of = torch.full_like(self.slot_of, -1)
+        host_sum = torch.zeros_like(x)
+        cleared = [True, True]  # whether each buffer holds nothing yet (so a step need not clear it again)
 
-        A small window's routing and input are read to the host at once (one wait for the layer so far); a
-        large one's entries per expert are counted on the device and only those counts, then the rows and
-        entries the CPU pool computes, are read (its routing is far larger than what the host needs)."""
+        def step() -> None:
+            staged, host = self._serve_large(x, ids, top_ids, top_weights)
+            if staged or not cleared[0]:
+                stage_of.fill_(-1)
+            if staged:
+                slots = torch.tensor(list(staged.values()))
+                stage_of[list(staged)] = slots.to(x.device, non_blocking=True)
+            if host is not None or not cleared[1]:
+                host_sum.zero_()
+            if host is not None:
+                rows, sums = host
+                host_sum.index_copy_(0, rows, sums.to(x.device, dtype=x.dtype, non_blocking=True))
+            cleared[:] = [not staged, host is None]
+
+        self.pieces.cut(step)
+        if self.staging is not None:
+            out = out + self._staged(x, stage_of[top_ids], top_weights, live)
+        return out + host_sum
+
+    def _serve_small(
+        self, ids: list, width: int, x: torch.Tensor, weights: list[float], sums: torch.Tensor
+    ) -> tuple[dict[int, int], bool]:
+        """A small window's misses from its routing read to the host: `ids` its entries row by row (`width`
+        a row; integers, or floats holding them), padding rows' entries pointing past the experts, and their
+        `weights`; x [rows, hidden] fp32 on the host. The experts with most rows are copied into staging
+        slots (queued here) as the costs say (`MissCosts.plan`), the others run now by the CPU pool, their
+        sums added into `sums` [rows, hidden] (fp32, host). Returns the staged experts' slots and whether the
+        CPU pool ran; counts where every entry was served."""
+        experts, slots = len(self.slots), self.slots
+        picked: dict[int, list[int]] = {}
+        on_device = 0
+        for entry, pick in enumerate(ids):
+            expert = int(pick)
+            if expert >= experts:
+                continue
+            if slots[expert] >= 0:
+                on_device += 1
+            else:
+                picked.setdefault(expert, []).append(entry)
+        self.served[VRAM] += on_device
+        if not picked:
+            return {}, False
+        missed = sorted(picked, key=lambda e: (-len(picked[e]), e))  # most rows first, ties in expert order
+        staged = self._stage(missed, [len(picked[e]) for e in missed])
+        on_cpu = sorted(missed[len(staged) :])
+        if not on_cpu:
+            return staged, False
+        entries = [entry for expert in on_cpu for entry in picked[expert]]
+        offsets = [0]
+        for expert in on_cpu:
+            offsets.append(offsets[-1] + len(picked[expert]))
+        self.served[CPU] += len(entries)
+        began = time.perf_counter()
+        self.host_kernel(
+            x,
+            torch.tensor([self.host_of[e] for e in on_cpu]),
+            torch.tensor(offsets),
+            torch.tensor([entry // width for entry in entries]),
+            torch.tensor([weights[entry] for entry in entries]),
+            self.host_gate_up,
+            self.host_down,
+            out=sums,
+        )
+        if self.costs is not None:
+            self.costs.observe_cpu(len(on_cpu), len(entries), time.perf_counter() - began)
+        return staged, True
+
+    def _stage(self, missed: list[int], rows: list[int]) -> dict[int, int]:
+        """Queue the copies of as many of the `missed` experts (most rows first, `rows` each) as the costs
+        send over PCIe into staging slots; returns their slots (expert -> slot) and counts them."""
+        if self.staging is None or self.costs is None:
+            return {}
+        copied = min(self.costs.plan(rows, self.pcie_frac), self.staging.slots)
+        if not copied:
+            return {}
+        hosts = [self.host_of[e] for e in missed[:copied]]
+        self.served[PCIE] += sum(rows[:copied])
+        self.pcie_bytes += copied * self.expert_bytes()
+        return self.staging.load(missed[:copied], hosts, self.host_gate_up, self.host_down)
+
+    def _serve_large(
+        self, x: torch.Tensor, ids: torch.Tensor, top_ids: torch.Tensor, top_weights: torch.Tensor
+    ) -> tuple[dict[int, int], tuple[torch.Tensor, torch.Tensor] | None]:
+        """A large window's misses (`ids`: its routing, padding rows' entries pointing past the experts): its
+        entries per expert are counted on the device and only those counts read, then the rows and entries
+        the CPU pool computes (its routing is far larger than what the host needs). Split as in
+        `_serve_small`; returns the staged experts' slots and the rows the CPU pool computed (on the device)
+        with their sums (fp32, on the host), None where the pool had nothing."""
         experts = len(self.slots)
-        ids = top_ids if live is None else top_ids.masked_fill(live[:, None] == 0, experts)
-        read: list[torch.Tensor] = []
-        if ids.numel() <= HOST_READ_ENTRIES:
-            read = self._to_host(ids, x, top_weights)
-            counts = torch.bincount(read[0].flatten(), minlength=experts + 1)[:experts]
-        else:
-            counts = torch.zeros(experts + 1, dtype=torch.int64, device=x.device)
-            counts.index_add_(0, ids.flatten(), torch.ones_like(ids).flatten())
-            counts = self._to_host(counts[:experts])[0]
+        counts = torch.zeros(experts + 1, dtype=torch.int64, device=x.device)
+        counts.index_add_(0, ids.flatten(), torch.ones_like(ids).flatten())
         on_device, by_rows = 0, []
-        for expert, count in enumerate(counts.tolist()):
+        for expert, count in enumerate(self._to_host(counts[:experts])[0].tolist()):
             if count and self.slots[expert] >= 0:
                 on_device += count
             elif count:
                 by_rows.append((count, expert))
         self.served[VRAM] += on_device
         if not by_rows:
-            return None, None
+            return {}, None
         by_rows.sort(key=lambda pair: -pair[0])  # most rows first; stable, so ties in expert order
         rows, missed = [count for count, _ in by_rows], [expert for _, expert in by_rows]
-        copied = 0
-        if self.staging is not None and self.costs is not None:
-            copied = min(self.costs.plan(rows, self.pcie_frac), self.staging.slots)
-        stage_of = None
-        if copied:
-            assert self.staging is not None
-            hosts = [self.host_of[e] for e in missed[:copied]]
-            stage_of = self.staging.load(missed[:copied], hosts, self.host_gate_up, self.host_down, experts)
-            self.served[PCIE] += sum(rows[:copied])
-            self.pcie_bytes += copied * self.expert_bytes()
-        if copied == len(missed):
-            return stage_of, None
-        self.served[CPU] += sum(rows[copied:])
-        if read:
-            return stage_of, self._pool_read(x.device, set(missed[copied:]), *read)
+        staged = self._stage(missed, rows)
+        if len(staged) == len(missed):
+            return staged, None
+        self.served[CPU] += sum(rows[len(staged) :])
         on_cpu = torch.zeros(experts + 1, dtype=torch.bool)
-        on_cpu[missed[copied:]] = True
+        on_cpu[missed[len(staged) :]] = True
         entries = on_cpu.to(x.device, non_blocking=True)[ids].nonzero()
         rows_needed, local = entries[:, 0].unique(return_inverse=True)
         picked = (entries[:, 0], entries[:, 1])
         x_host, local, entry_ids, entry_weights = self._to_host(
             x[rows_needed], local, top_ids[picked], top_weights[picked]
         )
-        return stage_of, (rows_needed, self._pool(x_host, local, entry_ids, entry_weights))
+        return staged, (rows_needed, self._pool(x_host, local, entry_ids, entry_weights))
 
     @staticmethod
     def _to_host(*tensors: torch.Tensor) -> list[torch.Tensor]:
@@ -536,42 +685,6 @@ class TieredExperts(nn.Module):
             gate, up = F.linear(x[picked], gate_up).chunk(2, dim=-1)
             y = F.linear(F.silu(gate) * up, down) * weights[offsets[i] : offsets[i + 1], None]
             out.index_add_(0, picked, y)
-
-    def _pool_read(
-        self,
-        device: torch.device,
-        on_cpu: set[int],
-        ids: torch.Tensor,
-        x: torch.Tensor,
-        top_weights: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """A small window's CPU share from its routing read whole (`ids`: padding rows' entries pointing past
-        the experts): the entries of the `on_cpu` experts grouped by expert in plain Python (a few dozen at
-        most), one call of the CPU pool's kernel; its sums with their rows (on `device`)."""
-        width = ids.shape[1]
-        weights = top_weights.flatten().tolist()
-        picked: dict[int, list[int]] = {}
-        for entry, expert in enumerate(ids.flatten().tolist()):
-            if expert in on_cpu:
-                picked.setdefault(expert, []).append(entry)
-        needed = sorted({entry // width for entries in picked.values() for entry in entries})
-        local = {row: i for i, row in enumerate(needed)}
-        order = sorted(picked)
-        rows, entry_weights, offsets = [], [], [0]
-        for expert in order:
-            rows += [local[entry // width] for entry in picked[expert]]
-            entry_weights += [weights[entry] for entry in picked[expert]]
-            offsets.append(len(rows))
-        sums = self.host_kernel(
-            x[needed],
-            torch.tensor([self.host_of[e] for e in order]),
-            torch.tensor(offsets),
-            torch.tensor(rows),
-            torch.tensor(entry_weights, dtype=torch.float32),
-            self.host_gate_up,
-            self.host_down,
-        )
-        return torch.tensor(needed).to(device, non_blocking=True), sums
 
     def _pool(
         self, x: torch.Tensor, rows: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
@@ -634,6 +747,7 @@ def use_staging(tiers: list[TieredExperts], pcie_frac: float | None = None) -> M
     staging.allocate(first.host_gate_up, first.host_down, device)
     held = first.experts - first.resident  # host slots with an expert in them (the last one is free)
     costs = measure(first.host_kernel, first.host_gate_up[:held], first.host_down[:held], device)
+    link = HostLink(HOST_READ_ENTRIES, first.host_gate_up.shape[2], first.experts)
     for tier in tiers:
-        tier.staging, tier.costs, tier.pcie_frac = staging, costs, pcie_frac
+        tier.staging, tier.costs, tier.pcie_frac, tier.link = staging, costs, pcie_frac, link
     return costs
