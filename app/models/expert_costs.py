@@ -20,6 +20,7 @@ import torch
 from app.kernels.interface import HostExpertsFn
 
 OBSERVED_WEIGHT = 0.25  # how much one observed CPU pool run moves its rate
+PROBE_EVERY = 64  # plans sending every miss over PCIe before one leaves an expert to the CPU pool, to time it
 
 
 @dataclass
@@ -34,12 +35,14 @@ class MissCosts:
     pcie_bytes_s: float
     cpu_bytes_s: float
     cpu_row_s: float
+    unobserved: int = 0  # plans since the CPU pool last ran that sent every missed expert over PCIe
 
     def observe_cpu(self, experts: int, rows: int, seconds: float) -> None:
         """Fold in a CPU pool run that took `seconds` for `experts` experts over `rows` routed rows in all:
         the rate an expert is read at for one row moves a step towards what the run showed."""
         if experts <= 0:
             return
+        self.unobserved = 0
         per_expert = (seconds - max(rows - experts, 0) * self.cpu_row_s) / experts
         if per_expert > 0:
             self.cpu_bytes_s += OBSERVED_WEIGHT * (self.expert_bytes / per_expert - self.cpu_bytes_s)
@@ -56,7 +59,9 @@ class MissCosts:
         """How many of the missed experts, taken in order of most rows first, go over PCIe.
 
         `rows` is each missed expert's routed rows, sorted descending; the split makes max(copy time, CPU
-        time) smallest. `pcie_frac` forces that share of the experts (rounded) over PCIe instead.
+        time) smallest. `pcie_frac` forces that share of the experts (rounded) over PCIe instead. A CPU rate
+        measured too low would never be corrected by observed runs, so every PROBE_EVERY-th plan that would
+        send everything over PCIe leaves the expert with fewest rows to the CPU pool.
         """
         if pcie_frac is not None:
             return round(pcie_frac * len(rows))
@@ -68,6 +73,11 @@ class MissCosts:
             seconds = max(taken * copy, cpu_left)
             if seconds < best_s:
                 best, best_s = taken, seconds
+        if best == len(rows) > 1:
+            self.unobserved += 1
+            if self.unobserved >= PROBE_EVERY:
+                self.unobserved = 0
+                return best - 1
         return best
 
 

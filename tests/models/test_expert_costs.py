@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.models.expert_costs import MissCosts
+from app.models.expert_costs import PROBE_EVERY, MissCosts
 
 EXPERT = 9_437_184  # one Qwen3-30B-A3B expert in bf16: 3 x 2048 x 768 x 2 bytes
 H200_HOST = MissCosts(EXPERT, pcie_bytes_s=55e9, cpu_bytes_s=60e9, cpu_row_s=150e-6)  # 16 cores, PCIe 5
@@ -41,3 +41,15 @@ def test_the_experts_with_most_rows_go_first_and_the_split_is_no_worse_than_eith
 @pytest.mark.parametrize(("frac", "copied"), [(0.0, 0), (0.5, 4), (1.0, 8)])
 def test_pcie_frac_forces_the_share(frac: float, copied: int) -> None:
     assert RISER.plan([1] * 8, pcie_frac=frac) == copied
+
+
+def test_a_cpu_rate_measured_too_low_is_probed_and_corrected_by_what_the_pool_takes() -> None:
+    """A busy host at start measured the CPU pool at 0.8 GB/s: every miss goes over PCIe, until a plan leaves
+    one expert to the pool to time it; what that run takes moves the rate, and the split follows."""
+    costs = MissCosts(EXPERT, pcie_bytes_s=52e9, cpu_bytes_s=0.8e9, cpu_row_s=30e-6)
+    plans = [costs.plan([1] * 8) for _ in range(PROBE_EVERY)]
+    assert plans[:-1] == [8] * (PROBE_EVERY - 1) and plans[-1] == 7
+    for _ in range(12):  # the pool reads an expert at 50 GB/s
+        costs.observe_cpu(1, 1, EXPERT / 50e9)
+    assert 45e9 < costs.cpu_bytes_s < 50e9
+    assert 3 <= costs.plan([1] * 8) <= 5 and costs.unobserved == 0
