@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
 from app.loading.loader import load_model
 from app.random_model import CONFIG, write_random_model
 from app.text.tokenizer import Tokenizer
@@ -14,8 +12,8 @@ from app.text.tokenizer import Tokenizer
 def test_the_random_model_is_a_loadable_hf_directory(tmp_path: Path) -> None:
     path = tmp_path / "random"
     write_random_model(path)
-    model, _ = load_model(path, dtype="auto", progress=False)
-    assert model.model.embed_tokens.weight.dtype == torch.bfloat16 and model.mtp is not None
+    model, checkpoint = load_model(path, dtype="auto", progress=False)
+    assert checkpoint.config.dtype == "bfloat16" and model.mtp is not None
     assert model.config.num_experts == CONFIG["num_experts"]
     assert Tokenizer.from_dir(path).vocab_size == CONFIG["vocab_size"]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging directory left

@@ -109,7 +109,7 @@ class EngineCore:
             path = config.model or default_model_dir()
             resident = config.expert_cache
             if config.expert_vram is not None:
-                resident = experts_within(path, config.dtype, config.expert_vram)
+                resident = experts_within(path, config.dtype, config.expert_vram, self.device)
                 log.info(
                     "--expert-vram holds %s experts a layer",
                     "every one of the" if resident is None else resident,
@@ -125,6 +125,7 @@ class EngineCore:
             )
         self.loaded = loaded
         model = loaded.model
+        log.info("weights in %s (--dtype %s)", str(self._dtype).removeprefix("torch."), config.dtype)
         self.max_model_len = min(
             config.max_model_len or model.config.max_position_embeddings, model.config.max_position_embeddings
         )
@@ -248,6 +249,7 @@ class EngineCore:
             eos_token_ids=list(self.loaded.eos_token_ids),
             backends=self.backends.name,
             device=self.device,
+            dtype=str(self._dtype).removeprefix("torch."),
             prefix_cache=self.config.prefix_cache,
         )
 

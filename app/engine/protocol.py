@@ -246,6 +246,7 @@ class Ready(msgspec.Struct, tag="ready", frozen=True):
     eos_token_ids: list[int]
     backends: str = ""
     device: str = ""
+    dtype: str = ""  # the weights' dtype (`--dtype auto` chooses by device)
     prefix_cache: bool = False
 
 

@@ -10,8 +10,9 @@ import pytest
 import torch
 from checkpoints import write_checkpoint
 
+from app.default_model import DEMO_MODEL_DIR
 from app.loading.checkpoint import CheckpointDir
-from app.loading.loader import load_model
+from app.loading.loader import load_model, resolve_dtype
 from app.loading.progress import Progress
 
 
@@ -31,6 +32,18 @@ def test_dtype_is_chosen_at_load(tmp_path: Path) -> None:
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     auto, _ = load_model(path, dtype="auto", progress=False)
     assert {p.dtype for p in auto.parameters()} == {torch.float32}
+
+
+def test_auto_widens_16_bit_weights_to_fp32_on_a_cpu_where_they_fit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The demo model is stored in bf16: a GPU keeps it, a CPU computes it in fp32 (faster there), unless
+    fp32 weights would take more than their share of the host's RAM."""
+    demo = CheckpointDir(DEMO_MODEL_DIR)
+    assert demo.config.dtype == "bfloat16"
+    assert resolve_dtype("auto", demo, "cuda") == torch.bfloat16
+    assert resolve_dtype("auto", demo, "cpu") == torch.float32
+    assert resolve_dtype("bfloat16", demo, "cpu") == torch.bfloat16
+    monkeypatch.setattr("app.loading.loader.CPU_FP32_RAM_SHARE", 0.0)
+    assert resolve_dtype("auto", demo, "cpu") == torch.bfloat16
 
 
 def test_mtp_tensors_load_into_the_mtp_head(tmp_path: Path) -> None:
