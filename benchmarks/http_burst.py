@@ -8,7 +8,8 @@ Starts `strata serve` on the model (its own engine process, as a user would), th
 - solo: one stream (a 128-token prompt, `--output-len` tokens); decode tok/s after its first token;
 - burst: `--clients` streams arriving together with `--prompt-len`-token prompts: time to first token
   p50 / max, inter-token latency p50 / p95 over every stream's gaps, the whole burst's time, and the busiest
-  card's `strata:gpu_*` figures in /metrics half a second in (`burst_gpu_*`);
+  card's `strata:gpu_*` figures in /metrics at the busiest of the scrapes taken every half second while the
+  streams run (`burst_gpu_*`);
 - observer: one stream decoding alone, then `--clients - 1` peers' prompts arrive together; its tok/s from
   their arrival until the last peer's first token, over its solo tok/s just before;
 - long peers (with `--long-peers N`): the same with N peers of `--long-prompt-len` tokens.
@@ -147,16 +148,27 @@ async def solo(client: Client, output_len: int) -> dict[str, float]:
 
 
 async def burst(client: Client, clients: int, prompt_len: int, output_len: int) -> dict[str, float]:
-    """`clients` streams at once; midway, the busiest card's figures as /metrics shows them."""
+    """`clients` streams at once; the busiest card's figures as /metrics shows them, scraped every half
+    second while the streams run, at the scrape where it was busiest (the server samples the cards about once
+    a second, and NVML averages utilisation over up to a second: a burst shorter than that shows little)."""
+    done = asyncio.Event()
 
-    async def scrape_midway() -> dict[str, float]:
-        await asyncio.sleep(0.5)
-        return await client.cards()
+    async def scrape_while_running() -> dict[str, float]:
+        busiest: dict[str, float] = {}
+        while not done.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(done.wait(), 0.5)
+            if not done.is_set():
+                card = await client.cards()
+                if card.get("utilization_ratio", 0.0) >= busiest.get("utilization_ratio", -1.0):
+                    busiest = card
+        return busiest
 
     began = time.perf_counter()
-    scrape = asyncio.create_task(scrape_midway())
+    scrape = asyncio.create_task(scrape_while_running())
     streams = await asyncio.gather(*(client.stream(prompt_len, output_len) for _ in range(clients)))
     wall = time.perf_counter() - began
+    done.set()
     card = await scrape
     ttfts = [s.ttft for s in streams]
     gaps = [g for s in streams for g in s.gaps()]
