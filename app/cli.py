@@ -56,7 +56,7 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--backend",
         default=defaults.backend,
-        help="compute backends (auto, triton, torch; auto: triton on CUDA)",
+        help="compute backends (auto, triton, torch, cpu; auto: triton on CUDA, cpu on a CPU)",
     )
     parser.add_argument(
         "--exact",

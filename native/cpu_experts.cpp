@@ -38,10 +38,11 @@ inline float bf16_to_f32(uint16_t v) {
 constexpr int TILE = 4;  // tokens whose dot products share one pass over a weight row
 
 // Dot products of one weight row (length `cols`, converted to fp32 by `load`) with TILE token vectors at once,
-// so each weight is read and converted once per tile. acc[k] gets row . xs[k].
+// so each weight is read and converted once per tile. acc[k] gets row . xs[k]. With `invariant` a lone row
+// takes the same tile pass as a full tile (padded), so its result does not depend on how many rows came.
 template <typename Load>
-inline void dot_tile(Load load, int64_t cols, const float* const* xs, int count, float* acc) {
-    if (count == 1) {  // a decode row alone: one dot product, no padding work
+inline void dot_tile(Load load, int64_t cols, const float* const* xs, int count, bool invariant, float* acc) {
+    if (count == 1 && !invariant) {  // a decode row alone: one dot product, no padding work
         const float* x0 = xs[0];
         float a0 = 0.0f;
 #pragma omp simd reduction(+ : a0)
@@ -70,21 +71,21 @@ inline void dot_tile(Load load, int64_t cols, const float* const* xs, int count,
 
 // One weight row dotted with `count` (up to TILE) token vectors (`xs` padded by repeating its first), in fp32.
 inline void dot_row(const void* weights, Kind kind, int64_t row, int64_t cols, const float* scales,
-                    const float* const* xs, int count, float* acc) {
+                    const float* const* xs, int count, bool invariant, float* acc) {
     switch (kind) {
         case Kind::F32: {
             const float* w = static_cast<const float*>(weights) + row * cols;
-            dot_tile([w](int64_t c) { return w[c]; }, cols, xs, count, acc);
+            dot_tile([w](int64_t c) { return w[c]; }, cols, xs, count, invariant, acc);
             return;
         }
         case Kind::BF16: {
             const uint16_t* w = static_cast<const uint16_t*>(weights) + row * cols;
-            dot_tile([w](int64_t c) { return bf16_to_f32(w[c]); }, cols, xs, count, acc);
+            dot_tile([w](int64_t c) { return bf16_to_f32(w[c]); }, cols, xs, count, invariant, acc);
             return;
         }
         case Kind::I8: {
             const int8_t* w = static_cast<const int8_t*>(weights) + row * cols;
-            dot_tile([w](int64_t c) { return static_cast<float>(w[c]); }, cols, xs, count, acc);
+            dot_tile([w](int64_t c) { return static_cast<float>(w[c]); }, cols, xs, count, invariant, acc);
             for (int k = 0; k < count; ++k) acc[k] *= scales[row];
             return;
         }
@@ -94,30 +95,32 @@ inline void dot_row(const void* weights, Kind kind, int64_t row, int64_t cols, c
 
 inline float silu(float v) { return v / (1.0f + std::exp(-v)); }
 
-// y [n, hidden] = SwiGLU of x [n, hidden] through one expert: gate_up [2 * inter, hidden], down [hidden, inter].
-void swiglu(const float* x, const void* gate_up, const void* down, float* y, const float* gate_up_scales,
-            const float* down_scales, int64_t n, int64_t hidden, int64_t inter, Kind kind, int threads) {
-    std::vector<float> h(static_cast<size_t>(n * inter));
+// y [n, hidden] = SwiGLU of x [n, hidden] through one expert: gate_up [2 * inter, hidden], down [hidden, inter];
+// h [n * inter] is scratch. Called by every thread of an OpenMP team (each `omp for` splits its output rows
+// between them and ends in a barrier), or by one thread alone.
+void swiglu_team(const float* x, const void* gate_up, const void* down, float* y, float* h,
+                 const float* gate_up_scales, const float* down_scales, int64_t n, int64_t hidden, int64_t inter,
+                 Kind kind, bool invariant) {
     for (int64_t first = 0; first < n; first += TILE) {
         const int count = static_cast<int>(std::min<int64_t>(TILE, n - first));
         const float* xs[TILE];
         for (int k = 0; k < TILE; ++k) xs[k] = x + (first + (k < count ? k : 0)) * hidden;
-#pragma omp parallel for schedule(static) num_threads(threads)
+#pragma omp for schedule(static)
         for (int64_t j = 0; j < inter; ++j) {
             float gate[TILE], up[TILE];
-            dot_row(gate_up, kind, j, hidden, gate_up_scales, xs, count, gate);
-            dot_row(gate_up, kind, inter + j, hidden, gate_up_scales, xs, count, up);
+            dot_row(gate_up, kind, j, hidden, gate_up_scales, xs, count, invariant, gate);
+            dot_row(gate_up, kind, inter + j, hidden, gate_up_scales, xs, count, invariant, up);
             for (int k = 0; k < count; ++k) h[(first + k) * inter + j] = silu(gate[k]) * up[k];
         }
     }
     for (int64_t first = 0; first < n; first += TILE) {
         const int count = static_cast<int>(std::min<int64_t>(TILE, n - first));
         const float* hs[TILE];
-        for (int k = 0; k < TILE; ++k) hs[k] = h.data() + (first + (k < count ? k : 0)) * inter;
-#pragma omp parallel for schedule(static) num_threads(threads)
+        for (int k = 0; k < TILE; ++k) hs[k] = h + (first + (k < count ? k : 0)) * inter;
+#pragma omp for schedule(static)
         for (int64_t i = 0; i < hidden; ++i) {
             float acc[TILE];
-            dot_row(down, kind, i, inter, down_scales, hs, count, acc);
+            dot_row(down, kind, i, inter, down_scales, hs, count, invariant, acc);
             for (int k = 0; k < count; ++k) y[(first + k) * hidden + i] = acc[k];
         }
     }
@@ -147,22 +150,25 @@ void expert_swiglu(uintptr_t x_ptr, uintptr_t gate_up_ptr, uintptr_t down_ptr, u
                    int64_t inter, int kind_code, int threads) {
     const Kind kind = checked_kind(kind_code, gate_up_scales_ptr, down_scales_ptr);
     pybind11::gil_scoped_release release;
-    swiglu(reinterpret_cast<const float*>(x_ptr), reinterpret_cast<const void*>(gate_up_ptr),
-           reinterpret_cast<const void*>(down_ptr), reinterpret_cast<float*>(y_ptr),
-           reinterpret_cast<const float*>(gate_up_scales_ptr), reinterpret_cast<const float*>(down_scales_ptr), n,
-           hidden, inter, kind, threads);
+    std::vector<float> h(static_cast<size_t>(n * inter));
+#pragma omp parallel num_threads(threads)
+    swiglu_team(reinterpret_cast<const float*>(x_ptr), reinterpret_cast<const void*>(gate_up_ptr),
+                reinterpret_cast<const void*>(down_ptr), reinterpret_cast<float*>(y_ptr), h.data(),
+                reinterpret_cast<const float*>(gate_up_scales_ptr), reinterpret_cast<const float*>(down_scales_ptr),
+                n, hidden, inter, kind, false);
 }
 
 // y [n, hidden] += the weighted SwiGLU of several experts of one layer, each over the rows routed to it:
 // expert experts[e] (an index into gate_up [E, 2 * inter, hidden] / down [E, hidden, inter], and their scales
 // [E, rows]) takes entries offsets[e] .. offsets[e + 1] of rows / weights. One call for a window's CPU share.
 // Every index is checked against n (rows of x and y), total (experts in gate_up / down) and entries (the
-// length of rows / weights) before any memory is read.
+// length of rows / weights) before any memory is read. With `invariant` each row's result is the same whatever
+// other rows share its experts (see dot_tile).
 void experts_swiglu_sum(uintptr_t x_ptr, uintptr_t gate_up_ptr, uintptr_t down_ptr, uintptr_t y_ptr,
                         uintptr_t gate_up_scales_ptr, uintptr_t down_scales_ptr, int64_t hidden, int64_t inter,
                         int kind_code, int threads, uintptr_t experts_ptr, uintptr_t offsets_ptr,
                         uintptr_t rows_ptr, uintptr_t weights_ptr, int64_t count, int64_t n, int64_t total,
-                        int64_t entries) {
+                        int64_t entries, bool invariant) {
     const Kind kind = checked_kind(kind_code, gate_up_scales_ptr, down_scales_ptr);
     const float* x = reinterpret_cast<const float*>(x_ptr);
     float* y = reinterpret_cast<float*>(y_ptr);
@@ -190,21 +196,32 @@ void experts_swiglu_sum(uintptr_t x_ptr, uintptr_t gate_up_ptr, uintptr_t down_p
         if (rows[k] < 0 || rows[k] >= n) throw pybind11::value_error("rows must be in [0, " + std::to_string(n) + ")");
     }
     pybind11::gil_scoped_release release;
-    std::vector<float> xs, ys;
+    int64_t most = 0;  // the most entries an expert has
+    for (int64_t e = 0; e < count; ++e) most = std::max(most, offsets[e + 1] - offsets[e]);
+    std::vector<float> xs(static_cast<size_t>(most * hidden)), ys(static_cast<size_t>(most * hidden));
+    std::vector<float> h(static_cast<size_t>(most * inter));
+    constexpr int64_t COLUMNS = 64;  // columns of y a thread adds at a time
+    const int64_t blocks = (hidden + COLUMNS - 1) / COLUMNS;
+    // One team for the whole call: the experts one after another, each one's rows split between the threads.
+#pragma omp parallel num_threads(threads)
     for (int64_t e = 0; e < count; ++e) {
-        const int64_t first = offsets[e], n = offsets[e + 1] - first, expert = experts[e];
-        xs.resize(static_cast<size_t>(n * hidden));
-        ys.resize(static_cast<size_t>(n * hidden));
-        for (int64_t k = 0; k < n; ++k) std::memcpy(&xs[k * hidden], x + rows[first + k] * hidden, hidden * 4);
-        swiglu(xs.data(), gate_up + expert * gate_up_size * element_bytes(kind),
-               down + expert * down_size * element_bytes(kind), ys.data(),
-               gate_up_scales ? gate_up_scales + expert * 2 * inter : nullptr,
-               down_scales ? down_scales + expert * hidden : nullptr, n, hidden, inter, kind, threads);
-        for (int64_t k = 0; k < n; ++k) {
-            float* out = y + rows[first + k] * hidden;
-            const float w = weights[first + k];
-            const float* in = &ys[k * hidden];
-            for (int64_t i = 0; i < hidden; ++i) out[i] += w * in[i];
+        const int64_t first = offsets[e], m = offsets[e + 1] - first, expert = experts[e];
+#pragma omp for schedule(static)
+        for (int64_t k = 0; k < m; ++k) std::memcpy(&xs[k * hidden], x + rows[first + k] * hidden, hidden * 4);
+        swiglu_team(xs.data(), gate_up + expert * gate_up_size * element_bytes(kind),
+                    down + expert * down_size * element_bytes(kind), ys.data(), h.data(),
+                    gate_up_scales ? gate_up_scales + expert * 2 * inter : nullptr,
+                    down_scales ? down_scales + expert * hidden : nullptr, m, hidden, inter, kind, invariant);
+        // y += weight * result at each entry's row, a block of columns per thread (entries in order within it)
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < blocks; ++b) {
+            const int64_t low = b * COLUMNS, high = std::min(hidden, low + COLUMNS);
+            for (int64_t k = 0; k < m; ++k) {
+                float* out = y + rows[first + k] * hidden;
+                const float w = weights[first + k];
+                const float* in = &ys[k * hidden];
+                for (int64_t i = low; i < high; ++i) out[i] += w * in[i];
+            }
         }
     }
 }

@@ -42,13 +42,22 @@ def triton_backends() -> Backends:
     )
 
 
+def cpu_backends() -> Backends:
+    """The torch reference with the routed experts through the native CPU kernel (a layer's routed experts in
+    one call, fp32 inside, each row's result independent of its batch), where the install built it; else the
+    reference itself."""
+    from app.kernels.cpu_experts import native_available, routed_experts
+
+    return replace(REFERENCE, name="cpu", experts=routed_experts) if native_available() else REFERENCE
+
+
 def exact_backends(backends: Backends) -> Backends:
     """The same set with batch-independent tiles wherever a kernel's tiles could follow the batch size.
 
     The routed experts keep their decode tiles for every window, and the dense projections leave cuBLAS (which
     picks its algorithm by matrix shape) for the same grouped matmul with one group.
     """
-    if backends.exact or backends.name == "torch":
+    if backends.exact or backends.name in ("torch", "cpu"):  # their kernels never choose tiles by batch
         return replace(backends, exact=True)
     from app.kernels.triton_moe import exact_fused_experts, exact_linear
 
@@ -68,17 +77,19 @@ def _triton(device: torch.device) -> Backends | None:
 REGISTRY: dict[str, Callable[[torch.device], Backends | None]] = {
     "triton": _triton,
     "torch": lambda device: REFERENCE,
+    "cpu": lambda device: cpu_backends() if device.type == "cpu" else None,
 }
 
 
 def select_backends(name: str, device: torch.device | str, exact: bool = False) -> Backends:
-    """The named backend set; `auto` is Triton on CUDA (when Triton is installed), else the torch reference.
+    """The named backend set; `auto` is Triton on CUDA (when Triton is installed), the CPU set
+    (`cpu_backends`) on a CPU, else the torch reference.
 
     With `exact`, kernels whose tiles would follow the batch size use fixed ones (see `exact_backends`).
     """
     device = torch.device(device)
     if name == "auto":
-        chosen = (_triton(device) if device.type == "cuda" else None) or REFERENCE
+        chosen = (_triton(device) if device.type == "cuda" else cpu_backends()) or REFERENCE
     elif name not in REGISTRY:
         raise StrataError(f"unknown backend {name!r}; choose one of auto, {', '.join(REGISTRY)}")
     else:

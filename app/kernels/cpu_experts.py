@@ -91,11 +91,14 @@ def experts_swiglu_sum(
     gate_up_scales: torch.Tensor | None = None,
     down_scales: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    invariant: bool = False,
 ) -> torch.Tensor:
     """y [n, hidden] fp32: for each i, the SwiGLU of x [n, hidden] at rows[offsets[i]:offsets[i + 1]] through
     expert experts[i] of gate_up [E, 2 * inter, hidden] / down [E, hidden, inter] (int8 with fp32 scales
     [E, rows]), weighted by those entries of `weights` and added at those rows; on the CPU, one call.
-    With `out` (fp32, contiguous, shaped like x) the sums are added into it and it is returned."""
+    With `out` (fp32, contiguous, shaped like x) the sums are added into it and it is returned. With
+    `invariant` a row's result does not depend on which other rows share its experts (a lone row costs a
+    little more)."""
     if out is not None and (out.shape != x.shape or out.dtype != torch.float32 or not out.is_contiguous()):
         raise ValueError("out must be a contiguous fp32 tensor shaped like x")
     if _native is None:
@@ -135,6 +138,7 @@ def experts_swiglu_sum(
         n,
         gate_up.shape[0],
         rows.numel(),
+        invariant,
     )
     return y
 
@@ -177,6 +181,31 @@ def expert_swiglu(
         threads(),
     )
     return y
+
+
+def by_expert(top_ids: torch.Tensor, top_weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A window's routed entries grouped by expert in expert order (in entry order within an expert): the
+    experts, offsets of each one's entries [experts + 1], the entries' rows and weights (fp32)."""
+    flat = top_ids.flatten()
+    order = flat.argsort(stable=True)
+    experts, counts = flat[order].unique_consecutive(return_counts=True)
+    offsets = torch.zeros(experts.numel() + 1, dtype=torch.int64)
+    torch.cumsum(counts, 0, out=offsets[1:])
+    return experts, offsets, order // top_ids.shape[1], top_weights.flatten()[order].float()
+
+
+def routed_experts(
+    x: torch.Tensor,
+    top_ids: torch.Tensor,
+    top_weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+) -> torch.Tensor:
+    """The routed experts' weighted sum (the `experts` contract of app/kernels/interface.py) on the CPU
+    through the native kernel in one call: the experts in expert order, each row's result independent of its
+    batch (`invariant`), fp32 inside, returned in x's dtype. The CPU backend set's experts kernel."""
+    experts, offsets, rows, weights = by_expert(top_ids, top_weights)
+    return experts_swiglu_sum(x, experts, offsets, rows, weights, gate_up, down, invariant=True).to(x.dtype)
 
 
 def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

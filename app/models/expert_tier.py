@@ -20,7 +20,6 @@ import time
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from app.kernels.interface import ExpertsFn, HostExpertsFn
@@ -429,15 +428,11 @@ class TieredExperts(nn.Module):
         return self.host_gate_up[self.host_of[expert]], self.host_down[self.host_of[expert]]
 
     def _in_order(self, x: torch.Tensor, top_ids: torch.Tensor, top_weights: torch.Tensor) -> torch.Tensor:
-        """Every entry on the CPU, expert by expert in expert order: the reference kernel's sum, term for
-        term (so a frozen tier gives the all-resident model's outputs exactly)."""
-        out = torch.zeros_like(x)
-        entries = torch.stack(
-            torch.meshgrid(torch.arange(top_ids.shape[0]), torch.arange(top_ids.shape[1]), indexing="ij"),
-            dim=-1,
-        ).reshape(-1, 2)
-        self._add_entries(out, x, top_ids, top_weights, entries)
-        return out
+        """Every entry on the CPU through the layer's experts kernel, over every expert's weights gathered
+        from where each lives: the all-resident layer's computation exactly, whatever the kernel (so a frozen
+        tier gives the all-resident model's outputs exactly). Copies the layer's experts: tests, not speed."""
+        gate_up, down = zip(*(self._weights(e) for e in range(self.experts)), strict=True)
+        return self.kernel(x, top_ids, top_weights, torch.stack(gate_up), torch.stack(down))
 
     def _split(
         self,
@@ -668,24 +663,6 @@ class TieredExperts(nn.Module):
             torch.cuda.current_stream(tensors[0].device).synchronize()
         return copies
 
-    def _add_entries(
-        self,
-        out: torch.Tensor,
-        x: torch.Tensor,
-        top_ids: torch.Tensor,
-        top_weights: torch.Tensor,
-        entries: torch.Tensor,
-    ) -> None:
-        """Add the routed entries (row, column of top_ids) into `out`, expert by expert in expert order, each
-        expert's weights read where it lives, with the reference's arithmetic (all tensors on the CPU)."""
-        rows, experts, offsets, weights = _by_expert(top_ids, top_weights, entries)
-        for i, expert in enumerate(experts.tolist()):
-            picked = rows[offsets[i] : offsets[i + 1]]
-            gate_up, down = self._weights(expert)
-            gate, up = F.linear(x[picked], gate_up).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, down) * weights[offsets[i] : offsets[i + 1], None]
-            out.index_add_(0, picked, y)
-
     def _pool(
         self, x: torch.Tensor, rows: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
@@ -699,21 +676,6 @@ class TieredExperts(nn.Module):
         return self.host_kernel(
             x, hosts, offsets, rows[order], weights[order], self.host_gate_up, self.host_down
         )
-
-
-def _by_expert(
-    top_ids: torch.Tensor, top_weights: torch.Tensor, entries: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Entries (row, column of top_ids) grouped by expert in expert order: their rows, the experts, each
-    expert's offsets into the rows [experts + 1], and the entries' weights."""
-    rows, cols = entries.unbind(1)
-    ids = top_ids[rows, cols]
-    order = ids.argsort(stable=True)
-    rows, ids, weights = rows[order], ids[order], top_weights[rows, cols][order]
-    experts, counts = ids.unique_consecutive(return_counts=True)
-    offsets = torch.zeros(experts.numel() + 1, dtype=torch.int64)
-    torch.cumsum(counts, 0, out=offsets[1:])
-    return rows, experts, offsets, weights
 
 
 def spare_slots(resident: int) -> int:

@@ -15,14 +15,26 @@ from contiguous_state import ContiguousState
 
 from app.errors import StrataError
 from app.kernels.backends import select_backends
+from app.kernels.cpu_experts import routed_experts
 from app.kernels.reference import REFERENCE
 from app.loading.loader import load_model
 from app.models.batch import ForwardBatch
 
 
-def test_auto_picks_the_reference_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_auto_picks_the_cpu_set_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU set is the reference with the native routed-experts kernel (the reference where it is not
+    built); the pure reference stays available by name."""
+    cpu = select_backends("auto", "cpu")
+    assert cpu.name == "cpu" and cpu.experts is routed_experts
+    assert dataclasses.replace(cpu, name="torch", experts=REFERENCE.experts) == REFERENCE
+    assert select_backends("torch", "cpu") is REFERENCE
+    monkeypatch.setattr("app.kernels.cpu_experts._native", None)
     assert select_backends("auto", "cpu") is REFERENCE
-    assert select_backends("torch", "cpu").name == "torch"
+    with pytest.raises(StrataError, match="backend 'cpu' does not run on cuda"):
+        select_backends("cpu", "cuda")
+
+
+def test_triton_runs_on_the_cpu_only_in_its_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
     # Triton runs on CPU tensors only in its interpreter, which the tests switch on.
     assert select_backends("triton", "cpu").name == "triton"
     monkeypatch.delenv("TRITON_INTERPRET")
@@ -33,10 +45,12 @@ def test_auto_picks_the_reference_on_the_cpu(monkeypatch: pytest.MonkeyPatch) ->
 def test_exact_backends_name_themselves() -> None:
     assert select_backends("triton", "cpu", exact=True).name == "triton+exact"
     assert select_backends("torch", "cpu", exact=True).exact
+    assert select_backends("cpu", "cpu", exact=True).name == "cpu"  # batch-independent already
 
 
 def test_unknown_backend_is_a_one_line_error() -> None:
-    with pytest.raises(StrataError, match="unknown backend 'cutlass'; choose one of auto, triton, torch"):
+    message = "unknown backend 'cutlass'; choose one of auto, triton, torch, cpu"
+    with pytest.raises(StrataError, match=message):
         select_backends("cutlass", "cpu")
 
 

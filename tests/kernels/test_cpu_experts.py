@@ -14,7 +14,9 @@ from app.kernels.cpu_experts import (
     experts_swiglu_sum,
     experts_swiglu_sum_reference,
     native_available,
+    routed_experts,
 )
+from app.kernels.reference import experts_reference
 
 HIDDEN, INTER = 96, 40
 
@@ -65,6 +67,49 @@ def test_several_experts_in_one_call_equal_the_reference(kind: torch.dtype) -> N
     expected = experts_swiglu_sum_reference(*args)
     assert expected[4].abs().sum() == 0  # a row no expert took
     torch.testing.assert_close(experts_swiglu_sum(*args), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_cpu_sets_routed_experts_equal_the_reference_and_each_row_its_lone_self(
+    kind: torch.dtype,
+) -> None:
+    """The CPU backend set's experts kernel (native, one call a layer) against the torch reference; and every
+    row's result bit for bit the same as when it runs alone (a batch never changes a row's tokens)."""
+    gate_up, down, _, _ = _stacked(torch.float32, 6)
+    x = torch.randn(9, HIDDEN, generator=torch.Generator().manual_seed(5)).to(kind)
+    ids = torch.stack([torch.randperm(6, generator=torch.Generator().manual_seed(r))[:3] for r in range(9)])
+    weights = torch.rand(9, 3, generator=torch.Generator().manual_seed(6)).to(kind)
+    gate_up, down = gate_up.to(kind), down.to(kind)
+    got = routed_experts(x, ids, weights, gate_up, down)
+    assert got.dtype == kind
+    expected = experts_reference(x.float(), ids, weights.float(), gate_up.float(), down.float())
+    torch.testing.assert_close(got.float(), expected, rtol=1e-5 if kind == torch.float32 else 2e-2, atol=1e-5)
+    for row in range(9):
+        alone = routed_experts(x[row : row + 1], ids[row : row + 1], weights[row : row + 1], gate_up, down)
+        assert torch.equal(alone[0], got[row])
+
+
+def test_sums_added_into_a_given_buffer_equal_one_call() -> None:
+    """Experts added one call at a time into `out`, in expert order, give one call's sum bit for bit (how the
+    expert tier keeps a frozen tier exact)."""
+    gate_up, down, _, _ = _stacked(torch.float32, 4)
+    x = torch.randn(3, HIDDEN, generator=torch.Generator().manual_seed(7))
+    rows, weights = torch.tensor([0, 2, 1, 2, 0]), torch.rand(5, generator=torch.Generator().manual_seed(8))
+    whole = experts_swiglu_sum(x, torch.tensor([1, 3]), torch.tensor([0, 2, 5]), rows, weights, gate_up, down)
+    out = torch.zeros(3, HIDDEN)
+    for expert, (first, last) in zip([1, 3], [(0, 2), (2, 5)], strict=True):
+        span = slice(first, last)
+        experts_swiglu_sum(
+            x,
+            torch.tensor([expert]),
+            torch.tensor([0, last - first]),
+            rows[span],
+            weights[span],
+            gate_up,
+            down,
+            out=out,
+        )
+    assert torch.equal(out, whole)
 
 
 def test_entries_outside_the_layer_are_refused() -> None:
