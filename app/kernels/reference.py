@@ -38,10 +38,10 @@ def delta_rule_recurrent(
     out = v.new_empty(v.shape)
     for t in range(q.shape[0]):
         state = state * g[t].exp()[:, None, None]
-        predicted = torch.einsum("hkv,hk->hv", state, k[t])
+        predicted = torch.bmm(k[t][:, None, :], state)[:, 0]  # [heads, dv]: k . state per head
         delta = (v[t] - predicted) * beta[t][:, None]
         state = state + k[t][:, :, None] * delta[:, None, :]
-        out[t] = torch.einsum("hkv,hk->hv", state, q[t])
+        out[t] = torch.bmm(q[t][:, None, :], state)[:, 0]
     return out, state
 
 

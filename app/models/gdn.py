@@ -43,7 +43,10 @@ def causal_conv(
     if state is None:
         state = x.new_zeros(channels, kernel - 1)
     padded = torch.cat((state, x.t().to(state.dtype)), dim=-1)  # [channels, kernel-1+length]
-    out = F.conv1d(padded[None].to(weight.dtype), weight[:, None, :], groups=channels)[0]
+    # each output the sum of its kernel taps: no convolution primitive (whose set-up costs far more than a
+    # decode step's few multiplications on a CPU)
+    taps = padded.to(weight.dtype).unfold(1, kernel, 1)  # [channels, length, kernel]
+    out = (taps * weight[:, None, :]).sum(-1)
     return F.silu(out).t().to(x.dtype), padded[:, padded.shape[1] - (kernel - 1) :].clone()
 
 
@@ -157,7 +160,7 @@ class GatedDeltaNet(nn.Module):
             conv_state, state = batch.state.linear_state(self.layer, span.seq)
             if conv_state is None:
                 conv_state = mixed.new_zeros(mixed.shape[1], kernel - 1)
-            inputs = torch.cat((conv_state, mixed[span.rows].t().to(conv_state.dtype)), dim=-1)
+            before = conv_state
             conv_out, conv_state = causal_conv(mixed[span.rows], weight, conv_state)
             q, k, v = conv_out.float().split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
             heads = (-1, self.k_heads, self.dk)
@@ -172,6 +175,7 @@ class GatedDeltaNet(nn.Module):
                 core, state = self.rule_prompt(q, k, v, decay, gate, state, offset=span.past)
             else:  # in two parts, leaving the state where the first ends in the save slot
                 cut = span.save_at - span.past
+                inputs = torch.cat((before, mixed[span.rows].t().to(before.dtype)), dim=-1)
                 head, state = self.rule_prompt(
                     q[:cut], k[:cut], v[:cut], decay[:cut], gate[:cut], state, offset=span.past
                 )
