@@ -14,8 +14,10 @@ graphs) runs first for each routing, as the reference speed.
 Routing: `uniform` is the random router's (close to uniform); `zipf` adds to each layer's router logits a bias
 that makes expert e (in a random order per layer) about as likely as 1 / rank: the top quarter of the experts
 then takes about three quarters of the picks; `demo` does the same with the shares the demo model's trained
-router gives its experts on real text (milder: its top quarter takes 30-60%). Prints a JSON line per
-configuration and fails on a figure above the machine's limits (a cache, not the tier, would have served it).
+router gives its experts on real text (milder: its top quarter takes 30-60%); `spread` draws each token's
+experts nearly uniformly at random, so a prompt touches every expert as a trained router's long prompt does.
+Prints a JSON line per configuration and fails on a figure above the machine's limits (a cache, not the
+tier, would have served it).
 
 `--phases` measures only batch-1 decode, with the host's time per tiered layer split by phase: replaying the
 graph pieces, waiting for the device's work up to the layer's routing, planning, queueing the staging copies,
@@ -87,6 +89,24 @@ class SkewedGate(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.gate(x) * self.scale + self.bias.to(x.dtype)
+
+
+class SpreadGate(nn.Module):
+    """A router whose picks spread over every expert of the layer as a trained router's do over a long
+    prompt (a random model's prompt tokens route alike: a 2K prompt touched ~26 of 128 experts a layer):
+    Gumbel noise drawn at every forward outweighs its logits, so top-k draws each token's experts nearly
+    uniformly at random."""
+
+    def __init__(self, gate: nn.Module, spread: float) -> None:
+        super().__init__()
+        self.gate = gate
+        self.out_features = gate.out_features
+        self.scale = 0.1 * GUMBEL_STD / spread
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.gate(x).float() * self.scale
+        uniform = torch.rand_like(logits).clamp_(1e-9, 1 - 1e-9)
+        return (logits - torch.log(-torch.log(uniform))).to(x.dtype)
 
 
 def zipf_shares(experts: int, layers: int) -> list[torch.Tensor]:
@@ -164,7 +184,9 @@ class Tiering:
         per_layer = shares(experts, len(self.layers)) if shares is not None else None
         for i, (moe, _) in enumerate(self.layers):
             gate = self.gates[moe]
-            if per_layer is None:
+            if routing == "spread":
+                moe.gate = SpreadGate(gate, 0.02 * hidden**0.5)
+            elif per_layer is None:
                 moe.gate = gate
             else:
                 moe.gate = SkewedGate(gate, per_layer[i], 0.02 * hidden**0.5, i).cuda()
@@ -443,7 +465,7 @@ def main() -> None:
     parser.add_argument("--shape", default="q30-half")
     parser.add_argument("--resident", type=int, nargs="+", default=[0, 32])
     parser.add_argument(
-        "--routing", nargs="+", default=["uniform", "zipf"], choices=["uniform", "zipf", "demo"]
+        "--routing", nargs="+", default=["uniform", "zipf"], choices=["uniform", "zipf", "demo", "spread"]
     )
     parser.add_argument(
         "--adapt", nargs="+", default=["frozen", "blocking"], choices=["frozen", "blocking", "async"]
