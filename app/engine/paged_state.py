@@ -158,11 +158,14 @@ class PagedState:
         self.conv[:, slot].zero_()
         self.recurrent[:, slot].zero_()
 
-    def _positions(self, slot: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _table(self, slot: int) -> torch.Tensor:
         if slot not in self._device_tables:
             self._device_tables[slot] = torch.tensor(self.block_tables[slot], device=self.device)
+        return self._device_tables[slot]
+
+    def _positions(self, slot: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         positions = torch.arange(start, end, device=self.device)
-        return self._device_tables[slot][positions // self.block_size], positions % self.block_size
+        return self._table(slot)[positions // self.block_size], positions % self.block_size
 
     def extend_kv(
         self, layer: int, span: SequenceSpan, k: torch.Tensor, v: torch.Tensor
@@ -171,8 +174,10 @@ class PagedState:
         blocks, offsets = self._positions(span.seq, span.past, span.past + span.length)
         self.keys[kv, blocks, offsets] = k
         self.values[kv, blocks, offsets] = v
-        blocks, offsets = self._positions(span.seq, 0, span.past + span.length)
-        return self.keys[kv, blocks, offsets], self.values[kv, blocks, offsets]
+        total = span.past + span.length
+        used = self._table(span.seq)[: -(-total // self.block_size)]  # whole blocks, then the tail cut off
+        keys = self.keys[kv].index_select(0, used).flatten(0, 1)[:total]
+        return keys, self.values[kv].index_select(0, used).flatten(0, 1)[:total]
 
     def linear_state(self, layer: int, seq: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         n = self._gdn_layer[layer]

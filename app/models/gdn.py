@@ -43,11 +43,18 @@ def causal_conv(
     if state is None:
         state = x.new_zeros(channels, kernel - 1)
     padded = torch.cat((state, x.t().to(state.dtype)), dim=-1)  # [channels, kernel-1+length]
-    # each output the sum of its kernel taps: no convolution primitive (whose set-up costs far more than a
-    # decode step's few multiplications on a CPU)
-    taps = padded.to(weight.dtype).unfold(1, kernel, 1)  # [channels, length, kernel]
-    out = (taps * weight[:, None, :]).sum(-1)
+    out = conv_taps(padded.to(weight.dtype), weight, x.shape[0])
     return F.silu(out).t().to(x.dtype), padded[:, padded.shape[1] - (kernel - 1) :].clone()
+
+
+def conv_taps(padded: torch.Tensor, weight: torch.Tensor, length: int) -> torch.Tensor:
+    """out[..., c, t] = sum over taps j of padded[..., c, t + j] * weight[c, j], added tap by tap: plain
+    element-wise arithmetic, the same for a sequence alone as in a batch of them (and no convolution
+    primitive, whose set-up costs far more than a decode step's few multiplications on a CPU)."""
+    out = padded[..., :length] * weight[:, :1]
+    for tap in range(1, weight.shape[1]):
+        out = out + padded[..., tap : tap + length] * weight[:, tap : tap + 1]
+    return out
 
 
 class GatedDeltaNet(nn.Module):
@@ -96,6 +103,8 @@ class GatedDeltaNet(nn.Module):
         if batch.layout is not None and self.conv_varlen is not None and self.rule_varlen is not None:
             out = self._whole_batch(mixed, weight, g, beta, batch.layout, cast(PagedStatePools, batch.state))
             self._save_conv(mixed, weight.shape[1], batch)
+        elif len(batch.spans) > 1 and all(s.length == 1 and s.save_slot is None for s in batch.spans):
+            out = self._decode_rows(mixed, weight, g, beta, batch)
         else:
             out = self._per_sequence(mixed, weight, g, beta, batch)
         out = self.norm(out.to(x.dtype).reshape(-1, self.dv), z.reshape(-1, self.dv)).view(x.shape[0], -1)
@@ -144,6 +153,49 @@ class GatedDeltaNet(nn.Module):
         slots = layout.save_slots.clamp(min=0)
         saving = (layout.save_at > 0)[:, None, None]
         conv[slots] = torch.where(saving, mixed[rows].transpose(1, 2).to(conv.dtype), conv[slots])
+
+    def _decode_rows(
+        self,
+        mixed: torch.Tensor,
+        weight: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
+        """A window of decode rows only, one per sequence: conv and delta-rule step of every sequence at once
+        (sequences, like heads, never mix), each with the arithmetic it gets alone in `_per_sequence`."""
+        spans = batch.spans
+        kernel = weight.shape[1]
+        conv_states, states = [], []
+        for span in spans:
+            conv_state, state = batch.state.linear_state(self.layer, span.seq)
+            if conv_state is None:
+                conv_state = mixed.new_zeros(mixed.shape[1], kernel - 1)
+            if state is None:
+                state = mixed.new_zeros(self.v_heads, self.dk, self.dv, dtype=torch.float32)
+            conv_states.append(conv_state)
+            states.append(state)
+        rows = torch.tensor([span.start for span in spans], device=mixed.device)
+        x = mixed[rows]  # [seqs, channels]
+        padded = torch.cat((torch.stack(conv_states), x[:, :, None].to(conv_states[0].dtype)), dim=-1)
+        conv_out = F.silu(conv_taps(padded.to(weight.dtype), weight, 1)[..., 0]).to(x.dtype)
+        q, k, v = conv_out.float().split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        seqs, heads = len(spans), self.v_heads
+        q, k = delta_rule_qk(q.view(seqs, self.k_heads, self.dk), k.view(seqs, self.k_heads, self.dk), heads)
+        core, state = self.rule_step(
+            q.reshape(1, seqs * heads, self.dk),
+            k.reshape(1, seqs * heads, self.dk),
+            v.reshape(1, seqs * heads, self.dv),
+            g[rows].reshape(1, seqs * heads),
+            beta[rows].reshape(1, seqs * heads),
+            torch.stack(states).reshape(seqs * heads, self.dk, self.dv),
+        )
+        state = state.view(seqs, heads, self.dk, self.dv)
+        for i, span in enumerate(spans):
+            batch.state.set_linear_state(self.layer, span.seq, padded[i, :, 1:].clone(), state[i])
+        out = mixed.new_empty(mixed.shape[0], heads, self.dv, dtype=torch.float32)
+        out[rows] = core.view(seqs, heads, self.dv)
+        return out
 
     def _per_sequence(
         self,

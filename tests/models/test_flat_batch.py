@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from checkpoints import write_checkpoint
@@ -49,6 +51,37 @@ def test_prompt_chunks_and_decode_rows_share_one_forward(model: CausalLM) -> Non
     last = _last_logits(model, [(0, prompts[0][-1:], 89), (2, prompts[2][70:], 70)], shared)
     torch.testing.assert_close(last[0], solo[0], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(last[1], solo[2], rtol=1e-4, atol=1e-4)
+
+
+def test_a_window_of_decode_rows_runs_the_delta_rule_for_all_at_once_as_for_each_alone(
+    tmp_path: Path,
+) -> None:
+    """A Gated DeltaNet layer given decode rows only (one per sequence) runs conv and delta-rule step for all
+    the sequences at once: the same outputs and states, bit for bit, as sequence by sequence."""
+    model = load_model(write_checkpoint(tmp_path, "qwen3_next"), dtype="float32", progress=False)[0]
+    layer = next(d.linear_attn for d in model.model.layers if d.linear_attn is not None)
+    x = torch.randn(3, model.config.hidden_size, generator=torch.Generator().manual_seed(12))
+    spans = [(seq, [0], 5 + seq) for seq in range(3)]
+    results = []
+    for per_sequence in (True, False):
+        state = ContiguousState()
+        for seq in range(1, 3):  # sequence 0 starts without a state
+            seeded = torch.Generator().manual_seed(seq)
+            conv = torch.randn(layer.conv1d.weight.shape[0], 3, generator=seeded)
+            rule = torch.randn(layer.v_heads, layer.dk, layer.dv, generator=seeded)
+            state.set_linear_state(layer.layer, seq, conv, rule)
+        batch = ForwardBatch.build(spans, state)
+        mixed, _, b, a = layer._split(x)
+        beta = b.float().sigmoid()
+        g = -layer.A_log.float().exp() * torch.nn.functional.softplus(a.float() + layer.dt_bias.float())
+        weight = layer.conv1d.weight[:, 0, :]
+        run = layer._per_sequence if per_sequence else layer._decode_rows
+        out = run(mixed, weight, g, beta, batch)
+        results.append((out, [state.linear_state(layer.layer, seq) for seq in range(3)]))
+    (alone, alone_states), (together, together_states) = results
+    assert torch.equal(alone, together)
+    for (conv, rule), (batched_conv, batched_rule) in zip(alone_states, together_states, strict=True):
+        assert torch.equal(conv, batched_conv) and torch.equal(rule, batched_rule)
 
 
 def test_dropped_sequence_keeps_no_state(model: CausalLM) -> None:
