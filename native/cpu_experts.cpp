@@ -226,6 +226,30 @@ void experts_swiglu_sum(uintptr_t x_ptr, uintptr_t gate_up_ptr, uintptr_t down_p
     }
 }
 
+// y [n, out] = x [n, in] @ weight [out, in]^T (+ bias [out]), fp32 results: the dense projections of a few
+// rows (decode), each weight row read once per tile of TILE rows, output rows split between threads.
+void dense(uintptr_t x_ptr, uintptr_t weight_ptr, uintptr_t bias_ptr, uintptr_t y_ptr, int64_t n, int64_t in,
+           int64_t out, int kind_code, int threads, bool invariant) {
+    const Kind kind = checked_kind(kind_code, 1, 1);
+    if (kind == Kind::I8) throw pybind11::value_error("dense projections take fp32 or bf16 weights");
+    const float* x = reinterpret_cast<const float*>(x_ptr);
+    const void* weight = reinterpret_cast<const void*>(weight_ptr);
+    const float* bias = reinterpret_cast<const float*>(bias_ptr);
+    float* y = reinterpret_cast<float*>(y_ptr);
+    pybind11::gil_scoped_release release;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t j = 0; j < out; ++j) {
+        for (int64_t first = 0; first < n; first += TILE) {
+            const int count = static_cast<int>(std::min<int64_t>(TILE, n - first));
+            const float* xs[TILE];
+            for (int k = 0; k < TILE; ++k) xs[k] = x + (first + (k < count ? k : 0)) * in;
+            float acc[TILE];
+            dot_row(weight, kind, j, in, nullptr, xs, count, invariant, acc);
+            for (int k = 0; k < count; ++k) y[(first + k) * out + j] = bias ? acc[k] + bias[j] : acc[k];
+        }
+    }
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_cpu_experts, m) {
@@ -233,4 +257,5 @@ PYBIND11_MODULE(_cpu_experts, m) {
     m.def("expert_swiglu", &expert_swiglu, "y = SwiGLU(x) through one expert; raw pointers, see cpu_experts.py");
     m.def("experts_swiglu_sum", &experts_swiglu_sum,
           "y += weighted SwiGLU of several experts over their rows; raw pointers, see cpu_experts.py");
+    m.def("dense", &dense, "y = x @ weight.T (+ bias) for a few rows; raw pointers, see cpu_experts.py");
 }

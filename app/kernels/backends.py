@@ -43,12 +43,15 @@ def triton_backends() -> Backends:
 
 
 def cpu_backends() -> Backends:
-    """The torch reference with the routed experts through the native CPU kernel (a layer's routed experts in
-    one call, fp32 inside, each row's result independent of its batch), where the install built it; else the
+    """The torch reference with the routed experts and the dense projections of a few rows through the native
+    CPU kernels (a layer's routed experts in one call, fp32 inside, each row's result independent of its
+    batch; decode rows' projections at up to twice torch's rate), where the install built them; else the
     reference itself."""
-    from app.kernels.cpu_experts import native_available, routed_experts
+    from app.kernels.cpu_experts import dense, native_available, routed_experts
 
-    return replace(REFERENCE, name="cpu", experts=routed_experts) if native_available() else REFERENCE
+    if not native_available():
+        return REFERENCE
+    return replace(REFERENCE, name="cpu", experts=routed_experts, linear=dense)
 
 
 def exact_backends(backends: Backends) -> Backends:
@@ -57,8 +60,10 @@ def exact_backends(backends: Backends) -> Backends:
     The routed experts keep their decode tiles for every window, and the dense projections leave cuBLAS (which
     picks its algorithm by matrix shape) for the same grouped matmul with one group.
     """
-    if backends.exact or backends.name in ("torch", "cpu"):  # their kernels never choose tiles by batch
+    if backends.exact or backends.name == "torch":
         return replace(backends, exact=True)
+    if backends.name == "cpu":  # the experts kernel is batch-independent; the dense projections go to torch
+        return replace(backends, name="cpu+exact", linear=None, exact=True)
     from app.kernels.triton_moe import exact_fused_experts, exact_linear
 
     return replace(

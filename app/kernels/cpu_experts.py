@@ -208,6 +208,43 @@ def routed_experts(
     return experts_swiglu_sum(x, experts, offsets, rows, weights, gate_up, down, invariant=True).to(x.dtype)
 
 
+DENSE_ROWS = 8  # up to so many rows the CPU set's dense projections may run natively (decode)
+DENSE_WEIGHTS = 1 << 17  # ... with weights of at least so many elements (torch is quicker below)
+
+
+def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [rows, in] @ weight [out, in].T (+ bias): the CPU set's dense projections (the `linear` contract of
+    app/kernels/interface.py). A few rows (decode windows) times a large weight run through the native
+    kernel, which reads weights from memory at several times the rate of torch's one-row matmul on a CPU;
+    more rows (prompts) and small weights through torch. The result in x's dtype."""
+    rows = x.shape[0]
+    if (
+        _native is None
+        or rows > DENSE_ROWS
+        or weight.numel() < DENSE_WEIGHTS
+        or weight.dtype not in (torch.float32, torch.bfloat16)
+        or not weight.is_contiguous()
+        or weight.device.type != "cpu"
+    ):
+        return torch.nn.functional.linear(x, weight, bias)
+    xs = _as(x, torch.float32)
+    y = torch.empty(rows, weight.shape[0], dtype=torch.float32)
+    b = None if bias is None else _as(bias, torch.float32)
+    _native.dense(
+        xs.data_ptr(),
+        weight.data_ptr(),
+        0 if b is None else b.data_ptr(),
+        y.data_ptr(),
+        rows,
+        weight.shape[1],
+        weight.shape[0],
+        _KINDS[weight.dtype],
+        threads(),
+        False,
+    )
+    return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+
 def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """`t` contiguous and of `dtype` (itself when it already is: no call into torch)."""
     return t if t.dtype == dtype and t.is_contiguous() else t.to(dtype).contiguous()

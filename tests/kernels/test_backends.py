@@ -15,7 +15,7 @@ from contiguous_state import ContiguousState
 
 from app.errors import StrataError
 from app.kernels.backends import select_backends
-from app.kernels.cpu_experts import routed_experts
+from app.kernels.cpu_experts import dense, routed_experts
 from app.kernels.reference import REFERENCE
 from app.loading.loader import load_model
 from app.models.batch import ForwardBatch
@@ -26,7 +26,8 @@ def test_auto_picks_the_cpu_set_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> N
     built); the pure reference stays available by name."""
     cpu = select_backends("auto", "cpu")
     assert cpu.name == "cpu" and cpu.experts is routed_experts
-    assert dataclasses.replace(cpu, name="torch", experts=REFERENCE.experts) == REFERENCE
+    assert cpu.linear is dense
+    assert dataclasses.replace(cpu, name="torch", experts=REFERENCE.experts, linear=None) == REFERENCE
     assert select_backends("torch", "cpu") is REFERENCE
     monkeypatch.setattr("app.kernels.cpu_experts._native", None)
     assert select_backends("auto", "cpu") is REFERENCE
@@ -45,7 +46,8 @@ def test_triton_runs_on_the_cpu_only_in_its_interpreter(monkeypatch: pytest.Monk
 def test_exact_backends_name_themselves() -> None:
     assert select_backends("triton", "cpu", exact=True).name == "triton+exact"
     assert select_backends("torch", "cpu", exact=True).exact
-    assert select_backends("cpu", "cpu", exact=True).name == "cpu"  # batch-independent already
+    exact_cpu = select_backends("cpu", "cpu", exact=True)
+    assert exact_cpu.name == "cpu+exact" and exact_cpu.linear is None and exact_cpu.experts is routed_experts
 
 
 def test_unknown_backend_is_a_one_line_error() -> None:

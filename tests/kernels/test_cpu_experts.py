@@ -9,6 +9,8 @@ import torch
 
 from app.kernels import cpu_experts
 from app.kernels.cpu_experts import (
+    DENSE_WEIGHTS,
+    dense,
     expert_swiglu,
     expert_swiglu_reference,
     experts_swiglu_sum,
@@ -87,6 +89,24 @@ def test_the_cpu_sets_routed_experts_equal_the_reference_and_each_row_its_lone_s
     for row in range(9):
         alone = routed_experts(x[row : row + 1], ids[row : row + 1], weights[row : row + 1], gate_up, down)
         assert torch.equal(alone[0], got[row])
+
+
+@pytest.mark.parametrize("kind", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("rows", [1, 3, 8, 40])
+def test_the_cpu_sets_dense_projections_equal_torch(kind: torch.dtype, rows: int) -> None:
+    """A few rows times a large weight through the native kernel, the others through torch: torch's result
+    either way (with and without a bias; bf16 weights read as they are, the result in x's dtype)."""
+    generator = torch.Generator().manual_seed(rows)
+    out_features = DENSE_WEIGHTS // 64 + 3
+    weight = (torch.randn(out_features, 64, generator=generator) * 0.1).to(kind)
+    bias = torch.randn(out_features, generator=generator).to(kind)
+    x = torch.randn(rows, 64, generator=generator).to(kind)
+    for b in (None, bias):
+        expected = torch.nn.functional.linear(x.float(), weight.float(), None if b is None else b.float())
+        tolerance = {"rtol": 1e-5, "atol": 1e-5} if kind == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+        got = dense(x, weight, b)
+        assert got.dtype == kind and got.shape == (rows, out_features)
+        torch.testing.assert_close(got.float(), expected, **tolerance)
 
 
 def test_sums_added_into_a_given_buffer_equal_one_call() -> None:
