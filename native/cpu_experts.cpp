@@ -250,6 +250,40 @@ void dense(uintptr_t x_ptr, uintptr_t weight_ptr, uintptr_t bias_ptr, uintptr_t 
     }
 }
 
+// RMSNorm of each row of x [rows, dim] (fp32) into y: x * rsqrt(mean(x^2) + eps), times weight, or times
+// (1 + weight) with `offset`; with `residual` the row is residual + x, written to residual_out first; with
+// `gate` the result is multiplied by silu(gate) (Gated DeltaNet's norm). Rows split between threads.
+void rms_norm(uintptr_t x_ptr, uintptr_t residual_ptr, uintptr_t gate_ptr, uintptr_t weight_ptr, uintptr_t y_ptr,
+              uintptr_t residual_out_ptr, int64_t rows, int64_t dim, double eps, bool offset, int threads) {
+    const float* x = reinterpret_cast<const float*>(x_ptr);
+    const float* residual = reinterpret_cast<const float*>(residual_ptr);
+    const float* gate = reinterpret_cast<const float*>(gate_ptr);
+    const float* weight = reinterpret_cast<const float*>(weight_ptr);
+    float* y = reinterpret_cast<float*>(y_ptr);
+    float* residual_out = reinterpret_cast<float*>(residual_out_ptr);
+    pybind11::gil_scoped_release release;
+#pragma omp parallel for schedule(static) num_threads(rows > 1 ? threads : 1)
+    for (int64_t r = 0; r < rows; ++r) {
+        const float* in = x + r * dim;
+        if (residual) {
+            float* sum = residual_out + r * dim;
+            for (int64_t i = 0; i < dim; ++i) sum[i] = residual[r * dim + i] + in[i];
+            in = sum;
+        }
+        float squares = 0.0f;
+#pragma omp simd reduction(+ : squares)
+        for (int64_t i = 0; i < dim; ++i) squares += in[i] * in[i];
+        const float scale = 1.0f / std::sqrt(squares / static_cast<float>(dim) + static_cast<float>(eps));
+        float* out = y + r * dim;
+        for (int64_t i = 0; i < dim; ++i) {
+            const float normed = in[i] * scale;
+            float value = offset ? normed * (1.0f + weight[i]) : weight[i] * normed;
+            if (gate) value *= silu(gate[r * dim + i]);
+            out[i] = value;
+        }
+    }
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_cpu_experts, m) {
@@ -258,4 +292,5 @@ PYBIND11_MODULE(_cpu_experts, m) {
     m.def("experts_swiglu_sum", &experts_swiglu_sum,
           "y += weighted SwiGLU of several experts over their rows; raw pointers, see cpu_experts.py");
     m.def("dense", &dense, "y = x @ weight.T (+ bias) for a few rows; raw pointers, see cpu_experts.py");
+    m.def("rms_norm", &rms_norm, "RMSNorm of rows (after a residual add, or gated); raw pointers, see cpu_experts.py");
 }

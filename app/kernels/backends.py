@@ -43,15 +43,23 @@ def triton_backends() -> Backends:
 
 
 def cpu_backends() -> Backends:
-    """The torch reference with the routed experts and the dense projections of a few rows through the native
-    CPU kernels (a layer's routed experts in one call, fp32 inside, each row's result independent of its
-    batch; decode rows' projections at up to twice torch's rate), where the install built them; else the
-    reference itself."""
-    from app.kernels.cpu_experts import dense, native_available, routed_experts
+    """The torch reference with the routed experts, the dense projections of a few rows and the norms through
+    the native CPU kernels (a layer's routed experts in one call, fp32 inside, each row's result independent
+    of its batch; decode rows' projections at several times torch's rate; a norm in one call instead of
+    nine), where the install built them; else the reference itself."""
+    from app.kernels import cpu_experts as cpu
 
-    if not native_available():
+    if not cpu.native_available():
         return REFERENCE
-    return replace(REFERENCE, name="cpu", experts=routed_experts, linear=dense)
+    return replace(
+        REFERENCE,
+        name="cpu",
+        experts=cpu.routed_experts,
+        linear=cpu.dense,
+        rms_norm=cpu.rms_norm,
+        add_rms_norm=cpu.add_rms_norm,
+        gated_rms_norm=cpu.gated_rms_norm,
+    )
 
 
 def exact_backends(backends: Backends) -> Backends:

@@ -245,6 +245,72 @@ def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = Non
     return y if x.dtype == torch.float32 else y.to(x.dtype)
 
 
+def _native_rows(*tensors: torch.Tensor) -> bool:
+    """Whether the native norm takes these: built, and every tensor fp32 on the CPU."""
+    return _native is not None and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+
+
+def _norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    offset: bool,
+    residual: torch.Tensor | None = None,
+    gate: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One native call: RMSNorm of x's rows (after adding `residual`, times silu(`gate`)), and the sum."""
+    x, weight = _as(x, torch.float32), _as(weight, torch.float32)
+    residual = None if residual is None else _as(residual, torch.float32)
+    gate = None if gate is None else _as(gate, torch.float32)
+    rows, dim = x.shape
+    y = torch.empty(rows, dim)
+    summed = None if residual is None else torch.empty(rows, dim)
+    _native.rms_norm(
+        x.data_ptr(),
+        0 if residual is None else residual.data_ptr(),
+        0 if gate is None else gate.data_ptr(),
+        weight.data_ptr(),
+        y.data_ptr(),
+        0 if summed is None else summed.data_ptr(),
+        rows,
+        dim,
+        eps,
+        offset,
+        threads(),
+    )
+    return y, summed
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool) -> torch.Tensor:
+    """The CPU set's RMSNorm of x's rows [rows, dim] (the `rms_norm` contract of app/kernels/interface.py):
+    one native call for fp32, the reference's torch operations otherwise."""
+    if _native_rows(x, weight):
+        return _norm(x, weight, eps, offset)[0]
+    normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+    return (normed * (1.0 + weight.float())).type_as(x) if offset else weight * normed.type_as(x)
+
+
+def add_rms_norm(
+    h: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm of residual + h, residual + h): the CPU set's `add_rms_norm`, one native call for fp32."""
+    if _native_rows(h, residual, weight) and h.shape == residual.shape:
+        normed, summed = _norm(h, weight, eps, offset, residual=residual)
+        assert summed is not None
+        return normed, summed
+    summed = residual + h
+    return rms_norm(summed, weight, eps, offset), summed
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of x's rows times weight, times silu(gate): the CPU set's `gated_rms_norm` (Gated DeltaNet's
+    output norm), one native call for fp32."""
+    if _native_rows(x, gate, weight) and gate.shape == x.shape:
+        return _norm(x, weight, eps, False, gate=gate)[0]
+    normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+    return ((weight * normed.to(x.dtype)) * torch.nn.functional.silu(gate.float())).to(x.dtype)
+
+
 def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """`t` contiguous and of `dtype` (itself when it already is: no call into torch)."""
     return t if t.dtype == dtype and t.is_contiguous() else t.to(dtype).contiguous()

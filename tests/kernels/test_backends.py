@@ -26,8 +26,11 @@ def test_auto_picks_the_cpu_set_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> N
     built); the pure reference stays available by name."""
     cpu = select_backends("auto", "cpu")
     assert cpu.name == "cpu" and cpu.experts is routed_experts
-    assert cpu.linear is dense
-    assert dataclasses.replace(cpu, name="torch", experts=REFERENCE.experts, linear=None) == REFERENCE
+    assert cpu.linear is dense and cpu.rms_norm is not None and cpu.gated_rms_norm is not None
+    pure = dataclasses.replace(
+        cpu, name="torch", experts=REFERENCE.experts, linear=None, rms_norm=None, add_rms_norm=None
+    )
+    assert dataclasses.replace(pure, gated_rms_norm=None) == REFERENCE
     assert select_backends("torch", "cpu") is REFERENCE
     monkeypatch.setattr("app.kernels.cpu_experts._native", None)
     assert select_backends("auto", "cpu") is REFERENCE

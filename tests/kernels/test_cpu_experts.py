@@ -10,15 +10,19 @@ import torch
 from app.kernels import cpu_experts
 from app.kernels.cpu_experts import (
     DENSE_WEIGHTS,
+    add_rms_norm,
     dense,
     expert_swiglu,
     expert_swiglu_reference,
     experts_swiglu_sum,
     experts_swiglu_sum_reference,
+    gated_rms_norm,
     native_available,
+    rms_norm,
     routed_experts,
 )
 from app.kernels.reference import experts_reference
+from app.models.layers import GatedRMSNorm, RMSNorm
 
 HIDDEN, INTER = 96, 40
 
@@ -107,6 +111,28 @@ def test_the_cpu_sets_dense_projections_equal_torch(kind: torch.dtype, rows: int
         got = dense(x, weight, b)
         assert got.dtype == kind and got.shape == (rows, out_features)
         torch.testing.assert_close(got.float(), expected, **tolerance)
+
+
+@pytest.mark.parametrize("kind", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("offset", [False, True], ids=["scale", "offset"])
+def test_the_cpu_sets_norms_equal_the_models_reference_norms(kind: torch.dtype, offset: bool) -> None:
+    """RMSNorm, residual add + RMSNorm and the gated norm of the CPU set (native for fp32, torch for bf16)
+    against the model's own modules without kernels."""
+    generator = torch.Generator().manual_seed(int(offset))
+    x, h, gate = (torch.randn(5, 48, generator=generator).to(kind) for _ in range(3))
+    norm, gated = RMSNorm(48, 1e-6, offset=offset), GatedRMSNorm(48, 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(48, generator=generator) * 0.1 + (0.0 if offset else 1.0))
+        gated.weight.copy_(torch.randn(48, generator=generator) * 0.1 + 1.0)
+    norm, gated = norm.to(kind), gated.to(kind)
+    tolerance = {"rtol": 1e-5, "atol": 1e-5} if kind == torch.float32 else {"rtol": 0.0, "atol": 0.0}
+    with torch.no_grad():
+        torch.testing.assert_close(rms_norm(x, norm.weight, 1e-6, offset), norm(x), **tolerance)
+        normed, summed = add_rms_norm(h, x, norm.weight, 1e-6, offset)
+        expected, expected_sum = norm.add_forward(h, x)
+        torch.testing.assert_close(summed, expected_sum, rtol=0.0, atol=0.0)
+        torch.testing.assert_close(normed, expected, **tolerance)
+        torch.testing.assert_close(gated_rms_norm(x, gate, gated.weight, 1e-6), gated(x, gate), **tolerance)
 
 
 def test_sums_added_into_a_given_buffer_equal_one_call() -> None:
