@@ -284,6 +284,45 @@ void rms_norm(uintptr_t x_ptr, uintptr_t residual_ptr, uintptr_t gate_ptr, uintp
     }
 }
 
+// The router's picks for each row of logits [rows, experts] (fp32): softmax over all experts, the top_k
+// (ties to the lower expert), their probabilities (renormalised to sum 1 with `renormalize`) into ids /
+// weights [rows, top_k], each pick added to counts [experts] (by live[row], 0 on padding rows, when given).
+void route(uintptr_t logits_ptr, uintptr_t ids_ptr, uintptr_t weights_ptr, uintptr_t counts_ptr,
+           uintptr_t live_ptr, int64_t rows, int64_t experts, int64_t top_k, bool renormalize) {
+    const float* logits = reinterpret_cast<const float*>(logits_ptr);
+    auto* ids = reinterpret_cast<int64_t*>(ids_ptr);
+    float* weights = reinterpret_cast<float*>(weights_ptr);
+    auto* counts = reinterpret_cast<int64_t*>(counts_ptr);
+    const auto* live = reinterpret_cast<const int64_t*>(live_ptr);
+    if (top_k < 1 || top_k > experts) throw pybind11::value_error("top_k must be in [1, experts]");
+    std::vector<float> p(static_cast<size_t>(experts));
+    std::vector<char> taken(static_cast<size_t>(experts));
+    for (int64_t r = 0; r < rows; ++r) {
+        const float* row = logits + r * experts;
+        float most = row[0];
+        for (int64_t e = 1; e < experts; ++e) most = std::max(most, row[e]);
+        float total = 0.0f;
+        for (int64_t e = 0; e < experts; ++e) total += (p[e] = std::exp(row[e] - most));
+        for (int64_t e = 0; e < experts; ++e) p[e] /= total;
+        std::fill(taken.begin(), taken.end(), 0);
+        float picked = 0.0f;
+        for (int64_t k = 0; k < top_k; ++k) {
+            int64_t best = -1;
+            for (int64_t e = 0; e < experts; ++e) {
+                if (!taken[e] && (best < 0 || p[e] > p[best])) best = e;
+            }
+            taken[best] = 1;
+            ids[r * top_k + k] = best;
+            weights[r * top_k + k] = p[best];
+            picked += p[best];
+            counts[best] += live ? live[r] : 1;
+        }
+        if (renormalize) {
+            for (int64_t k = 0; k < top_k; ++k) weights[r * top_k + k] /= picked;
+        }
+    }
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_cpu_experts, m) {
@@ -292,5 +331,6 @@ PYBIND11_MODULE(_cpu_experts, m) {
     m.def("experts_swiglu_sum", &experts_swiglu_sum,
           "y += weighted SwiGLU of several experts over their rows; raw pointers, see cpu_experts.py");
     m.def("dense", &dense, "y = x @ weight.T (+ bias) for a few rows; raw pointers, see cpu_experts.py");
+    m.def("route", &route, "softmax, top-k and counts of router logits; raw pointers, see cpu_experts.py");
     m.def("rms_norm", &rms_norm, "RMSNorm of rows (after a residual add, or gated); raw pointers, see cpu_experts.py");
 }

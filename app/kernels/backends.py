@@ -56,6 +56,7 @@ def cpu_backends() -> Backends:
         name="cpu",
         experts=cpu.routed_experts,
         linear=cpu.dense,
+        route=cpu.route,
         rms_norm=cpu.rms_norm,
         add_rms_norm=cpu.add_rms_norm,
         gated_rms_norm=cpu.gated_rms_norm,

@@ -311,6 +311,39 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     return ((weight * normed.to(x.dtype)) * torch.nn.functional.silu(gate.float())).to(x.dtype)
 
 
+def route(
+    logits: torch.Tensor, top_k: int, renormalize: bool, counts: torch.Tensor, live: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The CPU set's router picks (the `route` contract of app/kernels/interface.py): softmax over every
+    expert in fp32, the top_k and their weights (renormalised with `renormalize`), each real row's picks added
+    to `counts`; one native call for fp32 logits, torch's operations otherwise."""
+    rows, experts = logits.shape
+    if _native_rows(logits) and counts.dtype == torch.int64 and counts.is_contiguous():
+        logits = _as(logits, torch.float32)
+        ids = torch.empty(rows, top_k, dtype=torch.int64)
+        weights = torch.empty(rows, top_k)
+        live = None if live is None else _as(live, torch.int64)
+        _native.route(
+            logits.data_ptr(),
+            ids.data_ptr(),
+            weights.data_ptr(),
+            counts.data_ptr(),
+            0 if live is None else live.data_ptr(),
+            rows,
+            experts,
+            top_k,
+            renormalize,
+        )
+        return ids, weights
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    picks = torch.ones_like(ids) if live is None else live[:, None].expand_as(ids)
+    counts.scatter_add_(0, ids.flatten(), picks.flatten().to(counts.dtype))
+    return ids, weights.to(logits.dtype)
+
+
 def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """`t` contiguous and of `dtype` (itself when it already is: no call into torch)."""
     return t if t.dtype == dtype and t.is_contiguous() else t.to(dtype).contiguous()

@@ -27,10 +27,9 @@ def test_auto_picks_the_cpu_set_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> N
     cpu = select_backends("auto", "cpu")
     assert cpu.name == "cpu" and cpu.experts is routed_experts
     assert cpu.linear is dense and cpu.rms_norm is not None and cpu.gated_rms_norm is not None
-    pure = dataclasses.replace(
-        cpu, name="torch", experts=REFERENCE.experts, linear=None, rms_norm=None, add_rms_norm=None
-    )
-    assert dataclasses.replace(pure, gated_rms_norm=None) == REFERENCE
+    native = {"linear", "route", "rms_norm", "add_rms_norm", "gated_rms_norm"}
+    pure = dataclasses.replace(cpu, name="torch", experts=REFERENCE.experts, **dict.fromkeys(native))
+    assert pure == REFERENCE
     assert select_backends("torch", "cpu") is REFERENCE
     monkeypatch.setattr("app.kernels.cpu_experts._native", None)
     assert select_backends("auto", "cpu") is REFERENCE

@@ -19,6 +19,7 @@ from app.kernels.cpu_experts import (
     gated_rms_norm,
     native_available,
     rms_norm,
+    route,
     routed_experts,
 )
 from app.kernels.reference import experts_reference
@@ -133,6 +134,24 @@ def test_the_cpu_sets_norms_equal_the_models_reference_norms(kind: torch.dtype, 
         torch.testing.assert_close(summed, expected_sum, rtol=0.0, atol=0.0)
         torch.testing.assert_close(normed, expected, **tolerance)
         torch.testing.assert_close(gated_rms_norm(x, gate, gated.weight, 1e-6), gated(x, gate), **tolerance)
+
+
+@pytest.mark.parametrize("kind", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_the_cpu_sets_router_picks_as_the_models_router_does(kind: torch.dtype, renormalize: bool) -> None:
+    """Softmax, top-k and weights as SparseMoE.route (native for fp32, torch for bf16), the picks of real
+    rows counted and padding rows' not."""
+    logits = torch.randn(6, 16, generator=torch.Generator().manual_seed(int(renormalize))).to(kind)
+    live = torch.tensor([1, 1, 0, 1, 1, 0])
+    counts = torch.zeros(16, dtype=torch.int64)
+    ids, weights = route(logits, 4, renormalize, counts, live)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+    expected_weights, expected_ids = torch.topk(probs, 4, dim=-1)
+    if renormalize:
+        expected_weights = expected_weights / expected_weights.sum(dim=-1, keepdim=True)
+    assert torch.equal(ids, expected_ids) and weights.dtype == kind
+    torch.testing.assert_close(weights, expected_weights.to(kind), rtol=1e-6, atol=1e-6)
+    assert torch.equal(counts, torch.bincount(ids[live.bool()].flatten(), minlength=16))
 
 
 def test_sums_added_into_a_given_buffer_equal_one_call() -> None:
