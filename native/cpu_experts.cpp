@@ -230,8 +230,10 @@ void experts_swiglu_sum(uintptr_t x_ptr, uintptr_t gate_up_ptr, uintptr_t down_p
 // rows (decode), each weight row read once per tile of TILE rows, output rows split between threads.
 void dense(uintptr_t x_ptr, uintptr_t weight_ptr, uintptr_t bias_ptr, uintptr_t y_ptr, int64_t n, int64_t in,
            int64_t out, int kind_code, int threads, bool invariant) {
-    const Kind kind = checked_kind(kind_code, 1, 1);
-    if (kind == Kind::I8) throw pybind11::value_error("dense projections take fp32 or bf16 weights");
+    const auto kind = static_cast<Kind>(kind_code);
+    if (kind != Kind::F32 && kind != Kind::BF16) {
+        throw pybind11::value_error("dense projections take fp32 or bf16 weights");
+    }
     const float* x = reinterpret_cast<const float*>(x_ptr);
     const void* weight = reinterpret_cast<const void*>(weight_ptr);
     const float* bias = reinterpret_cast<const float*>(bias_ptr);

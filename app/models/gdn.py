@@ -154,6 +154,17 @@ class GatedDeltaNet(nn.Module):
         saving = (layout.save_at > 0)[:, None, None]
         conv[slots] = torch.where(saving, mixed[rows].transpose(1, 2).to(conv.dtype), conv[slots])
 
+    def _state(
+        self, batch: ForwardBatch, seq: int, mixed: torch.Tensor, weight: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A sequence's conv and recurrent state, zeros where it has none yet."""
+        conv_state, state = batch.state.linear_state(self.layer, seq)
+        if conv_state is None:
+            conv_state = mixed.new_zeros(mixed.shape[1], weight.shape[1] - 1)
+        if state is None:
+            state = mixed.new_zeros(self.v_heads, self.dk, self.dv, dtype=torch.float32)
+        return conv_state, state
+
     def _decode_rows(
         self,
         mixed: torch.Tensor,
@@ -165,16 +176,8 @@ class GatedDeltaNet(nn.Module):
         """A window of decode rows only, one per sequence: conv and delta-rule step of every sequence at once
         (sequences, like heads, never mix), each with the arithmetic it gets alone in `_per_sequence`."""
         spans = batch.spans
-        kernel = weight.shape[1]
-        conv_states, states = [], []
-        for span in spans:
-            conv_state, state = batch.state.linear_state(self.layer, span.seq)
-            if conv_state is None:
-                conv_state = mixed.new_zeros(mixed.shape[1], kernel - 1)
-            if state is None:
-                state = mixed.new_zeros(self.v_heads, self.dk, self.dv, dtype=torch.float32)
-            conv_states.append(conv_state)
-            states.append(state)
+        held = [self._state(batch, span.seq, mixed, weight) for span in spans]
+        conv_states, states = [c for c, _ in held], [r for _, r in held]
         rows = torch.tensor([span.start for span in spans], device=mixed.device)
         x = mixed[rows]  # [seqs, channels]
         padded = torch.cat((torch.stack(conv_states), x[:, :, None].to(conv_states[0].dtype)), dim=-1)
@@ -209,17 +212,13 @@ class GatedDeltaNet(nn.Module):
         out = mixed.new_empty(mixed.shape[0], self.v_heads, self.dv, dtype=torch.float32)
         kernel = weight.shape[1]
         for span in batch.spans:
-            conv_state, state = batch.state.linear_state(self.layer, span.seq)
-            if conv_state is None:
-                conv_state = mixed.new_zeros(mixed.shape[1], kernel - 1)
+            conv_state, state = self._state(batch, span.seq, mixed, weight)
             before = conv_state
             conv_out, conv_state = causal_conv(mixed[span.rows], weight, conv_state)
             q, k, v = conv_out.float().split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
             heads = (-1, self.k_heads, self.dk)
             q, k = delta_rule_qk(q.view(heads), k.view(heads), self.v_heads)
             v = v.view(-1, self.v_heads, self.dv)
-            if state is None:
-                state = v.new_zeros(self.v_heads, self.dk, self.dv)
             decay, gate = g[span.rows], beta[span.rows]
             if span.length == 1:
                 core, state = self.rule_step(q, k, v, decay, gate, state)
