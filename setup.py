@@ -1,7 +1,8 @@
-"""The native CPU expert kernel (native/cpu_experts.cpp), built at install time for this machine's CPU.
+"""The native CPU kernels (native/), built at install time for this machine's CPU.
 
-Optional: where no C++ compiler or OpenMP exists the install goes on without it, and the CPU expert pool runs
-its torch fallback (app/kernels/cpu_experts.py says so once). Everything else is in pyproject.toml.
+Optional: where no C++ compiler or OpenMP exists the install goes on without it: the CPU expert pool runs its
+torch fallback (app/kernels/cpu_experts.py says so once) and the CPU backend set is the torch reference.
+Everything else is in pyproject.toml.
 """
 
 import pybind11
@@ -10,8 +11,8 @@ from setuptools import Extension, setup
 setup(
     ext_modules=[
         Extension(
-            "app.kernels._cpu_experts",
-            ["native/cpu_experts.cpp"],
+            "app.kernels._native",
+            ["native/module.cpp", "native/cpu_experts.cpp", "native/cpu_sequence.cpp"],
             include_dirs=[pybind11.get_include()],
             language="c++",
             extra_compile_args=["-O3", "-march=native", "-fopenmp", "-std=c++17"],

@@ -1,16 +1,17 @@
-// The CPU expert pool's kernel: routed experts' SwiGLU over the rows routed to each, from host RAM.
+// The CPU expert pool's and the CPU backend set's MLP kernels: SwiGLU experts over the rows routed to each,
+// from host RAM, and around them the decode-time pieces of a layer (router, dense rows, norms).
 //
-//   h[t, j] = silu(gate_j . x_t) * (up_j . x_t)      j < I   (gate_up rows j and I + j)
-//   y[t, i] = down_i . h_t                            i < H
+//   h[t, j] = silu(gate_j . x_t) * (up_j . x_t)      j < inter
+//   y[t, i] = down_i . h_t                            i < hidden
 //
-// x [n, H] and y [n, H] are fp32; the weights are fp32, bf16 or int8 with one fp32 scale per output row
-// (weight = int8 * scale). Work is split over output rows between threads (OpenMP); each dot product runs over
-// contiguous memory in fp32, four tokens per pass over a weight row, so the compiler vectorises it for the
-// machine it is built on (-march=native).
-// Bound with pybind11; called from app/kernels/cpu_experts.py, which checks shapes, dtypes and contiguity and
-// passes raw pointers.
+// x [n, hidden] and y [n, hidden] are fp32; the weights fp32, bf16 or int8 with one fp32 scale per output row.
+// A call's experts run together in one OpenMP team, in two passes (gate and up, then down) whose work units
+// are (expert, a few output rows) pairs; dot products as native/dot.h computes them, so a row's result never
+// depends on what else shares the call. Registered with the native module (native/module.cpp); called from
+// app/kernels/cpu_experts.py, which checks shapes, dtypes and contiguity and passes raw pointers.
 
-#include <pybind11/pybind11.h>
+#include "dot.h"
+#include "kernels.h"
 
 #include <algorithm>
 #include <cmath>
@@ -26,122 +27,152 @@
 
 namespace {
 
-enum class Kind : int { F32 = 0, BF16 = 1, I8 = 2 };
+using dot::Kind;
+using dot::Matrix;
+using dot::silu;
+using dot::TILE;
 
-inline float bf16_to_f32(uint16_t v) {
-    uint32_t bits = static_cast<uint32_t>(v) << 16;
-    float f;
-    std::memcpy(&f, &bits, sizeof f);
-    return f;
-}
+// One SwiGLU MLP (gate, up [inter, hidden], down [hidden, inter]) and the entries [first, last) it takes.
+struct Group {
+    Matrix gate, up, down;
+    int64_t inter, first, last;
+};
 
-constexpr int TILE = 4;  // tokens whose dot products share one pass over a weight row
+// The units of work of a call's two passes: gate and up rows by pairs, down rows by fours, of every group.
+struct Passes {
+    std::vector<Group> groups;
+    std::vector<int64_t> gate_units{0}, down_units{0};  // prefix sums over the groups
+    int64_t hidden = 0, widest = 0;                      // widest: the largest inter, h's row stride
 
-// Dot products of one weight row (length `cols`, converted to fp32 by `load`) with TILE token vectors at once,
-// so each weight is read and converted once per tile. acc[k] gets row . xs[k]. With `invariant` a lone row
-// takes the same tile pass as a full tile (padded), so its result does not depend on how many rows came.
-template <typename Load>
-inline void dot_tile(Load load, int64_t cols, const float* const* xs, int count, bool invariant, float* acc) {
-    if (count == 1 && !invariant) {  // a decode row alone: one dot product, no padding work
-        const float* x0 = xs[0];
-        float a0 = 0.0f;
-#pragma omp simd reduction(+ : a0)
-        for (int64_t c = 0; c < cols; ++c) a0 += load(c) * x0[c];
-        acc[0] = a0;
-        return;
-    }
-    const float* x0 = xs[0];
-    const float* x1 = xs[1];
-    const float* x2 = xs[2];
-    const float* x3 = xs[3];
-    float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
-#pragma omp simd reduction(+ : a0, a1, a2, a3)
-    for (int64_t c = 0; c < cols; ++c) {
-        const float w = load(c);
-        a0 += w * x0[c];
-        a1 += w * x1[c];
-        a2 += w * x2[c];
-        a3 += w * x3[c];
-    }
-    acc[0] = a0;
-    acc[1] = a1;
-    acc[2] = a2;
-    acc[3] = a3;
-}
-
-// One weight row dotted with `count` (up to TILE) token vectors (`xs` padded by repeating its first), in fp32.
-inline void dot_row(const void* weights, Kind kind, int64_t row, int64_t cols, const float* scales,
-                    const float* const* xs, int count, bool invariant, float* acc) {
-    switch (kind) {
-        case Kind::F32: {
-            const float* w = static_cast<const float*>(weights) + row * cols;
-            dot_tile([w](int64_t c) { return w[c]; }, cols, xs, count, invariant, acc);
-            return;
-        }
-        case Kind::BF16: {
-            const uint16_t* w = static_cast<const uint16_t*>(weights) + row * cols;
-            dot_tile([w](int64_t c) { return bf16_to_f32(w[c]); }, cols, xs, count, invariant, acc);
-            return;
-        }
-        case Kind::I8: {
-            const int8_t* w = static_cast<const int8_t*>(weights) + row * cols;
-            dot_tile([w](int64_t c) { return static_cast<float>(w[c]); }, cols, xs, count, invariant, acc);
-            for (int k = 0; k < count; ++k) acc[k] *= scales[row];
-            return;
+    Passes(std::vector<Group> all, int64_t hidden_size) : groups(std::move(all)), hidden(hidden_size) {
+        for (const Group& g : groups) {
+            gate_units.push_back(gate_units.back() + (g.inter + 1) / 2);
+            down_units.push_back(down_units.back() + (hidden + 3) / 4);
+            widest = std::max(widest, g.inter);
         }
     }
-    throw std::invalid_argument("unknown weight kind");
-}
 
-inline float silu(float v) { return v / (1.0f + std::exp(-v)); }
+    static size_t group_of(const std::vector<int64_t>& units, int64_t unit) {
+        return static_cast<size_t>(std::upper_bound(units.begin(), units.end(), unit) - units.begin() - 1);
+    }
+};
 
-// y [n, hidden] = SwiGLU of x [n, hidden] through one expert: gate_up [2 * inter, hidden], down [hidden, inter];
-// h [n * inter] is scratch. Called by every thread of an OpenMP team (each `omp for` splits its output rows
-// between them and ends in a barrier), or by one thread alone.
-void swiglu_team(const float* x, const void* gate_up, const void* down, float* y, float* h,
-                 const float* gate_up_scales, const float* down_scales, int64_t n, int64_t hidden, int64_t inter,
-                 Kind kind, bool invariant) {
-    for (int64_t first = 0; first < n; first += TILE) {
-        const int count = static_cast<int>(std::min<int64_t>(TILE, n - first));
+// Token vectors of a group's entries, TILE at a time: calls f(first entry, count, vectors).
+template <typename F>
+inline void by_tiles(const Group& g, const float* base, int64_t stride, F f) {
+    for (int64_t first = g.first; first < g.last; first += TILE) {
+        const int count = static_cast<int>(std::min<int64_t>(TILE, g.last - first));
         const float* xs[TILE];
-        for (int k = 0; k < TILE; ++k) xs[k] = x + (first + (k < count ? k : 0)) * hidden;
-#pragma omp for schedule(static)
-        for (int64_t j = 0; j < inter; ++j) {
-            float gate[TILE], up[TILE];
-            dot_row(gate_up, kind, j, hidden, gate_up_scales, xs, count, invariant, gate);
-            dot_row(gate_up, kind, inter + j, hidden, gate_up_scales, xs, count, invariant, up);
-            for (int k = 0; k < count; ++k) h[(first + k) * inter + j] = silu(gate[k]) * up[k];
-        }
-    }
-    for (int64_t first = 0; first < n; first += TILE) {
-        const int count = static_cast<int>(std::min<int64_t>(TILE, n - first));
-        const float* hs[TILE];
-        for (int k = 0; k < TILE; ++k) hs[k] = h + (first + (k < count ? k : 0)) * inter;
-#pragma omp for schedule(static)
-        for (int64_t i = 0; i < hidden; ++i) {
-            float acc[TILE];
-            dot_row(down, kind, i, inter, down_scales, hs, count, invariant, acc);
-            for (int k = 0; k < count; ++k) y[(first + k) * hidden + i] = acc[k];
-        }
+        for (int k = 0; k < count; ++k) xs[k] = base + (first + k) * stride;
+        f(first, count, xs);
     }
 }
 
-int64_t element_bytes(Kind kind) {
-    switch (kind) {
-        case Kind::F32: return 4;
-        case Kind::BF16: return 2;
-        case Kind::I8: return 1;
+// h [entries, widest] = silu(gate . x) * (up . x), then ys [entries, hidden] = down . h, for every group's
+// entries of xs [entries, hidden]. Called by every thread of a team (each pass ends in the team's barrier).
+void swiglu_team(const Passes& p, const float* xs, float* h, float* ys) {
+    const int64_t hidden = p.hidden, stride = p.widest;
+#pragma omp for schedule(dynamic, 8)
+    for (int64_t unit = 0; unit < p.gate_units.back(); ++unit) {
+        const size_t gi = Passes::group_of(p.gate_units, unit);
+        const Group& g = p.groups[gi];
+        const int64_t j = 2 * (unit - p.gate_units[gi]);
+        const bool pair = j + 1 < g.inter;
+        by_tiles(g, xs, hidden, [&](int64_t first, int count, const float* const* vectors) {
+            float out[4][TILE];
+            if (pair) {
+                const char* rows[4] = {g.gate.row(j), g.gate.row(j + 1), g.up.row(j), g.up.row(j + 1)};
+                dot::dot_rows<4>(g.gate.kind, rows, hidden, vectors, count, out);
+            } else {
+                const char* rows[2] = {g.gate.row(j), g.up.row(j)};
+                dot::dot_rows<2>(g.gate.kind, rows, hidden, vectors, count, out);
+                std::memcpy(out[2], out[1], sizeof out[1]);
+            }
+            for (int k = 0; k < count; ++k) {
+                float* row = h + (first + k) * stride;
+                row[j] = silu(out[0][k] * g.gate.scale(j)) * (out[2][k] * g.up.scale(j));
+                if (pair) row[j + 1] = silu(out[1][k] * g.gate.scale(j + 1)) * (out[3][k] * g.up.scale(j + 1));
+            }
+        });
     }
-    throw std::invalid_argument("unknown weight kind");
+#pragma omp for schedule(dynamic, 8)
+    for (int64_t unit = 0; unit < p.down_units.back(); ++unit) {
+        const size_t gi = Passes::group_of(p.down_units, unit);
+        const Group& g = p.groups[gi];
+        const int64_t i = 4 * (unit - p.down_units[gi]);
+        const int rows_here = static_cast<int>(std::min<int64_t>(4, hidden - i));
+        by_tiles(g, h, stride, [&](int64_t first, int count, const float* const* vectors) {
+            float out[4][TILE];
+            if (rows_here == 4) {
+                const char* rows[4] = {g.down.row(i), g.down.row(i + 1), g.down.row(i + 2), g.down.row(i + 3)};
+                dot::dot_rows<4>(g.down.kind, rows, g.inter, vectors, count, out);
+            } else {
+                for (int r = 0; r < rows_here; ++r) {
+                    const char* row[1] = {g.down.row(i + r)};
+                    dot::dot_rows<1>(g.down.kind, row, g.inter, vectors, count, &out[r]);
+                }
+            }
+            for (int r = 0; r < rows_here; ++r) {
+                for (int k = 0; k < count; ++k) ys[(first + k) * hidden + i + r] = out[r][k] * g.down.scale(i + r);
+            }
+        });
+    }
+}
+
+// y[rows[k]] += weights[k] * (the SwiGLU of x[rows[k]] through entry k's group), for every entry (grouped as
+// p says), in one team: the rows gathered, the two passes, then the sums added by blocks of columns, entries
+// in order.
+void add_groups(const Passes& p, const float* x, float* y, const int64_t* rows, const float* weights,
+                int64_t entries, int threads) {
+    const int64_t hidden = p.hidden;
+    std::vector<float> xs(static_cast<size_t>(entries * hidden)), ys(static_cast<size_t>(entries * hidden));
+    std::vector<float> h(static_cast<size_t>(entries * p.widest));
+    constexpr int64_t COLUMNS = 64;  // columns of y a thread adds at a time
+    const int64_t blocks = (hidden + COLUMNS - 1) / COLUMNS;
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t k = 0; k < entries; ++k) std::memcpy(&xs[k * hidden], x + rows[k] * hidden, hidden * 4);
+        swiglu_team(p, xs.data(), h.data(), ys.data());
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < blocks; ++b) {
+            const int64_t low = b * COLUMNS, high = std::min(hidden, low + COLUMNS);
+            for (int64_t k = 0; k < entries; ++k) {
+                float* out = y + rows[k] * hidden;
+                const float w = weights[k];
+                const float* in = &ys[k * hidden];
+                for (int64_t c = low; c < high; ++c) out[c] += w * in[c];
+            }
+        }
+    }
 }
 
 Kind checked_kind(int kind_code, uintptr_t gate_up_scales_ptr, uintptr_t down_scales_ptr) {
     const auto kind = static_cast<Kind>(kind_code);
-    element_bytes(kind);
+    dot::element_bytes(kind);
     if (kind == Kind::I8 && (gate_up_scales_ptr == 0 || down_scales_ptr == 0)) {
         throw std::invalid_argument("int8 weights need their scales");
     }
     return kind;
+}
+
+// Expert `expert` of stacked gate_up [E, 2 * inter, hidden] / down [E, hidden, inter] (scales [E, rows]).
+Group stacked_expert(uintptr_t gate_up_ptr, uintptr_t down_ptr, uintptr_t gate_up_scales_ptr,
+                     uintptr_t down_scales_ptr, Kind kind, int64_t expert, int64_t hidden, int64_t inter,
+                     int64_t first, int64_t last) {
+    const int64_t bytes = dot::element_bytes(kind);
+    const char* gate_up = reinterpret_cast<const char*>(gate_up_ptr) + expert * 2 * inter * hidden * bytes;
+    const char* down = reinterpret_cast<const char*>(down_ptr) + expert * hidden * inter * bytes;
+    const auto* gu_scales = reinterpret_cast<const float*>(gate_up_scales_ptr);
+    const auto* d_scales = reinterpret_cast<const float*>(down_scales_ptr);
+    Group g;
+    g.gate = Matrix{gate_up, kind, hidden, gu_scales ? gu_scales + expert * 2 * inter : nullptr};
+    g.up = Matrix{gate_up + inter * hidden * bytes, kind, hidden, gu_scales ? gu_scales + expert * 2 * inter + inter : nullptr};
+    g.down = Matrix{down, kind, inter, d_scales ? d_scales + expert * hidden : nullptr};
+    g.inter = inter;
+    g.first = first;
+    g.last = last;
+    return g;
 }
 
 // y [n, hidden] = SwiGLU of x [n, hidden] through one expert.
@@ -149,41 +180,33 @@ void expert_swiglu(uintptr_t x_ptr, uintptr_t gate_up_ptr, uintptr_t down_ptr, u
                    uintptr_t gate_up_scales_ptr, uintptr_t down_scales_ptr, int64_t n, int64_t hidden,
                    int64_t inter, int kind_code, int threads) {
     const Kind kind = checked_kind(kind_code, gate_up_scales_ptr, down_scales_ptr);
+    const Passes p({stacked_expert(gate_up_ptr, down_ptr, gate_up_scales_ptr, down_scales_ptr, kind, 0, hidden, inter,
+                                   0, n)},
+                   hidden);
     pybind11::gil_scoped_release release;
     std::vector<float> h(static_cast<size_t>(n * inter));
 #pragma omp parallel num_threads(threads)
-    swiglu_team(reinterpret_cast<const float*>(x_ptr), reinterpret_cast<const void*>(gate_up_ptr),
-                reinterpret_cast<const void*>(down_ptr), reinterpret_cast<float*>(y_ptr), h.data(),
-                reinterpret_cast<const float*>(gate_up_scales_ptr), reinterpret_cast<const float*>(down_scales_ptr),
-                n, hidden, inter, kind, false);
+    swiglu_team(p, reinterpret_cast<const float*>(x_ptr), h.data(), reinterpret_cast<float*>(y_ptr));
 }
 
 // y [n, hidden] += the weighted SwiGLU of several experts of one layer, each over the rows routed to it:
 // expert experts[e] (an index into gate_up [E, 2 * inter, hidden] / down [E, hidden, inter], and their scales
 // [E, rows]) takes entries offsets[e] .. offsets[e + 1] of rows / weights. One call for a window's CPU share.
 // Every index is checked against n (rows of x and y), total (experts in gate_up / down) and entries (the
-// length of rows / weights) before any memory is read. With `invariant` each row's result is the same whatever
-// other rows share its experts (see dot_tile).
+// length of rows / weights) before any memory is read.
 void experts_swiglu_sum(uintptr_t x_ptr, uintptr_t gate_up_ptr, uintptr_t down_ptr, uintptr_t y_ptr,
                         uintptr_t gate_up_scales_ptr, uintptr_t down_scales_ptr, int64_t hidden, int64_t inter,
                         int kind_code, int threads, uintptr_t experts_ptr, uintptr_t offsets_ptr,
                         uintptr_t rows_ptr, uintptr_t weights_ptr, int64_t count, int64_t n, int64_t total,
-                        int64_t entries, bool invariant) {
+                        int64_t entries) {
     const Kind kind = checked_kind(kind_code, gate_up_scales_ptr, down_scales_ptr);
-    const float* x = reinterpret_cast<const float*>(x_ptr);
-    float* y = reinterpret_cast<float*>(y_ptr);
     const auto* experts = reinterpret_cast<const int64_t*>(experts_ptr);
     const auto* offsets = reinterpret_cast<const int64_t*>(offsets_ptr);
     const auto* rows = reinterpret_cast<const int64_t*>(rows_ptr);
-    const auto* weights = reinterpret_cast<const float*>(weights_ptr);
-    const auto* gate_up = reinterpret_cast<const char*>(gate_up_ptr);
-    const auto* down = reinterpret_cast<const char*>(down_ptr);
-    const auto* gate_up_scales = reinterpret_cast<const float*>(gate_up_scales_ptr);
-    const auto* down_scales = reinterpret_cast<const float*>(down_scales_ptr);
-    const int64_t gate_up_size = 2 * inter * hidden, down_size = hidden * inter;
     if (offsets[0] != 0 || offsets[count] != entries) {
         throw pybind11::value_error("offsets must bound each expert's entries of rows and weights");
     }
+    std::vector<Group> groups;
     for (int64_t e = 0; e < count; ++e) {
         if (experts[e] < 0 || experts[e] >= total) {
             throw pybind11::value_error("experts must be in [0, " + std::to_string(total) + ")");
@@ -191,63 +214,226 @@ void experts_swiglu_sum(uintptr_t x_ptr, uintptr_t gate_up_ptr, uintptr_t down_p
         if (offsets[e + 1] < offsets[e]) {
             throw pybind11::value_error("offsets must bound each expert's entries of rows and weights");
         }
+        groups.push_back(stacked_expert(gate_up_ptr, down_ptr, gate_up_scales_ptr, down_scales_ptr, kind, experts[e],
+                                        hidden, inter, offsets[e], offsets[e + 1]));
     }
     for (int64_t k = 0; k < entries; ++k) {
         if (rows[k] < 0 || rows[k] >= n) throw pybind11::value_error("rows must be in [0, " + std::to_string(n) + ")");
     }
+    const Passes p(std::move(groups), hidden);
     pybind11::gil_scoped_release release;
-    int64_t most = 0;  // the most entries an expert has
-    for (int64_t e = 0; e < count; ++e) most = std::max(most, offsets[e + 1] - offsets[e]);
-    std::vector<float> xs(static_cast<size_t>(most * hidden)), ys(static_cast<size_t>(most * hidden));
-    std::vector<float> h(static_cast<size_t>(most * inter));
-    constexpr int64_t COLUMNS = 64;  // columns of y a thread adds at a time
-    const int64_t blocks = (hidden + COLUMNS - 1) / COLUMNS;
-    // One team for the whole call: the experts one after another, each one's rows split between the threads.
-#pragma omp parallel num_threads(threads)
-    for (int64_t e = 0; e < count; ++e) {
-        const int64_t first = offsets[e], m = offsets[e + 1] - first, expert = experts[e];
-#pragma omp for schedule(static)
-        for (int64_t k = 0; k < m; ++k) std::memcpy(&xs[k * hidden], x + rows[first + k] * hidden, hidden * 4);
-        swiglu_team(xs.data(), gate_up + expert * gate_up_size * element_bytes(kind),
-                    down + expert * down_size * element_bytes(kind), ys.data(), h.data(),
-                    gate_up_scales ? gate_up_scales + expert * 2 * inter : nullptr,
-                    down_scales ? down_scales + expert * hidden : nullptr, m, hidden, inter, kind, invariant);
-        // y += weight * result at each entry's row, a block of columns per thread (entries in order within it)
-#pragma omp for schedule(static)
-        for (int64_t b = 0; b < blocks; ++b) {
-            const int64_t low = b * COLUMNS, high = std::min(hidden, low + COLUMNS);
-            for (int64_t k = 0; k < m; ++k) {
-                float* out = y + rows[first + k] * hidden;
-                const float w = weights[first + k];
-                const float* in = &ys[k * hidden];
-                for (int64_t i = low; i < high; ++i) out[i] += w * in[i];
-            }
+    add_groups(p, reinterpret_cast<const float*>(x_ptr), reinterpret_cast<float*>(y_ptr), rows,
+               reinterpret_cast<const float*>(weights_ptr), entries, threads);
+}
+
+// The router's picks for one row of logits [experts]: softmax over all experts, the top_k (ties to the lower
+// expert), their probabilities (renormalised to sum 1 with `renormalize`) into ids / weights [top_k], each pick
+// added to counts [experts] by `live` (0 on a padding row). p and taken: scratch of `experts` entries.
+void route_row(const float* logits, int64_t experts, int64_t top_k, bool renormalize, int64_t live, int64_t* ids,
+               float* weights, int64_t* counts, float* p, char* taken) {
+    float most = logits[0];
+    for (int64_t e = 1; e < experts; ++e) most = std::max(most, logits[e]);
+    float total = 0.0f;
+    for (int64_t e = 0; e < experts; ++e) total += (p[e] = std::exp(logits[e] - most));
+    for (int64_t e = 0; e < experts; ++e) p[e] /= total;
+    std::fill(taken, taken + experts, 0);
+    float picked = 0.0f;
+    for (int64_t k = 0; k < top_k; ++k) {
+        int64_t best = -1;
+        for (int64_t e = 0; e < experts; ++e) {
+            if (!taken[e] && (best < 0 || p[e] > p[best])) best = e;
         }
+        taken[best] = 1;
+        ids[k] = best;
+        weights[k] = p[best];
+        picked += p[best];
+        counts[best] += live;
+    }
+    if (renormalize) {
+        for (int64_t k = 0; k < top_k; ++k) weights[k] /= picked;
     }
 }
 
+// The router's picks for each row of logits [rows, experts] (fp32), as route_row, counted by live[row] when
+// given.
+void route(uintptr_t logits_ptr, uintptr_t ids_ptr, uintptr_t weights_ptr, uintptr_t counts_ptr,
+           uintptr_t live_ptr, int64_t rows, int64_t experts, int64_t top_k, bool renormalize) {
+    const float* logits = reinterpret_cast<const float*>(logits_ptr);
+    auto* ids = reinterpret_cast<int64_t*>(ids_ptr);
+    float* weights = reinterpret_cast<float*>(weights_ptr);
+    auto* counts = reinterpret_cast<int64_t*>(counts_ptr);
+    const auto* live = reinterpret_cast<const int64_t*>(live_ptr);
+    if (top_k < 1 || top_k > experts) throw pybind11::value_error("top_k must be in [1, experts]");
+    std::vector<float> p(static_cast<size_t>(experts));
+    std::vector<char> taken(static_cast<size_t>(experts));
+    for (int64_t r = 0; r < rows; ++r) {
+        route_row(logits + r * experts, experts, top_k, renormalize, live ? live[r] : 1, ids + r * top_k,
+                  weights + r * top_k, counts, p.data(), taken.data());
+    }
+}
+
+// The routed entries of ids [entries] (experts of [0, total)) grouped by expert: expert order, entry order
+// within one. Returns the groups' experts and offsets; entry f goes to position order[f].
+void group_entries(const int64_t* ids, int64_t entries, int64_t total, std::vector<int64_t>& experts,
+                   std::vector<int64_t>& offsets, std::vector<int64_t>& order) {
+    std::vector<int64_t> per(static_cast<size_t>(total + 1));
+    for (int64_t f = 0; f < entries; ++f) {
+        if (ids[f] < 0 || ids[f] >= total) {
+            throw pybind11::value_error("expert ids must be in [0, " + std::to_string(total) + ")");
+        }
+        ++per[ids[f] + 1];
+    }
+    offsets.assign(1, 0);
+    for (int64_t e = 0; e < total; ++e) {
+        if (per[e + 1] == 0) continue;
+        experts.push_back(e);
+        offsets.push_back(offsets.back() + per[e + 1]);
+    }
+    for (int64_t e = 0; e < total; ++e) per[e + 1] += per[e];  // per[e]: where expert e's entries start
+    order.resize(static_cast<size_t>(entries));
+    for (int64_t f = 0; f < entries; ++f) order[f] = per[ids[f]]++;
+}
+
+// The groups of the routed entries of ids / top_weights [n, top_k] by expert (experts of stacked gate_up /
+// down), each entry's row and weight written at its place in rows / weights [n * top_k].
+std::vector<Group> routed_groups(const int64_t* ids, const float* top_weights, int64_t n, int64_t top_k,
+                                 int64_t total, uintptr_t gate_up_ptr, uintptr_t down_ptr, Kind kind, int64_t hidden,
+                                 int64_t inter, int64_t* rows, float* weights) {
+    std::vector<int64_t> experts, offsets, order;
+    group_entries(ids, n * top_k, total, experts, offsets, order);
+    for (int64_t f = 0; f < n * top_k; ++f) {
+        rows[order[f]] = f / top_k;
+        weights[order[f]] = top_weights[f];
+    }
+    std::vector<Group> groups;
+    for (size_t e = 0; e < experts.size(); ++e) {
+        groups.push_back(stacked_expert(gate_up_ptr, down_ptr, 0, 0, kind, experts[e], hidden, inter, offsets[e],
+                                        offsets[e + 1]));
+    }
+    return groups;
+}
+
+// y [n, hidden] = the weighted sum of each row's top_k routed experts (ids and weights [n, top_k], experts of
+// gate_up [total, 2 * inter, hidden] / down [total, hidden, inter]), the entries grouped by expert here.
+void routed_experts(uintptr_t x_ptr, uintptr_t gate_up_ptr, uintptr_t down_ptr, uintptr_t y_ptr, int64_t hidden,
+                    int64_t inter, int kind_code, int threads, uintptr_t ids_ptr, uintptr_t top_weights_ptr,
+                    int64_t n, int64_t top_k, int64_t total) {
+    const Kind kind = checked_kind(kind_code, 0, 0);
+    if (kind == Kind::I8) throw pybind11::value_error("routed experts take fp32 or bf16 weights");
+    const auto* ids = reinterpret_cast<const int64_t*>(ids_ptr);
+    const auto* top_weights = reinterpret_cast<const float*>(top_weights_ptr);
+    const int64_t entries = n * top_k;
+    std::vector<int64_t> rows(static_cast<size_t>(entries));
+    std::vector<float> weights(static_cast<size_t>(entries));
+    const Passes p(routed_groups(ids, top_weights, n, top_k, total, gate_up_ptr, down_ptr, kind, hidden, inter,
+                                 rows.data(), weights.data()),
+                   hidden);
+    float* y = reinterpret_cast<float*>(y_ptr);
+    pybind11::gil_scoped_release release;
+    std::fill(y, y + n * hidden, 0.0f);
+    add_groups(p, reinterpret_cast<const float*>(x_ptr), y, rows.data(), weights.data(), entries, threads);
+}
+
+// A sparse MoE block of a decode window in one call, y [n, hidden] from x [n, hidden]: router logits (router
+// [total, hidden] fp32), the picks (route_row, counted into counts [total] by live[row] when given) into ids /
+// top_weights [n, top_k], each row's routed experts (gate_up / down as routed_experts) and, when shared_gate_ptr
+// is set, the shared expert (gate, up [shared_inter, hidden], down [hidden, shared_inter], of shared_kind)
+// weighted by sigmoid(shared_router . x) (shared_router [hidden] fp32), added after the routed ones.
+void moe_block(uintptr_t x_ptr, uintptr_t y_ptr, int64_t n, int64_t hidden, uintptr_t router_ptr, int64_t total,
+               int64_t top_k, bool renormalize, uintptr_t counts_ptr, uintptr_t live_ptr, uintptr_t ids_ptr,
+               uintptr_t top_weights_ptr, uintptr_t gate_up_ptr, uintptr_t down_ptr, int kind_code, int64_t inter,
+               uintptr_t shared_gate_ptr, uintptr_t shared_up_ptr, uintptr_t shared_down_ptr, int shared_kind_code,
+               int64_t shared_inter, uintptr_t shared_router_ptr, int threads) {
+    const Kind kind = checked_kind(kind_code, 0, 0), shared_kind = checked_kind(shared_kind_code, 0, 0);
+    if (kind == Kind::I8 || shared_kind == Kind::I8) throw pybind11::value_error("MoE blocks take fp32 or bf16 weights");
+    if (top_k < 1 || top_k > total) throw pybind11::value_error("top_k must be in [1, experts]");
+    const float* x = reinterpret_cast<const float*>(x_ptr);
+    auto* ids = reinterpret_cast<int64_t*>(ids_ptr);
+    auto* top_weights = reinterpret_cast<float*>(top_weights_ptr);
+    const auto* live = reinterpret_cast<const int64_t*>(live_ptr);
+    const bool shared = shared_gate_ptr != 0;
+    const int64_t entries = n * top_k, all = entries + (shared ? n : 0);
+    const Matrix router{reinterpret_cast<const char*>(router_ptr), Kind::F32, hidden, nullptr};
+    const Matrix shared_router{reinterpret_cast<const char*>(shared_router_ptr), Kind::F32, hidden, nullptr};
+    std::vector<float> logits(static_cast<size_t>(n * total)), p(static_cast<size_t>(total));
+    std::vector<char> taken(static_cast<size_t>(total));
+    std::vector<int64_t> rows(static_cast<size_t>(all));
+    std::vector<float> weights(static_cast<size_t>(all));
+    {
+        pybind11::gil_scoped_release release;
+        for (int64_t r = 0; r < n; ++r) {
+            const float* xs[1] = {x + r * hidden};
+            float out[1][TILE];
+            for (int64_t e = 0; e < total; ++e) {
+                const char* row[1] = {router.row(e)};
+                dot::dot_rows<1>(Kind::F32, row, hidden, xs, 1, out);
+                logits[r * total + e] = out[0][0];
+            }
+            route_row(&logits[r * total], total, top_k, renormalize, live ? live[r] : 1, ids + r * top_k,
+                      top_weights + r * top_k, reinterpret_cast<int64_t*>(counts_ptr), p.data(), taken.data());
+            if (shared) {
+                const char* row[1] = {shared_router.row(0)};
+                dot::dot_rows<1>(Kind::F32, row, hidden, xs, 1, out);
+                rows[entries + r] = r;
+                weights[entries + r] = 1.0f / (1.0f + std::exp(-out[0][0]));
+            }
+        }
+    }
+    std::vector<Group> groups = routed_groups(ids, top_weights, n, top_k, total, gate_up_ptr, down_ptr, kind, hidden,
+                                              inter, rows.data(), weights.data());
+    if (shared) {
+        Group g;
+        g.gate = Matrix{reinterpret_cast<const char*>(shared_gate_ptr), shared_kind, hidden, nullptr};
+        g.up = Matrix{reinterpret_cast<const char*>(shared_up_ptr), shared_kind, hidden, nullptr};
+        g.down = Matrix{reinterpret_cast<const char*>(shared_down_ptr), shared_kind, shared_inter, nullptr};
+        g.inter = shared_inter;
+        g.first = entries;
+        g.last = all;
+        groups.push_back(g);
+    }
+    const Passes passes(std::move(groups), hidden);
+    float* y = reinterpret_cast<float*>(y_ptr);
+    pybind11::gil_scoped_release release;
+    std::fill(y, y + n * hidden, 0.0f);
+    add_groups(passes, x, y, rows.data(), weights.data(), all, threads);
+}
+
 // y [n, out] = x [n, in] @ weight [out, in]^T (+ bias [out]), fp32 results: the dense projections of a few
-// rows (decode), each weight row read once per tile of TILE rows, output rows split between threads.
+// rows (decode), four weight rows and up to TILE token rows per pass, weight rows split between threads.
 void dense(uintptr_t x_ptr, uintptr_t weight_ptr, uintptr_t bias_ptr, uintptr_t y_ptr, int64_t n, int64_t in,
-           int64_t out, int kind_code, int threads, bool invariant) {
+           int64_t out, int kind_code, int threads) {
     const auto kind = static_cast<Kind>(kind_code);
     if (kind != Kind::F32 && kind != Kind::BF16) {
         throw pybind11::value_error("dense projections take fp32 or bf16 weights");
     }
     const float* x = reinterpret_cast<const float*>(x_ptr);
-    const void* weight = reinterpret_cast<const void*>(weight_ptr);
+    const Matrix weight{reinterpret_cast<const char*>(weight_ptr), kind, in, nullptr};
     const float* bias = reinterpret_cast<const float*>(bias_ptr);
     float* y = reinterpret_cast<float*>(y_ptr);
     pybind11::gil_scoped_release release;
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t j = 0; j < out; ++j) {
+    for (int64_t quad = 0; quad < (out + 3) / 4; ++quad) {
+        const int64_t j = 4 * quad;
+        const int rows_here = static_cast<int>(std::min<int64_t>(4, out - j));
         for (int64_t first = 0; first < n; first += TILE) {
             const int count = static_cast<int>(std::min<int64_t>(TILE, n - first));
             const float* xs[TILE];
-            for (int k = 0; k < TILE; ++k) xs[k] = x + (first + (k < count ? k : 0)) * in;
-            float acc[TILE];
-            dot_row(weight, kind, j, in, nullptr, xs, count, invariant, acc);
-            for (int k = 0; k < count; ++k) y[(first + k) * out + j] = bias ? acc[k] + bias[j] : acc[k];
+            for (int k = 0; k < count; ++k) xs[k] = x + (first + k) * in;
+            float acc[4][TILE];
+            if (rows_here == 4) {
+                const char* rows[4] = {weight.row(j), weight.row(j + 1), weight.row(j + 2), weight.row(j + 3)};
+                dot::dot_rows<4>(kind, rows, in, xs, count, acc);
+            } else {
+                for (int r = 0; r < rows_here; ++r) {
+                    const char* row[1] = {weight.row(j + r)};
+                    dot::dot_rows<1>(kind, row, in, xs, count, &acc[r]);
+                }
+            }
+            for (int r = 0; r < rows_here; ++r) {
+                for (int k = 0; k < count; ++k) {
+                    y[(first + k) * out + j + r] = bias ? acc[r][k] + bias[j + r] : acc[r][k];
+                }
+            }
         }
     }
 }
@@ -286,52 +472,15 @@ void rms_norm(uintptr_t x_ptr, uintptr_t residual_ptr, uintptr_t gate_ptr, uintp
     }
 }
 
-// The router's picks for each row of logits [rows, experts] (fp32): softmax over all experts, the top_k
-// (ties to the lower expert), their probabilities (renormalised to sum 1 with `renormalize`) into ids /
-// weights [rows, top_k], each pick added to counts [experts] (by live[row], 0 on padding rows, when given).
-void route(uintptr_t logits_ptr, uintptr_t ids_ptr, uintptr_t weights_ptr, uintptr_t counts_ptr,
-           uintptr_t live_ptr, int64_t rows, int64_t experts, int64_t top_k, bool renormalize) {
-    const float* logits = reinterpret_cast<const float*>(logits_ptr);
-    auto* ids = reinterpret_cast<int64_t*>(ids_ptr);
-    float* weights = reinterpret_cast<float*>(weights_ptr);
-    auto* counts = reinterpret_cast<int64_t*>(counts_ptr);
-    const auto* live = reinterpret_cast<const int64_t*>(live_ptr);
-    if (top_k < 1 || top_k > experts) throw pybind11::value_error("top_k must be in [1, experts]");
-    std::vector<float> p(static_cast<size_t>(experts));
-    std::vector<char> taken(static_cast<size_t>(experts));
-    for (int64_t r = 0; r < rows; ++r) {
-        const float* row = logits + r * experts;
-        float most = row[0];
-        for (int64_t e = 1; e < experts; ++e) most = std::max(most, row[e]);
-        float total = 0.0f;
-        for (int64_t e = 0; e < experts; ++e) total += (p[e] = std::exp(row[e] - most));
-        for (int64_t e = 0; e < experts; ++e) p[e] /= total;
-        std::fill(taken.begin(), taken.end(), 0);
-        float picked = 0.0f;
-        for (int64_t k = 0; k < top_k; ++k) {
-            int64_t best = -1;
-            for (int64_t e = 0; e < experts; ++e) {
-                if (!taken[e] && (best < 0 || p[e] > p[best])) best = e;
-            }
-            taken[best] = 1;
-            ids[r * top_k + k] = best;
-            weights[r * top_k + k] = p[best];
-            picked += p[best];
-            counts[best] += live ? live[r] : 1;
-        }
-        if (renormalize) {
-            for (int64_t k = 0; k < top_k; ++k) weights[r * top_k + k] /= picked;
-        }
-    }
-}
-
 }  // namespace
 
-PYBIND11_MODULE(_cpu_experts, m) {
-    m.doc() = "The CPU expert pool's SwiGLU kernel (fp32, bf16 and int8 weights).";
+void register_expert_kernels(pybind11::module_& m) {
     m.def("expert_swiglu", &expert_swiglu, "y = SwiGLU(x) through one expert; raw pointers, see cpu_experts.py");
     m.def("experts_swiglu_sum", &experts_swiglu_sum,
           "y += weighted SwiGLU of several experts over their rows; raw pointers, see cpu_experts.py");
+    m.def("routed_experts", &routed_experts,
+          "y = each row's routed experts' weighted SwiGLU sum, grouped here; raw pointers, see cpu_experts.py");
+    m.def("moe_block", &moe_block, "a sparse MoE block: router, routed and shared experts; see cpu_experts.py");
     m.def("dense", &dense, "y = x @ weight.T (+ bias) for a few rows; raw pointers, see cpu_experts.py");
     m.def("route", &route, "softmax, top-k and counts of router logits; raw pointers, see cpu_experts.py");
     m.def("rms_norm", &rms_norm, "RMSNorm of rows (after a residual add, or gated); raw pointers, see cpu_experts.py");

@@ -43,11 +43,13 @@ def triton_backends() -> Backends:
 
 
 def cpu_backends() -> Backends:
-    """The torch reference with the routed experts, the dense projections of a few rows and the norms through
-    the native CPU kernels (a layer's routed experts in one call, fp32 inside, each row's result independent
-    of its batch; decode rows' projections at several times torch's rate; a norm in one call instead of
-    nine), where the install built them; else the reference itself."""
+    """The torch reference with the routed experts, the dense projections of a few rows, the norms and the
+    sequence mixers through the native CPU kernels (a layer's routed experts in one call, fp32 inside, each
+    row's result independent of its batch; decode rows' projections at several times torch's rate; a norm in
+    one call instead of nine; attention and Gated DeltaNet over the paged state for the whole window, as the
+    GPU's kernels), where the install built them; else the reference itself."""
     from app.kernels import cpu_experts as cpu
+    from app.kernels import cpu_sequence as sequence
 
     if not cpu.native_available():
         return REFERENCE
@@ -60,6 +62,12 @@ def cpu_backends() -> Backends:
         rms_norm=cpu.rms_norm,
         add_rms_norm=cpu.add_rms_norm,
         gated_rms_norm=cpu.gated_rms_norm,
+        paged_attention=sequence.paged_attention,
+        conv_varlen=sequence.conv_varlen,
+        delta_rule_varlen=sequence.delta_rule_paged,
+        qk_norm_rope=sequence.qk_norm_rope,
+        moe_block=cpu.moe_block,
+        bf16_experts=True,
     )
 
 

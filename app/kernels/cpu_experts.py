@@ -9,13 +9,14 @@ with one fp32 scale per output row; activations and results are fp32.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 
 import torch
 
 try:
-    from app.kernels import _cpu_experts as _native  # type: ignore[attr-defined]
+    from app.kernels import _native  # type: ignore[attr-defined]
 except ImportError:
     _native = None
 
@@ -29,9 +30,11 @@ def native_available() -> bool:
     return _native is not None
 
 
+@functools.cache
 def threads() -> int:
     """Threads the native kernel uses: STRATA_CPU_THREADS, else every core this process may run on (not
-    OpenMP's own count, which torch.set_num_threads changes where both share one OpenMP runtime)."""
+    OpenMP's own count, which torch.set_num_threads changes where both share one OpenMP runtime); read once
+    per process."""
     if "STRATA_CPU_THREADS" in os.environ:
         return max(int(os.environ["STRATA_CPU_THREADS"]), 1)
     return len(os.sched_getaffinity(0))
@@ -91,14 +94,12 @@ def experts_swiglu_sum(
     gate_up_scales: torch.Tensor | None = None,
     down_scales: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
-    invariant: bool = False,
 ) -> torch.Tensor:
     """y [n, hidden] fp32: for each i, the SwiGLU of x [n, hidden] at rows[offsets[i]:offsets[i + 1]] through
     expert experts[i] of gate_up [E, 2 * inter, hidden] / down [E, hidden, inter] (int8 with fp32 scales
     [E, rows]), weighted by those entries of `weights` and added at those rows; on the CPU, one call.
-    With `out` (fp32, contiguous, shaped like x) the sums are added into it and it is returned. With
-    `invariant` a row's result does not depend on which other rows share its experts (a lone row costs a
-    little more)."""
+    With `out` (fp32, contiguous, shaped like x) the sums are added into it and it is returned. A row's
+    result never depends on which other rows share its experts."""
     if out is not None and (out.shape != x.shape or out.dtype != torch.float32 or not out.is_contiguous()):
         raise ValueError("out must be a contiguous fp32 tensor shaped like x")
     if _native is None:
@@ -138,7 +139,6 @@ def experts_swiglu_sum(
         n,
         gate_up.shape[0],
         rows.numel(),
-        invariant,
     )
     return y
 
@@ -202,10 +202,128 @@ def routed_experts(
     down: torch.Tensor,
 ) -> torch.Tensor:
     """The routed experts' weighted sum (the `experts` contract of app/kernels/interface.py) on the CPU
-    through the native kernel in one call: the experts in expert order, each row's result independent of its
-    batch (`invariant`), fp32 inside, returned in x's dtype. The CPU backend set's experts kernel."""
-    experts, offsets, rows, weights = by_expert(top_ids, top_weights)
-    return experts_swiglu_sum(x, experts, offsets, rows, weights, gate_up, down, invariant=True).to(x.dtype)
+    through the native kernel in one call, which groups the entries by expert itself: the experts in expert
+    order, each row's result independent of its batch, fp32 inside, returned in x's dtype. Weights fp32 or
+    bf16 (int8 goes through `experts_swiglu_sum`). The CPU backend set's experts kernel."""
+    if _native is None or gate_up.dtype == torch.int8:
+        experts, offsets, rows, weights = by_expert(top_ids, top_weights)
+        return experts_swiglu_sum(x, experts, offsets, rows, weights, gate_up, down).to(x.dtype)
+    _check(x, gate_up, down, None, None, stacked=True)
+    n, top_k = top_ids.shape
+    if top_weights.shape != top_ids.shape:
+        raise ValueError("top_ids and top_weights must both be [tokens, top_k]")
+    xs, ids, weights = _as(x, torch.float32), _as(top_ids, torch.int64), _as(top_weights, torch.float32)
+    y = torch.empty(n, x.shape[1], dtype=torch.float32)
+    _native.routed_experts(
+        xs.data_ptr(),
+        gate_up.data_ptr(),
+        down.data_ptr(),
+        y.data_ptr(),
+        x.shape[1],
+        down.shape[2],
+        _KINDS[gate_up.dtype],
+        threads(),
+        ids.data_ptr(),
+        weights.data_ptr(),
+        n,
+        top_k,
+        gate_up.shape[0],
+    )
+    return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+
+def moe_block_reference(
+    x: torch.Tensor,
+    router: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    counts: torch.Tensor,
+    live: torch.Tensor | None,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None,
+) -> torch.Tensor:
+    """`moe_block` in torch, as the model's `SparseMoE` computes it unfused."""
+    probs = torch.softmax(x.float() @ router.float().T, dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    picks = torch.ones_like(ids) if live is None else live[:, None].expand_as(ids)
+    counts.scatter_add_(0, ids.flatten(), picks.flatten().to(counts.dtype))
+    y = experts_swiglu_sum_reference(x.float(), *by_expert(ids, weights), gate_up, down)
+    if shared is not None:
+        gate, up, shared_down, shared_router = (t.float() for t in shared)
+        h = torch.nn.functional.silu(x.float() @ gate.T) * (x.float() @ up.T)
+        y = y + torch.sigmoid(x.float() @ shared_router.T) * (h @ shared_down.T)
+    return y.to(x.dtype)
+
+
+def moe_block(
+    x: torch.Tensor,
+    router: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    counts: torch.Tensor,
+    live: torch.Tensor | None,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None,
+) -> torch.Tensor:
+    """A sparse MoE block (the `moe_block` contract of app/kernels/interface.py) in one native call:
+    router logits (router [experts, hidden]), softmax and top-k picks (renormalised with `renormalize`,
+    each real row's picks added to `counts`), the routed experts' weighted SwiGLU (stacked gate_up / down,
+    fp32 or bf16) and the shared expert's (gate, up [inter, hidden], down [hidden, inter], router
+    [1, hidden]) behind its sigmoid, for fp32 rows in host memory; the torch reference otherwise."""
+    tensors = [x, router, *(shared[3:] if shared else ())]
+    native = _native is not None and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+    weights = [gate_up, down, *(shared[:3] if shared else ())]
+    native = native and all(w.dtype in (torch.float32, torch.bfloat16) and w.is_contiguous() for w in weights)
+    if not native or counts.dtype != torch.int64 or not counts.is_contiguous():
+        return moe_block_reference(x, router, top_k, renormalize, counts, live, gate_up, down, shared)
+    _check(x, gate_up, down, None, None, stacked=True)
+    rows, hidden = x.shape
+    experts = gate_up.shape[0]
+    if router.shape != (experts, hidden) or not 1 <= top_k <= experts:
+        raise ValueError("router must be [experts, hidden] and top_k in [1, experts]")
+    x, router = _as(x, torch.float32), _as(router, torch.float32)
+    live = None if live is None else _as(live, torch.int64)
+    y = torch.empty(rows, hidden)
+    ids, top_weights = torch.empty(rows, top_k, dtype=torch.int64), torch.empty(rows, top_k)
+    gate = up = shared_down = shared_router = None
+    if shared is not None:
+        gate, up, shared_down, shared_router = shared
+        inter = gate.shape[0]
+        if up.shape != gate.shape or gate.shape[1] != hidden or shared_down.shape != (hidden, inter):
+            raise ValueError("shared expert: gate, up [inter, hidden] and down [hidden, inter]")
+        if len({gate.dtype, up.dtype, shared_down.dtype}) != 1 or shared_router.numel() != hidden:
+            raise ValueError("shared expert: one dtype for its weights, and a router of [1, hidden]")
+        shared_router = _as(shared_router, torch.float32)
+    _native.moe_block(
+        x.data_ptr(),
+        y.data_ptr(),
+        rows,
+        hidden,
+        router.data_ptr(),
+        experts,
+        top_k,
+        renormalize,
+        counts.data_ptr(),
+        0 if live is None else live.data_ptr(),
+        ids.data_ptr(),
+        top_weights.data_ptr(),
+        gate_up.data_ptr(),
+        down.data_ptr(),
+        _KINDS[gate_up.dtype],
+        down.shape[2],
+        0 if gate is None else gate.data_ptr(),
+        0 if up is None else up.data_ptr(),
+        0 if shared_down is None else shared_down.data_ptr(),
+        _KINDS[gate.dtype] if gate is not None else 0,
+        0 if gate is None else gate.shape[0],
+        0 if shared_router is None else shared_router.data_ptr(),
+        threads(),
+    )
+    return y
 
 
 DENSE_ROWS = 8  # up to so many rows the CPU set's dense projections may run natively (decode)
@@ -240,7 +358,6 @@ def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = Non
         weight.shape[0],
         _KINDS[weight.dtype],
         threads(),
-        False,
     )
     return y if x.dtype == torch.float32 else y.to(x.dtype)
 

@@ -34,6 +34,7 @@ PagedAttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, PagedLayo
 ConvVarlenFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 DeltaRuleVarlenFn = Callable[..., torch.Tensor]
 QKNormRopeFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+MoEBlockFn = Callable[..., torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,12 @@ class Backends:
     -> (norm of residual + h, residual + h); gated_rms_norm(x, gate, weight, eps); qk_norm_rope(q, k,
     q_weight, k_weight, eps, offset, cos, sin) -> (q, k) normalised per head and rotated.
     linear(x, weight, bias) -> x @ weight.T + bias for the dense projections (None: torch, i.e. cuBLAS).
-    `exact` marks a set whose kernels never choose their tiles by the batch.
+    moe_block(x, router, top_k, renormalize, counts, live, gate_up, down, shared) -> a whole sparse MoE block
+    (router, picks counted into `counts`, routed experts, and the shared expert `shared` = (gate, up, down,
+    router) behind its sigmoid, or None) in one call; None: the block's pieces one by one.
+    `exact` marks a set whose kernels never choose their tiles by the batch. `bf16_experts` marks a set
+    whose experts kernel reads bf16 weights and computes in fp32: a bf16 checkpoint's routed experts then
+    stay bf16 in a wider model (the same products, half the bytes to read).
     """
 
     name: str
@@ -71,4 +77,6 @@ class Backends:
     gated_rms_norm: GatedNormKernel | None = None
     qk_norm_rope: QKNormRopeFn | None = None
     linear: LinearKernel | None = None
+    moe_block: MoEBlockFn | None = None
     exact: bool = False
+    bf16_experts: bool = False

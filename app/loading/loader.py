@@ -18,6 +18,7 @@ from app.loading.checkpoint import CheckpointDir
 from app.loading.progress import Progress
 from app.loading.safetensors import CheckpointError
 from app.models.expert_tier import TieredExperts, use_expert_tier
+from app.models.moe import RoutedExperts
 from app.models.qwen3 import CausalLM
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -145,7 +146,8 @@ def load_model(
         if isinstance(module, TieredExperts)
         for name in module.HOST_PARAMETERS
     }
-    state = _fill(params, sources, checkpoint, target, torch.device(device), host, progress)
+    narrow = _bf16_experts(model, checkpoint, target, backends)
+    state = _fill(params, sources, checkpoint, target, torch.device(device), host, narrow, progress)
     model.load_state_dict(state, strict=True, assign=True)
     model.requires_grad_(False)
     model.model.rotary.to(device)
@@ -155,6 +157,26 @@ def load_model(
     return model.eval(), checkpoint
 
 
+def _bf16_experts(
+    model: CausalLM, checkpoint: CheckpointDir, target: torch.dtype, backends: Backends
+) -> set[str]:
+    """The routed experts' parameters to keep in bf16 in a wider model: where the backends' experts kernel
+    reads bf16 (`Backends.bf16_experts`) and every expert tensor of the checkpoint is bf16, so nothing is
+    rounded."""
+    if not backends.bf16_experts or target == torch.bfloat16:
+        return set()
+    names = {
+        f"{prefix}.{name}"
+        for prefix, module in model.named_modules()
+        if isinstance(module, RoutedExperts)
+        for name in ("gate_up", "down")
+    }
+    sources = tensor_sources(model)
+    if any(checkpoint.tensor(n).dtype != torch.bfloat16 for n, s in sources.items() if s.param in names):
+        return set()
+    return names
+
+
 def _fill(
     params: dict[str, nn.Parameter],
     sources: dict[str, TensorSource],
@@ -162,22 +184,24 @@ def _fill(
     dtype: torch.dtype,
     device: torch.device,
     host: set[str],
+    narrow: set[str],
     progress: bool,
 ) -> dict[str, torch.Tensor]:
     """Materialise every parameter: a mapped view where no conversion is needed, else a filled copy; the
-    parameters named in `host` in host memory, whatever `device` is."""
+    parameters named in `host` in host memory, whatever `device` is; those in `narrow` in bf16."""
     state: dict[str, torch.Tensor] = {}
     bar = Progress(len(sources), "loading", enabled=progress)
     cpu = torch.device("cpu")
     for name, source in sources.items():
         tensor = checkpoint.tensor(name)
         where = cpu if source.param in host else device
+        kind = torch.bfloat16 if source.param in narrow else dtype
         if source.index == ():
-            state[source.param] = tensor.to(device=where, dtype=dtype)
+            state[source.param] = tensor.to(device=where, dtype=kind)
         else:
             if source.param not in state:
                 meta = params[source.param]
-                state[source.param] = torch.empty(meta.shape, dtype=dtype, device=where)
+                state[source.param] = torch.empty(meta.shape, dtype=kind, device=where)
             state[source.param][source.index].copy_(tensor)
         bar.advance()
     bar.close()

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from app.kernels.interface import ExpertsFn, LinearKernel, RouteKernel
+from app.kernels.interface import ExpertsFn, LinearKernel, MoEBlockFn, RouteKernel
 from app.models.config import ModelConfig
 from app.models.layers import DenseMLP, Linear
 
@@ -68,9 +68,11 @@ class SparseMoE(nn.Module):
         experts_kernel: ExpertsFn,
         route_kernel: RouteKernel | None = None,
         linear_kernel: LinearKernel | None = None,
+        block_kernel: MoEBlockFn | None = None,
     ) -> None:
         super().__init__()
         self.route_kernel = route_kernel
+        self.block_kernel = block_kernel
         self.top_k = config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
         self.routed: torch.Tensor | None = None
@@ -122,6 +124,23 @@ class SparseMoE(nn.Module):
         return ids, weights.to(logits.dtype)
 
     def forward(self, x: torch.Tensor, live: torch.Tensor | None = None) -> torch.Tensor:
+        if self.block_kernel is not None and type(self.experts) is RoutedExperts:
+            shared = None
+            if self.shared_expert is not None and self.shared_expert_gate is not None:
+                mlp = self.shared_expert
+                projections = (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
+                shared = (*projections, self.shared_expert_gate.weight)
+            return self.block_kernel(
+                x,
+                self.gate.weight,
+                self.top_k,
+                self.norm_topk_prob,
+                self._counter(x.device),
+                live,
+                self.experts.gate_up,
+                self.experts.down,
+                shared,
+            )
         logits = self.gate(x)
         if self.route_kernel is not None:
             counter = self._counter(x.device)

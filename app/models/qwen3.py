@@ -36,7 +36,9 @@ class DecoderLayer(nn.Module):
             self.self_attn = Attention(config, layer, backends)
         self.mlp: SparseMoE | DenseMLP
         if moe:
-            self.mlp = SparseMoE(config, backends.experts, backends.route, backends.linear)
+            self.mlp = SparseMoE(
+                config, backends.experts, backends.route, backends.linear, backends.moe_block
+            )
         else:
             self.mlp = DenseMLP(config.hidden_size, config.intermediate_size, backends.linear)
         self.input_layernorm = norm(config, config.hidden_size, backends)

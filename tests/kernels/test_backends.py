@@ -16,19 +16,24 @@ from contiguous_state import ContiguousState
 from app.errors import StrataError
 from app.kernels.backends import select_backends
 from app.kernels.cpu_experts import dense, routed_experts
+from app.kernels.cpu_sequence import delta_rule_paged, paged_attention
 from app.kernels.reference import REFERENCE
 from app.loading.loader import load_model
 from app.models.batch import ForwardBatch
 
 
 def test_auto_picks_the_cpu_set_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The CPU set is the reference with the native routed-experts kernel (the reference where it is not
-    built); the pure reference stays available by name."""
+    """The CPU set is the reference with the native kernels (the reference where they are not built),
+    whole-batch sequence mixers included; the pure reference stays available by name."""
     cpu = select_backends("auto", "cpu")
     assert cpu.name == "cpu" and cpu.experts is routed_experts
     assert cpu.linear is dense and cpu.rms_norm is not None and cpu.gated_rms_norm is not None
-    native = {"linear", "route", "rms_norm", "add_rms_norm", "gated_rms_norm"}
-    pure = dataclasses.replace(cpu, name="torch", experts=REFERENCE.experts, **dict.fromkeys(native))
+    assert cpu.paged_attention is paged_attention and cpu.delta_rule_varlen is delta_rule_paged
+    native = {"linear", "route", "rms_norm", "add_rms_norm", "gated_rms_norm", "qk_norm_rope"}
+    native |= {"paged_attention", "conv_varlen", "delta_rule_varlen", "moe_block"}
+    pure = dataclasses.replace(
+        cpu, name="torch", experts=REFERENCE.experts, bf16_experts=False, **dict.fromkeys(native)
+    )
     assert pure == REFERENCE
     assert select_backends("torch", "cpu") is REFERENCE
     monkeypatch.setattr("app.kernels.cpu_experts._native", None)

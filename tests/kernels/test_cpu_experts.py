@@ -17,6 +17,8 @@ from app.kernels.cpu_experts import (
     experts_swiglu_sum,
     experts_swiglu_sum_reference,
     gated_rms_norm,
+    moe_block,
+    moe_block_reference,
     native_available,
     rms_norm,
     route,
@@ -93,6 +95,32 @@ def test_the_cpu_sets_routed_experts_equal_the_reference_and_each_row_its_lone_s
     torch.testing.assert_close(got.float(), expected, rtol=1e-5 if kind == torch.float32 else 2e-2, atol=1e-5)
     for row in range(9):
         alone = routed_experts(x[row : row + 1], ids[row : row + 1], weights[row : row + 1], gate_up, down)
+        assert torch.equal(alone[0], got[row])
+
+
+@pytest.mark.parametrize("kind", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shared", [True, False], ids=["shared", "routed-only"])
+def test_a_whole_moe_block_in_one_call_equals_its_pieces(kind: torch.dtype, shared: bool) -> None:
+    """Router, picks and counts (padding rows not counted), routed experts and the gated shared expert in
+    one native call against the torch reference; each row bit for bit its lone self."""
+    generator = torch.Generator().manual_seed(11)
+    gate_up, down, _, _ = _stacked(kind, 6)
+    x = torch.randn(5, HIDDEN, generator=generator)
+    router = torch.randn(6, HIDDEN, generator=generator)
+    parts = None
+    if shared:
+        shapes = ((24, HIDDEN), (24, HIDDEN), (HIDDEN, 24))
+        weights = [(torch.randn(shape, generator=generator) * 0.1).to(kind) for shape in shapes]
+        parts = (*weights, torch.randn(1, HIDDEN, generator=generator))
+    live = torch.tensor([1, 1, 0, 1, 1])
+    counts, expected_counts = torch.zeros(6, dtype=torch.int64), torch.zeros(6, dtype=torch.int64)
+    got = moe_block(x, router, 3, True, counts, live, gate_up, down, parts)
+    expected = moe_block_reference(x, router, 3, True, expected_counts, live, gate_up, down, parts)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(counts, expected_counts) and int(counts.sum()) == 4 * 3
+    for row in range(5):
+        fresh = torch.zeros(6, dtype=torch.int64)
+        alone = moe_block(x[row : row + 1], router, 3, True, fresh, None, gate_up, down, parts)
         assert torch.equal(alone[0], got[row])
 
 

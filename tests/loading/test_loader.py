@@ -11,6 +11,7 @@ import torch
 from checkpoints import write_checkpoint
 
 from app.default_model import DEMO_MODEL_DIR
+from app.kernels.backends import select_backends
 from app.loading.checkpoint import CheckpointDir
 from app.loading.loader import load_model, resolve_dtype
 from app.loading.progress import Progress
@@ -44,6 +45,19 @@ def test_auto_widens_16_bit_weights_to_fp32_on_a_cpu_where_they_fit(monkeypatch:
     assert resolve_dtype("bfloat16", demo, "cpu") == torch.bfloat16
     monkeypatch.setattr("app.loading.loader.CPU_FP32_RAM_SHARE", 0.0)
     assert resolve_dtype("auto", demo, "cpu") == torch.bfloat16
+
+
+def test_the_cpu_set_keeps_a_bf16_checkpoints_routed_experts_in_bf16() -> None:
+    """Computed in fp32 on a CPU, the demo model's routed experts stay bf16 for the CPU set's experts kernel
+    (the same values, half the bytes to read); everything else widens, and other sets widen everything."""
+    cpu, _ = load_model(DEMO_MODEL_DIR, progress=False, backends=select_backends("cpu", "cpu"))
+    experts = {name for name, p in cpu.named_parameters() if p.dtype == torch.bfloat16}
+    assert experts and all(name.endswith(("experts.gate_up", "experts.down")) for name in experts)
+    assert cpu.model.embed_tokens.weight.dtype == torch.float32
+    reference, _ = load_model(DEMO_MODEL_DIR, progress=False)
+    assert {p.dtype for p in reference.parameters()} == {torch.float32}
+    name = next(iter(experts))
+    assert torch.equal(cpu.get_parameter(name).float(), reference.get_parameter(name))
 
 
 def test_mtp_tensors_load_into_the_mtp_head(tmp_path: Path) -> None:

@@ -1,0 +1,119 @@
+// Dot products of weight rows with token vectors, fp32 arithmetic, for the native CPU kernels.
+//
+// Weights are fp32, bf16 or int8 with one fp32 scale per row (weight = int8 * scale), read row by row from
+// contiguous memory. A pass takes R weight rows and C token vectors at once (R * C sums kept in registers),
+// so each weight is read and widened once per C tokens and each token element once per R rows. Every product
+// of a (row, token) pair goes to lane (column % LANES), and the lanes are added in one fixed tree at the end:
+// a pair's result is the same whatever R and C were, so a token's result never depends on which other tokens
+// or rows shared its pass (a batch never changes a row).
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+
+namespace dot {
+
+enum class Kind : int { F32 = 0, BF16 = 1, I8 = 2 };
+
+constexpr int TILE = 4;    // token vectors per pass (C at most)
+constexpr int LANES = 16;  // partial sums of one dot product: one AVX-512 register, two AVX2 ones
+
+inline int64_t element_bytes(Kind kind) {
+    switch (kind) {
+        case Kind::F32: return 4;
+        case Kind::BF16: return 2;
+        case Kind::I8: return 1;
+    }
+    throw std::invalid_argument("unknown weight kind");
+}
+
+inline float widen(float v) { return v; }
+inline float widen(int8_t v) { return static_cast<float>(v); }
+inline float widen(uint16_t v) {  // bf16: the upper half of an fp32
+    const uint32_t bits = static_cast<uint32_t>(v) << 16;
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+inline float silu(float v) { return v / (1.0f + std::exp(-v)); }
+
+// A pair's partial sums, added in a fixed tree.
+inline float lane_sum(const float* part) {
+    float half[LANES / 2];
+    for (int l = 0; l < LANES / 2; ++l) half[l] = part[l] + part[l + LANES / 2];
+    for (int width = LANES / 4; width >= 1; width /= 2) {
+        for (int l = 0; l < width; ++l) half[l] = half[l] + half[l + width];
+    }
+    return half[0];
+}
+
+// out[r][c] = w[r] . xs[c] over `cols` columns, for R rows and C token vectors.
+template <int R, int C, typename T>
+inline void dot_block(const T* const* w, int64_t cols, const float* const* xs, float (*out)[TILE]) {
+    float part[R][C][LANES] = {};
+    const int64_t full = cols - cols % LANES;
+    for (int64_t col = 0; col < full; col += LANES) {
+        float wide[R][LANES];
+        for (int r = 0; r < R; ++r) {
+#pragma omp simd
+            for (int l = 0; l < LANES; ++l) wide[r][l] = widen(w[r][col + l]);
+        }
+        for (int c = 0; c < C; ++c) {
+            const float* x = xs[c] + col;
+            for (int r = 0; r < R; ++r) {
+#pragma omp simd
+                for (int l = 0; l < LANES; ++l) part[r][c][l] += wide[r][l] * x[l];
+            }
+        }
+    }
+    for (int64_t col = full; col < cols; ++col) {
+        for (int r = 0; r < R; ++r) {
+            for (int c = 0; c < C; ++c) part[r][c][col - full] += widen(w[r][col]) * xs[c][col];
+        }
+    }
+    for (int r = 0; r < R; ++r) {
+        for (int c = 0; c < C; ++c) out[r][c] = lane_sum(part[r][c]);
+    }
+}
+
+// A row-major weight matrix: rows of `cols` elements of `kind`, with one fp32 scale per row for int8.
+struct Matrix {
+    const char* data = nullptr;
+    Kind kind = Kind::F32;
+    int64_t cols = 0;
+    const float* scales = nullptr;
+
+    const char* row(int64_t r) const { return data + r * cols * element_bytes(kind); }
+    float scale(int64_t r) const { return scales ? scales[r] : 1.0f; }
+};
+
+template <int R, typename T>
+inline void dot_typed(const char* const* rows, int64_t cols, const float* const* xs, int count, float (*out)[TILE]) {
+    const T* w[R];
+    for (int r = 0; r < R; ++r) w[r] = reinterpret_cast<const T*>(rows[r]);
+    switch (count) {
+        case 1: dot_block<R, 1>(w, cols, xs, out); break;
+        case 2: dot_block<R, 2>(w, cols, xs, out); break;
+        case 3: dot_block<R, 3>(w, cols, xs, out); break;
+        default: dot_block<R, TILE>(w, cols, xs, out); break;
+    }
+}
+
+// out[r][c] = rows[r] . xs[c] for R weight rows of one kind (unscaled) and `count` (1 to TILE) token vectors.
+template <int R>
+inline void dot_rows(Kind kind, const char* const* rows, int64_t cols, const float* const* xs, int count,
+                     float (*out)[TILE]) {
+    switch (kind) {
+        case Kind::F32: return dot_typed<R, float>(rows, cols, xs, count, out);
+        case Kind::BF16: return dot_typed<R, uint16_t>(rows, cols, xs, count, out);
+        case Kind::I8: return dot_typed<R, int8_t>(rows, cols, xs, count, out);
+    }
+    throw std::invalid_argument("unknown weight kind");
+}
+
+}  // namespace dot
