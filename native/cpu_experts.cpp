@@ -82,7 +82,9 @@ void swiglu_team(const Passes& p, const float* xs, float* h, float* ys) {
             float out[4][TILE];
             if (pair) {
                 const char* rows[4] = {g.gate.row(j), g.gate.row(j + 1), g.up.row(j), g.up.row(j + 1)};
-                dot::dot_rows<4>(g.gate.kind, rows, hidden, vectors, count, out);
+                const bool next = first + TILE >= g.last && j + 4 <= g.inter;  // the next pair, on the last tile
+                const char* ahead[4] = {g.gate.row(j + 2), g.gate.row(j + 3), g.up.row(j + 2), g.up.row(j + 3)};
+                dot::dot_rows<4>(g.gate.kind, rows, hidden, vectors, count, out, next ? ahead : nullptr);
             } else {
                 const char* rows[2] = {g.gate.row(j), g.up.row(j)};
                 dot::dot_rows<2>(g.gate.kind, rows, hidden, vectors, count, out);
@@ -105,7 +107,9 @@ void swiglu_team(const Passes& p, const float* xs, float* h, float* ys) {
             float out[4][TILE];
             if (rows_here == 4) {
                 const char* rows[4] = {g.down.row(i), g.down.row(i + 1), g.down.row(i + 2), g.down.row(i + 3)};
-                dot::dot_rows<4>(g.down.kind, rows, g.inter, vectors, count, out);
+                const bool next = first + TILE >= g.last && i + 8 <= hidden;  // the next four, on the last tile
+                const char* ahead[4] = {g.down.row(i + 4), g.down.row(i + 5), g.down.row(i + 6), g.down.row(i + 7)};
+                dot::dot_rows<4>(g.down.kind, rows, g.inter, vectors, count, out, next ? ahead : nullptr);
             } else {
                 for (int r = 0; r < rows_here; ++r) {
                     const char* row[1] = {g.down.row(i + r)};
@@ -234,7 +238,7 @@ void route_row(const float* logits, int64_t experts, int64_t top_k, bool renorma
     float most = logits[0];
     for (int64_t e = 1; e < experts; ++e) most = std::max(most, logits[e]);
     float total = 0.0f;
-    for (int64_t e = 0; e < experts; ++e) total += (p[e] = std::exp(logits[e] - most));
+    for (int64_t e = 0; e < experts; ++e) total += (p[e] = dot::exp(logits[e] - most));
     for (int64_t e = 0; e < experts; ++e) p[e] /= total;
     std::fill(taken, taken + experts, 0);
     float picked = 0.0f;
@@ -335,17 +339,21 @@ void routed_experts(uintptr_t x_ptr, uintptr_t gate_up_ptr, uintptr_t down_ptr, 
 }
 
 // A sparse MoE block of a decode window in one call, y [n, hidden] from x [n, hidden]: router logits (router
-// [total, hidden] fp32), the picks (route_row, counted into counts [total] by live[row] when given) into ids /
+// [total, hidden] of router_kind), the picks (route_row, counted into counts [total] by live[row] when given) into ids /
 // top_weights [n, top_k], each row's routed experts (gate_up / down as routed_experts) and, when shared_gate_ptr
 // is set, the shared expert (gate, up [shared_inter, hidden], down [hidden, shared_inter], of shared_kind)
-// weighted by sigmoid(shared_router . x) (shared_router [hidden] fp32), added after the routed ones.
-void moe_block(uintptr_t x_ptr, uintptr_t y_ptr, int64_t n, int64_t hidden, uintptr_t router_ptr, int64_t total,
+// weighted by sigmoid(shared_router . x) (shared_router [hidden] of router_kind), added after the routed ones.
+void moe_block(uintptr_t x_ptr, uintptr_t y_ptr, int64_t n, int64_t hidden, uintptr_t router_ptr, int router_kind_code,
+               int64_t total,
                int64_t top_k, bool renormalize, uintptr_t counts_ptr, uintptr_t live_ptr, uintptr_t ids_ptr,
                uintptr_t top_weights_ptr, uintptr_t gate_up_ptr, uintptr_t down_ptr, int kind_code, int64_t inter,
                uintptr_t shared_gate_ptr, uintptr_t shared_up_ptr, uintptr_t shared_down_ptr, int shared_kind_code,
                int64_t shared_inter, uintptr_t shared_router_ptr, int threads) {
     const Kind kind = checked_kind(kind_code, 0, 0), shared_kind = checked_kind(shared_kind_code, 0, 0);
-    if (kind == Kind::I8 || shared_kind == Kind::I8) throw pybind11::value_error("MoE blocks take fp32 or bf16 weights");
+    const Kind router_kind = checked_kind(router_kind_code, 0, 0);
+    if (kind == Kind::I8 || shared_kind == Kind::I8 || router_kind == Kind::I8) {
+        throw pybind11::value_error("MoE blocks take fp32 or bf16 weights");
+    }
     if (top_k < 1 || top_k > total) throw pybind11::value_error("top_k must be in [1, experts]");
     const float* x = reinterpret_cast<const float*>(x_ptr);
     auto* ids = reinterpret_cast<int64_t*>(ids_ptr);
@@ -353,8 +361,8 @@ void moe_block(uintptr_t x_ptr, uintptr_t y_ptr, int64_t n, int64_t hidden, uint
     const auto* live = reinterpret_cast<const int64_t*>(live_ptr);
     const bool shared = shared_gate_ptr != 0;
     const int64_t entries = n * top_k, all = entries + (shared ? n : 0);
-    const Matrix router{reinterpret_cast<const char*>(router_ptr), Kind::F32, hidden, nullptr};
-    const Matrix shared_router{reinterpret_cast<const char*>(shared_router_ptr), Kind::F32, hidden, nullptr};
+    const Matrix router{reinterpret_cast<const char*>(router_ptr), router_kind, hidden, nullptr};
+    const Matrix shared_router{reinterpret_cast<const char*>(shared_router_ptr), router_kind, hidden, nullptr};
     std::vector<float> logits(static_cast<size_t>(n * total)), p(static_cast<size_t>(total));
     std::vector<char> taken(static_cast<size_t>(total));
     std::vector<int64_t> rows(static_cast<size_t>(all));
@@ -366,16 +374,16 @@ void moe_block(uintptr_t x_ptr, uintptr_t y_ptr, int64_t n, int64_t hidden, uint
             float out[1][TILE];
             for (int64_t e = 0; e < total; ++e) {
                 const char* row[1] = {router.row(e)};
-                dot::dot_rows<1>(Kind::F32, row, hidden, xs, 1, out);
+                dot::dot_rows<1>(router_kind, row, hidden, xs, 1, out);
                 logits[r * total + e] = out[0][0];
             }
             route_row(&logits[r * total], total, top_k, renormalize, live ? live[r] : 1, ids + r * top_k,
                       top_weights + r * top_k, reinterpret_cast<int64_t*>(counts_ptr), p.data(), taken.data());
             if (shared) {
                 const char* row[1] = {shared_router.row(0)};
-                dot::dot_rows<1>(Kind::F32, row, hidden, xs, 1, out);
+                dot::dot_rows<1>(router_kind, row, hidden, xs, 1, out);
                 rows[entries + r] = r;
-                weights[entries + r] = 1.0f / (1.0f + std::exp(-out[0][0]));
+                weights[entries + r] = 1.0f / (1.0f + dot::exp(-out[0][0]));
             }
         }
     }
@@ -422,7 +430,9 @@ void dense(uintptr_t x_ptr, uintptr_t weight_ptr, uintptr_t bias_ptr, uintptr_t 
             float acc[4][TILE];
             if (rows_here == 4) {
                 const char* rows[4] = {weight.row(j), weight.row(j + 1), weight.row(j + 2), weight.row(j + 3)};
-                dot::dot_rows<4>(kind, rows, in, xs, count, acc);
+                const bool next = first + TILE >= n && j + 8 <= out;  // the next quad, after this one's last tile
+                const char* ahead[4] = {weight.row(j + 4), weight.row(j + 5), weight.row(j + 6), weight.row(j + 7)};
+                dot::dot_rows<4>(kind, rows, in, xs, count, acc, next ? ahead : nullptr);
             } else {
                 for (int r = 0; r < rows_here; ++r) {
                     const char* row[1] = {weight.row(j + r)};

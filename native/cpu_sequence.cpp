@@ -100,15 +100,20 @@ void paged_decode_attention(uintptr_t q_ptr, uintptr_t keys_ptr, uintptr_t value
             const int64_t s = single[unit / kv_heads], kv = unit % kv_heads, row = query_start[s];
             const int64_t length = seq_lens[s];
             const int32_t* blocks_of = table + s * width;
-            for (int64_t j = 0; j < length; ++j) {
-                const float* key = keys + blocks_of[j / block_size] * block_stride + (j % block_size) * token_stride +
-                                   kv * head_dim;
-                for (int64_t g = 0; g < group; ++g) {
-                    const float* query = q + row * q_stride + (kv * group + g) * head_dim;
-                    float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-                    for (int64_t d = 0; d < head_dim; ++d) dot += query[d] * key[d];
-                    scores[g * longest + j] = dot * fscale;
+            // key j sits at offset j % block_size of block blocks_of[j / block_size]: walked block by block
+            for (int64_t first = 0; first < length; first += block_size) {
+                const float* block = keys + blocks_of[first / block_size] * block_stride + kv * head_dim;
+                const int64_t here = std::min(block_size, length - first);
+                for (int64_t o = 0; o < here; ++o) {
+                    const char* key[1] = {reinterpret_cast<const char*>(block + o * token_stride)};
+                    for (int64_t g0 = 0; g0 < group; g0 += dot::TILE) {
+                        const int count = static_cast<int>(std::min<int64_t>(dot::TILE, group - g0));
+                        const float* xs[dot::TILE];
+                        for (int c = 0; c < count; ++c) xs[c] = q + row * q_stride + (kv * group + g0 + c) * head_dim;
+                        float out[1][dot::TILE];
+                        dot::dot_rows<1>(dot::Kind::F32, key, head_dim, xs, count, out);
+                        for (int c = 0; c < count; ++c) scores[(g0 + c) * longest + first + o] = out[0][c] * fscale;
+                    }
                 }
             }
             for (int64_t g = 0; g < group; ++g) {
@@ -116,14 +121,18 @@ void paged_decode_attention(uintptr_t q_ptr, uintptr_t keys_ptr, uintptr_t value
                 float most = p[0];
                 for (int64_t j = 1; j < length; ++j) most = std::max(most, p[j]);
                 float total = 0.0f;
-                for (int64_t j = 0; j < length; ++j) total += (p[j] = std::exp(p[j] - most));
+                #pragma omp simd reduction(+ : total)
+                for (int64_t j = 0; j < length; ++j) total += (p[j] = dot::exp(p[j] - most));
                 std::fill(acc.begin(), acc.end(), 0.0f);
-                for (int64_t j = 0; j < length; ++j) {
-                    const float* value = values + blocks_of[j / block_size] * block_stride +
-                                         (j % block_size) * token_stride + kv * head_dim;
-                    const float w = p[j];
+                for (int64_t first = 0; first < length; first += block_size) {
+                    const float* block = values + blocks_of[first / block_size] * block_stride + kv * head_dim;
+                    const int64_t here = std::min(block_size, length - first);
+                    for (int64_t o = 0; o < here; ++o) {
+                        const float* value = block + o * token_stride;
+                        const float w = p[first + o];
 #pragma omp simd
-                    for (int64_t d = 0; d < head_dim; ++d) acc[d] += w * value[d];
+                        for (int64_t d = 0; d < head_dim; ++d) acc[d] += w * value[d];
+                    }
                 }
                 float* o = out + row * heads * head_dim + (kv * group + g) * head_dim;
                 for (int64_t d = 0; d < head_dim; ++d) o[d] = acc[d] / total;
@@ -226,7 +235,7 @@ void delta_rule_varlen(uintptr_t q_ptr, uintptr_t k_ptr, uintptr_t v_ptr, uintpt
                         qn[i] = qt[i] * qs;
                         kn[i] = kt[i] * ks;
                     }
-                    const float decay = std::exp(g[t * g_stride + h]), b = beta[t * beta_stride + h];
+                    const float decay = dot::exp(g[t * g_stride + h]), b = beta[t * beta_stride + h];
                     std::fill(predicted.begin(), predicted.end(), 0.0f);
                     for (int64_t i = 0; i < dk; ++i) {
                         float* row = S + i * dv;

@@ -40,7 +40,29 @@ inline float widen(uint16_t v) {  // bf16: the upper half of an fp32
     return f;
 }
 
-inline float silu(float v) { return v / (1.0f + std::exp(-v)); }
+// e^x in fp32 within 2 ulp, in plain arithmetic a loop can vectorise (libm's expf is a call per element):
+// x = n ln2 + r with |r| <= ln2 / 2 (ln2 in two parts, so r is exact), e^r by its degree-7 Taylor-like
+// polynomial (Cephes' coefficients), times 2^n put straight into the exponent bits. Inputs are clamped to
+// where fp32 neither overflows nor turns denormal; NaN stays NaN.
+inline float exp(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    const float round = 12582912.0f;  // 1.5 * 2^23: adding it rounds to the nearest integer
+    const float n = (x * 1.44269504088896341f + round) - round;
+    const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+    float scale;
+    std::memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+inline float silu(float v) { return v / (1.0f + dot::exp(-v)); }
 
 // A pair's partial sums, added in a fixed tree.
 inline float lane_sum(const float* part) {
@@ -52,12 +74,18 @@ inline float lane_sum(const float* part) {
     return half[0];
 }
 
-// out[r][c] = w[r] . xs[c] over `cols` columns, for R rows and C token vectors.
+// out[r][c] = w[r] . xs[c] over `cols` columns, for R rows and C token vectors. With `ahead` (R rows of the
+// next pass, or null) those rows are prefetched at the pace this pass reads its own: weights come from memory
+// once per decode step, and short rows give the hardware's prefetcher no time to find the stream.
 template <int R, int C, typename T>
-inline void dot_block(const T* const* w, int64_t cols, const float* const* xs, float (*out)[TILE]) {
+inline void dot_block(const T* const* w, int64_t cols, const float* const* xs, float (*out)[TILE],
+                      const T* const* ahead) {
     float part[R][C][LANES] = {};
     const int64_t full = cols - cols % LANES;
     for (int64_t col = 0; col < full; col += LANES) {
+        if (ahead) {
+            for (int r = 0; r < R; ++r) __builtin_prefetch(ahead[r] + col);
+        }
         float wide[R][LANES];
         for (int r = 0; r < R; ++r) {
 #pragma omp simd
@@ -93,25 +121,32 @@ struct Matrix {
 };
 
 template <int R, typename T>
-inline void dot_typed(const char* const* rows, int64_t cols, const float* const* xs, int count, float (*out)[TILE]) {
+inline void dot_typed(const char* const* rows, int64_t cols, const float* const* xs, int count, float (*out)[TILE],
+                      const char* const* ahead) {
     const T* w[R];
-    for (int r = 0; r < R; ++r) w[r] = reinterpret_cast<const T*>(rows[r]);
+    const T* next[R];
+    for (int r = 0; r < R; ++r) {
+        w[r] = reinterpret_cast<const T*>(rows[r]);
+        next[r] = ahead ? reinterpret_cast<const T*>(ahead[r]) : nullptr;
+    }
+    const T* const* prefetch = ahead ? next : nullptr;
     switch (count) {
-        case 1: dot_block<R, 1>(w, cols, xs, out); break;
-        case 2: dot_block<R, 2>(w, cols, xs, out); break;
-        case 3: dot_block<R, 3>(w, cols, xs, out); break;
-        default: dot_block<R, TILE>(w, cols, xs, out); break;
+        case 1: dot_block<R, 1>(w, cols, xs, out, prefetch); break;
+        case 2: dot_block<R, 2>(w, cols, xs, out, prefetch); break;
+        case 3: dot_block<R, 3>(w, cols, xs, out, prefetch); break;
+        default: dot_block<R, TILE>(w, cols, xs, out, prefetch); break;
     }
 }
 
-// out[r][c] = rows[r] . xs[c] for R weight rows of one kind (unscaled) and `count` (1 to TILE) token vectors.
+// out[r][c] = rows[r] . xs[c] for R weight rows of one kind (unscaled) and `count` (1 to TILE) token vectors,
+// prefetching the R rows `ahead` (null: none) meanwhile.
 template <int R>
 inline void dot_rows(Kind kind, const char* const* rows, int64_t cols, const float* const* xs, int count,
-                     float (*out)[TILE]) {
+                     float (*out)[TILE], const char* const* ahead = nullptr) {
     switch (kind) {
-        case Kind::F32: return dot_typed<R, float>(rows, cols, xs, count, out);
-        case Kind::BF16: return dot_typed<R, uint16_t>(rows, cols, xs, count, out);
-        case Kind::I8: return dot_typed<R, int8_t>(rows, cols, xs, count, out);
+        case Kind::F32: return dot_typed<R, float>(rows, cols, xs, count, out, ahead);
+        case Kind::BF16: return dot_typed<R, uint16_t>(rows, cols, xs, count, out, ahead);
+        case Kind::I8: return dot_typed<R, int8_t>(rows, cols, xs, count, out, ahead);
     }
     throw std::invalid_argument("unknown weight kind");
 }

@@ -67,7 +67,7 @@ def cpu_backends() -> Backends:
         delta_rule_varlen=sequence.delta_rule_paged,
         qk_norm_rope=sequence.qk_norm_rope,
         moe_block=cpu.moe_block,
-        bf16_experts=True,
+        bf16_weights=True,
     )
 
 

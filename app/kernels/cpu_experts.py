@@ -274,9 +274,8 @@ def moe_block(
     each real row's picks added to `counts`), the routed experts' weighted SwiGLU (stacked gate_up / down,
     fp32 or bf16) and the shared expert's (gate, up [inter, hidden], down [hidden, inter], router
     [1, hidden]) behind its sigmoid, for fp32 rows in host memory; the torch reference otherwise."""
-    tensors = [x, router, *(shared[3:] if shared else ())]
-    native = _native is not None and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
-    weights = [gate_up, down, *(shared[:3] if shared else ())]
+    native = _native is not None and x.dtype == torch.float32 and x.device.type == "cpu"
+    weights = [gate_up, down, router, *(shared or ())]
     native = native and all(w.dtype in (torch.float32, torch.bfloat16) and w.is_contiguous() for w in weights)
     if not native or counts.dtype != torch.int64 or not counts.is_contiguous():
         return moe_block_reference(x, router, top_k, renormalize, counts, live, gate_up, down, shared)
@@ -285,7 +284,7 @@ def moe_block(
     experts = gate_up.shape[0]
     if router.shape != (experts, hidden) or not 1 <= top_k <= experts:
         raise ValueError("router must be [experts, hidden] and top_k in [1, experts]")
-    x, router = _as(x, torch.float32), _as(router, torch.float32)
+    x = _as(x, torch.float32)
     live = None if live is None else _as(live, torch.int64)
     y = torch.empty(rows, hidden)
     ids, top_weights = torch.empty(rows, top_k, dtype=torch.int64), torch.empty(rows, top_k)
@@ -297,13 +296,14 @@ def moe_block(
             raise ValueError("shared expert: gate, up [inter, hidden] and down [hidden, inter]")
         if len({gate.dtype, up.dtype, shared_down.dtype}) != 1 or shared_router.numel() != hidden:
             raise ValueError("shared expert: one dtype for its weights, and a router of [1, hidden]")
-        shared_router = _as(shared_router, torch.float32)
+        shared_router = _as(shared_router, router.dtype)
     _native.moe_block(
         x.data_ptr(),
         y.data_ptr(),
         rows,
         hidden,
         router.data_ptr(),
+        _KINDS[router.dtype],
         experts,
         top_k,
         renormalize,
@@ -334,17 +334,19 @@ def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = Non
     """x [rows, in] @ weight [out, in].T (+ bias): the CPU set's dense projections (the `linear` contract of
     app/kernels/interface.py). A few rows (decode windows) times a large weight run through the native
     kernel, which reads weights from memory at several times the rate of torch's one-row matmul on a CPU;
-    more rows (prompts) and small weights through torch. The result in x's dtype."""
+    more rows (prompts) and small weights through torch (bf16 weights of an fp32 model widened for it;
+    natively they are read as they are, whatever their size). The result in x's dtype."""
     rows = x.shape[0]
+    narrowed = weight.dtype == torch.bfloat16 and x.dtype == torch.float32  # a bf16 weight in an fp32 model
     if (
         _native is None
         or rows > DENSE_ROWS
-        or weight.numel() < DENSE_WEIGHTS
+        or (weight.numel() < DENSE_WEIGHTS and not narrowed)
         or weight.dtype not in (torch.float32, torch.bfloat16)
         or not weight.is_contiguous()
         or weight.device.type != "cpu"
     ):
-        return torch.nn.functional.linear(x, weight, bias)
+        return torch.nn.functional.linear(x, weight.to(x.dtype) if narrowed else weight, bias)
     xs = _as(x, torch.float32)
     y = torch.empty(rows, weight.shape[0], dtype=torch.float32)
     b = None if bias is None else _as(bias, torch.float32)

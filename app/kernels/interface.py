@@ -58,9 +58,9 @@ class Backends:
     moe_block(x, router, top_k, renormalize, counts, live, gate_up, down, shared) -> a whole sparse MoE block
     (router, picks counted into `counts`, routed experts, and the shared expert `shared` = (gate, up, down,
     router) behind its sigmoid, or None) in one call; None: the block's pieces one by one.
-    `exact` marks a set whose kernels never choose their tiles by the batch. `bf16_experts` marks a set
-    whose experts kernel reads bf16 weights and computes in fp32: a bf16 checkpoint's routed experts then
-    stay bf16 in a wider model (the same products, half the bytes to read).
+    `exact` marks a set whose kernels never choose their tiles by the batch. `bf16_weights` marks a set
+    whose experts, MoE-block and linear kernels read bf16 weights and compute in fp32: a bf16 checkpoint's
+    matrices that those kernels take then stay bf16 in a wider model (the same products, half the bytes).
     """
 
     name: str
@@ -79,4 +79,4 @@ class Backends:
     linear: LinearKernel | None = None
     moe_block: MoEBlockFn | None = None
     exact: bool = False
-    bf16_experts: bool = False
+    bf16_weights: bool = False

@@ -17,7 +17,9 @@ from app.kernels.reference import REFERENCE
 from app.loading.checkpoint import CheckpointDir
 from app.loading.progress import Progress
 from app.loading.safetensors import CheckpointError
+from app.models.attention import Attention
 from app.models.expert_tier import TieredExperts, use_expert_tier
+from app.models.layers import Linear
 from app.models.moe import RoutedExperts
 from app.models.qwen3 import CausalLM
 
@@ -146,7 +148,7 @@ def load_model(
         if isinstance(module, TieredExperts)
         for name in module.HOST_PARAMETERS
     }
-    narrow = _bf16_experts(model, checkpoint, target, backends)
+    narrow = _bf16_weights(model, checkpoint, target, backends)
     state = _fill(params, sources, checkpoint, target, torch.device(device), host, narrow, progress)
     model.load_state_dict(state, strict=True, assign=True)
     model.requires_grad_(False)
@@ -157,24 +159,27 @@ def load_model(
     return model.eval(), checkpoint
 
 
-def _bf16_experts(
+def _bf16_weights(
     model: CausalLM, checkpoint: CheckpointDir, target: torch.dtype, backends: Backends
 ) -> set[str]:
-    """The routed experts' parameters to keep in bf16 in a wider model: where the backends' experts kernel
-    reads bf16 (`Backends.bf16_experts`) and every expert tensor of the checkpoint is bf16, so nothing is
-    rounded."""
-    if not backends.bf16_experts or target == torch.bfloat16:
+    """The matrices to keep in bf16 in a wider model, where the backends' kernels read bf16 weights with fp32
+    arithmetic (`Backends.bf16_weights`): the routed experts and the weights of projections that go through
+    the backends' linear kernel, each where the checkpoint stores it in bf16, so nothing is rounded."""
+    if not backends.bf16_weights or target == torch.bfloat16:
         return set()
-    names = {
-        f"{prefix}.{name}"
-        for prefix, module in model.named_modules()
-        if isinstance(module, RoutedExperts)
-        for name in ("gate_up", "down")
-    }
-    sources = tensor_sources(model)
-    if any(checkpoint.tensor(n).dtype != torch.bfloat16 for n, s in sources.items() if s.param in names):
-        return set()
-    return names
+    names = set()
+    for prefix, module in model.named_modules():
+        if isinstance(module, RoutedExperts):
+            names |= {f"{prefix}.gate_up", f"{prefix}.down"}
+        elif isinstance(module, Linear) and module.kernel is not None:
+            names.add(f"{prefix}.weight")
+        elif isinstance(module, Attention) and module.linear_kernel is not None:
+            names.add(f"{prefix}.qkv_weight")
+    stored: dict[str, set[torch.dtype]] = {}
+    for name, source in tensor_sources(model).items():
+        if source.param in names:
+            stored.setdefault(source.param, set()).add(checkpoint.tensor(name).dtype)
+    return {name for name, dtypes in stored.items() if dtypes == {torch.bfloat16}}
 
 
 def _fill(

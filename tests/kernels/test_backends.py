@@ -32,7 +32,7 @@ def test_auto_picks_the_cpu_set_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> N
     native = {"linear", "route", "rms_norm", "add_rms_norm", "gated_rms_norm", "qk_norm_rope"}
     native |= {"paged_attention", "conv_varlen", "delta_rule_varlen", "moe_block"}
     pure = dataclasses.replace(
-        cpu, name="torch", experts=REFERENCE.experts, bf16_experts=False, **dict.fromkeys(native)
+        cpu, name="torch", experts=REFERENCE.experts, bf16_weights=False, **dict.fromkeys(native)
     )
     assert pure == REFERENCE
     assert select_backends("torch", "cpu") is REFERENCE

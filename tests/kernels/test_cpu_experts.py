@@ -124,6 +124,18 @@ def test_a_whole_moe_block_in_one_call_equals_its_pieces(kind: torch.dtype, shar
         assert torch.equal(alone[0], got[row])
 
 
+@pytest.mark.parametrize("rows", [1, 40])
+def test_bf16_weights_of_an_fp32_model_give_the_fp32_result(rows: int) -> None:
+    """A bf16 weight kept narrow in an fp32 model (any size): the result of its fp32 copy, natively for a
+    few rows and through torch (widened) for many."""
+    generator = torch.Generator().manual_seed(rows)
+    weight = (torch.randn(24, 64, generator=generator) * 0.1).bfloat16()
+    x = torch.randn(rows, 64, generator=generator)
+    got = dense(x, weight)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, weight.float()), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("kind", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("rows", [1, 3, 8, 40])
 def test_the_cpu_sets_dense_projections_equal_torch(kind: torch.dtype, rows: int) -> None:
