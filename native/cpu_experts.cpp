@@ -420,32 +420,7 @@ void dense(uintptr_t x_ptr, uintptr_t weight_ptr, uintptr_t bias_ptr, uintptr_t 
     float* y = reinterpret_cast<float*>(y_ptr);
     pybind11::gil_scoped_release release;
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t quad = 0; quad < (out + 3) / 4; ++quad) {
-        const int64_t j = 4 * quad;
-        const int rows_here = static_cast<int>(std::min<int64_t>(4, out - j));
-        for (int64_t first = 0; first < n; first += TILE) {
-            const int count = static_cast<int>(std::min<int64_t>(TILE, n - first));
-            const float* xs[TILE];
-            for (int k = 0; k < count; ++k) xs[k] = x + (first + k) * in;
-            float acc[4][TILE];
-            if (rows_here == 4) {
-                const char* rows[4] = {weight.row(j), weight.row(j + 1), weight.row(j + 2), weight.row(j + 3)};
-                const bool next = first + TILE >= n && j + 8 <= out;  // the next quad, after this one's last tile
-                const char* ahead[4] = {weight.row(j + 4), weight.row(j + 5), weight.row(j + 6), weight.row(j + 7)};
-                dot::dot_rows<4>(kind, rows, in, xs, count, acc, next ? ahead : nullptr);
-            } else {
-                for (int r = 0; r < rows_here; ++r) {
-                    const char* row[1] = {weight.row(j + r)};
-                    dot::dot_rows<1>(kind, row, in, xs, count, &acc[r]);
-                }
-            }
-            for (int r = 0; r < rows_here; ++r) {
-                for (int k = 0; k < count; ++k) {
-                    y[(first + k) * out + j + r] = bias ? acc[r][k] + bias[j + r] : acc[r][k];
-                }
-            }
-        }
-    }
+    for (int64_t quad = 0; quad < (out + 3) / 4; ++quad) dot::project_quad(weight, out, quad, x, n, y, out, bias);
 }
 
 // RMSNorm of each row of x [rows, dim] (fp32) into y: x * rsqrt(mean(x^2) + eps), times weight, or times

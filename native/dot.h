@@ -151,4 +151,35 @@ inline void dot_rows(Kind kind, const char* const* rows, int64_t cols, const flo
     throw std::invalid_argument("unknown weight kind");
 }
 
+// y[k * y_stride + j + r] = (row j + r of w) . x[k] (+ bias[j + r]) for the four rows from j = 4 * quad (fewer
+// at the end of w's `rows`) and the n token vectors of x (`w.cols` apart), TILE vectors a pass, the next four
+// rows prefetched on the last pass.
+inline void project_quad(const Matrix& w, int64_t rows, int64_t quad, const float* x, int64_t n, float* y,
+                         int64_t y_stride, const float* bias = nullptr) {
+    const int64_t j = 4 * quad;
+    const int here = static_cast<int>(rows - j < 4 ? rows - j : 4);
+    for (int64_t first = 0; first < n; first += TILE) {
+        const int count = static_cast<int>(n - first < TILE ? n - first : TILE);
+        const float* xs[TILE];
+        for (int k = 0; k < count; ++k) xs[k] = x + (first + k) * w.cols;
+        float acc[4][TILE];
+        if (here == 4) {
+            const char* own[4] = {w.row(j), w.row(j + 1), w.row(j + 2), w.row(j + 3)};
+            const bool next = first + TILE >= n && j + 8 <= rows;
+            const char* ahead[4] = {w.row(j + 4), w.row(j + 5), w.row(j + 6), w.row(j + 7)};
+            dot_rows<4>(w.kind, own, w.cols, xs, count, acc, next ? ahead : nullptr);
+        } else {
+            for (int r = 0; r < here; ++r) {
+                const char* one[1] = {w.row(j + r)};
+                dot_rows<1>(w.kind, one, w.cols, xs, count, &acc[r]);
+            }
+        }
+        for (int r = 0; r < here; ++r) {
+            for (int k = 0; k < count; ++k) {
+                y[(first + k) * y_stride + j + r] = acc[r][k] * w.scale(j + r) + (bias ? bias[j + r] : 0.0f);
+            }
+        }
+    }
+}
+
 }  // namespace dot

@@ -67,6 +67,8 @@ def cpu_backends() -> Backends:
         delta_rule_varlen=sequence.delta_rule_paged,
         qk_norm_rope=sequence.qk_norm_rope,
         moe_block=cpu.moe_block,
+        gdn_decode=sequence.gdn_decode,
+        attention_decode=sequence.attention_decode,
         bf16_weights=True,
     )
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from app.kernels.cpu_experts import threads
+from app.kernels.interface import AttentionWeights, GatedDeltaNetWeights
 from app.kernels.reference import causal_attention, delta_rule_recurrent
 from app.models.batch import PagedLayout
 
@@ -323,6 +324,115 @@ def _norm_rope_reference(
     rot, rest = x[..., :dim], x[..., dim:]
     rotated = torch.cat((-rot[..., dim // 2 :], rot[..., : dim // 2]), dim=-1)
     return torch.cat((rot * cos[:, None, :] + rotated * sin[:, None, :], rest), dim=-1)
+
+
+_KINDS = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def gdn_decode(
+    x: torch.Tensor,
+    weights: GatedDeltaNetWeights,
+    conv_state: torch.Tensor,
+    recurrent: torch.Tensor,
+    state_slots: torch.Tensor,
+) -> torch.Tensor | None:
+    """A Gated DeltaNet layer's whole step for one decode row per sequence (x [seqs, hidden], row i of the
+    sequence in state slot state_slots[i]) in one native call: projections, conv, delta rule, gated norm and
+    output projection, the conv and recurrent pools [slots, ...] updated in place. The layer's own pieces
+    compute the same (tests compare); None where the native kernel does not take these tensors (not fp32
+    rows and state, projections not fp32 or bf16, or a strided tensor), and the layer runs its pieces."""
+    w = weights
+    small = (x, w.conv, w.dt_bias, w.a_log, w.norm, conv_state, recurrent)
+    if not _host_fp32(*small) or any(m.dtype not in _KINDS for m in (w.qkvz, w.ba, w.out)):
+        return None
+    if not all(t.is_contiguous() for t in (*small, w.qkvz, w.ba, w.out)):
+        return None
+    rows, hidden = x.shape
+    y = torch.empty(rows, hidden)
+    _native.gdn_decode(
+        x.data_ptr(),
+        y.data_ptr(),
+        rows,
+        hidden,
+        w.qkvz.data_ptr(),
+        _KINDS[w.qkvz.dtype],
+        w.ba.data_ptr(),
+        _KINDS[w.ba.dtype],
+        w.out.data_ptr(),
+        _KINDS[w.out.dtype],
+        w.conv.data_ptr(),
+        w.conv.shape[1],
+        w.dt_bias.data_ptr(),
+        w.a_log.data_ptr(),
+        w.norm.data_ptr(),
+        w.eps,
+        conv_state.data_ptr(),
+        recurrent.data_ptr(),
+        recurrent.shape[0],
+        _int64(state_slots).data_ptr(),
+        w.k_heads,
+        w.v_heads,
+        w.dk,
+        w.dv,
+        threads(),
+    )
+    return y
+
+
+def attention_decode(
+    x: torch.Tensor,
+    weights: AttentionWeights,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    layout: PagedLayout,
+) -> torch.Tensor | None:
+    """An attention layer's whole step for one decode row per sequence (x [seqs, hidden]) in one native
+    call: q, k, v projection, per-head norm and rotary (cos, sin [seqs, rotary]), the row's key and value
+    written to the paged caches at its `slot_mapping`, attention over the sequence's keys, the output gate
+    and o_proj. The layer's own pieces compute the same (tests compare); None where the native kernel does
+    not take these tensors, and the layer runs its pieces."""
+    w = weights
+    small = (x, w.q_norm, w.k_norm, cos, sin, key_cache, value_cache)
+    if not _host_fp32(*small) or any(m.dtype not in _KINDS for m in (w.qkv, w.o)):
+        return None
+    if not all(t.is_contiguous() for t in (*small, w.qkv, w.o)):
+        return None
+    rows, hidden = x.shape
+    y = torch.empty(rows, hidden)
+    table = _int32(layout.block_table)
+    _native.attention_decode(
+        x.data_ptr(),
+        y.data_ptr(),
+        rows,
+        hidden,
+        w.qkv.data_ptr(),
+        _KINDS[w.qkv.dtype],
+        w.o.data_ptr(),
+        _KINDS[w.o.dtype],
+        w.q_norm.data_ptr(),
+        w.k_norm.data_ptr(),
+        w.eps,
+        w.offset,
+        cos.data_ptr(),
+        sin.data_ptr(),
+        cos.shape[-1],
+        key_cache.data_ptr(),
+        value_cache.data_ptr(),
+        _int64(layout.slot_mapping).data_ptr(),
+        table.data_ptr(),
+        _int32(layout.seq_lens).data_ptr(),
+        table.shape[1],
+        key_cache.shape[0],
+        key_cache.shape[1],
+        w.heads,
+        w.kv_heads,
+        w.head_dim,
+        w.gated,
+        threads(),
+    )
+    return y
 
 
 def _int32(t: torch.Tensor) -> torch.Tensor:

@@ -38,6 +38,51 @@ MoEBlockFn = Callable[..., torch.Tensor]
 
 
 @dataclass(frozen=True)
+class GatedDeltaNetWeights:
+    """A Gated DeltaNet layer's parameters as a fused decode step reads them: the projections qkvz
+    [k_heads * (2 dk + 2 per dv), hidden] and ba [2 v_heads, hidden] (grouped per key head), the conv
+    weight [channels, kernel], dt_bias and a_log [v_heads], the output norm's weight [dv] and eps, and
+    out [hidden, v_heads * dv]."""
+
+    qkvz: torch.Tensor
+    ba: torch.Tensor
+    conv: torch.Tensor
+    dt_bias: torch.Tensor
+    a_log: torch.Tensor
+    norm: torch.Tensor
+    eps: float
+    out: torch.Tensor
+    k_heads: int
+    v_heads: int
+    dk: int
+    dv: int
+
+
+GDNDecodeFn = Callable[..., torch.Tensor | None]
+
+
+@dataclass(frozen=True)
+class AttentionWeights:
+    """An attention layer's parameters as a fused decode step reads them: qkv [(heads * (2 if gated else 1)
+    + 2 kv_heads) * head_dim, hidden] (a head's gate after its q when gated), o [hidden, heads * head_dim],
+    the q and k norms' weights [head_dim], their eps and whether they scale by 1 + weight (`offset`)."""
+
+    qkv: torch.Tensor
+    o: torch.Tensor
+    q_norm: torch.Tensor
+    k_norm: torch.Tensor
+    eps: float
+    offset: bool
+    heads: int
+    kv_heads: int
+    head_dim: int
+    gated: bool
+
+
+AttentionDecodeFn = Callable[..., torch.Tensor | None]
+
+
+@dataclass(frozen=True)
 class Backends:
     """The functions the model's layers call for their heavy work.
 
@@ -58,6 +103,12 @@ class Backends:
     moe_block(x, router, top_k, renormalize, counts, live, gate_up, down, shared) -> a whole sparse MoE block
     (router, picks counted into `counts`, routed experts, and the shared expert `shared` = (gate, up, down,
     router) behind its sigmoid, or None) in one call; None: the block's pieces one by one.
+    gdn_decode(x, weights, conv_state, recurrent, state_slots) -> a Gated DeltaNet layer's whole step for a
+    window of one decode row per sequence (state pools updated in place), or None where it does not take
+    these tensors (the layer then runs its pieces).
+    attention_decode(x, weights, cos, sin, key_cache, value_cache, layout) -> an attention layer's whole step
+    for a window of one decode row per sequence (its keys and values written to the caches), or None as
+    gdn_decode.
     `exact` marks a set whose kernels never choose their tiles by the batch. `bf16_weights` marks a set
     whose experts, MoE-block and linear kernels read bf16 weights and compute in fp32: a bf16 checkpoint's
     matrices that those kernels take then stay bf16 in a wider model (the same products, half the bytes).
@@ -78,5 +129,7 @@ class Backends:
     qk_norm_rope: QKNormRopeFn | None = None
     linear: LinearKernel | None = None
     moe_block: MoEBlockFn | None = None
+    gdn_decode: GDNDecodeFn | None = None
+    attention_decode: AttentionDecodeFn | None = None
     exact: bool = False
     bf16_weights: bool = False

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 from torch import nn
 
+from app.kernels.interface import AttentionWeights
 from app.models.batch import ForwardBatch, PagedStatePools
 from app.models.config import ModelConfig
 from app.models.layers import Linear, RMSNorm, apply_rotary, linear
@@ -38,6 +39,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, offset=config.offset_norm)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, offset=config.offset_norm)
         self.qk_norm_rope = backends.qk_norm_rope
+        self.decode_step = backends.attention_decode
 
     def checkpoint_parts(self, prefix: str) -> dict[str, tuple[str, tuple]]:
         """Checkpoint tensor name -> (parameter name, index into it) for the q, k and v projections."""
@@ -50,9 +52,31 @@ class Attention(nn.Module):
                 parts[f"{prefix}{name}.bias"] = ("qkv_bias", (part,))
         return parts
 
+    def weights(self) -> AttentionWeights:
+        """The parameters as a fused decode step reads them."""
+        return AttentionWeights(
+            qkv=self.qkv_weight,
+            o=self.o_proj.weight,
+            q_norm=self.q_norm.weight,
+            k_norm=self.k_norm.weight,
+            eps=self.q_norm.eps,
+            offset=self.q_norm.offset,
+            heads=self.heads,
+            kv_heads=self.kv_heads,
+            head_dim=self.head_dim,
+            gated=self.gated,
+        )
+
     def forward(
         self, x: torch.Tensor, batch: ForwardBatch, cos_sin: tuple[torch.Tensor, torch.Tensor]
     ) -> torch.Tensor:
+        layout = batch.layout
+        plain = self.qkv_bias is None and self.o_proj.bias is None
+        if self.decode_step is not None and plain and layout is not None and layout.max_query_len == 1:
+            keys, values = cast(PagedStatePools, batch.state).kv_cache(self.layer)
+            out = self.decode_step(x, self.weights(), *cos_sin, keys, values, layout)
+            if out is not None:
+                return out
         tokens = x.shape[0]
         q, k, v = linear(x, self.qkv_weight, self.qkv_bias, self.linear_kernel).split(
             [self.q_out, self.kv_out, self.kv_out], -1

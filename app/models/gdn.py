@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from app.kernels.interface import GatedDeltaNetWeights
 from app.models.batch import ForwardBatch, PagedLayout, PagedStatePools
 from app.models.config import ModelConfig
 from app.models.layers import GatedRMSNorm, Linear
@@ -66,6 +67,7 @@ class GatedDeltaNet(nn.Module):
         self.rule_step = backends.delta_rule_step
         self.conv_varlen = backends.conv_varlen
         self.rule_varlen = backends.delta_rule_varlen
+        self.decode_step = backends.gdn_decode
         self.layer = layer
         self.k_heads = config.linear_num_key_heads
         self.v_heads = config.linear_num_value_heads
@@ -95,7 +97,32 @@ class GatedDeltaNet(nn.Module):
         mixed = torch.cat((q.reshape(tokens, -1), k.reshape(tokens, -1), v.reshape(tokens, -1)), dim=-1)
         return mixed, z.reshape(tokens, self.v_heads, self.dv), b.reshape(tokens, -1), a.reshape(tokens, -1)
 
+    def weights(self) -> GatedDeltaNetWeights:
+        """The parameters as a fused decode step reads them."""
+        return GatedDeltaNetWeights(
+            qkvz=self.in_proj_qkvz.weight,
+            ba=self.in_proj_ba.weight,
+            conv=self.conv1d.weight[:, 0, :],
+            dt_bias=self.dt_bias,
+            a_log=self.A_log,
+            norm=self.norm.weight,
+            eps=self.norm.eps,
+            out=self.out_proj.weight,
+            k_heads=self.k_heads,
+            v_heads=self.v_heads,
+            dk=self.dk,
+            dv=self.dv,
+        )
+
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        layout = batch.layout
+        decoding = layout is not None and layout.max_query_len == 1 and layout.save_slots is None
+        if self.decode_step is not None and decoding:
+            assert layout is not None
+            conv_state, recurrent = cast(PagedStatePools, batch.state).linear_pools(self.layer)
+            out = self.decode_step(x, self.weights(), conv_state, recurrent, layout.state_slots)
+            if out is not None:
+                return out
         mixed, z, b, a = self._split(x)
         beta = b.float().sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())

@@ -30,7 +30,8 @@ def test_auto_picks_the_cpu_set_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> N
     assert cpu.linear is dense and cpu.rms_norm is not None and cpu.gated_rms_norm is not None
     assert cpu.paged_attention is paged_attention and cpu.delta_rule_varlen is delta_rule_paged
     native = {"linear", "route", "rms_norm", "add_rms_norm", "gated_rms_norm", "qk_norm_rope"}
-    native |= {"paged_attention", "conv_varlen", "delta_rule_varlen", "moe_block"}
+    native |= {"paged_attention", "conv_varlen", "delta_rule_varlen", "moe_block", "gdn_decode"}
+    native |= {"attention_decode"}
     pure = dataclasses.replace(
         cpu, name="torch", experts=REFERENCE.experts, bf16_weights=False, **dict.fromkeys(native)
     )

@@ -4,17 +4,23 @@ model's per-sequence layers: paged attention, Gated DeltaNet's conv and delta ru
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import pytest
 import torch
+from checkpoints import write_checkpoint
 
+from app.engine.paged_state import PagedState
 from app.kernels import cpu_sequence
+from app.kernels.backends import select_backends
 from app.kernels.cpu_experts import native_available
 from app.kernels.cpu_sequence import conv_varlen, delta_rule_paged, paged_attention, qk_norm_rope
 from app.kernels.reference import causal_attention, delta_rule_recurrent
-from app.models.batch import PagedLayout
+from app.loading.loader import load_model
+from app.models.batch import ForwardBatch, PagedLayout
 from app.models.gdn import causal_conv, delta_rule_qk
 from app.models.layers import RMSNorm, apply_rotary
+from app.models.qwen3 import CausalLM
 
 pytestmark = pytest.mark.skipif(not native_available(), reason="the native CPU kernels are not built")
 
@@ -248,3 +254,103 @@ def test_qk_norm_rope_matches_the_layers(offset: bool) -> None:
     with torch.no_grad():
         torch.testing.assert_close(got_q, apply_rotary(q_norm(q), cos, sin), atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(got_k, apply_rotary(k_norm(k), cos, sin), atol=1e-5, rtol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def gdn_model(tmp_path_factory: pytest.TempPathFactory) -> CausalLM:
+    path = write_checkpoint(tmp_path_factory.mktemp("qwen3_next"), "qwen3_next")
+    return load_model(path, dtype="float32", progress=False, backends=select_backends("cpu", "cpu"))[0]
+
+
+def _three_paths(
+    layer: torch.nn.Module,
+    narrow: list[torch.nn.Parameter],
+    state: PagedState,
+    pools: tuple[torch.Tensor, torch.Tensor],
+    tables: dict[int, list[int]],
+    spans: list[tuple[int, list[int], int]],
+    run: Callable[[ForwardBatch], torch.Tensor],
+) -> None:
+    """Run a decode window through the layer's fused step, its native pieces and its torch path, from the
+    same random pools (`narrow` parameters in bf16 first, as a bf16 checkpoint leaves them): the outputs and
+    the pools afterwards agree, and the pools changed."""
+    fused_step, saved = layer.decode_step, {name: p.data for name, p in layer.named_parameters()}
+    for parameter in narrow:
+        parameter.data = parameter.data.bfloat16()
+    generator = torch.Generator().manual_seed(13)
+    for pool in pools:
+        pool.copy_(0.3 * torch.randn(pool.shape, generator=generator))
+    start = [pool.clone() for pool in pools]
+    results = []
+    try:
+        for path in ("fused", "native pieces", "torch"):
+            for pool, first in zip(pools, start, strict=True):
+                pool.copy_(first)
+            for slot, blocks in tables.items():
+                state.set_block_table(slot, blocks)
+            batch = ForwardBatch.build(spans, state)
+            if path != "torch":
+                batch.layout = state.layout(batch.spans)
+            layer.decode_step = fused_step if path == "fused" else None
+            with torch.inference_mode():
+                results.append((run(batch), *(pool.clone() for pool in pools)))
+    finally:
+        layer.decode_step = fused_step
+        for name, p in layer.named_parameters():
+            p.data = saved[name]
+    for other in results[1:]:
+        for got, expected in zip(results[0], other, strict=True):
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+    assert not torch.equal(results[0][-1], start[-1])
+
+
+def _paged_state(model: CausalLM, block_size: int) -> PagedState:
+    cpu = torch.device("cpu")
+    return PagedState(model.config, blocks=8, block_size=block_size, slots=4, dtype=torch.float32, device=cpu)
+
+
+@pytest.mark.parametrize("narrow", [False, True], ids=["fp32", "bf16-projections"])
+def test_a_fused_gated_deltanet_decode_step_equals_the_layers_pieces(
+    gdn_model: CausalLM, narrow: bool
+) -> None:
+    """One native call for a window of decode rows against the same layer's pieces: the native conv and
+    delta rule over the pools, and the torch step sequence by sequence; outputs and states alike."""
+    layer = next(d.linear_attn for d in gdn_model.model.layers if d.linear_attn is not None)
+    assert layer.decode_step is not None
+    state = _paged_state(gdn_model, 16)
+    pools = state.linear_pools(layer.layer)
+    x = torch.randn(3, gdn_model.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    linears = (layer.in_proj_qkvz, layer.in_proj_ba, layer.out_proj)
+    _three_paths(
+        layer,
+        [linear.weight for linear in linears] if narrow else [],
+        state,
+        pools,
+        {slot: [slot] for slot in (2, 0, 3)},
+        [(slot, [0], 9 + slot) for slot in (2, 0, 3)],
+        lambda batch: layer(x, batch),
+    )
+
+
+@pytest.mark.parametrize("narrow", [False, True], ids=["fp32", "bf16-projections"])
+def test_a_fused_attention_decode_step_equals_the_layers_pieces(gdn_model: CausalLM, narrow: bool) -> None:
+    """One native call for a window of decode rows against the same attention layer's pieces (native norm,
+    rotary and paged attention; torch sequence by sequence): outputs and the keys and values written."""
+    layer = next(d.self_attn for d in gdn_model.model.layers if d.linear_attn is None)
+    assert layer.decode_step is not None and layer.gated
+    state = _paged_state(gdn_model, 4)
+    pools = state.kv_cache(layer.layer)
+    x = torch.randn(3, gdn_model.config.hidden_size, generator=torch.Generator().manual_seed(2))
+
+    def run(batch: ForwardBatch) -> torch.Tensor:
+        return layer(x, batch, gdn_model.model.rotary.cos_sin(batch.positions, torch.float32))
+
+    _three_paths(
+        layer,
+        [layer.qkv_weight, layer.o_proj.weight] if narrow else [],
+        state,
+        pools,
+        {2: [5, 1, 7], 0: [3, 0], 3: [6, 2, 4]},
+        [(slot, [0], past) for slot, past in ((2, 9), (0, 4), (3, 11))],
+        run,
+    )
