@@ -72,22 +72,24 @@ inline void by_tiles(const Group& g, const float* base, int64_t stride, F f) {
 // entries of xs [entries, hidden]. Called by every thread of a team (each pass ends in the team's barrier).
 void swiglu_team(const Passes& p, const float* xs, float* h, float* ys) {
     const int64_t hidden = p.hidden, stride = p.widest;
+    std::vector<float> wide(static_cast<size_t>(4 * std::max(hidden, stride)));  // this thread's widened rows
 #pragma omp for schedule(dynamic, 8)
     for (int64_t unit = 0; unit < p.gate_units.back(); ++unit) {
         const size_t gi = Passes::group_of(p.gate_units, unit);
         const Group& g = p.groups[gi];
         const int64_t j = 2 * (unit - p.gate_units[gi]);
         const bool pair = j + 1 < g.inter;
+        const char* rows[4] = {g.gate.row(j), pair ? g.gate.row(j + 1) : g.up.row(j), g.up.row(j), g.up.row(j + 1)};
+        const dot::Kind kind = pair ? dot::widen_rows<4>(g.gate.kind, rows, hidden, g.last - g.first, wide.data())
+                                    : dot::widen_rows<2>(g.gate.kind, rows, hidden, g.last - g.first, wide.data());
         by_tiles(g, xs, hidden, [&](int64_t first, int count, const float* const* vectors) {
             float out[4][TILE];
             if (pair) {
-                const char* rows[4] = {g.gate.row(j), g.gate.row(j + 1), g.up.row(j), g.up.row(j + 1)};
                 const bool next = first + TILE >= g.last && j + 4 <= g.inter;  // the next pair, on the last tile
                 const char* ahead[4] = {g.gate.row(j + 2), g.gate.row(j + 3), g.up.row(j + 2), g.up.row(j + 3)};
-                dot::dot_rows<4>(g.gate.kind, rows, hidden, vectors, count, out, next ? ahead : nullptr);
-            } else {
-                const char* rows[2] = {g.gate.row(j), g.up.row(j)};
-                dot::dot_rows<2>(g.gate.kind, rows, hidden, vectors, count, out);
+                dot::dot_rows<4>(kind, rows, hidden, vectors, count, out, next ? ahead : nullptr);
+            } else {  // rows: gate j, up j
+                dot::dot_rows<2>(kind, rows, hidden, vectors, count, out);
                 std::memcpy(out[2], out[1], sizeof out[1]);
             }
             for (int k = 0; k < count; ++k) {
@@ -103,13 +105,15 @@ void swiglu_team(const Passes& p, const float* xs, float* h, float* ys) {
         const Group& g = p.groups[gi];
         const int64_t i = 4 * (unit - p.down_units[gi]);
         const int rows_here = static_cast<int>(std::min<int64_t>(4, hidden - i));
+        const char* rows[4] = {g.down.row(i), g.down.row(i + 1), g.down.row(i + 2), g.down.row(i + 3)};
+        const dot::Kind kind =
+            rows_here == 4 ? dot::widen_rows<4>(g.down.kind, rows, g.inter, g.last - g.first, wide.data()) : g.down.kind;
         by_tiles(g, h, stride, [&](int64_t first, int count, const float* const* vectors) {
             float out[4][TILE];
             if (rows_here == 4) {
-                const char* rows[4] = {g.down.row(i), g.down.row(i + 1), g.down.row(i + 2), g.down.row(i + 3)};
                 const bool next = first + TILE >= g.last && i + 8 <= hidden;  // the next four, on the last tile
                 const char* ahead[4] = {g.down.row(i + 4), g.down.row(i + 5), g.down.row(i + 6), g.down.row(i + 7)};
-                dot::dot_rows<4>(g.down.kind, rows, g.inter, vectors, count, out, next ? ahead : nullptr);
+                dot::dot_rows<4>(kind, rows, g.inter, vectors, count, out, next ? ahead : nullptr);
             } else {
                 for (int r = 0; r < rows_here; ++r) {
                     const char* row[1] = {g.down.row(i + r)};

@@ -167,6 +167,10 @@ void paged_decode_attention(uintptr_t q_ptr, uintptr_t keys_ptr, uintptr_t value
 // SiLU of the depthwise causal conv of every sequence: x [tokens, channels] (rows x_stride apart), weight
 // [channels, kernel]; conv_state [pool_slots, channels, kernel - 1], each sequence's slot read, then
 // overwritten with its last kernel - 1 inputs; out [tokens, channels]. Taps added in order, as the reference.
+// A unit is (sequence, CONV_CHANNELS channels): its inputs laid out time by time (the state's, then the rows')
+// so that each tap is one vectorised pass over the channels.
+constexpr int64_t CONV_CHANNELS = 64;
+
 void conv_varlen(uintptr_t x_ptr, uintptr_t weight_ptr, uintptr_t state_ptr, uintptr_t out_ptr,
                  uintptr_t query_start_ptr, uintptr_t slots_ptr, int64_t seqs, int64_t tokens, int64_t channels,
                  int64_t kernel, int64_t x_stride, int64_t pool_slots, int threads) {
@@ -179,25 +183,44 @@ void conv_varlen(uintptr_t x_ptr, uintptr_t weight_ptr, uintptr_t state_ptr, uin
     if (kernel < 2 || kernel > 16) throw pybind11::value_error("the conv kernel must have 2 to 16 taps");
     check_starts(query_start, seqs, tokens);
     check_slots(slots, seqs, pool_slots, "state_slots");
-    const int64_t keep = kernel - 1;
+    const int64_t keep = kernel - 1, blocks = (channels + CONV_CHANNELS - 1) / CONV_CHANNELS;
+    int64_t longest = 0;
+    for (int64_t s = 0; s < seqs; ++s) longest = std::max<int64_t>(longest, query_start[s + 1] - query_start[s]);
     pybind11::gil_scoped_release release;
-#pragma omp parallel for collapse(2) schedule(static) num_threads(team(threads, query_start[seqs] * channels / 256))
-    for (int64_t s = 0; s < seqs; ++s) {
-        for (int64_t c = 0; c < channels; ++c) {
-            float window[16];  // the last kernel - 1 inputs, oldest first
-            float* held = state + (slots[s] * channels + c) * keep;
-            std::memcpy(window, held, keep * sizeof(float));
-            const float* w = weight + c * kernel;
-            for (int64_t t = query_start[s]; t < query_start[s + 1]; ++t) {
-                const float input = x[t * x_stride + c];
-                float acc = window[0] * w[0];
-                for (int64_t j = 1; j < keep; ++j) acc = acc + window[j] * w[j];
-                acc = acc + input * w[keep];
-                out[t * channels + c] = dot::silu(acc);
-                for (int64_t j = 0; j + 1 < keep; ++j) window[j] = window[j + 1];
-                window[keep - 1] = input;
+#pragma omp parallel num_threads(team(threads, query_start[seqs] * channels / 256))
+    {
+        std::vector<float> inputs(static_cast<size_t>((keep + longest) * CONV_CHANNELS));
+        float taps[16][CONV_CHANNELS];
+#pragma omp for collapse(2) schedule(static)
+        for (int64_t s = 0; s < seqs; ++s) {
+            for (int64_t b = 0; b < blocks; ++b) {
+                const int64_t c0 = b * CONV_CHANNELS, width = std::min(CONV_CHANNELS, channels - c0);
+                const int64_t start = query_start[s], length = query_start[s + 1] - start;
+                float* held = state + (slots[s] * channels + c0) * keep;
+                for (int64_t c = 0; c < width; ++c) {
+                    for (int64_t j = 0; j < kernel; ++j) taps[j][c] = weight[(c0 + c) * kernel + j];
+                    for (int64_t j = 0; j < keep; ++j) inputs[j * CONV_CHANNELS + c] = held[c * keep + j];
+                }
+                for (int64_t t = 0; t < length; ++t) {
+                    std::memcpy(&inputs[(keep + t) * CONV_CHANNELS], x + (start + t) * x_stride + c0, width * sizeof(float));
+                }
+                for (int64_t t = 0; t < length; ++t) {
+                    float* o = out + (start + t) * channels + c0;
+                    const float* in = &inputs[t * CONV_CHANNELS];
+#pragma omp simd
+                    for (int64_t c = 0; c < width; ++c) o[c] = in[c] * taps[0][c];
+                    for (int64_t j = 1; j < kernel; ++j) {
+                        const float* tap_in = in + j * CONV_CHANNELS;
+#pragma omp simd
+                        for (int64_t c = 0; c < width; ++c) o[c] = o[c] + tap_in[c] * taps[j][c];
+                    }
+#pragma omp simd
+                    for (int64_t c = 0; c < width; ++c) o[c] = dot::silu(o[c]);
+                }
+                for (int64_t c = 0; c < width; ++c) {
+                    for (int64_t j = 0; j < keep; ++j) held[c * keep + j] = inputs[(length + j) * CONV_CHANNELS + c];
+                }
             }
-            std::memcpy(held, window, keep * sizeof(float));
         }
     }
 }

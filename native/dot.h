@@ -151,6 +151,28 @@ inline void dot_rows(Kind kind, const char* const* rows, int64_t cols, const flo
     throw std::invalid_argument("unknown weight kind");
 }
 
+// Points `rows` (R rows of `kind`) at fp32 copies in `buffer` [R * cols] when more than one pass of TILE token
+// vectors will read them, so that each weight is widened once rather than once a pass (exact: the same
+// values); returns the kind the rows then have.
+template <int R>
+inline Kind widen_rows(Kind kind, const char** rows, int64_t cols, int64_t readers, float* buffer) {
+    if (kind == Kind::F32 || readers <= TILE) return kind;
+    for (int r = 0; r < R; ++r) {
+        float* wide = buffer + r * cols;
+        if (kind == Kind::BF16) {
+            const auto* w = reinterpret_cast<const uint16_t*>(rows[r]);
+#pragma omp simd
+            for (int64_t c = 0; c < cols; ++c) wide[c] = widen(w[c]);
+        } else {
+            const auto* w = reinterpret_cast<const int8_t*>(rows[r]);
+#pragma omp simd
+            for (int64_t c = 0; c < cols; ++c) wide[c] = widen(w[c]);
+        }
+        rows[r] = reinterpret_cast<const char*>(wide);
+    }
+    return Kind::F32;
+}
+
 // y[k * y_stride + j + r] = (row j + r of w) . x[k] (+ bias[j + r]) for the four rows from j = 4 * quad (fewer
 // at the end of w's `rows`) and the n token vectors of x (`w.cols` apart), TILE vectors a pass, the next four
 // rows prefetched on the last pass.
