@@ -81,8 +81,12 @@ def exact_backends(backends: Backends) -> Backends:
     """
     if backends.exact or backends.name == "torch":
         return replace(backends, exact=True)
-    if backends.name == "cpu":  # the experts kernel is batch-independent; the dense projections go to torch
-        return replace(backends, name="cpu+exact", linear=None, exact=True)
+    if backends.name == "cpu":
+        # The experts kernel is batch-independent. The dense projections go to torch for every window: the
+        # native ones (alone, or inside the fused MoE block and decode layers) take only decode rows, so a row
+        # would be projected one way in a decode window and another beside a prompt chunk.
+        fused = dict.fromkeys(("linear", "moe_block", "gdn_decode", "attention_decode"))
+        return replace(backends, name="cpu+exact", exact=True, **fused)
     from app.kernels.triton_moe import exact_fused_experts, exact_linear
 
     return replace(

@@ -56,6 +56,7 @@ def test_exact_backends_name_themselves() -> None:
     assert select_backends("torch", "cpu", exact=True).exact
     exact_cpu = select_backends("cpu", "cpu", exact=True)
     assert exact_cpu.name == "cpu+exact" and exact_cpu.linear is None and exact_cpu.experts is routed_experts
+    assert exact_cpu.moe_block is None and exact_cpu.gdn_decode is None and exact_cpu.attention_decode is None
 
 
 def test_unknown_backend_is_a_one_line_error() -> None:
