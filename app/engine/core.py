@@ -125,7 +125,15 @@ class EngineCore:
             )
         self.loaded = loaded
         model = loaded.model
-        log.info("weights in %s (--dtype %s)", str(self._dtype).removeprefix("torch."), config.dtype)
+        kept = sum(p.numel() for p in model.parameters() if p.dtype != self._dtype)
+        log.info(
+            "weights in %s (--dtype %s)%s",
+            str(self._dtype).removeprefix("torch."),
+            config.dtype,
+            f"; {kept / 1e6:.1f}M of them kept in bf16, as the checkpoint has them, for the kernels"
+            if kept
+            else "",
+        )
         self.max_model_len = min(
             config.max_model_len or model.config.max_position_embeddings, model.config.max_position_embeddings
         )
