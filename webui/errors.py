@@ -120,6 +120,13 @@ def _engine_error(_: Request, exc: EngineError) -> Response:
     return openai_error(503, f"the engine cannot serve the request: {exc}", "service_unavailable")
 
 
+def _recursion(request: Request, exc: RecursionError) -> Response:
+    """A body nested deeper than the JSON decoder goes is the client's error; any other recursion is ours."""
+    if "deserializ" in str(exc):
+        return openai_error(400, "the request body is nested too deeply", "invalid_request_error")
+    return _internal_error(request, exc)
+
+
 def _internal_error(request: Request, exc: Exception) -> Response:
     logger.error("%s %s failed", request.method, request.url.path, exc_info=exc)
     first_line = (str(exc).strip().splitlines() or [""])[0]
@@ -132,5 +139,6 @@ EXCEPTION_HANDLERS = {
     ApiError: _api_error,
     InvalidRequest: _invalid_request,
     EngineError: _engine_error,
+    RecursionError: _recursion,
     Exception: _internal_error,
 }

@@ -11,6 +11,10 @@ from app.errors import StrataError
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 64  # a request's stop strings: each is matched against every token's text
+MAX_STOP_CHARS = 1024  # characters of one stop string
+MAX_STOP_TOKEN_IDS = 1024
+SEEDS = (-(2**63), 2**64)  # what a seed may be: a 64-bit integer, signed or not
 EXPERT_REPORT_S = 0.5
 
 
@@ -59,6 +63,22 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
             (-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]"),
             (0 < self.repetition_penalty <= 10, "repetition_penalty", "must be in (0, 10]"),
             (all(self.stop), "stop", "must not contain empty strings"),
+            (len(self.stop) <= MAX_STOP_STRINGS, "stop", f"may hold at most {MAX_STOP_STRINGS} strings"),
+            (
+                all(len(s) <= MAX_STOP_CHARS for s in self.stop),
+                "stop",
+                f"strings may be at most {MAX_STOP_CHARS} characters long",
+            ),
+            (
+                len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
+                "stop_token_ids",
+                f"may hold at most {MAX_STOP_TOKEN_IDS} ids",
+            ),
+            (
+                self.seed is None or SEEDS[0] <= self.seed < SEEDS[1],
+                "seed",
+                "must be a 64-bit integer",
+            ),
             (
                 self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
                 "logprobs",
@@ -94,6 +114,11 @@ def check_request(
     bad = next((token for token in prompt if not 0 <= token < vocab_size), None)
     if bad is not None:
         raise InvalidRequest(f"prompt token id {bad} is outside the vocabulary [0, {vocab_size})", "prompt")
+    bad = next((token for token in params.stop_token_ids if not 0 <= token < vocab_size), None)
+    if bad is not None:
+        raise InvalidRequest(
+            f"stop token id {bad} is outside the vocabulary [0, {vocab_size})", "stop_token_ids"
+        )
     if len(prompt) + params.max_tokens > max_model_len:
         raise InvalidRequest(
             f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the context of "

@@ -92,6 +92,10 @@ def test_abort(client: EngineClient) -> None:
         ([1, VOCAB_SIZE], SamplingParams(), "prompt", "outside the vocabulary"),
         ([-1], SamplingParams(), "prompt", "outside the vocabulary"),
         ([1.5], SamplingParams(), "prompt", "must be integers"),
+        ([1], SamplingParams(stop=["x"] * 65), "stop", "at most 64 strings"),
+        ([1], SamplingParams(stop=["x" * 1025]), "stop", "at most 1024 characters"),
+        ([1], SamplingParams(stop_token_ids=[VOCAB_SIZE]), "stop_token_ids", "outside the vocabulary"),
+        ([1], SamplingParams(seed=2**64), "seed", "64-bit integer"),
     ],
 )
 def test_invalid_requests(

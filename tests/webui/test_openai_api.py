@@ -248,6 +248,25 @@ ERRORS = {  # every one is an invalid_request_error: (path, body, status, param)
     "outside vocabulary": (COMPLETIONS, {"prompt": [1, 10**6]}, 400, "prompt"),
     "logprobs range": (COMPLETIONS, {"prompt": "a", "logprobs": 50}, 400, "logprobs"),
     "top_logprobs alone": (CHAT, {"messages": HELLO, "top_logprobs": 2}, 400, "top_logprobs"),
+    "a 10 MB body": (COMPLETIONS, {"prompt": "a" * 10_000_000, "max_tokens": 2}, 413, None),
+    "nested too deeply": (CHAT, b"[" * 100_000 + b"]" * 100_000, 400, None),
+    "nested in a field": (CHAT, b'{"messages": ' + b"[" * 50_000 + b"]" * 50_000 + b"}", 400, None),
+    "invalid UTF-8": (CHAT, b'{"messages": [{"role": "user", "content": "\xff\xfe"}]}', 400, None),
+    "NaN temperature": (
+        CHAT,
+        b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}',
+        400,
+        None,
+    ),
+    "seed beyond 64 bits": (COMPLETIONS, {"prompt": "hi", "seed": 10**30}, 400, "seed"),
+    "10,000 stop strings": (CHAT, {"messages": HELLO, "stop": [f"s{i}" for i in range(10_000)]}, 400, "stop"),
+    "a stop string of 1 MB": (CHAT, {"messages": HELLO, "stop": "x" * 1_000_000}, 400, "stop"),
+    "stop token outside vocabulary": (
+        COMPLETIONS,
+        {"prompt": "hi", "stop_token_ids": [10**6]},
+        400,
+        "stop_token_ids",
+    ),
 }
 
 
