@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +17,8 @@ import torch
 
 MAGIC = b"STRATA-PARKED-1\n"
 SUFFIX = ".park"
+PARTIAL = ".partial"  # a file being written; renamed to SUFFIX once whole
+OWNER_ONLY = 0o600  # parked conversations hold users' prompts and answers
 
 
 @dataclass(frozen=True)
@@ -35,7 +38,7 @@ def file_name(tokens: list[int]) -> str:
 
 
 def write(path: Path, identity: str, block_size: int, tokens: list[int], parts: list[Part]) -> None:
-    """Write a park file from host tensors.
+    """Write a park file from host tensors, readable by its owner only, on the disk when this returns (fsync).
 
     The bytes go from the tensors to the checksum and the file without being copied or joined: hashing and
     writing large buffers release the GIL, so an engine's loop runs on beside the thread that writes.
@@ -57,10 +60,12 @@ def write(path: Path, identity: str, block_size: int, tokens: list[int], parts: 
         "checksum": digest.hexdigest(),
     }
     body = json.dumps(header).encode()
-    with path.open("wb") as f:
+    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, OWNER_ONLY), "wb") as f:
         f.write(MAGIC + len(body).to_bytes(8, "little") + body)
         for view in views:
             f.write(view)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def read(

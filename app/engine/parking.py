@@ -103,7 +103,7 @@ class ConversationPark:
         self._worker: threading.Thread | None = None
         if self.directory is not None:
             try:
-                self.directory.mkdir(parents=True, exist_ok=True)
+                self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
             except OSError as e:
                 log.warning("not parking conversations on disk: cannot use %s (%s)", self.directory, e)
                 self.directory = None
@@ -330,10 +330,13 @@ class ConversationPark:
                 copies = self._copy_to_host(job) if job.ready is not None else {}
                 if job.path is not None:
                     blocks = [copies[id(b)] if id(b) in copies else self._host_view(b) for b in job.blocks]
-                    partial = job.path.with_suffix(".partial")
-                    self._write_file(partial, job.parked, blocks)
-                    partial.replace(job.path)
-            except OSError as e:
+                    partial = job.path.with_suffix(park_file.PARTIAL)
+                    try:
+                        self._write_file(partial, job.parked, blocks)
+                        partial.replace(job.path)
+                    finally:
+                        partial.unlink(missing_ok=True)
+            except OSError as e:  # a full disk fails the park (the follow-up reads its prompt), not a request
                 log.warning("could not write parked conversation %s: %s", job.path, e)
             finally:
                 self._jobs.task_done()
@@ -378,6 +381,8 @@ class ConversationPark:
     def _index(self) -> None:
         """Find the conversations parked in the directory by an earlier run (headers only), oldest first."""
         assert self.directory is not None
+        for partial in self.directory.glob(f"*{park_file.PARTIAL}"):  # left by a run that stopped mid-write
+            partial.unlink(missing_ok=True)
         files = sorted(self.directory.glob(f"*{park_file.SUFFIX}"), key=lambda p: p.stat().st_mtime)
         for path in files:
             try:

@@ -3,6 +3,7 @@ as one that never left; bad park files are refused."""
 
 from __future__ import annotations
 
+import errno
 import logging
 import threading
 import time
@@ -87,6 +88,39 @@ def _park_one(checkpoint: Path, directory: Path) -> tuple[list[int], Path]:
     core.park.flush()
     (path,) = directory.glob("*.park")
     return follow_up, path
+
+
+def test_park_files_are_owner_only_and_stray_partial_files_are_cleared(
+    checkpoint: Path, tmp_path: Path
+) -> None:
+    """Parked conversations hold users' words: the directory and files are the owner's alone; a file a run
+    left half-written (under its temporary name) is removed at the next start, never read."""
+    directory = tmp_path / "park"
+    _, path = _park_one(checkpoint, directory)
+    assert path.stat().st_mode & 0o777 == 0o600 and directory.stat().st_mode & 0o777 == 0o700
+    stray = directory / ("0" * 32 + ".partial")
+    stray.write_bytes(b"STRATA-PARKED-1\nhalf")
+    core = make_core(checkpoint, park_memory=0, park_dir=str(directory), park_disk=64 << 20)
+    assert not stray.exists() and core.park is not None and core.park.stats().conversations_disk == 1
+
+
+def test_a_full_disk_fails_the_park_not_the_request(
+    checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Writing a park file that fails (the disk is full) leaves no file, says so once, and the follow-up is
+    answered as if nothing had been parked."""
+
+    def full(fd: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr("app.engine.park_file.os.fsync", full)
+    core = make_core(checkpoint, park_memory=0, park_dir=str(tmp_path), park_disk=64 << 20)
+    with caplog.at_level(logging.WARNING, logger="strata.parking"):
+        _, follow_up = _conversation(core)
+        assert core.park is not None
+        core.park.flush()
+    assert "No space left on device" in caplog.text and not list(tmp_path.iterdir())
+    assert _follow(core, follow_up)[0] == _expected(checkpoint, follow_up)
 
 
 def test_a_corrupt_park_file_is_discarded_with_a_log_line(
