@@ -256,6 +256,23 @@ def run_generate(args: argparse.Namespace) -> None:
         print(done.text)
 
 
+def exposure_warning(host: str, api_key: str | None) -> str | None:
+    """The warning `serve` prints when it binds beyond this machine without an API key, else None."""
+    import ipaddress
+
+    if api_key or host == "localhost":
+        return None
+    try:
+        if ipaddress.ip_address(host).is_loopback:
+            return None
+    except ValueError:  # a host name: it may resolve anywhere
+        pass
+    return (
+        f"strata: warning: serving on {host} without --api-key: anyone who can reach this address can use "
+        "the model, read /metrics and the Monitor"
+    )
+
+
 def run_serve(args: argparse.Namespace) -> None:
     """`strata serve`: start the engine and the web server; Ctrl+C stops both."""
     from pathlib import Path
@@ -275,6 +292,9 @@ def run_serve(args: argparse.Namespace) -> None:
             raise StrataError(f"--api-key-file {args.api_key_file} is empty")
     if not 0 < args.port < 65536:
         raise StrataError("--port must be in 1..65535")
+    warning = exposure_warning(args.host, api_key)
+    if warning:
+        print(warning, file=sys.stderr)
     settings = ServerSettings(
         engine=engine_config(args),
         host=args.host,

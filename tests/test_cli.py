@@ -14,7 +14,7 @@ import torch
 from checkpoints import hf_model, write_checkpoint
 from transformers import AutoTokenizer
 
-from app.cli import build_parser, engine_config, main
+from app.cli import build_parser, engine_config, exposure_warning, main
 from app.engine.config import PARK_DISK, PARK_MEMORY, default_park_dir
 
 
@@ -144,3 +144,24 @@ def test_a_second_generate_continues_from_the_parked_first(
     again = _generate(capsys, *options, "--prompt-token-ids", follow + ",7,8,9")
     fresh = _generate(capsys, *options, "--no-prefix-cache", "--prompt-token-ids", follow + ",7,8,9")
     assert again["token_ids"] == fresh["token_ids"]
+
+
+@pytest.mark.parametrize(
+    ("host", "key", "warned"),
+    [
+        ("127.0.0.1", None, False),
+        ("::1", None, False),
+        ("localhost", None, False),
+        ("0.0.0.0", None, True),
+        ("192.168.1.20", None, True),
+        ("workstation.lan", None, True),
+        ("0.0.0.0", "secret", False),
+    ],
+)
+def test_serving_beyond_loopback_without_a_key_is_warned_about(
+    host: str, key: str | None, warned: bool
+) -> None:
+    warning = exposure_warning(host, key)
+    assert (warning is not None) == warned
+    if warning:
+        assert host in warning and "--api-key" in warning and "\n" not in warning

@@ -296,6 +296,8 @@ def test_auth(keyed_server: Server) -> None:
         assert_error(httpx.post(url + CHAT, json=body, headers=headers), 401, "authentication_error", None)
         tokenize = httpx.post(f"{url}/tokenize", json={"prompt": "a"}, headers=headers)
         assert_error(tokenize, 401, "authentication_error", None)
+        detokenize = httpx.post(f"{url}/detokenize", json={"tokens": [1]}, headers=headers)
+        assert_error(detokenize, 401, "authentication_error", None)
     assert httpx.get(f"{url}/health").status_code == 200
     assert ok_get(keyed_server, "/v1/models")["data"][0]["id"] == keyed_server.model_dir.name
     assert ok(keyed_server, CHAT, body)["usage"]["completion_tokens"] <= 2
