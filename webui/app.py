@@ -49,12 +49,19 @@ def create_app(settings: ServerSettings, announce: bool = False) -> Litestar:
         metrics.system = system
         app.state.monitor = MonitorFeed(app.state.link, metrics, system)
         sampling = asyncio.create_task(system.run())
+        supervising = asyncio.create_task(
+            app.state.link.supervise(
+                lambda: AsyncEngineClient.start(settings.engine),
+                lambda client: system.probe.follow(getattr(client, "pid", None)),
+            )
+        )
         if announce:
             print(f"Strata serves {name} at http://{settings.host}:{settings.port}", flush=True)
         try:
             yield
         finally:
             sampling.cancel()
+            supervising.cancel()
             await app.state.link.shutdown()
 
     return Litestar(

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from app.engine.client import AsyncEngineClient, EngineError
 from app.engine.protocol import Ready, RequestOutput, SamplingParams, WindowStats, check_request
 from app.text.tokenizer import Tokenizer
+
+log = logging.getLogger("strata.server")
+RESTART_DELAYS = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)  # seconds before each further try to start a new engine
 
 
 @dataclass
@@ -49,7 +53,11 @@ class RequestObserver(Protocol):
 
 
 class EngineLink:
-    """Owns the engine client and the tokenizer; every request goes through `stream`, so each is counted."""
+    """Owns the engine client and the tokenizer; every request goes through `stream`, so each is counted.
+
+    With `supervise` running, an engine process that dies is replaced by a new one (the requests it held end
+    with an error; parked conversations on disk come back with the new engine).
+    """
 
     def __init__(self, client: AsyncEngineClient, model_name: str, observer: RequestObserver) -> None:
         self.client = client
@@ -58,7 +66,36 @@ class EngineLink:
         self.tokenizer = Tokenizer.from_dir(client.ready.model_path)
         self.observer = observer
         self.running: dict[str, RequestRecord] = {}
+        self.restarts = 0  # engines started after the first one died
+        self._stopping = False
         client.add_stats_listener(self._on_window)
+
+    async def supervise(
+        self,
+        start: Callable[[], Awaitable[AsyncEngineClient]],
+        started: Callable[[AsyncEngineClient], None] | None = None,
+        poll: float = 0.25,
+    ) -> None:
+        """Watch the engine; when its process dies, start a new one with `start` (then call `started` with
+        it), retrying after each of RESTART_DELAYS (the last repeated) while starting fails. Runs until
+        cancelled or `shutdown`."""
+        while not self._stopping:
+            await asyncio.sleep(poll)
+            reason = self.client.dead
+            if reason is None or self._stopping:
+                continue
+            log.warning("the engine stopped (%s); starting a new one", reason)
+            await self.client.shutdown()  # reap the old process
+            client = await self._start_again(start)
+            if self._stopping:
+                await client.shutdown()
+                return
+            client.add_stats_listener(self._on_window)
+            self.client, self.ready = client, client.ready
+            self.restarts += 1
+            if started is not None:
+                started(client)
+            log.warning("a new engine serves (restart %d)", self.restarts)
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`, on a worker thread: a long prompt never holds up the other streams."""
@@ -107,6 +144,19 @@ class EngineLink:
             del self.running[record.request_id]
             self.observer.on_request_finished(record)
 
+    @staticmethod
+    async def _start_again(start: Callable[[], Awaitable[AsyncEngineClient]]) -> AsyncEngineClient:
+        """A new engine from `start`, trying again after each of RESTART_DELAYS (the last repeated)."""
+        attempt = 0
+        while True:
+            try:
+                return await start()
+            except Exception as e:
+                delay = RESTART_DELAYS[min(attempt, len(RESTART_DELAYS) - 1)]
+                log.warning("a new engine did not start (%s); trying again in %.0f s", e, delay)
+                await asyncio.sleep(delay)
+                attempt += 1
+
     def _on_window(self, stats: WindowStats) -> None:
         for slot in stats.slots:
             record = self.running.get(slot.request_id)
@@ -115,7 +165,8 @@ class EngineLink:
         self.observer.on_window(stats)
 
     async def shutdown(self) -> None:
-        """Stop the engine process."""
+        """Stop the engine process (and no longer replace it)."""
+        self._stopping = True
         await self.client.shutdown()
 
 

@@ -36,6 +36,10 @@ class SystemProbe:
         except Exception as exc:  # no driver, no device, no permission: all mean no GPU figures
             self.gpu_detail = str(exc)
 
+    def follow(self, engine_pid: int | None) -> None:
+        """Watch this engine process from now on (a new one replaced the last)."""
+        self.engine = _process(engine_pid)
+
     def sample(self) -> dict[str, Any]:
         """The host and GPU figures now (blocking: call it in a thread)."""
         memory = psutil.virtual_memory()
