@@ -6,10 +6,11 @@ processes' memory flat once warm.
 Starts `strata serve` on the model (its own engine process), then `--clients` clients each stream chat
 answers one after another (a random question of 8-64 words, 16-96 tokens out) until `--seconds` have passed.
 An answer counts as complete when its stream ends with a finish reason and `data: [DONE]`. Every 5 s it
-samples the resident memory of the server and of the engine process (psutil). Ends with one JSON line:
-answers, errors, tokens and tok/s, and RSS of both processes after the first minute (warm) and at the end;
-fails when any answer errored or was incomplete, or when a process grew by more than `--rss-growth` (default
-10%) after warming up.
+samples the resident memory of the server and of the engine process (psutil), the engine's less the host RAM
+its parked conversations hold by design (`parked_bytes_ram` in /metrics, up to `--park-memory`); park files go
+to a temporary directory, removed at the end. Ends with one JSON line: answers, errors, tokens and tok/s, and
+RSS of both processes after the first minute (warm) and at the end; fails when any answer errored or was
+incomplete, or when a process grew by more than `--rss-growth` (default 10%) after warming up.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import json
 import os
 import random
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -86,15 +88,18 @@ async def client_loop(base: str, deadline: float, seed: int, tally: Tally) -> No
 
 
 async def sample_memory(
-    server: psutil.Process, deadline: float, samples: list[tuple[float, int, int]]
+    base: str, server: psutil.Process, deadline: float, samples: list[tuple[float, int, int]]
 ) -> None:
-    """(seconds since start, server RSS, engine RSS) every 5 s until the deadline."""
+    """(seconds since start, server RSS, engine RSS less its parked conversations) every 5 s until the
+    deadline."""
     began = time.monotonic()
-    while time.monotonic() < deadline:
-        children = [c for c in server.children(recursive=True) if "python" in c.name().lower()]
-        engine = max((c.memory_info().rss for c in children), default=0)
-        samples.append((time.monotonic() - began, server.memory_info().rss, engine))
-        await asyncio.sleep(5)
+    async with httpx.AsyncClient(base_url=base, timeout=30) as http:
+        while time.monotonic() < deadline:
+            children = [c for c in server.children(recursive=True) if "python" in c.name().lower()]
+            engine = max((c.memory_info().rss for c in children), default=0)
+            parked = (await http.get("/metrics")).json()["parked_bytes_ram"]
+            samples.append((time.monotonic() - began, server.memory_info().rss, engine - parked))
+            await asyncio.sleep(5)
 
 
 async def soak(base: str, server: psutil.Process, clients: int, seconds: float) -> dict[str, Any]:
@@ -102,7 +107,7 @@ async def soak(base: str, server: psutil.Process, clients: int, seconds: float) 
     began = time.monotonic()
     deadline = began + seconds
     await asyncio.gather(
-        sample_memory(server, deadline, samples),
+        sample_memory(base, server, deadline, samples),
         *(client_loop(base, deadline, seed, tally) for seed in range(clients)),
     )
     elapsed = time.monotonic() - began
@@ -117,7 +122,7 @@ async def soak(base: str, server: psutil.Process, clients: int, seconds: float) 
         "seconds": round(elapsed, 1),
         "server_rss_warm_mb": round(warm[1] / 2**20, 1),
         "server_rss_end_mb": round(last[1] / 2**20, 1),
-        "engine_rss_warm_mb": round(warm[2] / 2**20, 1),
+        "engine_rss_warm_mb": round(warm[2] / 2**20, 1),  # less the RAM of parked conversations
         "engine_rss_end_mb": round(last[2] / 2**20, 1),
     }
 
@@ -135,7 +140,10 @@ def main() -> None:
     parser.add_argument("--out", help="also append the JSON line to this file")
     args = parser.parse_args()
     log = Path(os.environ.get("OUT", "/tmp")) / "soak_server.log"
-    process = start_server(args.model, args.port, ["--parallel", "16", *args.serve_arg], log)
+    park = tempfile.TemporaryDirectory(prefix="strata-soak-park-")
+    process = start_server(
+        args.model, args.port, ["--parallel", "16", "--park-dir", park.name, *args.serve_arg], log
+    )
     try:
         base = f"http://127.0.0.1:{args.port}"
         asyncio.run(wait_ready(base, process, 600))
@@ -149,6 +157,7 @@ def main() -> None:
     finally:
         process.terminate()
         process.wait(timeout=30)
+        park.cleanup()
     print(json.dumps(line), flush=True)
     if args.out:
         with open(args.out, "a") as f:
