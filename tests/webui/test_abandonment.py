@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import random
 import time
 from typing import Any
@@ -14,7 +15,7 @@ import httpx
 from serving import Server
 
 COMPLETIONS = "/v1/completions"
-CUT_STREAMS = 120
+CUT_STREAMS = int(os.environ.get("STRATA_CUT_STREAMS", "120"))  # 1000 for the long run (docs/RELIABILITY.md)
 GREEDY = {"temperature": 0, "ignore_eos": True}
 
 
