@@ -113,12 +113,16 @@ def experts_swiglu_sum(
         )
     _check(x, gate_up, down, gate_up_scales, down_scales, stacked=True)
     n = x.shape[0]
-    experts, offsets, rows = _as(experts, torch.int64), _as(offsets, torch.int64), _as(rows, torch.int64)
-    weights = _as(weights, torch.float32)
+    experts, offsets, rows = (
+        as_contiguous(experts, torch.int64),
+        as_contiguous(offsets, torch.int64),
+        as_contiguous(rows, torch.int64),
+    )
+    weights = as_contiguous(weights, torch.float32)
     count = experts.numel()
     if offsets.numel() != count + 1 or rows.numel() != weights.numel():
         raise ValueError("offsets must bound each expert's entries of rows and weights")
-    x = _as(x, torch.float32)
+    x = as_contiguous(x, torch.float32)
     y = torch.zeros(x.shape, dtype=torch.float32) if out is None else out
     _native.experts_swiglu_sum(
         x.data_ptr(),
@@ -212,7 +216,11 @@ def routed_experts(
     n, top_k = top_ids.shape
     if top_weights.shape != top_ids.shape:
         raise ValueError("top_ids and top_weights must both be [tokens, top_k]")
-    xs, ids, weights = _as(x, torch.float32), _as(top_ids, torch.int64), _as(top_weights, torch.float32)
+    xs, ids, weights = (
+        as_contiguous(x, torch.float32),
+        as_contiguous(top_ids, torch.int64),
+        as_contiguous(top_weights, torch.float32),
+    )
     y = torch.empty(n, x.shape[1], dtype=torch.float32)
     _native.routed_experts(
         xs.data_ptr(),
@@ -284,8 +292,8 @@ def moe_block(
     experts = gate_up.shape[0]
     if router.shape != (experts, hidden) or not 1 <= top_k <= experts:
         raise ValueError("router must be [experts, hidden] and top_k in [1, experts]")
-    x = _as(x, torch.float32)
-    live = None if live is None else _as(live, torch.int64)
+    x = as_contiguous(x, torch.float32)
+    live = None if live is None else as_contiguous(live, torch.int64)
     y = torch.empty(rows, hidden)
     ids, top_weights = torch.empty(rows, top_k, dtype=torch.int64), torch.empty(rows, top_k)
     gate = up = shared_down = shared_router = None
@@ -296,7 +304,7 @@ def moe_block(
             raise ValueError("shared expert: gate, up [inter, hidden] and down [hidden, inter]")
         if len({gate.dtype, up.dtype, shared_down.dtype}) != 1 or shared_router.numel() != hidden:
             raise ValueError("shared expert: one dtype for its weights, and a router of [1, hidden]")
-        shared_router = _as(shared_router, router.dtype)
+        shared_router = as_contiguous(shared_router, router.dtype)
     _native.moe_block(
         x.data_ptr(),
         y.data_ptr(),
@@ -347,9 +355,9 @@ def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = Non
         or weight.device.type != "cpu"
     ):
         return torch.nn.functional.linear(x, weight.to(x.dtype) if narrowed else weight, bias)
-    xs = _as(x, torch.float32)
+    xs = as_contiguous(x, torch.float32)
     y = torch.empty(rows, weight.shape[0], dtype=torch.float32)
-    b = None if bias is None else _as(bias, torch.float32)
+    b = None if bias is None else as_contiguous(bias, torch.float32)
     _native.dense(
         xs.data_ptr(),
         weight.data_ptr(),
@@ -378,9 +386,9 @@ def _norm(
     gate: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One native call: RMSNorm of x's rows (after adding `residual`, times silu(`gate`)), and the sum."""
-    x, weight = _as(x, torch.float32), _as(weight, torch.float32)
-    residual = None if residual is None else _as(residual, torch.float32)
-    gate = None if gate is None else _as(gate, torch.float32)
+    x, weight = as_contiguous(x, torch.float32), as_contiguous(weight, torch.float32)
+    residual = None if residual is None else as_contiguous(residual, torch.float32)
+    gate = None if gate is None else as_contiguous(gate, torch.float32)
     rows, dim = x.shape
     y = torch.empty(rows, dim)
     summed = None if residual is None else torch.empty(rows, dim)
@@ -438,10 +446,10 @@ def route(
     to `counts`; one native call for fp32 logits, torch's operations otherwise."""
     rows, experts = logits.shape
     if _native_rows(logits) and counts.dtype == torch.int64 and counts.is_contiguous():
-        logits = _as(logits, torch.float32)
+        logits = as_contiguous(logits, torch.float32)
         ids = torch.empty(rows, top_k, dtype=torch.int64)
         weights = torch.empty(rows, top_k)
-        live = None if live is None else _as(live, torch.int64)
+        live = None if live is None else as_contiguous(live, torch.int64)
         _native.route(
             logits.data_ptr(),
             ids.data_ptr(),
@@ -463,7 +471,7 @@ def route(
     return ids, weights.to(logits.dtype)
 
 
-def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def as_contiguous(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """`t` contiguous and of `dtype` (itself when it already is: no call into torch)."""
     return t if t.dtype == dtype and t.is_contiguous() else t.to(dtype).contiguous()
 

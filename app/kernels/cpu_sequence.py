@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from app.kernels.cpu_experts import threads
+from app.kernels.cpu_experts import as_contiguous, threads
 from app.kernels.interface import AttentionWeights, GatedDeltaNetWeights
 from app.kernels.reference import causal_attention, delta_rule_recurrent
 from app.models.batch import PagedLayout
@@ -436,8 +436,8 @@ def attention_decode(
 
 
 def _int32(t: torch.Tensor) -> torch.Tensor:
-    return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
+    return as_contiguous(t, torch.int32)
 
 
 def _int64(t: torch.Tensor) -> torch.Tensor:
-    return t if t.dtype == torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous()
+    return as_contiguous(t, torch.int64)
