@@ -1,6 +1,7 @@
 """Where a window's time goes: kernel times of decode windows (batch 1 and 32) and of an 8K prompt window.
 
     python benchmarks/profile_window.py --shape q30-half
+    python benchmarks/profile_window.py --shape qnext --layers 12 --batch 1 --no-prefill --top 40
 
 Builds the shape with random weights (as gpu_bench.py), then for each case prints the time of a whole engine
 step, of the bare CUDA-graph replay (decode), and the kernels that took the most GPU time per window.
@@ -20,13 +21,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from app.engine.protocol import AddRequest, SamplingParams
 from benchmarks.gpu_bench import bench_config, open_engine
+from benchmarks.shapes import shape
 
 
 def _kernel_table(prof: profile, windows: int, top: int) -> None:
     """Kernels by total GPU time, per window."""
     events = [e for e in prof.key_averages() if e.device_time_total > 0]
     total = sum(e.self_device_time_total for e in events)
-    print(f"  GPU time per window: {total / windows / 1000:.3f} ms")
+    launches = sum(e.count for e in events if e.self_device_time_total > 0) / windows
+    print(f"  GPU time per window: {total / windows / 1000:.3f} ms in {launches:.0f} kernels and copies")
     for e in sorted(events, key=lambda e: e.self_device_time_total, reverse=True)[:top]:
         share = e.self_device_time_total / total
         per = e.self_device_time_total / windows / 1000
@@ -90,11 +93,13 @@ def main() -> None:
     parser.add_argument("--exact", action="store_true")
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--no-prefill", action="store_true", help="leave out the 8K prompt window")
+    parser.add_argument("--layers", type=int, help="cut the shape to this many layers")
+    parser.add_argument("--top", type=int, default=25, help="kernels listed per case")
     args = parser.parse_args()
-    config = bench_config(args.shape)
+    config = shape(args.shape, layers=args.layers) if args.layers else bench_config(args.shape)
     core = open_engine(config, args.exact, args.enforce_eager)
     for batch in args.batch or [1, 32]:
-        _decode_case(core, batch, config["vocab_size"])
+        _decode_case(core, batch, config["vocab_size"], top=args.top)
     if not args.no_prefill:
         _prefill_case(core, config["vocab_size"])
 

@@ -10,6 +10,7 @@ come from its table.
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -17,12 +18,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from app.kernels.triton_moe import MoeTiles, fused_experts
+from app.kernels.triton_moe import EXACT_TILES, MoeTiles, fused_experts
 from benchmarks.roofline import expected_experts, measure_copy_bandwidth
 
 EXPERTS, TOP_K, HIDDEN, INTER = 128, 8, 2048, 768
 CANDIDATES = {
     "16x64x64 w4 s3": MoeTiles(16, 64, 64, 4, 3),
+    "16x32x128 w4 s3": MoeTiles(16, 32, 128, 4, 3),
+    "16x16x128 w4 s4": MoeTiles(16, 16, 128, 4, 4),
+    "16x32x128 w2 s4": MoeTiles(16, 32, 128, 2, 4),
     "16x32x128 w4 s4": MoeTiles(16, 32, 128, 4, 4),
     "16x64x128 w4 s4": MoeTiles(16, 64, 128, 4, 4),
     "16x128x64 w4 s4": MoeTiles(16, 128, 64, 4, 4),
@@ -66,6 +70,9 @@ def _time(
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 32, 8192])
+    args = parser.parse_args()
     bandwidth = measure_copy_bandwidth("cuda")
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
     sets = []
@@ -75,7 +82,7 @@ def main() -> None:
         down = (torch.randn(EXPERTS, HIDDEN, INTER, device="cuda", generator=g) * 0.02).bfloat16()
         sets.append((gate_up, down))
     expert_bytes = 3 * INTER * HIDDEN * 2
-    for tokens in (1, 8, 32, 8192):
+    for tokens in args.tokens:
         x = torch.randn(tokens, HIDDEN, device="cuda").bfloat16()
         weights, ids = torch.randn(tokens, EXPERTS, device="cuda").softmax(-1).topk(TOP_K, dim=-1)
         weights = weights.bfloat16()
@@ -84,9 +91,15 @@ def main() -> None:
             if tokens > 64 and tiles.block_m == 16 and tiles.block_k > 128:
                 continue
             ms = _time(x, ids, weights, sets, tiles)
+            gate_up, down = sets[0]
+            same = torch.equal(
+                fused_experts(x, ids, weights, gate_up, down, tiles=tiles),
+                fused_experts(x, ids, weights, gate_up, down, tiles=EXACT_TILES),
+            )
             print(
                 f"tokens {tokens:5d} {name:18s} {ms * 1000:9.1f} us  "
-                f"{moved / ms / 1e9:6.2f} TB/s ({moved / ms / 1e9 / (bandwidth / 1e12):.0%} of copy)"
+                f"{moved / ms / 1e9:6.2f} TB/s ({moved / ms / 1e9 / (bandwidth / 1e12):.0%} of copy)  "
+                f"bits of the exact tiles: {'same' if same else 'differ'}"
             )
 
 

@@ -22,8 +22,14 @@ def triton_backends() -> Backends:
     """The Triton kernels (CUDA; on CPU tensors only under TRITON_INTERPRET=1, for tests)."""
     from app.kernels.triton_attention import paged_attention
     from app.kernels.triton_gdn import causal_conv_varlen, gated_delta_rule_paged
-    from app.kernels.triton_moe import fused_experts, route_top_k
-    from app.kernels.triton_norm import add_rms_norm, gated_rms_norm, qk_norm_rope, rms_norm
+    from app.kernels.triton_moe import few_rows_linear, fused_experts, route_top_k
+    from app.kernels.triton_norm import (
+        add_rms_norm,
+        gated_rms_norm,
+        qk_norm_rope,
+        qk_norm_rope_store,
+        rms_norm,
+    )
 
     return Backends(
         name="triton",
@@ -39,6 +45,8 @@ def triton_backends() -> Backends:
         add_rms_norm=add_rms_norm,
         gated_rms_norm=gated_rms_norm,
         qk_norm_rope=qk_norm_rope,
+        qk_norm_rope_store=qk_norm_rope_store,
+        linear=few_rows_linear,
     )
 
 

@@ -34,6 +34,7 @@ PagedAttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, PagedLayo
 ConvVarlenFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 DeltaRuleVarlenFn = Callable[..., torch.Tensor]
 QKNormRopeFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+QKNormRopeStoreFn = Callable[..., torch.Tensor]
 MoEBlockFn = Callable[..., torch.Tensor]
 
 
@@ -98,8 +99,11 @@ class Backends:
     route(logits, top_k, renormalize, counts, live) -> (ids, weights): the router's picks in one launch.
     Fusions with the reference's rounding: rms_norm(x, weight, eps, offset); add_rms_norm(h, residual, ...)
     -> (norm of residual + h, residual + h); gated_rms_norm(x, gate, weight, eps); qk_norm_rope(q, k,
-    q_weight, k_weight, eps, offset, cos, sin) -> (q, k) normalised per head and rotated.
-    linear(x, weight, bias) -> x @ weight.T + bias for the dense projections (None: torch, i.e. cuBLAS).
+    q_weight, k_weight, eps, offset, cos, sin) -> (q, k) normalised per head and rotated;
+    qk_norm_rope_store(q, k, v, q_weight, k_weight, eps, offset, cos, sin, key_cache, value_cache,
+    slot_mapping) -> q, with k and v stored in the paged caches in the same launch (None: rope, then a write).
+    linear(x, weight, bias) -> x @ weight.T + bias for the dense projections (None: torch, i.e. cuBLAS;
+    the Triton set's takes windows of few rows itself).
     moe_block(x, router, top_k, renormalize, counts, live, gate_up, down, shared) -> a whole sparse MoE block
     (router, picks counted into `counts`, routed experts, and the shared expert `shared` = (gate, up, down,
     router) behind its sigmoid, or None) in one call; None: the block's pieces one by one.
@@ -127,6 +131,7 @@ class Backends:
     add_rms_norm: AddNormKernel | None = None
     gated_rms_norm: GatedNormKernel | None = None
     qk_norm_rope: QKNormRopeFn | None = None
+    qk_norm_rope_store: QKNormRopeStoreFn | None = None
     linear: LinearKernel | None = None
     moe_block: MoEBlockFn | None = None
     gdn_decode: GDNDecodeFn | None = None

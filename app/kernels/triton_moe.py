@@ -140,25 +140,22 @@ def align_routes(top_ids: torch.Tensor, experts: int, block_m: int) -> Routes:
 
 
 @triton.jit
-def _route(
-    logits_ptr,
+def _pick(
+    x,
+    cols,
+    ok,
+    row,
     ids_ptr,
     weights_ptr,
     counts_ptr,
     live_ptr,
-    experts,
-    stride_row,
     TOP_K: tl.constexpr,
     RENORM: tl.constexpr,
     HAS_LIVE: tl.constexpr,
-    BLOCK_E: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """Softmax over a token's router logits, its top-k experts and weights; adds the picks to `counts`."""
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK_E)
-    ok = cols < experts
-    x = tl.load(logits_ptr + row * stride_row + cols, mask=ok, other=float("-inf")).to(tl.float32)
+    """Softmax over one token's router logits `x` (fp32, -inf past the experts), its top-k experts and
+    weights stored; adds the picks to `counts`."""
     p = tl.exp(x - tl.max(x, axis=0))
     p = p / tl.sum(p, axis=0)
     p = tl.where(ok, p, -1.0)
@@ -177,6 +174,29 @@ def _route(
         weights = weights / tl.sum(weights, axis=0)
     tl.store(ids_ptr + row * TOP_K + slots, chosen.to(tl.int64), mask=keep)
     tl.store(weights_ptr + row * TOP_K + slots, weights.to(weights_ptr.dtype.element_ty), mask=keep)
+
+
+@triton.jit
+def _route(
+    logits_ptr,
+    ids_ptr,
+    weights_ptr,
+    counts_ptr,
+    live_ptr,
+    experts,
+    stride_row,
+    TOP_K: tl.constexpr,
+    RENORM: tl.constexpr,
+    HAS_LIVE: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """One token's picks from its router logits."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_E)
+    ok = cols < experts
+    x = tl.load(logits_ptr + row * stride_row + cols, mask=ok, other=float("-inf")).to(tl.float32)
+    _pick(x, cols, ok, row, ids_ptr, weights_ptr, counts_ptr, live_ptr, TOP_K, RENORM, HAS_LIVE, BLOCK_K)
 
 
 def route_top_k(
@@ -208,6 +228,33 @@ def route_top_k(
     return ids, weights
 
 
+# How a grouped-matmul program finds its rows and its expert (the MODE argument).
+TILED = 0  # tile t holds rows[t * BLOCK_M:...] of expert block_expert[t] (`align_routes`)
+PER_PAIR = 1  # tile t is pair t alone, of expert ids[t]: no alignment launches (windows of few tokens)
+ONE_GROUP = 2  # tile t holds rows t * BLOCK_M...: a dense matmul (expert 0) with no routing tensors
+
+# Windows of at most this many tokens run their pairs one tile each (PER_PAIR): a lone token's picks are
+# distinct experts, so nothing is read twice, and the two alignment launches are saved.
+PER_PAIR_TOKENS = 2
+
+
+@triton.jit
+def _tile_rows(rows_ptr, block_expert_ptr, tile, pairs, MODE: tl.constexpr, BLOCK_M: tl.constexpr):
+    """This tile's row ids (`pairs` where padding) and its expert (-1: tile unused)."""
+    lanes = tl.arange(0, BLOCK_M)
+    if MODE == 0:
+        rows = tl.load(rows_ptr + tile * BLOCK_M + lanes)
+        expert = tl.load(block_expert_ptr + tile)
+    elif MODE == 1:
+        rows = tl.where(lanes == 0, tile, pairs)
+        expert = tl.load(block_expert_ptr + tile).to(tl.int32)
+    else:
+        rows = tile * BLOCK_M + lanes
+        rows = tl.where(rows < pairs, rows, pairs)
+        expert = tl.zeros((), dtype=tl.int32)
+    return rows, expert
+
+
 @triton.jit
 def _grouped_matmul(
     x_ptr,
@@ -224,6 +271,7 @@ def _grouped_matmul(
     stride_we,
     stride_wn,
     stride_om,
+    MODE: tl.constexpr,
     X_ROW_DIV: tl.constexpr,
     SWIGLU: tl.constexpr,
     SCALE: tl.constexpr,
@@ -234,10 +282,9 @@ def _grouped_matmul(
 ):
     """out[pair, cols] = act(x[pair // X_ROW_DIV] @ w[expert].T) for one tile of pairs and BLOCK_N columns."""
     tile = tl.program_id(0)
-    expert = tl.load(block_expert_ptr + tile)
+    rows, expert = _tile_rows(rows_ptr, block_expert_ptr, tile, pairs, MODE, BLOCK_M)
     if expert < 0:
         return
-    rows = tl.load(rows_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M))
     valid = rows < pairs
     x_rows = (rows // X_ROW_DIV).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -284,6 +331,10 @@ def _sum_choices(y_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK: tl.constexp
     tl.store(out_ptr + token * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
+def _precision(x: torch.Tensor) -> str:
+    return "ieee" if x.dtype == torch.float32 else "tf32"
+
+
 def _launch(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -294,11 +345,14 @@ def _launch(
     x_row_div: int,
     scale: torch.Tensor | None,
     up_offset: int = 0,
+    mode: int = TILED,
+    tile_count: int | None = None,
 ) -> None:
-    """One grouped matmul over the tiles of `routes`."""
+    """One grouped matmul over the tiles of `routes` (PER_PAIR: `block_expert` holds each pair's expert, a
+    tile per pair; ONE_GROUP: `tile_count` tiles of expert 0, the routing tensors unread)."""
     if x.stride(-1) != 1 or w.stride(-1) != 1:
         raise ValueError("grouped matmul needs rows with unit stride")
-    grid = (routes.block_expert.numel(), triton.cdiv(n, tiles.block_n))
+    grid = (tile_count or routes.block_expert.numel(), triton.cdiv(n, tiles.block_n))
     _grouped_matmul[grid](
         x,
         w,
@@ -314,13 +368,14 @@ def _launch(
         w.stride(0),
         w.stride(1),
         out.stride(0),
+        MODE=mode,
         X_ROW_DIV=x_row_div,
         SWIGLU=up_offset > 0,
         SCALE=scale is not None,
         BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n,
         BLOCK_K=tiles.block_k,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        PRECISION=_precision(x),
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
@@ -344,14 +399,19 @@ def fused_experts(
     top_k = top_ids.shape[1]
     experts, intermediate = gate_up.shape[0], down.shape[2]
     tiles = tiles or moe_tiles(tokens, exact)
-    routes = align_routes(top_ids, experts, tiles.block_m)
     pairs = tokens * top_k
     x = x.contiguous()
+    scale = top_weights.flatten().contiguous()
     act = x.new_empty(pairs, intermediate)
-    _launch(x, gate_up, act, routes, tiles, intermediate, top_k, None, up_offset=intermediate)
-    y = x.new_empty(pairs, hidden)
-    _launch(act, down, y, routes, tiles, hidden, 1, top_weights.flatten().contiguous())
     out = torch.empty_like(x)
+    if tokens <= PER_PAIR_TOKENS:
+        ids = top_ids.flatten().contiguous()
+        routes, mode = Routes(rows=ids, block_expert=ids, pairs=pairs, block_m=tiles.block_m), PER_PAIR
+    else:
+        routes, mode = align_routes(top_ids, experts, tiles.block_m), TILED
+    _launch(x, gate_up, act, routes, tiles, intermediate, top_k, None, intermediate, mode)
+    y = x.new_empty(pairs, hidden)
+    _launch(act, down, y, routes, tiles, hidden, 1, scale, mode=mode)
     block = 1024
     _sum_choices[(tokens, triton.cdiv(hidden, block))](y, out, hidden, TOP_K=top_k, BLOCK=block)
     return out
@@ -374,17 +434,46 @@ def exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     Every row is computed by the same tile program whatever the number of rows, so a row's result does not
     depend on its batch (cuBLAS picks its algorithm by matrix shape).
     """
+    return tiled_linear(x, weight, bias, EXACT_TILES)
+
+
+def tiled_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tiles: MoeTiles
+) -> torch.Tensor:
+    """x [rows, k] @ weight [n, k].T (+ bias) by ONE_GROUP tiles of `tiles` (a row's result depends on the
+    tiles only)."""
     rows, n = x.shape[0], weight.shape[0]
-    tiles = EXACT_TILES
-    blocks = -(-rows // tiles.block_m)
-    routes = Routes(
-        rows=torch.arange(blocks * tiles.block_m, dtype=torch.int32, device=x.device),
-        block_expert=torch.zeros(blocks, dtype=torch.int32, device=x.device),
-        pairs=rows,
-        block_m=tiles.block_m,
-    )
     x = x.contiguous()
     out = x.new_empty(rows, n)
     if rows:
-        _launch(x, weight.unsqueeze(0), out, routes, tiles, n, 1, None)
+        routes = Routes(rows=out, block_expert=out, pairs=rows, block_m=tiles.block_m)
+        blocks = -(-rows // tiles.block_m)
+        _launch(x, weight.unsqueeze(0), out, routes, tiles, n, 1, None, mode=ONE_GROUP, tile_count=blocks)
     return out if bias is None else out + bias
+
+
+# Few rows' dense projections (benchmarks/tune_linear.py on an H200, docs/KERNELS.md): cuBLAS reads
+# mid-sized matrices fastest, but small ones (routers, Qwen3-Next's shared expert: 7-14 us for at most 4 MB)
+# and very wide ones (LM heads, Qwen3-Next's qkvz) slower than these tiles.
+SMALL_WEIGHT_TILES = MoeTiles(block_m=16, block_n=16, block_k=512, num_warps=4, num_stages=3)
+WIDE_WEIGHT_TILES = MoeTiles(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4)
+SMALL_WEIGHT, WIDE_WEIGHT = 1 << 21, 12288  # elements of a small weight; rows of a wide one
+
+
+def few_rows_tiles(weight: torch.Tensor) -> MoeTiles | None:
+    """The tiles a window of few rows uses for this weight [n, k], or None for cuBLAS (by shape only)."""
+    if weight.numel() <= SMALL_WEIGHT:
+        return SMALL_WEIGHT_TILES
+    if weight.shape[0] >= WIDE_WEIGHT:
+        return WIDE_WEIGHT_TILES
+    return None
+
+
+def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [rows, k] @ weight [n, k].T (+ bias): windows of up to 16 rows by the tiles `few_rows_tiles` picks
+    for the weight's shape (each row's result then the same whatever else shares the window), everything
+    else by torch (cuBLAS)."""
+    tiles = few_rows_tiles(weight)
+    if tiles is None or x.shape[0] > tiles.block_m:
+        return torch.nn.functional.linear(x, weight, bias)
+    return tiled_linear(x, weight, bias, tiles)

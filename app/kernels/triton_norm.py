@@ -131,10 +131,15 @@ def _qk_norm_rope_kernel(
     sin_ptr,
     q_out_ptr,
     k_out_ptr,
+    v_ptr,
+    value_cache_ptr,
+    slots_ptr,
     stride_qt,
     stride_qh,
     stride_kt,
     stride_kh,
+    stride_vt,
+    stride_vh,
     stride_ct,
     stride_st,
     eps,
@@ -144,14 +149,19 @@ def _qk_norm_rope_kernel(
     ROTARY_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     OFFSET: tl.constexpr,
+    STORE: tl.constexpr,
 ):
     """RMSNorm then neox rotary of one head of one token; heads [0, HEADS) are q's, the rest are k's.
 
     The rotation partner of each rotated element (the other half of the rotary span) is loaded and normalised
     a second time with the same rstd, which yields exactly the normalised partner without any data exchange.
+    With STORE, k_out is the paged key cache: a k head goes to the token's cache slot (slots[token]), and the
+    same program copies the token's v head into the value cache.
     """
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
+    out_ty = q_out_ptr.dtype.element_ty
+    d = tl.arange(0, BLOCK_D)
     if head < HEADS:
         src = q_ptr + token * stride_qt + head * stride_qh
         w_ptr = qw_ptr
@@ -159,9 +169,13 @@ def _qk_norm_rope_kernel(
     else:
         src = k_ptr + token * stride_kt + (head - HEADS) * stride_kh
         w_ptr = kw_ptr
-        dst = k_out_ptr + (token * KV_HEADS + head - HEADS) * HEAD_DIM
-    out_ty = q_out_ptr.dtype.element_ty
-    d = tl.arange(0, BLOCK_D)
+        if STORE:
+            place = (tl.load(slots_ptr + token).to(tl.int64) * KV_HEADS + head - HEADS) * HEAD_DIM
+            dst = k_out_ptr + place
+            v = tl.load(v_ptr + token * stride_vt + (head - HEADS) * stride_vh + d, mask=d < HEAD_DIM)
+            tl.store(value_cache_ptr + place + d, v.to(value_cache_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+        else:
+            dst = k_out_ptr + (token * KV_HEADS + head - HEADS) * HEAD_DIM
     live = d < HEAD_DIM
     rotated = d < ROTARY_DIM
     x = tl.load(src + d, mask=live, other=0.0).to(tl.float32)
@@ -179,7 +193,7 @@ def _qk_norm_rope_kernel(
     with_cos = (normed * cos).to(out_ty).to(tl.float32)
     with_sin = (swapped * sin).to(out_ty).to(tl.float32)
     out = tl.where(rotated, (with_cos + with_sin).to(out_ty), normed.to(out_ty))
-    tl.store(dst + d, out, mask=live)
+    tl.store(dst + d, out.to(dst.dtype.element_ty), mask=live)
 
 
 # Compiled kernels use libdevice's accurate exp (the CUDA reference's expf); Triton's interpreter lacks it.
@@ -301,6 +315,90 @@ def _heads(x: torch.Tensor, name: str) -> torch.Tensor:
     return x if x.stride(2) == 1 else x.contiguous()
 
 
+def _checked_qk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> tuple[torch.Tensor, ...]:
+    """The arguments of the q/k norm + rope kernels, checked, with unit last strides."""
+    q = _heads(q, "q")
+    k = _heads(k, "k")
+    tokens, _, head_dim = q.shape
+    rotary_dim = cos.shape[-1]
+    if k.shape[0] != tokens or k.shape[2] != head_dim:
+        raise ValueError("k must be [tokens, kv_heads, head_dim] like q")
+    if k.dtype != q.dtype or cos.dtype != q.dtype or sin.dtype != q.dtype:
+        raise ValueError("q, k, cos and sin must share one dtype")
+    if cos.shape != (tokens, rotary_dim) or sin.shape != cos.shape:
+        raise ValueError("cos and sin must be [tokens, rotary_dim]")
+    if rotary_dim < 2 or rotary_dim % 2 or rotary_dim > head_dim:
+        raise ValueError(f"rotary_dim must be even and in 2..head_dim, got {rotary_dim}")
+    if cos.stride(1) != 1 or sin.stride(1) != 1:
+        cos, sin = cos.contiguous(), sin.contiguous()
+    q_weight = _check_weight(q_weight, head_dim)
+    k_weight = _check_weight(k_weight, head_dim)
+    if k_weight.dtype != q_weight.dtype:
+        raise ValueError("q_weight and k_weight must share one dtype")
+    return q, k, q_weight, k_weight, cos, sin
+
+
+def _launch_qk_norm_rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    eps: float,
+    offset: bool,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_out: torch.Tensor,
+    v: torch.Tensor | None = None,
+    value_cache: torch.Tensor | None = None,
+    slots: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """q normalised and rotated (new tensor); k's result into `k_out` (rows, or the key cache with `v`)."""
+    tokens, heads, head_dim = q.shape
+    block = _block(head_dim)
+    q_out = torch.empty((tokens, heads, head_dim), dtype=q.dtype, device=q.device)
+    store = v is not None
+    if tokens > 0:
+        _qk_norm_rope_kernel[(tokens, heads + k.shape[1])](
+            q,
+            k,
+            q_weight,
+            k_weight,
+            cos,
+            sin,
+            q_out,
+            k_out,
+            v if store else q,
+            value_cache if store else q,
+            slots if store else q,
+            q.stride(0),
+            q.stride(1),
+            k.stride(0),
+            k.stride(1),
+            v.stride(0) if store else 0,
+            v.stride(1) if store else 0,
+            cos.stride(0),
+            sin.stride(0),
+            eps,
+            HEADS=heads,
+            KV_HEADS=k.shape[1],
+            HEAD_DIM=head_dim,
+            ROTARY_DIM=cos.shape[-1],
+            BLOCK_D=block,
+            OFFSET=offset,
+            STORE=store,
+            num_warps=_warps(block),
+            enable_fp_fusion=False,
+        )
+    return q_out
+
+
 def qk_norm_rope(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -318,52 +416,38 @@ def qk_norm_rope(
     dtype of q and k. Matches `apply_rotary(RMSNorm(head_dim, eps, offset)(q), cos, sin)` (and likewise for
     k) rounding step by rounding step. Returns new contiguous q and k of the same shapes and dtype.
     """
-    q = _heads(q, "q")
-    k = _heads(k, "k")
-    tokens, heads, head_dim = q.shape
-    kv_heads = k.shape[1]
-    rotary_dim = cos.shape[-1]
-    if k.shape[0] != tokens or k.shape[2] != head_dim:
-        raise ValueError("k must be [tokens, kv_heads, head_dim] like q")
-    if k.dtype != q.dtype or cos.dtype != q.dtype or sin.dtype != q.dtype:
-        raise ValueError("q, k, cos and sin must share one dtype")
-    if cos.shape != (tokens, rotary_dim) or sin.shape != cos.shape:
-        raise ValueError("cos and sin must be [tokens, rotary_dim]")
-    if rotary_dim < 2 or rotary_dim % 2 or rotary_dim > head_dim:
-        raise ValueError(f"rotary_dim must be even and in 2..head_dim, got {rotary_dim}")
-    if cos.stride(1) != 1 or sin.stride(1) != 1:
-        cos, sin = cos.contiguous(), sin.contiguous()
-    q_weight = _check_weight(q_weight, head_dim)
-    k_weight = _check_weight(k_weight, head_dim)
-    if k_weight.dtype != q_weight.dtype:
-        raise ValueError("q_weight and k_weight must share one dtype")
-    block = _block(head_dim)
-    q_out = torch.empty((tokens, heads, head_dim), dtype=q.dtype, device=q.device)
-    k_out = torch.empty((tokens, kv_heads, head_dim), dtype=k.dtype, device=k.device)
-    if tokens > 0:
-        _qk_norm_rope_kernel[(tokens, heads + kv_heads)](
-            q,
-            k,
-            q_weight,
-            k_weight,
-            cos,
-            sin,
-            q_out,
-            k_out,
-            q.stride(0),
-            q.stride(1),
-            k.stride(0),
-            k.stride(1),
-            cos.stride(0),
-            sin.stride(0),
-            eps,
-            HEADS=heads,
-            KV_HEADS=kv_heads,
-            HEAD_DIM=head_dim,
-            ROTARY_DIM=rotary_dim,
-            BLOCK_D=block,
-            OFFSET=offset,
-            num_warps=_warps(block),
-            enable_fp_fusion=False,
-        )
-    return q_out, k_out
+    q, k, q_weight, k_weight, cos, sin = _checked_qk(q, k, q_weight, k_weight, cos, sin)
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    return _launch_qk_norm_rope(q, k, q_weight, k_weight, eps, offset, cos, sin, k_out), k_out
+
+
+def qk_norm_rope_store(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    eps: float,
+    offset: bool,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """`qk_norm_rope`, with k's result and v [tokens, kv_heads, head_dim] stored at each token's flat slot
+    of the paged caches [blocks, block_size, kv_heads, head_dim] (as `write_kv`) in the same launch instead
+    of returned. Returns q."""
+    q, k, q_weight, k_weight, cos, sin = _checked_qk(q, k, q_weight, k_weight, cos, sin)
+    v = _heads(v, "v")
+    if v.shape != k.shape:
+        raise ValueError("v must be shaped like k")
+    if key_cache.shape[2:] != k.shape[1:] or value_cache.shape != key_cache.shape:
+        raise ValueError("the caches must be [blocks, block_size, kv_heads, head_dim] like k")
+    if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
+        raise ValueError("the caches must be contiguous")
+    if slot_mapping.shape != (q.shape[0],):
+        raise ValueError("slot_mapping must hold one slot per token")
+    return _launch_qk_norm_rope(
+        q, k, q_weight, k_weight, eps, offset, cos, sin, key_cache, v, value_cache, slot_mapping
+    )

@@ -39,6 +39,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, offset=config.offset_norm)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, offset=config.offset_norm)
         self.qk_norm_rope = backends.qk_norm_rope
+        self.qk_norm_rope_store = backends.qk_norm_rope_store
         self.decode_step = backends.attention_decode
 
     def checkpoint_parts(self, prefix: str) -> dict[str, tuple[str, tuple]]:
@@ -67,6 +68,14 @@ class Attention(nn.Module):
             gated=self.gated,
         )
 
+    def _norm_rope(
+        self, q: torch.Tensor, k: torch.Tensor, norms: tuple, cos_sin: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k normalised per head and rotated."""
+        if self.qk_norm_rope is not None:
+            return self.qk_norm_rope(q, k, *norms, *cos_sin)
+        return apply_rotary(self.q_norm(q), *cos_sin), apply_rotary(self.k_norm(k), *cos_sin)
+
     def forward(
         self, x: torch.Tensor, batch: ForwardBatch, cos_sin: tuple[torch.Tensor, torch.Tensor]
     ) -> torch.Tensor:
@@ -88,18 +97,21 @@ class Attention(nn.Module):
         q = q.reshape(tokens, self.heads, self.head_dim)
         k = k.reshape(tokens, self.kv_heads, self.head_dim)
         v = v.reshape(tokens, self.kv_heads, self.head_dim)
-        if self.qk_norm_rope is not None:
-            norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.q_norm.offset)
-            q, k = self.qk_norm_rope(q, k, *norms, *cos_sin)
-        else:
-            q, k = apply_rotary(self.q_norm(q), *cos_sin), apply_rotary(self.k_norm(k), *cos_sin)
+        norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.q_norm.offset)
         scale = self.head_dim**-0.5
         if batch.layout is not None and self.paged_attend is not None:
             state = cast(PagedStatePools, batch.state)
-            state.write_kv(self.layer, k, v, batch.layout.slot_mapping)
-            keys, values = state.kv_cache(self.layer)
+            if self.qk_norm_rope_store is not None:
+                keys, values = state.kv_cache(self.layer)
+                slots = batch.layout.slot_mapping
+                q = self.qk_norm_rope_store(q, k, v, *norms, *cos_sin, keys, values, slots)
+            else:
+                q, k = self._norm_rope(q, k, norms, cos_sin)
+                state.write_kv(self.layer, k, v, batch.layout.slot_mapping)
+                keys, values = state.kv_cache(self.layer)
             out = self.paged_attend(q, keys, values, batch.layout, scale)
         else:
+            q, k = self._norm_rope(q, k, norms, cos_sin)
             out = torch.empty_like(q)
             for span in batch.spans:
                 keys, values = batch.state.extend_kv(self.layer, span, k[span.rows], v[span.rows])

@@ -45,14 +45,23 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = norm(config, config.hidden_size, backends)
 
     def forward(
-        self, x: torch.Tensor, batch: ForwardBatch, cos_sin: tuple[torch.Tensor, torch.Tensor]
-    ) -> torch.Tensor:
-        h = self.input_layernorm(x)
+        self,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        pending: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream `x` plus `pending` (the last layer's output, added here inside the input norm's
+        kernel) through this layer: returns the stream and this layer's output, for the next norm to add."""
+        if pending is None:
+            h = self.input_layernorm(x)
+        else:
+            h, x = self.input_layernorm.add_forward(pending, x)
         h = self.linear_attn(h, batch) if self.linear_attn is not None else self.self_attn(h, batch, cos_sin)
         h, x = self.post_attention_layernorm.add_forward(h, x)
         if isinstance(self.mlp, SparseMoE):
-            return x + self.mlp(h, batch.layout.live_rows if batch.layout is not None else None)
-        return x + self.mlp(h)
+            return x, self.mlp(h, batch.layout.live_rows if batch.layout is not None else None)
+        return x, self.mlp(h)
 
 
 class DecoderModel(nn.Module):
@@ -71,9 +80,10 @@ class DecoderModel(nn.Module):
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         x = self.embed_tokens(batch.input_ids)
         cos_sin = self.rotary.cos_sin(batch.positions, x.dtype)
+        pending = None
         for layer in self.layers:
-            x = layer(x, batch, cos_sin)
-        return self.norm(x)
+            x, pending = layer(x, batch, cos_sin, pending)
+        return self.norm.add_forward(pending, x)[0] if pending is not None else self.norm(x)
 
 
 class MTPHead(nn.Module):
@@ -109,8 +119,8 @@ class MTPHead(nn.Module):
         """Hidden states [tokens, hidden] for the token after next, from the main model's `hidden` and the
         embeddings of each row's next token."""
         x = torch.cat((self.pre_fc_norm_embedding(next_embeds), self.pre_fc_norm_hidden(hidden)), dim=-1)
-        x = self.layers[step % len(self.layers)](self.fc(x), batch, cos_sin)
-        return self.norm(x)
+        x, out = self.layers[step % len(self.layers)](self.fc(x), batch, cos_sin)
+        return self.norm.add_forward(out, x)[0]
 
 
 class CausalLM(nn.Module):

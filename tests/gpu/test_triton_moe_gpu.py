@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from app.kernels.reference import experts_reference
-from app.kernels.triton_moe import exact_linear, fused_experts
+from app.kernels.triton_moe import exact_linear, few_rows_linear, fused_experts
 
 pytestmark = [
     pytest.mark.gpu,
@@ -39,10 +39,9 @@ def test_fused_experts_match_the_fp32_reference(tokens: int) -> None:
 def test_a_row_is_bit_identical_alone_and_batched(exact: bool) -> None:
     x, ids, weights, gate_up, down = _inputs(32)
     batched = fused_experts(x, ids, weights, gate_up, down, exact=exact)
-    for row in (0, 13, 31):
-        one = slice(row, row + 1)
-        alone = fused_experts(x[one], ids[one], weights[one], gate_up, down, exact=exact)
-        assert torch.equal(alone[0], batched[row])
+    for rows in (slice(0, 1), slice(13, 15), slice(31, 32)):  # one and two tokens run a tile per pair
+        alone = fused_experts(x[rows], ids[rows], weights[rows], gate_up, down, exact=exact)
+        assert torch.equal(alone, batched[rows])
 
 
 def test_exact_rows_do_not_change_inside_a_prompt_sized_batch() -> None:
@@ -61,3 +60,15 @@ def test_exact_linear_rows_are_bit_identical_alone_and_batched() -> None:
     assert ((batched.float() - expected).abs().max() / expected.abs().max()) < 2e-2
     for rows in (slice(0, 1), slice(5, 13), slice(0, 32)):
         assert torch.equal(exact_linear(x[rows], weight), batched[rows])
+
+
+@pytest.mark.parametrize(("n", "k"), [(12288, 2048), (1024, 2048), (128, 2048)])  # wide, small, router
+def test_few_rows_linear_matches_fp32_and_a_row_never_depends_on_the_batch(n: int, k: int) -> None:
+    g = torch.Generator(device="cuda").manual_seed(n)
+    x = torch.randn(16, k, device="cuda", generator=g).bfloat16()
+    weight = (torch.randn(n, k, device="cuda", generator=g) * 0.02).bfloat16()
+    batched = few_rows_linear(x, weight)
+    expected = torch.nn.functional.linear(x.float(), weight.float())
+    assert ((batched.float() - expected).abs().max() / expected.abs().max()) < 1e-2
+    for rows in (slice(0, 1), slice(2, 6), slice(15, 16)):
+        assert torch.equal(few_rows_linear(x[rows], weight), batched[rows])

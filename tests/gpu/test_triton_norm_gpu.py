@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from app.kernels.triton_norm import add_rms_norm, gated_rms_norm, qk_norm_rope, rms_norm
+from app.kernels.triton_norm import add_rms_norm, gated_rms_norm, qk_norm_rope, qk_norm_rope_store, rms_norm
 from app.models.config import RopeConfig
 from app.models.layers import GatedRMSNorm, RMSNorm, RotaryEmbedding, apply_rotary
 
@@ -118,6 +118,27 @@ def test_qk_norm_rope_matches_reference(rows: int, offset: bool, head_dim: int, 
     _assert_matches(got_k, expected_k, ROPE_TOLERANCE)
     if rotary_dim < head_dim:  # the heads' unrotated tails are the plain norm's output
         _assert_matches(got_q[..., rotary_dim:], expected_q[..., rotary_dim:], NORM_TOLERANCE)
+
+
+@pytest.mark.parametrize(("head_dim", "rotary_dim"), HEAD_SHAPES)
+def test_qk_norm_rope_store_writes_what_qk_norm_rope_returns(head_dim: int, rotary_dim: int) -> None:
+    gen = torch.Generator(device="cuda").manual_seed(head_dim + 1)
+    q, k, cos, sin = _rope_inputs(gen, 7, head_dim, rotary_dim)
+    v = _randn(gen, 7, KV_HEADS, head_dim)
+    norms = (
+        _norm(head_dim, True, gen).weight.detach(),
+        _norm(head_dim, True, gen).weight.detach(),
+        EPS,
+        True,
+    )
+    keys = torch.zeros(4, 16, KV_HEADS, head_dim, dtype=torch.bfloat16, device="cuda")
+    values = torch.zeros_like(keys)
+    slots = torch.tensor([3, 17, 18, 40, 63, 0, 33], device="cuda")
+    got_q = qk_norm_rope_store(q, k, v, *norms, cos, sin, keys, values, slots)
+    expected_q, expected_k = qk_norm_rope(q, k, *norms, cos, sin)
+    assert torch.equal(got_q, expected_q)
+    assert torch.equal(keys.view(-1, KV_HEADS, head_dim)[slots], expected_k)
+    assert torch.equal(values.view(-1, KV_HEADS, head_dim)[slots], v)
 
 
 @pytest.mark.parametrize(("head_dim", "rotary_dim"), HEAD_SHAPES)

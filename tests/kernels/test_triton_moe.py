@@ -8,8 +8,10 @@ import torch
 from app.kernels.reference import experts_reference
 from app.kernels.triton_moe import (
     EXACT_TILES,
+    PER_PAIR_TOKENS,
     align_routes,
     exact_linear,
+    few_rows_linear,
     fused_experts,
     moe_tiles,
     route_top_k,
@@ -38,7 +40,7 @@ def test_routes_group_every_pair_by_expert_in_padded_tiles() -> None:
     assert all(e == -1 for e in experts[len(used) :])
 
 
-@pytest.mark.parametrize(("tokens", "experts", "top_k"), [(1, 8, 2), (5, 8, 3), (70, 16, 4)])
+@pytest.mark.parametrize(("tokens", "experts", "top_k"), [(1, 8, 2), (2, 8, 3), (5, 8, 3), (70, 16, 4)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_fused_experts_match_the_reference(tokens: int, experts: int, top_k: int, dtype: torch.dtype) -> None:
     x, ids, weights, gate_up, down = _inputs(tokens, experts, top_k, dtype)
@@ -53,14 +55,15 @@ def test_exact_tiles_do_not_follow_the_batch() -> None:
     assert moe_tiles(4096, exact=False).block_m > EXACT_TILES.block_m
 
 
-def test_a_row_is_the_same_alone_and_in_any_batch() -> None:
+@pytest.mark.parametrize("exact", [True, False])
+def test_a_row_is_the_same_alone_and_in_any_batch(exact: bool) -> None:
+    # One or two tokens run a tile per pair with the down projection and the sum in one launch; nine go
+    # through the aligned tiles: a row's result must not tell which.
     x, ids, weights, gate_up, down = _inputs(9, 8, 2, torch.float32)
-    batched = fused_experts(x, ids, weights, gate_up, down, exact=True)
-    for row in (0, 4, 8):
-        alone = fused_experts(
-            x[row : row + 1], ids[row : row + 1], weights[row : row + 1], gate_up, down, exact=True
-        )
-        assert torch.equal(alone[0], batched[row])
+    batched = fused_experts(x, ids, weights, gate_up, down, exact=exact)
+    for rows in (slice(0, 1), slice(4, 4 + PER_PAIR_TOKENS), slice(8, 9)):
+        alone = fused_experts(x[rows], ids[rows], weights[rows], gate_up, down, exact=exact)
+        assert torch.equal(alone, batched[rows])
 
 
 @pytest.mark.parametrize("renormalize", [True, False])
@@ -92,3 +95,18 @@ def test_exact_linear_matches_torch_and_a_row_never_depends_on_the_batch(dtype: 
     torch.testing.assert_close(got.float(), expected, atol=tolerance, rtol=tolerance)
     for row in (0, 20, 36):
         assert torch.equal(exact_linear(x[row : row + 1], weight, bias)[0], got[row])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_few_rows_linear_matches_torch_and_a_row_never_depends_on_the_batch(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(16, 300, generator=g).to(dtype)
+    weight = (torch.randn(40, 300, generator=g) * 0.1).to(dtype)
+    got = few_rows_linear(x, weight)
+    expected = torch.nn.functional.linear(x.float(), weight.float())
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(got.float(), expected, atol=tolerance, rtol=tolerance)
+    for rows in (slice(0, 1), slice(3, 7), slice(15, 16)):
+        assert torch.equal(few_rows_linear(x[rows], weight), got[rows])
+    many = torch.randn(17, 300, generator=g).to(dtype)
+    torch.testing.assert_close(few_rows_linear(many, weight), torch.nn.functional.linear(many, weight))

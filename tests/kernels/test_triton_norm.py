@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from app.kernels.triton_norm import add_rms_norm, gated_rms_norm, qk_norm_rope, rms_norm
+from app.kernels.triton_norm import add_rms_norm, gated_rms_norm, qk_norm_rope, qk_norm_rope_store, rms_norm
 from app.models.config import RopeConfig
 from app.models.layers import GatedRMSNorm, RMSNorm, RotaryEmbedding, apply_rotary
 
@@ -136,6 +136,24 @@ def test_qk_norm_rope_is_bit_identical_to_reference(
     assert got_q.is_contiguous() and got_k.is_contiguous()
     assert torch.equal(got_q, expected_q)
     assert torch.equal(got_k, expected_k)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_qk_norm_rope_store_writes_k_and_v_where_the_slots_say(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(8)
+    q, k, cos, sin = _rope_case(dtype, 64, 16, gen, tokens=3)
+    v = _strided(_dyadic(gen, 3, 2 * 64), dtype).view(3, 2, 64)
+    q_norm, k_norm = _norm(64, True, dtype, gen), _norm(64, True, dtype, gen)
+    norms = (q_norm.weight.detach(), k_norm.weight.detach(), EPS, True)
+    keys, values = torch.zeros(4, 2, 2, 64, dtype=dtype), torch.zeros(4, 2, 2, 64, dtype=dtype)
+    slots = torch.tensor([5, 0, 6])  # block 2 offset 1, block 0 offset 0, block 3 offset 0
+    got_q = qk_norm_rope_store(q, k, v, *norms, cos, sin, keys, values, slots)
+    expected_q, expected_k = qk_norm_rope(q, k, *norms, cos, sin)
+    assert torch.equal(got_q, expected_q)
+    flat_keys, flat_values = keys.view(-1, 2, 64), values.view(-1, 2, 64)
+    assert torch.equal(flat_keys[slots], expected_k) and torch.equal(flat_values[slots], v)
+    untouched = [s for s in range(8) if s not in slots.tolist()]
+    assert not flat_keys[untouched].any() and not flat_values[untouched].any()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
