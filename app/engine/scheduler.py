@@ -4,12 +4,17 @@ Each window: decode rows first (one token per decoding slot), then prompt chunks
 and of waiting requests, FIFO, within the window's token budget. While slots are decoding, the prompt budget
 is cut so that decoding slots keep decode_share of their solo speed (docs/BATCHING.md): a window lasts at most
 1 / decode_share times a decode-only window, plus what earlier windows left unused while prompts waited.
+A request whose prompt is read while others' prompts still wait holds its decoding (up to HOLD_S) until they
+are read: a burst's first tokens come together, and the slots that were decoding before it keep their share
+of their own speed, not of the speed of a window that the burst's early readers fill.
 """
 
 from __future__ import annotations
 
 import enum
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
@@ -19,6 +24,10 @@ from app.engine.protocol import SamplingParams
 from app.engine.window_cost import DecodeWindowCost, WindowCost
 
 UNCALIBRATED_CHUNK = 256
+HOLD_S = 1.0  # the longest a request whose prompt was read waits for others' prompts before it decodes
+# Windows are planned for a share this much above the one asked: their costs are predictions, and the
+# overrun of a read's last window is never paid back (the credit is dropped once no prompt waits).
+SHARE_MARGIN = 0.03
 PARK_MIN_GAIN = 256  # tokens a parked conversation must reach beyond the device's prefix cache to be restored
 
 
@@ -66,6 +75,7 @@ class Request:
     cached_blocks: int = 0  # blocks of `blocks` registered in the prefix cache, the last under `chain_key`
     chain_key: bytes = ROOT
     park_missed: bool = False  # no parked conversation continued it when it was first looked up
+    held_since: float | None = None  # its prompt was read while others' waited: it decodes after them
 
     @property
     def length(self) -> int:
@@ -190,8 +200,14 @@ class Scheduler:
     further than the device's prefix cache.
     """
 
-    def __init__(self, config: SchedulerConfig, parked: ParkedStore | None = None) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        parked: ParkedStore | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.config = config
+        self.clock = clock
         self.parked = parked
         self.pool = BlockPool(config.kv_blocks, config.block_size, caching=config.prefix_cache)
         self.checkpoints: StateCheckpoints | None = None
@@ -212,6 +228,12 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
+    @property
+    def planned_share(self) -> float:
+        """The share windows are planned for: `decode_share` and SHARE_MARGIN (1 when not sharing)."""
+        share = self.config.decode_share
+        return share if share >= 1 else min(1.0, share + SHARE_MARGIN)
+
     def has_work(self) -> bool:
         """Any request waiting or running."""
         return bool(self.waiting or self.running)
@@ -224,9 +246,12 @@ class Scheduler:
         """Plan the next window."""
         window = Window(chunks=[])
         budget = self.config.max_batched_tokens
+        reading = self._prompts_pending()
         for request in [r for r in self.running if r.phase is Phase.DECODE]:
             if request.phase is not Phase.DECODE:
                 continue  # preempted while making room for an earlier row
+            if self._held(request, reading):
+                continue
             if len(request.output) >= request.params.max_tokens:
                 continue  # its last token is still being drawn: it ends when that is read
             while not self.pool.grow(request.blocks, request.computed + 1):
@@ -278,6 +303,21 @@ class Scheduler:
             window.saves, self._saves = self._saves, []
         window.charged = self._charge(window)
         return window
+
+    def _prompts_pending(self) -> bool:
+        """Whether a prompt is being read or waits with a slot free to be read in."""
+        reading = any(r.phase is Phase.PROMPT for r in self.running)
+        return reading or bool(self.waiting and self.free_slots)
+
+    def _held(self, request: Request, reading: bool) -> bool:
+        """Whether a request whose prompt was read while others waited still holds its decoding: until no
+        prompt is pending or it has held for HOLD_S."""
+        if request.held_since is None:
+            return False
+        if reading and self.clock() - request.held_since < HOLD_S:
+            return True
+        request.held_since = None
+        return False
 
     def _prefix_hit(self, request: Request) -> PrefixHit | None:
         """Where a request being admitted can start instead of 0 (at least its last token is read)."""
@@ -388,15 +428,22 @@ class Scheduler:
     def advance(self, window: Window) -> None:
         """Account for a window that ran: its chunks are now in the state."""
         align = self.config.prompt_align
+        read: list[Request] = []
         for chunk in window.chunks:
             request = chunk.request
             request.computed += len(chunk.tokens)
             if chunk.samples:
+                if request.phase is Phase.PROMPT:
+                    read.append(request)
                 request.phase = Phase.DECODE
             if self.pool.caching:
                 self._commit(request)
                 if not chunk.decode and request.computed % align == 0:
                     self._save_state(request)
+        if read and self.config.decode_share < 1 and self._prompts_pending():
+            now = self.clock()
+            for request in read:
+                request.held_since = now
 
     def observe(self, window: Window, seconds: float, replayed: bool = False) -> None:
         """Learn from how long a window took, from planning it to handing out its tokens, and settle the
@@ -414,7 +461,7 @@ class Scheduler:
         if window.charged is not None:
             self._add_credit(decode, window.charged - seconds)
         elif decode and (solo := self.solo_seconds(decode)) is not None:
-            self._add_credit(decode, solo / self.config.decode_share - seconds)
+            self._add_credit(decode, solo / self.planned_share - seconds)
 
     def _commit(self, request: Request) -> None:
         """Register the request's newly filled blocks in the prefix cache (nothing to do most windows)."""
@@ -479,7 +526,7 @@ class Scheduler:
         predicted = self._predict(window) if solo is not None else None
         if solo is None or predicted is None:
             return None
-        self._add_credit(decode, solo / self.config.decode_share - predicted)
+        self._add_credit(decode, solo / self.planned_share - predicted)
         return predicted
 
     def _add_credit(self, decode_rows: int, seconds: float) -> None:
@@ -491,7 +538,7 @@ class Scheduler:
         if solo is None or not waiting:
             self.credit = 0.0
             return
-        cap = self.credit_cap(decode_rows, solo / self.config.decode_share)
+        cap = self.credit_cap(decode_rows, solo / self.planned_share)
         self.credit = min(max(self.credit + seconds, -cap), cap)
 
     def finish(self, request: Request, reason: str) -> None:
@@ -534,7 +581,7 @@ class _Share:
         self.saving = self.owing = False
         solo = scheduler.solo_seconds(decode_rows) if decode_rows else None
         if solo is not None and self.cost.calibrated:
-            allowed = solo / scheduler.config.decode_share
+            allowed = solo / scheduler.planned_share
             self.limit = allowed + scheduler.credit
             one_block = self.cost.predict(scheduler.padded(decode_rows + self.minimum), decode_rows + 1)
             capped = scheduler.credit >= scheduler.credit_cap(decode_rows, allowed)
