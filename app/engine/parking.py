@@ -30,6 +30,7 @@ import torch
 
 from app.engine import park_file
 from app.engine.blocks import prefix_keys
+from app.engine.host_memory import HeapTrimmer
 from app.engine.paged_state import PagedState
 from app.engine.park_file import Part
 from app.engine.protocol import ParkingStats
@@ -100,6 +101,7 @@ class ConversationPark:
         self._reading: dict[tuple[int, ...], Future] = {}  # files being read, by the conversation's tokens
         self._jobs: queue.Queue[_Job] = queue.Queue()
         self._lock = threading.Lock()  # `_blocks` is changed by the worker too
+        self._heap = HeapTrimmer()
         self._worker: threading.Thread | None = None
         if self.directory is not None:
             try:
@@ -133,8 +135,12 @@ class ConversationPark:
         gathered: list[tuple[bytes, torch.Tensor]] = []
         if new:
             copied = self._kv(device_tensor([blocks[i] for i in new], torch.long, self.state.device))
+            # Each block its own storage: a view would keep the whole gather alive while any one block of it
+            # stays parked (a shared prefix), beyond the bytes the budget counts. A GPU's device copies are
+            # replaced by exact host copies on the worker.
+            pieces = copied.unbind(0) if self._pinned else [kv.clone() for kv in copied.unbind(0)]
             with self._lock:
-                for i, kv in zip(new, copied.unbind(0), strict=True):
+                for i, kv in zip(new, pieces, strict=True):
                     self._blocks[block_keys[i]] = kv
                     gathered.append((block_keys[i], kv))
                     self._ram_total += kv.nbytes
@@ -146,6 +152,7 @@ class ConversationPark:
         tail = self.state.keys.new_empty((2, layers, 0, heads, dim))
         if rest:
             tail = self._kv(device_tensor([blocks[full]], torch.long, self.state.device))[0, :, :, :rest]
+            tail = tail if self._pinned else tail.clone()
         conv = recurrent = None
         if self.state.conv.shape[0]:
             conv, recurrent = self.state.conv[:, slot].clone(), self.state.recurrent[:, slot].clone()
@@ -272,6 +279,18 @@ class ConversationPark:
             copied_bytes=self.copied_bytes,
         )
 
+    def held_bytes(self) -> int:
+        """Bytes of memory the parked tensors keep alive, each storage once: `stats().bytes_ram` when the
+        park holds nothing beyond what its budget counts (checked by the tests)."""
+        with self._lock:
+            tensors = list(self._blocks.values())
+        for parked in self._ram.values():
+            tensors += [t for t in (parked.tail, parked.conv, parked.recurrent) if t is not None]
+        storages = {
+            t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t.numel()
+        }
+        return sum(storages.values())
+
     def flush(self) -> None:
         """Wait until every queued file is written."""
         if self._worker is not None:
@@ -288,7 +307,9 @@ class ConversationPark:
                 os.utime(self._disk[key][0])
 
     def _fit_ram(self) -> None:
+        evicted = False
         while self._ram and self._ram_total > self.ram_budget:
+            evicted = True
             _, parked = self._ram.popitem(last=False)
             self._ram_total -= parked.own_bytes
             for k in parked.block_keys:
@@ -297,6 +318,8 @@ class ConversationPark:
                     del self._block_refs[k]
                     with self._lock:
                         self._ram_total -= self._blocks.pop(k).nbytes
+        if evicted and not self._pinned:  # pinned memory is the driver's, not the C heap's
+            self._heap.after_frees()
 
     # Disk ----------------------------------------------------------------------------------------------
 

@@ -208,6 +208,22 @@ def test_ram_and_disk_budgets_hold_and_their_byte_counts_add_up(checkpoint: Path
     assert len(list(tmp_path.glob("*.park"))) == small.park.stats().conversations_disk
 
 
+def test_the_ram_the_park_holds_is_the_ram_it_counts(checkpoint: Path) -> None:
+    # Conversations sharing a first turn, several evicted: no block or tail keeps a larger gather alive.
+    config = make_core(checkpoint).loaded.model.config
+    budget = 10 * kv_block_bytes(config, 16, torch.float32) + 2 * slot_state_bytes(config, torch.float32)
+    core = make_core(checkpoint, park_memory=budget)
+    shared = random_prompt(40, 9)
+    for seed in range(6):
+        complete(
+            core, shared + random_prompt(30 + 7 * seed, seed), max_tokens=3, temperature=0, ignore_eos=True
+        )
+    assert core.park is not None
+    stats = core.park.stats()
+    assert 1 <= stats.conversations_ram < 6 and stats.bytes_ram <= budget
+    assert core.park.held_bytes() == stats.bytes_ram
+
+
 def test_a_parked_file_is_read_off_the_engine_thread_while_the_request_waits(
     checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

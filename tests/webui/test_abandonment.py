@@ -1,11 +1,13 @@
-"""Streams cut at random points (while connecting, during the prompt, after some tokens) beside requests that
-run to their end: no answer gets another request's tokens, and once the cut ones are gone every slot is idle,
-nothing is queued, and the engine's counters add up."""
+"""Streams cut at random points (while connecting, during the prompt, after some tokens; the API's SSE streams
+and the chat WebSocket's answers) beside requests that run to their end: no answer gets another request's
+tokens, and once the cut ones are gone every slot is idle, nothing is queued, and the engine's counters add
+up."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import random
 import time
@@ -13,6 +15,8 @@ from typing import Any
 
 import httpx
 from serving import Server
+from websockets.asyncio.client import connect
+from websockets.exceptions import WebSocketException
 
 COMPLETIONS = "/v1/completions"
 CUT_STREAMS = int(os.environ.get("STRATA_CUT_STREAMS", "120"))  # 1000 for the long run (docs/RELIABILITY.md)
@@ -36,6 +40,31 @@ async def _cut(client: httpx.AsyncClient, server: Server, body: dict[str, Any], 
 
     with contextlib.suppress(TimeoutError, httpx.HTTPError):
         await asyncio.wait_for(read(), timeout=rng.uniform(0.001, 0.05) if events == 0 else 30)
+    return reached
+
+
+async def _cut_chat(server: Server, prompt: str, rng: random.Random) -> bool:
+    """One chat answer over /ws/chat whose socket is dropped at a random point; True when the server took
+    the message (at least one answer message came back)."""
+    deltas = rng.choice([0, 0, 1, 3, 8])
+    reached = False
+
+    async def read() -> None:
+        nonlocal reached
+        url = server.url.replace("http://", "ws://") + "/ws/chat"
+        async with connect(url, origin=server.url, open_timeout=30) as socket:
+            chat = {"type": "chat", "id": "cut", "messages": [{"role": "user", "content": prompt}]}
+            await socket.send(json.dumps({**chat, "params": {"max_tokens": 64, "temperature": 0}}))
+            seen = 0
+            async for _ in socket:
+                reached = True
+                seen += 1
+                if seen >= deltas > 0:
+                    socket.transport.abort()  # gone without a closing handshake
+                    return
+
+    with contextlib.suppress(TimeoutError, OSError, WebSocketException):
+        await asyncio.wait_for(read(), timeout=rng.uniform(0.001, 0.05) if deltas == 0 else 30)
     return reached
 
 
@@ -68,19 +97,24 @@ def test_streams_cut_anywhere_leak_nothing_and_free_everything(server: Server) -
     ]
     before = _metrics(server)["request_success_total"]
 
-    async def chaos() -> tuple[list[str], int]:
+    async def chaos() -> tuple[list[str], list[bool]]:
         limits = httpx.Limits(max_connections=64)
         async with httpx.AsyncClient(timeout=60, limits=limits) as client:
-            bodies = [
-                {"prompt": " ".join(rng.choices(words, k=rng.randint(4, 600))), "max_tokens": 64, **GREEDY}
-                for _ in range(CUT_STREAMS)
+            prompts = [" ".join(rng.choices(words, k=rng.randint(4, 600))) for _ in range(CUT_STREAMS)]
+            cut = [
+                asyncio.create_task(
+                    _cut_chat(server, prompt, rng)
+                    if i % 4 == 3
+                    else _cut(client, server, {"prompt": prompt, "max_tokens": 64, **GREEDY}, rng)
+                )
+                for i, prompt in enumerate(prompts)
             ]
-            cut = [asyncio.create_task(_cut(client, server, body, rng)) for body in bodies]
             answers = await asyncio.gather(*(client.post(server.url + COMPLETIONS, json=c) for c in canaries))
-            reached = sum(await asyncio.gather(*cut))
-            return [a.json()["choices"][0]["text"] for a in answers], reached
+            return [a.json()["choices"][0]["text"] for a in answers], list(await asyncio.gather(*cut))
 
-    answers, reached = asyncio.run(chaos())
+    answers, reached_each = asyncio.run(chaos())
+    reached = sum(reached_each)
+    assert any(reached_each[3::4]) and any(r for i, r in enumerate(reached_each) if i % 4 != 3)  # both kinds
     assert answers == solo  # no token of a cut request in another's answer
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
