@@ -113,6 +113,9 @@ async def soak(base: str, server: psutil.Process, clients: int, seconds: float) 
     elapsed = time.monotonic() - began
     warm = next((s for s in samples if s[0] >= WARM_S), samples[0])
     last = samples[-1]
+    # The engine's lowest sample of each fifth of the run after warming up: growth that levels off shows here.
+    after = [s for s in samples if s[0] >= WARM_S] or samples
+    fifths = [after[i * len(after) // 5 : (i + 1) * len(after) // 5] or after for i in range(5)]
     return {
         "answers": tally.answers,
         "errors": len(tally.errors),
@@ -124,6 +127,7 @@ async def soak(base: str, server: psutil.Process, clients: int, seconds: float) 
         "server_rss_end_mb": round(last[1] / 2**20, 1),
         "engine_rss_warm_mb": round(warm[2] / 2**20, 1),  # less the RAM of parked conversations
         "engine_rss_end_mb": round(last[2] / 2**20, 1),
+        "engine_rss_fifths_min_mb": [round(min(s[2] for s in part) / 2**20, 1) for part in fifths],
     }
 
 
