@@ -140,22 +140,25 @@ def align_routes(top_ids: torch.Tensor, experts: int, block_m: int) -> Routes:
 
 
 @triton.jit
-def _pick(
-    x,
-    cols,
-    ok,
-    row,
+def _route(
+    logits_ptr,
     ids_ptr,
     weights_ptr,
     counts_ptr,
     live_ptr,
+    experts,
+    stride_row,
     TOP_K: tl.constexpr,
     RENORM: tl.constexpr,
     HAS_LIVE: tl.constexpr,
+    BLOCK_E: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """Softmax over one token's router logits `x` (fp32, -inf past the experts), its top-k experts and
-    weights stored; adds the picks to `counts`."""
+    """Softmax over a token's router logits, its top-k experts and weights; adds the picks to `counts`."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_E)
+    ok = cols < experts
+    x = tl.load(logits_ptr + row * stride_row + cols, mask=ok, other=float("-inf")).to(tl.float32)
     p = tl.exp(x - tl.max(x, axis=0))
     p = p / tl.sum(p, axis=0)
     p = tl.where(ok, p, -1.0)
@@ -174,29 +177,6 @@ def _pick(
         weights = weights / tl.sum(weights, axis=0)
     tl.store(ids_ptr + row * TOP_K + slots, chosen.to(tl.int64), mask=keep)
     tl.store(weights_ptr + row * TOP_K + slots, weights.to(weights_ptr.dtype.element_ty), mask=keep)
-
-
-@triton.jit
-def _route(
-    logits_ptr,
-    ids_ptr,
-    weights_ptr,
-    counts_ptr,
-    live_ptr,
-    experts,
-    stride_row,
-    TOP_K: tl.constexpr,
-    RENORM: tl.constexpr,
-    HAS_LIVE: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    """One token's picks from its router logits."""
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK_E)
-    ok = cols < experts
-    x = tl.load(logits_ptr + row * stride_row + cols, mask=ok, other=float("-inf")).to(tl.float32)
-    _pick(x, cols, ok, row, ids_ptr, weights_ptr, counts_ptr, live_ptr, TOP_K, RENORM, HAS_LIVE, BLOCK_K)
 
 
 def route_top_k(
@@ -331,10 +311,6 @@ def _sum_choices(y_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK: tl.constexp
     tl.store(out_ptr + token * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def _precision(x: torch.Tensor) -> str:
-    return "ieee" if x.dtype == torch.float32 else "tf32"
-
-
 def _launch(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -375,7 +351,7 @@ def _launch(
         BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n,
         BLOCK_K=tiles.block_k,
-        PRECISION=_precision(x),
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
