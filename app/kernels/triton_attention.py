@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from app.kernels.triton_launch import follow_previous, pdl
 from app.models.batch import PagedLayout
 
 LOG2E = 1.4426950408889634
@@ -291,8 +292,10 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr,
     SPLITS: tl.constexpr,
     PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program (sequence, tile or partition, kv head): a prompt tile or a decode partition, else nothing."""
+    follow_previous(PDL)
     seq = tl.program_id(0)
     tile = tl.program_id(1)
     kv_head = tl.program_id(2)
@@ -378,8 +381,10 @@ def _merge_partitions_kernel(
     DEC_KV: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     SPLITS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program (sequence, head): a decode row's output from its partitions, always summed in one order."""
+    follow_previous(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     q_start = tl.load(query_start_ptr + seq)
@@ -496,6 +501,7 @@ def _paged_attention(
         PRECISION=precision,
         num_warps=config.warps,
         num_stages=config.stages,
+        **pdl(q.device),
     )
     _merge_partitions_kernel[(seqs, heads)](
         out,
@@ -510,6 +516,7 @@ def _paged_attention(
         HEAD_DIM=head_dim,
         SPLITS=splits,
         num_warps=4,
+        **pdl(out.device),
     )
     return out
 

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from app.kernels.interface import CHUNK
+from app.kernels.triton_launch import follow_previous, pdl
 from app.models.batch import PagedLayout
 
 L2NORM_EPS = 1e-6
@@ -60,12 +61,14 @@ def _causal_conv_kernel(
     STATE_PAD: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """SiLU(depthwise causal conv) of one sequence over BLOCK_C channels, then its new conv state.
 
     Position p of the sequence reads input p - (KERNEL-1) + j for tap j; negative positions come from the
     carried state, whose column KERNEL-1+p holds input p.
     """
+    follow_previous(PDL)
     seq = tl.program_id(0)
     start = tl.load(query_start_ptr + seq).to(tl.int64)
     length = tl.load(query_start_ptr + seq + 1).to(tl.int64) - start
@@ -150,6 +153,7 @@ def _gated_delta_rule_kernel(
     DK: tl.constexpr,
     BLOCK_V: tl.constexpr,
     SINGLE_ROWS_ONLY: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """The gated delta rule of one sequence and value head over BLOCK_V value columns, token by token.
 
@@ -157,6 +161,7 @@ def _gated_delta_rule_kernel(
     l2-normalised here (q also scaled), value head h reading key head h // HEAD_RATIO. With
     SINGLE_ROWS_ONLY, sequences of more than one row are left to the chunked kernels.
     """
+    follow_previous(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     k_head = head // HEAD_RATIO
@@ -255,6 +260,7 @@ def _chunk_prepare_kernel(
     LOG2_C: tl.constexpr,
     PRECISION: tl.constexpr,
     SOLVE_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Everything of one chunk and value head that does not need the state carried into the chunk.
 
@@ -264,6 +270,7 @@ def _chunk_prepare_kernel(
     k e^(G_end - G), the causal score matrix (q_i . k_j) e^(G_i - G_j) for j <= i, and G_end per row.
     All workspace tensors are [tokens, v_heads, ...] fp32, indexed by the rows of the batch.
     """
+    follow_previous(PDL)
     seq = tl.program_id(0)
     chunk = tl.program_id(1)
     head = tl.program_id(2)
@@ -352,6 +359,7 @@ def _chunk_carry_kernel(
     C: tl.constexpr,
     PRECISION: tl.constexpr,
     HAS_SAVES: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One sequence's chunks in order for one value head and BLOCK_V value columns of the state.
 
@@ -359,6 +367,7 @@ def _chunk_carry_kernel(
     chunk's end, S e^G_end + (k e^(G_end - G))^T (u - w S). With HAS_SAVES, the state at the end of the chunk
     that ends at the sequence's `save_at` position is also stored in its save slot (a checkpoint).
     """
+    follow_previous(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     start = tl.load(query_start_ptr + seq)
@@ -463,6 +472,7 @@ def causal_conv_varlen(
         BLOCK_T=CONV_BLOCK_T,
         BLOCK_C=CONV_BLOCK_C,
         num_warps=CONV_WARPS,
+        **pdl(x.device),
     )
     return out
 
@@ -574,6 +584,7 @@ def gated_delta_rule_paged(
             PRECISION=PREPARE_PRECISION,
             SOLVE_PRECISION=SOLVE_PRECISION,
             num_warps=PREPARE_WARPS,
+            **pdl(q.device),
         )
         block_v = min(dv, CARRY_BLOCK_V)
         _chunk_carry_kernel[(seqs, v_heads, dv // block_v)](
@@ -601,6 +612,7 @@ def gated_delta_rule_paged(
             HAS_SAVES=layout.save_at is not None,
             num_warps=CARRY_WARPS,
             num_stages=CARRY_STAGES,
+            **pdl(w.device),
         )
     _step_rows(q, k, v, g, beta, state, out, query_start, state_slots, seqs, single_rows_only=chunked)
     return out
@@ -649,4 +661,5 @@ def _step_rows(
         BLOCK_V=block_v,
         SINGLE_ROWS_ONLY=single_rows_only,
         num_warps=RULE_WARPS,
+        **pdl(q.device),
     )

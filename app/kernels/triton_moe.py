@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from app.kernels.triton_launch import follow_previous, pdl
+
 
 @dataclass(frozen=True)
 class MoeTiles:
@@ -57,8 +59,11 @@ class Routes:
 
 
 @triton.jit
-def _count_pairs(ids_ptr, counts_ptr, block_expert_ptr, pairs, blocks, per_program, BLOCK: tl.constexpr):
+def _count_pairs(
+    ids_ptr, counts_ptr, block_expert_ptr, pairs, blocks, per_program, BLOCK: tl.constexpr, PDL: tl.constexpr
+):
     """counts[expert] = how many pairs picked this program's expert; also marks its share of tiles unused."""
+    follow_previous(PDL)
     expert = tl.program_id(0)
     for start in range(0, per_program, BLOCK):
         tile = expert * per_program + start + tl.arange(0, BLOCK)
@@ -84,8 +89,10 @@ def _place_pairs(
     BLOCK_M: tl.constexpr,
     BLOCK: tl.constexpr,
     BLOCK_E: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Write this program's expert's pairs (in pair order) and padding into its tiles, and name the tiles."""
+    follow_previous(PDL)
     expert = tl.program_id(0)
     all_experts = tl.arange(0, BLOCK_E)
     counts = tl.load(counts_ptr + all_experts, mask=all_experts < experts, other=0)
@@ -124,7 +131,9 @@ def align_routes(top_ids: torch.Tensor, experts: int, block_m: int) -> Routes:
     rows = torch.empty(blocks * block_m, dtype=torch.int32, device=device)
     block_expert = torch.empty(blocks, dtype=torch.int32, device=device)
     block = 256 if pairs <= 256 else 1024  # two compiled variants, whatever the window size
-    _count_pairs[(experts,)](flat, counts, block_expert, pairs, blocks, -(-blocks // experts), BLOCK=block)
+    _count_pairs[(experts,)](
+        flat, counts, block_expert, pairs, blocks, -(-blocks // experts), BLOCK=block, **pdl(device)
+    )
     _place_pairs[(experts,)](
         flat,
         counts,
@@ -135,6 +144,7 @@ def align_routes(top_ids: torch.Tensor, experts: int, block_m: int) -> Routes:
         BLOCK_M=block_m,
         BLOCK=block,
         BLOCK_E=triton.next_power_of_2(experts),
+        **pdl(flat.device),
     )
     return Routes(rows=rows, block_expert=block_expert, pairs=pairs, block_m=block_m)
 
@@ -153,8 +163,10 @@ def _route(
     HAS_LIVE: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Softmax over a token's router logits, its top-k experts and weights; adds the picks to `counts`."""
+    follow_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_E)
     ok = cols < experts
@@ -204,6 +216,7 @@ def route_top_k(
         BLOCK_E=triton.next_power_of_2(experts),
         BLOCK_K=triton.next_power_of_2(top_k),
         num_warps=1 if experts <= 256 else 2,
+        **pdl(logits.device),
     )
     return ids, weights
 
@@ -259,8 +272,10 @@ def _grouped_matmul(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """out[pair, cols] = act(x[pair // X_ROW_DIV] @ w[expert].T) for one tile of pairs and BLOCK_N columns."""
+    follow_previous(PDL)
     tile = tl.program_id(0)
     rows, expert = _tile_rows(rows_ptr, block_expert_ptr, tile, pairs, MODE, BLOCK_M)
     if expert < 0:
@@ -300,8 +315,9 @@ def _grouped_matmul(
 
 
 @triton.jit
-def _sum_choices(y_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+def _sum_choices(y_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """out[token] = sum over its TOP_K pair rows of y, added in choice order in fp32."""
+    follow_previous(PDL)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < hidden
@@ -354,6 +370,7 @@ def _launch(
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
+        **pdl(x.device),
     )
 
 
@@ -389,7 +406,9 @@ def fused_experts(
     y = x.new_empty(pairs, hidden)
     _launch(act, down, y, routes, tiles, hidden, 1, scale, mode=mode)
     block = 1024
-    _sum_choices[(tokens, triton.cdiv(hidden, block))](y, out, hidden, TOP_K=top_k, BLOCK=block)
+    _sum_choices[(tokens, triton.cdiv(hidden, block))](
+        y, out, hidden, TOP_K=top_k, BLOCK=block, **pdl(y.device)
+    )
     return out
 
 

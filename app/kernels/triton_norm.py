@@ -18,6 +18,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from app.kernels.triton_launch import follow_previous, pdl
+
 MAX_DIM = 65536  # longest row one program normalises in a single tile
 
 
@@ -67,8 +69,10 @@ def _rms_norm_kernel(
     BLOCK: tl.constexpr,
     OFFSET: tl.constexpr,
     ADD_RESIDUAL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """RMSNorm of one row; with ADD_RESIDUAL the row is residual + x, which is also stored."""
+    follow_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     col = tl.arange(0, BLOCK)
     live = col < DIM
@@ -98,6 +102,7 @@ def _gated_rms_norm_kernel(
     BLOCK: tl.constexpr,
     ROUND_PRODUCT: tl.constexpr,
     PRECISE_EXP: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """`GatedRMSNorm` of one row: (weight * normed in x's dtype) * silu(gate in fp32), cast to x's dtype.
 
@@ -105,6 +110,7 @@ def _gated_rms_norm_kernel(
     that product is fp32). PRECISE_EXP takes libdevice's accurate exp, the one torch's CUDA SiLU uses, rather
     than Triton's fast approximate exp.
     """
+    follow_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     col = tl.arange(0, BLOCK)
     live = col < DIM
@@ -150,6 +156,7 @@ def _qk_norm_rope_kernel(
     BLOCK_D: tl.constexpr,
     OFFSET: tl.constexpr,
     STORE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """RMSNorm then neox rotary of one head of one token; heads [0, HEADS) are q's, the rest are k's.
 
@@ -158,6 +165,7 @@ def _qk_norm_rope_kernel(
     With STORE, k_out is the paged key cache: a k head goes to the token's cache slot (slots[token]), and the
     same program copies the token's v head into the value cache.
     """
+    follow_previous(PDL)
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     out_ty = q_out_ptr.dtype.element_ty
@@ -241,6 +249,7 @@ def _launch_rms_norm(
             ADD_RESIDUAL=residual is not None,
             num_warps=_warps(block),
             enable_fp_fusion=False,
+            **pdl(x.device),
         )
     return out, res_out
 
@@ -304,6 +313,7 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
             PRECISE_EXP=_COMPILED,
             num_warps=_warps(block),
             enable_fp_fusion=False,
+            **pdl(x.device),
         )
     return out
 
@@ -395,6 +405,7 @@ def _launch_qk_norm_rope(
             STORE=store,
             num_warps=_warps(block),
             enable_fp_fusion=False,
+            **pdl(q.device),
         )
     return q_out
 

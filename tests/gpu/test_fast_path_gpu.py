@@ -9,6 +9,8 @@ import torch
 from checkpoints import write_checkpoint
 from engine_helpers import complete, make_core, request, run
 
+from app.kernels import triton_launch
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
@@ -53,7 +55,8 @@ def test_prompts_cut_into_other_pieces_beside_others_give_bit_identical_logprobs
     """With --exact, a conversation's logprobs do not depend on the windows its prompt was read in.
 
     The prompts are longer than the budget, so they are cut into other pieces together than alone (at
-    multiples of the Gated DeltaNet chunk on qwen3_next).
+    multiples of the Gated DeltaNet chunk on qwen3_next). The last arrives once the first three are read and
+    decode (a request read while others' prompts wait holds its decoding), so it is read beside decode rows.
     """
     core = make_core(
         checkpoint,
@@ -66,7 +69,7 @@ def test_prompts_cut_into_other_pieces_beside_others_give_bit_identical_logprobs
     )
     params = {"max_tokens": 12, "temperature": 0, "ignore_eos": True, "logprobs": 1}
     arrivals = [
-        (at, request(_prompt(n, 40 + at), **params)) for at, n in [(0, 500), (1, 650), (2, 300), (4, 900)]
+        (at, request(_prompt(n, 40 + at), **params)) for at, n in [(0, 500), (1, 650), (2, 300), (10, 900)]
     ]
     together, windows = run(core, arrivals)
     assert any(w.prompt_tokens and w.decode_tokens for w in windows)
@@ -109,6 +112,26 @@ def test_windows_replayed_from_graphs_equal_eager_windows_bit_for_bit(checkpoint
         assert together[add.request_id].token_ids == eager[add.request_id].token_ids
         got = [p.chosen.logprob for p in together[add.request_id].logprobs]
         assert got == [p.chosen.logprob for p in eager[add.request_id].logprobs]
+
+
+def test_dependent_launches_give_the_bits_of_plain_launches(
+    checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Kernels placed while their predecessor finishes (programmatic dependent launch, graphs and eager prompt
+    windows) wait for its results: the logprobs of a batch are those of plain launches, bit for bit."""
+    settings = {"device": "cuda", "dtype": "bfloat16", "parallel": 4, "max_batched_tokens": 128}
+    params = {"max_tokens": 16, "temperature": 0, "ignore_eos": True, "logprobs": 1}
+    arrivals = [(at, request(_prompt(n, 80 + at), **params)) for at, n in [(0, 150), (1, 40), (2, 90)]]
+    results = {}
+    for setting in ("1", "0"):
+        monkeypatch.setenv("STRATA_PDL", setting)
+        triton_launch._supported.cache_clear()
+        results[setting], _ = run(make_core(checkpoint, **settings), arrivals)
+    triton_launch._supported.cache_clear()
+    for _, add in arrivals:
+        dependent, plain = results["1"][add.request_id], results["0"][add.request_id]
+        assert dependent.token_ids == plain.token_ids
+        assert [p.chosen.logprob for p in dependent.logprobs] == [p.chosen.logprob for p in plain.logprobs]
 
 
 def test_triton_and_graphs_give_the_tokens_of_the_torch_reference(checkpoint: Path) -> None:

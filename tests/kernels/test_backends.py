@@ -14,6 +14,7 @@ from checkpoints import write_checkpoint
 from contiguous_state import ContiguousState
 
 from app.errors import StrataError
+from app.kernels import triton_launch
 from app.kernels.backends import select_backends
 from app.kernels.cpu_experts import dense, routed_experts
 from app.kernels.cpu_sequence import delta_rule_paged, paged_attention
@@ -108,3 +109,14 @@ def test_the_model_imports_only_the_backend_interface() -> None:
 
     assert {m for m in imports("models") if m.startswith("app.kernels")} == {"app.kernels.interface"}
     assert {m for m in imports("kernels") if m.startswith("app.models")} == {"app.models.batch"}
+
+
+def test_kernels_launch_dependently_on_cuda_devices_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The interpreter (CPU tensors) never asks for programmatic dependent launch, nor does STRATA_PDL=0."""
+    assert triton_launch.pdl(torch.device("cpu")) == {"PDL": False, "launch_pdl": False}
+    monkeypatch.setenv("STRATA_PDL", "0")
+    triton_launch._supported.cache_clear()
+    try:
+        assert triton_launch.pdl(torch.device("cuda", 0)) == {"PDL": False, "launch_pdl": False}
+    finally:
+        triton_launch._supported.cache_clear()
