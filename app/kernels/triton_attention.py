@@ -466,7 +466,8 @@ def _paged_attention(
     block_table = layout.block_table
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     q_tiles = triton.cdiv(max(layout.max_query_len, 1), block_m // group_pad)
-    _paged_attention_kernel[(seqs, max(q_tiles, splits), kv_heads)](
+    grid = (seqs, max(q_tiles, splits), kv_heads)
+    _paged_attention_kernel[grid](
         q,
         key_cache,
         value_cache,
@@ -501,9 +502,10 @@ def _paged_attention(
         PRECISION=precision,
         num_warps=config.warps,
         num_stages=config.stages,
-        **pdl(q.device),
+        **pdl(q.device, grid),
     )
-    _merge_partitions_kernel[(seqs, heads)](
+    grid = (seqs, heads)
+    _merge_partitions_kernel[grid](
         out,
         part_acc,
         part_ml,
@@ -516,7 +518,7 @@ def _paged_attention(
         HEAD_DIM=head_dim,
         SPLITS=splits,
         num_warps=4,
-        **pdl(out.device),
+        **pdl(out.device, grid),
     )
     return out
 

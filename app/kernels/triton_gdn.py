@@ -472,7 +472,7 @@ def causal_conv_varlen(
         BLOCK_T=CONV_BLOCK_T,
         BLOCK_C=CONV_BLOCK_C,
         num_warps=CONV_WARPS,
-        **pdl(x.device),
+        **pdl(x.device, grid),
     )
     return out
 
@@ -554,7 +554,8 @@ def gated_delta_rule_paged(
             for width in (dk, dk, dk, dv, CHUNK, 1)
         )
         max_chunks = triton.cdiv(layout.max_query_len, CHUNK) + 1
-        _chunk_prepare_kernel[(seqs, max_chunks, v_heads)](
+        grid = (seqs, max_chunks, v_heads)
+        _chunk_prepare_kernel[grid](
             q,
             k,
             v,
@@ -584,10 +585,11 @@ def gated_delta_rule_paged(
             PRECISION=PREPARE_PRECISION,
             SOLVE_PRECISION=SOLVE_PRECISION,
             num_warps=PREPARE_WARPS,
-            **pdl(q.device),
+            **pdl(q.device, grid),
         )
         block_v = min(dv, CARRY_BLOCK_V)
-        _chunk_carry_kernel[(seqs, v_heads, dv // block_v)](
+        grid = (seqs, v_heads, dv // block_v)
+        _chunk_carry_kernel[grid](
             w,
             u,
             qd,
@@ -612,7 +614,7 @@ def gated_delta_rule_paged(
             HAS_SAVES=layout.save_at is not None,
             num_warps=CARRY_WARPS,
             num_stages=CARRY_STAGES,
-            **pdl(w.device),
+            **pdl(w.device, grid),
         )
     _step_rows(q, k, v, g, beta, state, out, query_start, state_slots, seqs, single_rows_only=chunked)
     return out
@@ -637,7 +639,8 @@ def _step_rows(
     if seqs == 0 or tokens == 0:
         return
     block_v = min(dv, RULE_BLOCK_V)
-    _gated_delta_rule_kernel[(seqs, v_heads, dv // block_v)](
+    grid = (seqs, v_heads, dv // block_v)
+    _gated_delta_rule_kernel[grid](
         q,
         k,
         v,
@@ -661,5 +664,5 @@ def _step_rows(
         BLOCK_V=block_v,
         SINGLE_ROWS_ONLY=single_rows_only,
         num_warps=RULE_WARPS,
-        **pdl(q.device),
+        **pdl(q.device, grid),
     )

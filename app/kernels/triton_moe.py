@@ -131,10 +131,12 @@ def align_routes(top_ids: torch.Tensor, experts: int, block_m: int) -> Routes:
     rows = torch.empty(blocks * block_m, dtype=torch.int32, device=device)
     block_expert = torch.empty(blocks, dtype=torch.int32, device=device)
     block = 256 if pairs <= 256 else 1024  # two compiled variants, whatever the window size
-    _count_pairs[(experts,)](
-        flat, counts, block_expert, pairs, blocks, -(-blocks // experts), BLOCK=block, **pdl(device)
+    grid = (experts,)
+    _count_pairs[grid](
+        flat, counts, block_expert, pairs, blocks, -(-blocks // experts), BLOCK=block, **pdl(device, grid)
     )
-    _place_pairs[(experts,)](
+    grid = (experts,)
+    _place_pairs[grid](
         flat,
         counts,
         rows,
@@ -144,7 +146,7 @@ def align_routes(top_ids: torch.Tensor, experts: int, block_m: int) -> Routes:
         BLOCK_M=block_m,
         BLOCK=block,
         BLOCK_E=triton.next_power_of_2(experts),
-        **pdl(flat.device),
+        **pdl(flat.device, grid),
     )
     return Routes(rows=rows, block_expert=block_expert, pairs=pairs, block_m=block_m)
 
@@ -202,7 +204,8 @@ def route_top_k(
     tokens, experts = logits.shape
     ids = torch.empty(tokens, top_k, dtype=torch.int64, device=logits.device)
     weights = torch.empty(tokens, top_k, dtype=logits.dtype, device=logits.device)
-    _route[(tokens,)](
+    grid = (tokens,)
+    _route[grid](
         logits,
         ids,
         weights,
@@ -216,7 +219,7 @@ def route_top_k(
         BLOCK_E=triton.next_power_of_2(experts),
         BLOCK_K=triton.next_power_of_2(top_k),
         num_warps=1 if experts <= 256 else 2,
-        **pdl(logits.device),
+        **pdl(logits.device, grid),
     )
     return ids, weights
 
@@ -370,7 +373,7 @@ def _launch(
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
-        **pdl(x.device),
+        **pdl(x.device, grid),
     )
 
 
@@ -406,9 +409,8 @@ def fused_experts(
     y = x.new_empty(pairs, hidden)
     _launch(act, down, y, routes, tiles, hidden, 1, scale, mode=mode)
     block = 1024
-    _sum_choices[(tokens, triton.cdiv(hidden, block))](
-        y, out, hidden, TOP_K=top_k, BLOCK=block, **pdl(y.device)
-    )
+    grid = (tokens, triton.cdiv(hidden, block))
+    _sum_choices[grid](y, out, hidden, TOP_K=top_k, BLOCK=block, **pdl(y.device, grid))
     return out
 
 

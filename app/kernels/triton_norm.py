@@ -232,7 +232,8 @@ def _launch_rms_norm(
     if rows > 0:
         res = residual if residual is not None else x
         res_dst = res_out if res_out is not None else out
-        _rms_norm_kernel[(rows,)](
+        grid = (rows,)
+        _rms_norm_kernel[grid](
             x,
             res,
             weight,
@@ -249,7 +250,7 @@ def _launch_rms_norm(
             ADD_RESIDUAL=residual is not None,
             num_warps=_warps(block),
             enable_fp_fusion=False,
-            **pdl(x.device),
+            **pdl(x.device, grid),
         )
     return out, res_out
 
@@ -298,7 +299,8 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     weight = _check_weight(weight, dim)
     out = torch.empty((rows, dim), dtype=x.dtype, device=x.device)
     if rows > 0:
-        _gated_rms_norm_kernel[(rows,)](
+        grid = (rows,)
+        _gated_rms_norm_kernel[grid](
             x,
             gate,
             weight,
@@ -313,7 +315,7 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
             PRECISE_EXP=_COMPILED,
             num_warps=_warps(block),
             enable_fp_fusion=False,
-            **pdl(x.device),
+            **pdl(x.device, grid),
         )
     return out
 
@@ -375,7 +377,8 @@ def _launch_qk_norm_rope(
     q_out = torch.empty((tokens, heads, head_dim), dtype=q.dtype, device=q.device)
     store = v is not None
     if tokens > 0:
-        _qk_norm_rope_kernel[(tokens, heads + k.shape[1])](
+        grid = (tokens, heads + k.shape[1])
+        _qk_norm_rope_kernel[grid](
             q,
             k,
             q_weight,
@@ -405,7 +408,7 @@ def _launch_qk_norm_rope(
             STORE=store,
             num_warps=_warps(block),
             enable_fp_fusion=False,
-            **pdl(q.device),
+            **pdl(q.device, grid),
         )
     return q_out
 

@@ -125,9 +125,9 @@ def test_dependent_launches_give_the_bits_of_plain_launches(
     results = {}
     for setting in ("1", "0"):
         monkeypatch.setenv("STRATA_PDL", setting)
-        triton_launch._supported.cache_clear()
+        triton_launch._dependent_programs.cache_clear()
         results[setting], _ = run(make_core(checkpoint, **settings), arrivals)
-    triton_launch._supported.cache_clear()
+    triton_launch._dependent_programs.cache_clear()
     for _, add in arrivals:
         dependent, plain = results["1"][add.request_id], results["0"][add.request_id]
         assert dependent.token_ids == plain.token_ids

@@ -113,10 +113,16 @@ def test_the_model_imports_only_the_backend_interface() -> None:
 
 def test_kernels_launch_dependently_on_cuda_devices_only(monkeypatch: pytest.MonkeyPatch) -> None:
     """The interpreter (CPU tensors) never asks for programmatic dependent launch, nor does STRATA_PDL=0."""
-    assert triton_launch.pdl(torch.device("cpu")) == {"PDL": False, "launch_pdl": False}
+    assert triton_launch.pdl(torch.device("cpu"), (1,)) == {"PDL": False, "launch_pdl": False}
     monkeypatch.setenv("STRATA_PDL", "0")
-    triton_launch._supported.cache_clear()
+    triton_launch._dependent_programs.cache_clear()
     try:
-        assert triton_launch.pdl(torch.device("cuda", 0)) == {"PDL": False, "launch_pdl": False}
+        assert triton_launch.pdl(torch.device("cuda", 0), (1,)) == {"PDL": False, "launch_pdl": False}
     finally:
-        triton_launch._supported.cache_clear()
+        triton_launch._dependent_programs.cache_clear()
+
+
+def test_grids_beyond_a_few_waves_launch_plainly(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(triton_launch, "_dependent_programs", lambda device: 100)
+    assert triton_launch.pdl(torch.device("cuda", 0), (10, 10))["launch_pdl"]
+    assert not triton_launch.pdl(torch.device("cuda", 0), (101,))["launch_pdl"]
