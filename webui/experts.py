@@ -43,16 +43,20 @@ class ExpertHeat:
             self.reports.clear()
             self.totals = [[0] * len(row) for row in usage.routed]
         self.latest = usage
-        self.reports.append((time.monotonic(), usage))
+        now = time.monotonic()
+        self.reports.append((now, usage))
         _add(self.totals, usage.routed, 1)
         self.received += 1
+        self._age_out(now)  # also when nothing reads the heat: the reports stay within the span
+
+    def _age_out(self, now: float) -> None:
+        while self.reports and self.reports[0][0] < now - HEAT_SPAN_S:
+            _add(self.totals, self.reports.popleft()[1].routed, -1)
 
     def version(self) -> tuple[int, int]:
         """Changes whenever the grid does: a report arrives or an old one leaves the span."""
-        now = time.monotonic()
         with self._lock:
-            while self.reports and self.reports[0][0] < now - HEAT_SPAN_S:
-                _add(self.totals, self.reports.popleft()[1].routed, -1)
+            self._age_out(time.monotonic())
             return self.received, len(self.reports)
 
     def shares(self) -> list[list[float]]:

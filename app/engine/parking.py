@@ -21,7 +21,6 @@ import os
 import queue
 import threading
 import time
-from collections import OrderedDict
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +32,7 @@ from app.engine.blocks import prefix_keys
 from app.engine.host_memory import HeapTrimmer
 from app.engine.paged_state import PagedState
 from app.engine.park_file import Part
+from app.engine.park_index import ParkIndex, ParkKey, longest_prefix
 from app.engine.protocol import ParkingStats
 from app.engine.transfer import device_tensor
 
@@ -88,17 +88,17 @@ class ConversationPark:
         self.directory = directory if directory is not None and disk_budget > 0 else None
         self.disk_budget = disk_budget
         self._pinned = state.device.type == "cuda"
-        self._ram: OrderedDict[tuple[int, ...], Parked] = OrderedDict()
+        self._ram: ParkIndex[Parked] = ParkIndex()
         self._blocks: dict[bytes, torch.Tensor] = {}  # [2, attention layers, block, kv heads, head dim]
         self._block_refs: dict[bytes, int] = {}
-        self._disk: OrderedDict[tuple[int, ...], tuple[Path, int]] = OrderedDict()  # tokens -> (file, bytes)
+        self._disk: ParkIndex[tuple[str, int]] = ParkIndex()  # (file name, bytes) of each file
         self._ram_total = 0  # bytes of `_ram`'s own tensors and of `_blocks`
         self._disk_total = 0
         self.restores = 0
         self.restore_seconds = 0.0
         self.copied_bytes = 0
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="strata-park-reader")
-        self._reading: dict[tuple[int, ...], Future] = {}  # files being read, by the conversation's tokens
+        self._reading: dict[ParkKey, Future] = {}  # files being read
         self._jobs: queue.Queue[_Job] = queue.Queue()
         self._lock = threading.Lock()  # `_blocks` is changed by the worker too
         self._heap = HeapTrimmer()
@@ -124,13 +124,13 @@ class ConversationPark:
         """Park the state of `slot` holding `tokens`, whose keys and values are in `blocks` (device ids)."""
         if not tokens:
             return
-        key = tuple(tokens)
-        if key in self._ram or key in self._disk:
-            self._touch(key)
-            return
         size = self.state.block_size
         full = len(tokens) // size
         block_keys = prefix_keys(tokens, full, size)
+        key = ParkKey.of(tokens, size, block_keys)
+        if key in self._ram or key in self._disk:
+            self._touch(key)
+            return
         new = [i for i, k in enumerate(block_keys) if k not in self._blocks]
         gathered: list[tuple[bytes, torch.Tensor]] = []
         if new:
@@ -161,9 +161,9 @@ class ConversationPark:
         )
         self.copied_bytes += own
         parked = Parked(list(tokens), block_keys, tail, conv, recurrent, own)
-        self._ram[key] = parked
+        self._ram.add(key, parked)
         self._ram_total += own
-        path = self._add_file(parked) if self.directory is not None else None
+        path = self._add_file(key, parked) if self.directory is not None else None
         if self._worker is not None:
             ready = torch.cuda.Event() if self._pinned else None
             if ready is not None:
@@ -208,13 +208,14 @@ class ConversationPark:
         A file read by then is brought into RAM; a bad one is discarded (log, delete) and the next tried.
         """
         while True:
-            best = self._longest(tokens, limit, [*self._ram, *self._disk])
+            best = longest_prefix(tokens, limit, self.state.block_size, (self._ram, self._disk))
             if best is None or best in self._ram:
                 return True
             reading = self._reading.get(best)
             if reading is None:
-                path, _ = self._disk[best]
-                self._reading[best] = self._reader.submit(self._read, path, best)
+                assert self.directory is not None
+                path = self.directory / self._disk[best][0]
+                self._reading[best] = self._reader.submit(self._read, path, tokens[: best.length])
                 return False
             if not reading.done():
                 return False
@@ -229,21 +230,11 @@ class ConversationPark:
     def find(self, tokens: list[int], limit: int) -> tuple[int, Parked] | None:
         """The longest conversation parked in RAM that `tokens[:limit]` continues, or None. Nothing is read
         from disk here: `ready` brings a parked file into RAM first."""
-        best = self._longest(tokens, limit, list(self._ram))
-        if best is None:
+        best = longest_prefix(tokens, limit, self.state.block_size, (self._ram,))
+        if best is None or self._ram[best].tokens != tokens[: best.length]:  # the tokens, not only their hash
             return None
         self._touch(best)
-        return len(best), self._ram[best]
-
-    @staticmethod
-    def _longest(tokens: list[int], limit: int, keys: list[tuple[int, ...]]) -> tuple[int, ...] | None:
-        """The longest of `keys` that `tokens[:limit]` starts with."""
-        best: tuple[int, ...] | None = None
-        for key in keys:
-            longer = best is None or len(key) > len(best)
-            if len(key) <= limit and longer and tokens[: len(key)] == list(key):
-                best = key
-        return best
+        return best.length, self._ram[best]
 
     def restore(self, parked: Parked, slot: int, blocks: list[int]) -> None:
         """Copy a parked conversation into `blocks` (its positions, in order) and the state of `slot`."""
@@ -298,19 +289,19 @@ class ConversationPark:
 
     # RAM -----------------------------------------------------------------------------------------------
 
-    def _touch(self, key: tuple[int, ...]) -> None:
+    def _touch(self, key: ParkKey) -> None:
         if key in self._ram:
-            self._ram.move_to_end(key)
-        if key in self._disk:
-            self._disk.move_to_end(key)
+            self._ram.touch(key)
+        if key in self._disk and self.directory is not None:
+            self._disk.touch(key)
             with contextlib.suppress(OSError):  # its file may still be waiting for the writer
-                os.utime(self._disk[key][0])
+                os.utime(self.directory / self._disk[key][0])
 
     def _fit_ram(self) -> None:
         evicted = False
         while self._ram and self._ram_total > self.ram_budget:
             evicted = True
-            _, parked = self._ram.popitem(last=False)
+            _, parked = self._ram.pop_oldest()
             self._ram_total -= parked.own_bytes
             for k in parked.block_keys:
                 self._block_refs[k] -= 1
@@ -323,14 +314,14 @@ class ConversationPark:
 
     # Disk ----------------------------------------------------------------------------------------------
 
-    def _add_file(self, parked: Parked) -> Path:
+    def _add_file(self, key: ParkKey, parked: Parked) -> Path:
         """Index the file a parked conversation will be written to (by the worker); returns its path."""
         assert self.directory is not None
-        path = self.directory / park_file.file_name(parked.tokens)
+        name = park_file.file_name(parked.tokens)
         size = sum(self._blocks[k].nbytes for k in parked.block_keys) + parked.own_bytes  # and a header
-        self._add_disk(tuple(parked.tokens), path, size)
+        self._add_disk(key, name, size)
         self._fit_disk()
-        return path
+        return self.directory / name
 
     def _write_file(self, path: Path, parked: Parked, blocks: list[torch.Tensor]) -> None:
         """A parked conversation's file, from its host tensors (park_file.py)."""
@@ -390,16 +381,17 @@ class ConversationPark:
         captured before that job ran (same stream as the gather: the copy waits for it)."""
         return tensor if tensor.device.type == "cpu" else tensor.cpu()
 
-    def _add_disk(self, key: tuple[int, ...], path: Path, size: int) -> None:
-        self._disk[key] = (path, size)
+    def _add_disk(self, key: ParkKey, name: str, size: int) -> None:
+        self._disk.add(key, (name, size))
         self._disk_total += size
 
     def _fit_disk(self) -> None:
+        assert self.directory is not None
         while self._disk and self._disk_total > self.disk_budget:
-            _, (path, size) = self._disk.popitem(last=False)
+            _, (name, size) = self._disk.pop_oldest()
             self._disk_total -= size
             self.flush()
-            path.unlink(missing_ok=True)
+            (self.directory / name).unlink(missing_ok=True)
 
     def _index(self) -> None:
         """Find the conversations parked in the directory by an earlier run (headers only), oldest first."""
@@ -417,19 +409,21 @@ class ConversationPark:
             if header["model"] != self.identity:
                 log.info("parked conversation %s is of another model; left alone", path.name)
                 continue
-            self._add_disk(tuple(header["tokens"]), path, path.stat().st_size)
+            key = ParkKey.of(header["tokens"], self.state.block_size)
+            self._add_disk(key, path.name, path.stat().st_size)
         self._fit_disk()
 
-    def _install(self, key: tuple[int, ...], reading: Future) -> None:
+    def _install(self, key: ParkKey, reading: Future) -> None:
         """Bring a file the reader thread read into RAM; on any fault, discard the file (log, delete)."""
-        path, size = self._disk[key]
+        assert self.directory is not None
+        name, size = self._disk[key]
         try:
             parked, blocks = reading.result()
         except (OSError, ValueError, KeyError, RuntimeError) as e:
-            log.warning("discarding parked conversation %s: %s", path.name, e)
-            del self._disk[key]
+            log.warning("discarding parked conversation %s: %s", name, e)
+            self._disk.pop(key)
             self._disk_total -= size
-            path.unlink(missing_ok=True)
+            (self.directory / name).unlink(missing_ok=True)
             return
         with self._lock:
             for k, kv in zip(parked.block_keys, blocks, strict=True):
@@ -437,16 +431,16 @@ class ConversationPark:
                     self._blocks[k] = kv
                     self._ram_total += kv.nbytes
                 self._block_refs[k] = self._block_refs.get(k, 0) + 1
-        self._ram[key] = parked
+        self._ram.add(key, parked)
         self._ram_total += parked.own_bytes
         # No eviction here: the request waiting for it restores it in this step, before the next park fits the
         # RAM budget (a budget of 0 would evict it at once, and the file would be read again and again).
 
-    def _read(self, path: Path, key: tuple[int, ...]) -> tuple[Parked, list[torch.Tensor]]:
-        """The conversation in a file and its full blocks' keys and values, after every check (on the reader
-        thread: it reads only the file and what never changes)."""
+    def _read(self, path: Path, tokens: list[int]) -> tuple[Parked, list[torch.Tensor]]:
+        """The conversation of `tokens` in a file and its full blocks' keys and values, after every check (on
+        the reader thread: it reads only the file and what never changes)."""
         size = self.state.block_size
-        full, rest = len(key) // size, len(key) % size
+        full, rest = len(tokens) // size, len(tokens) % size
         layers, _, _, heads, dim = self.state.keys.shape
         kv = self.state.keys.dtype
         expected = {
@@ -459,13 +453,13 @@ class ConversationPark:
             expected["recurrent"] = Part("recurrent", list(recurrent[:, 0].shape), recurrent.dtype, [])
         loaded = {
             name: self._to_host(tensor)
-            for name, tensor in park_file.read(path, self.identity, size, key, expected).items()
+            for name, tensor in park_file.read(path, self.identity, size, tuple(tokens), expected).items()
         }
         blocks = list(loaded["blocks"].unbind(0)) if full else []
         own = loaded["tail"].nbytes + sum(loaded[n].nbytes for n in ("conv", "recurrent") if n in loaded)
         parked = Parked(
-            list(key),
-            prefix_keys(list(key), full, size),
+            list(tokens),
+            prefix_keys(tokens, full, size),
             loaded["tail"],
             loaded.get("conv"),
             loaded.get("recurrent"),

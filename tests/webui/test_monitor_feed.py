@@ -74,6 +74,15 @@ def test_heat_forgets_old_reports(clock: list[float]) -> None:
     assert grid is heat.grid()  # rendered once per change
 
 
+def test_heat_keeps_only_the_span_when_nothing_reads_it(clock: list[float]) -> None:
+    """A server without a Monitor or scrape still receives a report every few windows: it keeps the span's."""
+    heat = ExpertHeat()
+    for _ in range(1000):
+        heat.on_window(_stats([[1, 0]]))
+        clock[0] += HEAT_SPAN_S / 100
+    assert len(heat.reports) <= 101 and heat.totals == [[len(heat.reports), 0]]
+
+
 def test_slot_tok_s_counts_the_last_seconds() -> None:
     assert slot_tok_s([], 10.0) == 0.0
     assert slot_tok_s([10.0], 10.1) == 0.0  # too short a span to say
