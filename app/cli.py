@@ -32,7 +32,9 @@ def _size(text: str) -> int:
 
 def _add_engine_options(parser: argparse.ArgumentParser) -> None:
     defaults = EngineConfig()
-    parser.add_argument("--model", help="HF model directory (default: the built-in demo model strata-demo)")
+    parser.add_argument(
+        "--model", help="HF model directory or GGUF file (default: the built-in demo model strata-demo)"
+    )
     parser.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available, else cpu")
     parser.add_argument(
         "--dtype",
@@ -242,7 +244,7 @@ def run_generate(args: argparse.Namespace) -> None:
     params.validate()
     config = engine_config(args)
     with EngineClient.start(config) as client:
-        tokenizer = Tokenizer.from_dir(args.model or default_model_dir())
+        tokenizer = Tokenizer.load(args.model or default_model_dir())
         if args.prompt_token_ids is not None:
             prompt = args.prompt_token_ids
         elif args.chat:

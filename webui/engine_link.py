@@ -63,7 +63,7 @@ class EngineLink:
         self.client = client
         self.ready: Ready = client.ready
         self.model_name = model_name
-        self.tokenizer = Tokenizer.from_dir(client.ready.model_path)
+        self.tokenizer = Tokenizer.load(client.ready.model_path)
         self.observer = observer
         self.running: dict[str, RequestRecord] = {}
         self.restarts = 0  # engines started after the first one died

@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from app.jsonfile import read_json_object
+from app.loading.gguf_file import GGUFCheckpoint, is_gguf
 from app.loading.safetensors import CheckpointError, SafetensorsFile
 from app.models.config import ConfigError, ModelConfig
 
@@ -79,3 +80,11 @@ class CheckpointDir:
         if value is None:
             return ()
         return (value,) if isinstance(value, int) else tuple(value)
+
+
+Checkpoint = CheckpointDir | GGUFCheckpoint  # what the loader reads tensors from
+
+
+def open_checkpoint(path: Path | str) -> Checkpoint:
+    """The model at `path`: a GGUF file (by its suffix) or an HF directory."""
+    return GGUFCheckpoint(path) if is_gguf(path) else CheckpointDir(path)

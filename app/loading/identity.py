@@ -9,10 +9,15 @@ SAMPLE = 1 << 16  # bytes read from each end of a weight file
 
 
 def model_identity(path: Path) -> str:
-    """A fingerprint of a model directory: its config and, per weight file, name, size and both ends."""
+    """A fingerprint of a model: a directory's config and, per weight file, name, size and both ends (a GGUF
+    file: the same of that file, whose metadata is its config)."""
     digest = hashlib.blake2b(digest_size=16)
-    digest.update((path / "config.json").read_bytes())
-    for weights in sorted([*path.glob("*.safetensors"), *path.glob("*.gguf")]):
+    if path.is_file():
+        files = [path]
+    else:
+        digest.update((path / "config.json").read_bytes())
+        files = sorted([*path.glob("*.safetensors"), *path.glob("*.gguf")])
+    for weights in files:
         size = weights.stat().st_size
         digest.update(f"{weights.name}:{size}".encode())
         with weights.open("rb") as f:

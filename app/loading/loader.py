@@ -14,7 +14,7 @@ from torch import nn
 from app.kernels.cpu_experts import experts_swiglu_sum
 from app.kernels.interface import Backends
 from app.kernels.reference import REFERENCE
-from app.loading.checkpoint import CheckpointDir
+from app.loading.checkpoint import Checkpoint, open_checkpoint
 from app.loading.progress import Progress
 from app.loading.safetensors import CheckpointError
 from app.models.attention import Attention
@@ -38,7 +38,7 @@ class TensorSource:
 CPU_FP32_RAM_SHARE = 0.25  # on a CPU, `auto` widens 16-bit weights to fp32 while they fit this of RAM
 
 
-def resolve_dtype(name: str, checkpoint: CheckpointDir, device: torch.device | str = "cuda") -> torch.dtype:
+def resolve_dtype(name: str, checkpoint: Checkpoint, device: torch.device | str = "cuda") -> torch.dtype:
     """`auto` takes the checkpoint's dtype (float32 when it names none), except on a CPU, where 16-bit
     weights are widened to float32 when that fits a quarter of the host's RAM (torch's CPU matmuls of one or
     a few rows run faster in fp32 than in bf16, also on CPUs with bf16 instructions); otherwise the named
@@ -52,7 +52,7 @@ def resolve_dtype(name: str, checkpoint: CheckpointDir, device: torch.device | s
     return DTYPES[name]
 
 
-def _fits_in_fp32(checkpoint: CheckpointDir) -> bool:
+def _fits_in_fp32(checkpoint: Checkpoint) -> bool:
     """Whether the checkpoint's tensors in fp32 take at most CPU_FP32_RAM_SHARE of the host's RAM."""
     elements = sum(math.prod(checkpoint.shape(name)) for name in checkpoint.names())
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -64,7 +64,7 @@ def experts_within(
 ) -> int | None:
     """How many experts of each MoE layer (MTP layers included) fit `budget` bytes of `device` memory in the
     weights' dtype: the `--expert-vram` form of `--expert-cache`; None when every expert fits."""
-    checkpoint = CheckpointDir(path)
+    checkpoint = open_checkpoint(path)
     config = checkpoint.config
     layers = sum(config.moe_layers) + (mtp_layer_count(checkpoint) if config.num_experts else 0)
     if not layers:
@@ -75,7 +75,7 @@ def experts_within(
     return None if fits >= config.num_experts else fits
 
 
-def mtp_layer_count(checkpoint: CheckpointDir) -> int:
+def mtp_layer_count(checkpoint: Checkpoint) -> int:
     """MTP layers to build: from config.json when it says, else from the `mtp.layers.N` tensors present."""
     if checkpoint.config.model_type != "qwen3_next":
         return 0
@@ -108,14 +108,14 @@ def load_model(
     backends: Backends = REFERENCE,
     resident_experts: int | None = None,
     spare_experts: int = 0,
-) -> tuple[CausalLM, CheckpointDir]:
+) -> tuple[CausalLM, Checkpoint]:
     """Load an HF directory into a CausalLM on `device`, checking every tensor's presence, name and shape.
 
     With `resident_experts` below the model's experts per layer, every MoE layer gets an expert tier: its
     experts load to host memory, and only the resident ones are copied to `device` (models/expert_tier.py),
     beside `spare_experts` free slots a layer for asynchronous swaps.
     """
-    checkpoint = CheckpointDir(path)
+    checkpoint = open_checkpoint(path)
     target = resolve_dtype(dtype, checkpoint, device)
     with torch.device("meta"):
         model = CausalLM(checkpoint.config, mtp_layers=mtp_layer_count(checkpoint), backends=backends)
@@ -160,7 +160,7 @@ def load_model(
 
 
 def _bf16_weights(
-    model: CausalLM, checkpoint: CheckpointDir, target: torch.dtype, backends: Backends
+    model: CausalLM, checkpoint: Checkpoint, target: torch.dtype, backends: Backends
 ) -> set[str]:
     """The matrices to keep in bf16 in a wider model, where the backends' kernels read bf16 weights with fp32
     arithmetic (`Backends.bf16_weights`): the routed experts and the weights of projections that go through
@@ -185,7 +185,7 @@ def _bf16_weights(
 def _fill(
     params: dict[str, nn.Parameter],
     sources: dict[str, TensorSource],
-    checkpoint: CheckpointDir,
+    checkpoint: Checkpoint,
     dtype: torch.dtype,
     device: torch.device,
     host: set[str],

@@ -27,8 +27,9 @@ class LoadedModel:
 
     @property
     def name(self) -> str:
-        """The model's directory name, as users see it."""
-        return self.checkpoint.path.name
+        """The model's name as users see it: its directory's name, or its GGUF file's without the suffix."""
+        path = self.checkpoint.path
+        return path.stem if path.suffix == ".gguf" else path.name
 
 
 def open_model(
@@ -50,7 +51,7 @@ def open_model(
         resident_experts=resident_experts,
         spare_experts=spare_experts,
     )
-    tokenizer = Tokenizer.from_dir(checkpoint.path)
+    tokenizer = Tokenizer.load(checkpoint.path)
     eos = checkpoint.eos_token_ids()
     if not eos and tokenizer.eos_token_id is not None:
         eos = (tokenizer.eos_token_id,)

@@ -1,4 +1,5 @@
-"""A Hugging Face `tokenizer.json` tokenizer with the model's special tokens and chat template."""
+"""A Hugging Face `tokenizer.json` tokenizer (or one rebuilt from a GGUF file's metadata) with the model's
+special tokens and chat template."""
 
 from collections.abc import Sequence
 from pathlib import Path
@@ -11,6 +12,13 @@ from app.jsonfile import read_json_object
 from app.text.chat_template import ChatTemplate
 
 _SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "pad_token", "unk_token")
+# GGUF token types that are special (control) or added by the model's authors (user-defined)
+_GGUF_SPECIAL_TYPES = (3, 4)
+# Qwen2's split of text into words before byte-level BPE (GGUF pre-tokenizer "qwen2")
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 
 class TokenizerError(StrataError):
@@ -84,6 +92,67 @@ class Tokenizer:
             chat_template = _config_chat_template(config.get("chat_template"))
         tokens = {name: _token_content(config.get(name)) for name in _SPECIAL_TOKEN_NAMES}
         return cls(backend, chat_template=chat_template, **tokens)
+
+    @classmethod
+    def load(cls, path: Path | str) -> "Tokenizer":
+        """The tokenizer of a model: from a GGUF file's metadata, or from an HF directory's files."""
+        return cls.from_gguf(Path(path)) if Path(path).suffix == ".gguf" else cls.from_dir(Path(path))
+
+    @classmethod
+    def from_gguf(cls, path: Path) -> "Tokenizer":
+        """Rebuild the byte-level BPE tokenizer (`tokenizer.ggml.model` gpt2, as llama.cpp writes Qwen models)
+        stored in a GGUF file: its tokens, merges, special tokens, pre-tokenizer and chat template."""
+        import gguf  # only needed for GGUF files
+
+        try:
+            fields = gguf.GGUFReader(path).fields
+        except (OSError, ValueError) as exc:
+            raise TokenizerError(f"cannot read GGUF file {path}: {exc}") from exc
+        meta = {name: field.contents() for name, field in fields.items() if name.startswith("tokenizer.")}
+        kind = meta.get("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise TokenizerError(f"unsupported GGUF tokenizer {kind!r} in {path.name}; supported: gpt2 (BPE)")
+        tokens: list[str] = meta["tokenizer.ggml.tokens"]
+        merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
+        backend = tokenizers.Tokenizer(
+            tokenizers.models.BPE({t: i for i, t in enumerate(tokens)}, merges, ignore_merges=False)
+        )
+        pre = meta.get("tokenizer.ggml.pre", "default")
+        byte_level = tokenizers.pre_tokenizers.ByteLevel
+        if pre == "qwen2":
+            split = tokenizers.pre_tokenizers.Split(tokenizers.Regex(_QWEN2_SPLIT), behavior="isolated")
+            backend.pre_tokenizer = tokenizers.pre_tokenizers.Sequence(
+                [split, byte_level(add_prefix_space=False, use_regex=False)]
+            )
+        elif pre in ("default", "gpt2"):
+            backend.pre_tokenizer = byte_level(add_prefix_space=False)
+        else:
+            raise TokenizerError(
+                f"unsupported GGUF pre-tokenizer {pre!r} in {path.name}; supported: qwen2, gpt2"
+            )
+        backend.decoder = tokenizers.decoders.ByteLevel()
+        types = meta.get("tokenizer.ggml.token_type") or []
+        backend.add_special_tokens(
+            [
+                tokenizers.AddedToken(tokens[i], special=True, normalized=False)
+                for i, kind in enumerate(types)
+                if kind in _GGUF_SPECIAL_TYPES
+            ]
+        )
+
+        def token(key: str) -> str | None:
+            index = meta.get(f"tokenizer.ggml.{key}_token_id")
+            return tokens[index] if isinstance(index, int) and 0 <= index < len(tokens) else None
+
+        bos = token("bos") if meta.get("tokenizer.ggml.add_bos_token") else None
+        return cls(
+            backend,
+            bos_token=bos,
+            eos_token=token("eos"),
+            pad_token=token("padding"),
+            unk_token=token("unknown"),
+            chat_template=meta.get("tokenizer.chat_template"),
+        )
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; `add_special_tokens` applies the tokenizer's post-processor (e.g. a BOS)."""

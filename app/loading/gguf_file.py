@@ -1,0 +1,187 @@
+"""A GGUF model file (llama.cpp's format) as a checkpoint: its metadata as an HF config, its tensors under HF
+names.
+
+Read with the `gguf` package's reader (memory-mapped); the model's metadata becomes the config.json fields
+the model is built from, and each HF tensor name maps to a GGUF tensor (an expert's projection to its slice
+of the layer's stacked `ffn_*_exps` tensor). F32, F16 and BF16 tensors are views of the mapped file; Q8_0
+tensors are dequantized when read (scale * int8, per block of 32). Other quant types, and architectures
+other than `qwen3moe`, are refused with a one-line error.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from app.loading.safetensors import CheckpointError
+from app.models.config import ModelConfig
+
+ARCHITECTURES = {"qwen3moe": "qwen3_moe"}  # GGUF general.architecture -> HF model_type
+Q8_0_BLOCK = 32  # values per Q8_0 block: a float16 scale, then 32 int8
+
+# HF config field <- GGUF metadata key (after "<arch>.")
+_CONFIG_KEYS = {
+    "num_hidden_layers": "block_count",
+    "max_position_embeddings": "context_length",
+    "hidden_size": "embedding_length",
+    "intermediate_size": "feed_forward_length",
+    "num_attention_heads": "attention.head_count",
+    "num_key_value_heads": "attention.head_count_kv",
+    "head_dim": "attention.key_length",
+    "rms_norm_eps": "attention.layer_norm_rms_epsilon",
+    "rope_theta": "rope.freq_base",
+    "num_experts": "expert_count",
+    "num_experts_per_tok": "expert_used_count",
+    "moe_intermediate_size": "expert_feed_forward_length",
+}
+
+# HF tensor name (a regex over layer i and expert e) -> GGUF tensor name
+_GLOBAL = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+_LAYER = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate.weight": "ffn_gate_inp.weight",
+}
+_EXPERT = {
+    "gate_proj": "ffn_gate_exps.weight",
+    "up_proj": "ffn_up_exps.weight",
+    "down_proj": "ffn_down_exps.weight",
+}
+
+
+def is_gguf(path: Path | str) -> bool:
+    """Whether `path` names a GGUF file (by its suffix)."""
+    return Path(path).suffix == ".gguf"
+
+
+def dequantize_q8_0(raw: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """Q8_0 bytes [..., blocks * 34] -> float32 values of `shape` (each block: f16 scale, then 32 int8)."""
+    blocks = raw.reshape(-1, 2 + Q8_0_BLOCK)
+    scale = blocks[:, :2].contiguous().view(torch.float16).float()
+    values = blocks[:, 2:].contiguous().view(torch.int8).float()
+    return (scale * values).reshape(shape)
+
+
+class GGUFCheckpoint:
+    """One GGUF file with the interface of `CheckpointDir`: `config`, `names()`, `shape()`, `tensor()`."""
+
+    def __init__(self, path: Path | str) -> None:
+        import gguf  # the reader is only needed for GGUF files
+
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise CheckpointError(f"model file {self.path} does not exist")
+        try:
+            self._reader = gguf.GGUFReader(self.path)
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"cannot read GGUF file {self.path}: {e}") from None
+        self.metadata: dict[str, Any] = {
+            name: field.contents() for name, field in self._reader.fields.items()
+        }
+        arch = self.metadata.get("general.architecture")
+        if arch not in ARCHITECTURES:
+            raise CheckpointError(
+                f"unsupported GGUF architecture {arch!r} in {self.path.name}; "
+                f"supported: {', '.join(ARCHITECTURES)}"
+            )
+        self.arch = arch
+        self._tensors = {t.name: t for t in self._reader.tensors}
+        for name, tensor in self._tensors.items():
+            if tensor.tensor_type.name not in ("F32", "F16", "BF16", "Q8_0"):
+                raise CheckpointError(
+                    f"unsupported quant type {tensor.tensor_type.name} of {name} in {self.path.name}; "
+                    "supported: F32, F16, BF16, Q8_0"
+                )
+        self.raw_config = self._config()
+        self.config = ModelConfig.from_dict(self.raw_config)
+        self._storage = torch.UntypedStorage.from_file(
+            str(self.path), shared=False, nbytes=self.path.stat().st_size
+        )
+        self._names = self._hf_names()
+
+    def _config(self) -> dict[str, Any]:
+        meta, prefix = self.metadata, f"{self.arch}."
+        config: dict[str, Any] = {"model_type": ARCHITECTURES[self.arch]}
+        for field, key in _CONFIG_KEYS.items():
+            value = meta.get(prefix + key)
+            if isinstance(value, float):  # stored as float32: its shortest decimal, as config.json would hold
+                value = float(str(np.float32(value)))
+            if value is not None:
+                config[field] = value
+        tokens = meta.get("tokenizer.ggml.tokens")
+        embed = self._tensors.get("token_embd.weight")
+        config["vocab_size"] = int(embed.shape[1]) if embed is not None else len(tokens or ())
+        config["tie_word_embeddings"] = "output.weight" not in self._tensors
+        config["norm_topk_prob"] = bool(meta.get(prefix + "expert_weights_norm", True))
+        # `--dtype auto`: float32 for an all-F32 file, else bfloat16 (what F16, BF16 and Q8_0 widen to)
+        kinds = {t.tensor_type.name for t in self._tensors.values()}
+        config["dtype"] = "float32" if kinds <= {"F32"} else "bfloat16"
+        if "tokenizer.ggml.eos_token_id" in meta:
+            config["eos_token_id"] = int(meta["tokenizer.ggml.eos_token_id"])
+        return config
+
+    def _hf_names(self) -> dict[str, tuple[str, int | None]]:
+        """HF tensor name -> (GGUF tensor name, expert index or None), for every tensor the model reads."""
+        names: dict[str, tuple[str, int | None]] = {}
+        for hf, name in _GLOBAL.items():
+            if name in self._tensors:
+                names[hf] = (name, None)
+        for i in range(self.config.num_hidden_layers):
+            for hf, name in _LAYER.items():
+                if f"blk.{i}.{name}" in self._tensors:
+                    names[f"model.layers.{i}.{hf}"] = (f"blk.{i}.{name}", None)
+            for e in range(self.config.num_experts or 0):
+                for projection, name in _EXPERT.items():
+                    if f"blk.{i}.{name}" in self._tensors:
+                        names[f"model.layers.{i}.mlp.experts.{e}.{projection}.weight"] = (
+                            f"blk.{i}.{name}",
+                            e,
+                        )
+        return names
+
+    def names(self) -> list[str]:
+        """Every tensor the file holds, by its HF name."""
+        return list(self._names)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """A tensor's shape (HF order: the reverse of GGUF's), without touching its data."""
+        source, expert = self._names[name]
+        shape = tuple(int(d) for d in reversed(self._tensors[source].shape))
+        return shape[1:] if expert is not None else shape
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """A tensor: a view of the mapped file (F32, F16, BF16) or its values dequantized (Q8_0)."""
+        source, expert = self._names[name]
+        whole = self._read(source)
+        return whole[expert] if expert is not None else whole
+
+    def _read(self, source: str) -> torch.Tensor:
+        tensor = self._tensors[source]
+        shape = tuple(int(d) for d in reversed(tensor.shape))
+        kind = tensor.tensor_type.name
+        raw = torch.empty(0, dtype=torch.uint8).set_(
+            self._storage, tensor.data_offset, (int(tensor.n_bytes),)
+        )
+        if kind == "Q8_0":
+            return dequantize_q8_0(raw, shape)
+        dtype = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[kind]
+        if tensor.data_offset % dtype.itemsize:
+            raw = raw.clone()
+        return raw.view(dtype).reshape(shape)
+
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """End-of-sequence ids from the file's tokenizer metadata."""
+        return self.config.eos_token_ids

@@ -1,0 +1,121 @@
+"""GGUF model files: llama.cpp's names and metadata, F32 and Q8_0 tensors, the tokenizer rebuilt from the
+file, and the same greedy tokens as the HF directory holding the same values."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import httpx
+import numpy as np
+import pytest
+import torch
+from checkpoints import write_checkpoint
+from engine_helpers import complete, make_core
+from gguf_files import dequantized_copy, write_gguf
+from serving import start_server, stop_server
+
+from app.errors import StrataError
+from app.loading.checkpoint import open_checkpoint
+from app.loading.gguf_file import GGUFCheckpoint, dequantize_q8_0
+from app.text.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_checkpoint(tmp_path_factory.mktemp("hf"), "qwen3_moe")
+
+
+def test_q8_0_dequantizes_as_the_gguf_package_does() -> None:
+    values = np.random.default_rng(0).standard_normal((6, 96)).astype(np.float32) * 3
+    raw = gguf.quants.quantize(values, gguf.GGMLQuantizationType.Q8_0)
+    expected = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q8_0)
+    got = dequantize_q8_0(torch.from_numpy(raw.copy()), (6, 96))
+    assert torch.equal(got, torch.from_numpy(expected))
+
+
+@pytest.mark.parametrize("quant", ["F32", "Q8_0"])
+def test_a_gguf_file_gives_the_greedy_tokens_of_its_hf_directory(
+    hf_dir: Path, tmp_path: Path, quant: str
+) -> None:
+    path = write_gguf(hf_dir, tmp_path / f"tiny-{quant}.gguf", quant)
+    same_values = hf_dir if quant == "F32" else dequantized_copy(hf_dir, tmp_path / "dequantized")
+    prompt = [5, 17, 99, 230, 31, 8, 400, 12]
+    from_gguf = complete(make_core(path), prompt, max_tokens=12, temperature=0, ignore_eos=True)
+    from_hf = complete(make_core(same_values), prompt, max_tokens=12, temperature=0, ignore_eos=True)
+    assert from_gguf.token_ids == from_hf.token_ids
+
+
+def test_the_file_maps_onto_the_hf_names_and_config(hf_dir: Path, tmp_path: Path) -> None:
+    checkpoint = open_checkpoint(write_gguf(hf_dir, tmp_path / "tiny.gguf"))
+    assert isinstance(checkpoint, GGUFCheckpoint)
+    hf = open_checkpoint(hf_dir)
+    assert sorted(checkpoint.names()) == sorted(hf.names())
+    config, expected = checkpoint.config, hf.config
+    sizes = ("hidden_size", "num_hidden_layers", "num_experts", "num_experts_per_tok", "head_dim")
+    for field in (*sizes, "vocab_size", "norm_topk_prob", "rms_norm_eps", "tie_word_embeddings"):
+        assert getattr(config, field) == getattr(expected, field)
+    assert config.rope.theta == expected.rope.theta and config.dtype == "float32"
+    assert GGUFCheckpoint(write_gguf(hf_dir, tmp_path / "q8.gguf", "Q8_0")).config.dtype == "bfloat16"
+    name = "model.layers.1.mlp.experts.3.down_proj.weight"
+    assert checkpoint.shape(name) == hf.shape(name)
+    assert torch.equal(checkpoint.tensor(name), hf.tensor(name).float())
+
+
+def test_the_tokenizer_and_chat_template_come_from_the_file(hf_dir: Path, tmp_path: Path) -> None:
+    from_file = Tokenizer.load(write_gguf(hf_dir, tmp_path / "tiny.gguf"))
+    expected = Tokenizer.load(hf_dir)
+    text = "The cat and the dog,\n  and 42 birds: <|im_start|>user hi<|im_end|>"
+    assert from_file.encode(text) == expected.encode(text)
+    ids = expected.encode(text)
+    assert from_file.decode(ids, skip_special_tokens=False) == expected.decode(ids, skip_special_tokens=False)
+    assert from_file.eos_token == expected.eos_token and from_file.eos_token_id == expected.eos_token_id
+    messages = [{"role": "user", "content": "hello there"}]
+    assert from_file.encode_chat(messages) == expected.encode_chat(messages)
+
+
+def _tiny_gguf(path: Path, arch: str, kind: gguf.GGMLQuantizationType) -> Path:
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_block_count(1)
+    block, size = gguf.GGML_QUANT_SIZES[kind]
+    writer.add_tensor("token_embd.weight", np.zeros((4, 256 // block * size), dtype=np.uint8), raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_an_unsupported_architecture_or_quant_type_is_a_one_line_error(hf_dir: Path, tmp_path: Path) -> None:
+    with pytest.raises(StrataError, match="unsupported GGUF architecture 'llama'") as error:
+        GGUFCheckpoint(_tiny_gguf(tmp_path / "llama.gguf", "llama", gguf.GGMLQuantizationType.Q8_0))
+    assert "\n" not in str(error.value)
+    path = write_gguf(hf_dir, tmp_path / "tiny.gguf")
+    assert GGUFCheckpoint(path).config.model_type == "qwen3_moe"
+    q4 = _tiny_gguf(tmp_path / "q4.gguf", "qwen3moe", gguf.GGMLQuantizationType.Q4_K)
+    with pytest.raises(StrataError, match="unsupported quant type Q4_K of token_embd.weight"):
+        GGUFCheckpoint(q4)
+
+
+def test_strata_serves_a_gguf_file_over_http(hf_dir: Path, tmp_path: Path) -> None:
+    """`strata serve --model tiny-Q8_0.gguf`: named by the file, chat rendered with the file's own template,
+    greedy answers those of the HF directory holding the same values."""
+    path = write_gguf(hf_dir, tmp_path / "tiny-Q8_0.gguf", "Q8_0")
+    body = {
+        "messages": [{"role": "user", "content": "the cat and the dog"}],
+        "max_tokens": 8,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    answers = []
+    for model in (path, dequantized_copy(hf_dir, tmp_path / "dequantized")):
+        server = start_server(model)
+        try:
+            models = httpx.get(f"{server.url}/v1/models", timeout=30).json()["data"]
+            reply = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60).json()
+        finally:
+            stop_server(server)
+        answers.append((models[0]["id"], reply["choices"][0]["message"]["content"], reply["usage"]))
+    (gguf_id, gguf_text, gguf_usage), (_, hf_text, hf_usage) = answers
+    assert gguf_id == "tiny-Q8_0"
+    assert gguf_text == hf_text and gguf_usage == hf_usage
