@@ -3,9 +3,10 @@ names.
 
 Read with the `gguf` package's reader (memory-mapped); the model's metadata becomes the config.json fields
 the model is built from, and each HF tensor name maps to a GGUF tensor (an expert's projection to its slice
-of the layer's stacked `ffn_*_exps` tensor). F32, F16 and BF16 tensors are views of the mapped file; Q8_0
-tensors are dequantized when read (scale * int8, per block of 32). Other quant types, and architectures
-other than `qwen3moe`, are refused with a one-line error.
+of the layer's stacked `ffn_*_exps` tensor). F32, F16 and BF16 tensors are views of the mapped file; Q8_0,
+Q4_K, Q5_K, Q6_K, IQ4_XS, IQ3_XXS and IQ3_S tensors are dequantized when read (app/kernels/gguf_quants.py),
+so the model holds them widened to its dtype. Other quant types, and architectures other than `qwen3moe`,
+are refused with a one-line error.
 """
 
 from __future__ import annotations
@@ -16,11 +17,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from app.kernels.gguf_quants import DEQUANTIZE, dequantize
 from app.loading.safetensors import CheckpointError
 from app.models.config import ModelConfig
 
 ARCHITECTURES = {"qwen3moe": "qwen3_moe"}  # GGUF general.architecture -> HF model_type
-Q8_0_BLOCK = 32  # values per Q8_0 block: a float16 scale, then 32 int8
+PLAIN = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}  # read as views of the file
 
 # HF config field <- GGUF metadata key (after "<arch>.")
 _CONFIG_KEYS = {
@@ -67,14 +69,6 @@ def is_gguf(path: Path | str) -> bool:
     return Path(path).suffix == ".gguf"
 
 
-def dequantize_q8_0(raw: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    """Q8_0 bytes [..., blocks * 34] -> float32 values of `shape` (each block: f16 scale, then 32 int8)."""
-    blocks = raw.reshape(-1, 2 + Q8_0_BLOCK)
-    scale = blocks[:, :2].contiguous().view(torch.float16).float()
-    values = blocks[:, 2:].contiguous().view(torch.int8).float()
-    return (scale * values).reshape(shape)
-
-
 class GGUFCheckpoint:
     """One GGUF file with the interface of `CheckpointDir`: `config`, `names()`, `shape()`, `tensor()`."""
 
@@ -100,10 +94,10 @@ class GGUFCheckpoint:
         self.arch = arch
         self._tensors = {t.name: t for t in self._reader.tensors}
         for name, tensor in self._tensors.items():
-            if tensor.tensor_type.name not in ("F32", "F16", "BF16", "Q8_0"):
+            if tensor.tensor_type.name not in (*PLAIN, *DEQUANTIZE):
                 raise CheckpointError(
                     f"unsupported quant type {tensor.tensor_type.name} of {name} in {self.path.name}; "
-                    "supported: F32, F16, BF16, Q8_0"
+                    f"supported: {', '.join((*PLAIN, *DEQUANTIZE))}"
                 )
         self.raw_config = self._config()
         self.config = ModelConfig.from_dict(self.raw_config)
@@ -126,7 +120,7 @@ class GGUFCheckpoint:
         config["vocab_size"] = int(embed.shape[1]) if embed is not None else len(tokens or ())
         config["tie_word_embeddings"] = "output.weight" not in self._tensors
         config["norm_topk_prob"] = bool(meta.get(prefix + "expert_weights_norm", True))
-        # `--dtype auto`: float32 for an all-F32 file, else bfloat16 (what F16, BF16 and Q8_0 widen to)
+        # `--dtype auto`: float32 for an all-F32 file, else bfloat16 (what 16-bit and quantized ones widen to)
         kinds = {t.tensor_type.name for t in self._tensors.values()}
         config["dtype"] = "float32" if kinds <= {"F32"} else "bfloat16"
         if "tokenizer.ggml.eos_token_id" in meta:
@@ -163,7 +157,7 @@ class GGUFCheckpoint:
         return shape[1:] if expert is not None else shape
 
     def tensor(self, name: str) -> torch.Tensor:
-        """A tensor: a view of the mapped file (F32, F16, BF16) or its values dequantized (Q8_0)."""
+        """A tensor: a view of the mapped file (F32, F16, BF16) or its values dequantized (quant types)."""
         source, expert = self._names[name]
         whole = self._read(source)
         return whole[expert] if expert is not None else whole
@@ -175,9 +169,9 @@ class GGUFCheckpoint:
         raw = torch.empty(0, dtype=torch.uint8).set_(
             self._storage, tensor.data_offset, (int(tensor.n_bytes),)
         )
-        if kind == "Q8_0":
-            return dequantize_q8_0(raw, shape)
-        dtype = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[kind]
+        if kind in DEQUANTIZE:
+            return dequantize(kind, raw, shape)
+        dtype = PLAIN[kind]
         if tensor.data_offset % dtype.itemsize:
             raw = raw.clone()
         return raw.view(dtype).reshape(shape)

@@ -16,8 +16,9 @@ from gguf_files import dequantized_copy, write_gguf
 from serving import start_server, stop_server
 
 from app.errors import StrataError
+from app.kernels.gguf_quants import DEQUANTIZE, dequantize
 from app.loading.checkpoint import open_checkpoint
-from app.loading.gguf_file import GGUFCheckpoint, dequantize_q8_0
+from app.loading.gguf_file import GGUFCheckpoint
 from app.text.tokenizer import Tokenizer
 
 
@@ -26,11 +27,23 @@ def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_checkpoint(tmp_path_factory.mktemp("hf"), "qwen3_moe")
 
 
-def test_q8_0_dequantizes_as_the_gguf_package_does() -> None:
-    values = np.random.default_rng(0).standard_normal((6, 96)).astype(np.float32) * 3
-    raw = gguf.quants.quantize(values, gguf.GGMLQuantizationType.Q8_0)
-    expected = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q8_0)
-    got = dequantize_q8_0(torch.from_numpy(raw.copy()), (6, 96))
+# Where each type keeps its float16 scale(s): set to finite values (random bytes there could be inf or NaN)
+SCALES = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}  # the others: one scale, at byte 0
+
+
+@pytest.mark.parametrize("kind", list(DEQUANTIZE))
+def test_each_quant_type_dequantizes_as_the_gguf_package_does(kind: str) -> None:
+    """Random blocks (random bytes, finite scales) give the values of the gguf package's own dequantizer."""
+    per_block, size, _ = DEQUANTIZE[kind]
+    quant = getattr(gguf.GGMLQuantizationType, kind)
+    assert gguf.GGML_QUANT_SIZES[quant] == (per_block, size)
+    rng = np.random.default_rng(len(kind))
+    raw = rng.integers(0, 256, (6, 3 * size), dtype=np.uint8)
+    blocks = raw.reshape(-1, size)
+    for at in SCALES.get(kind, (0,)):
+        blocks[:, at : at + 2] = rng.standard_normal((len(blocks), 1)).astype(np.float16).view(np.uint8)
+    expected = gguf.quants.dequantize(raw, quant)
+    got = dequantize(kind, torch.from_numpy(raw.copy()), expected.shape)
     assert torch.equal(got, torch.from_numpy(expected))
 
 
@@ -92,9 +105,9 @@ def test_an_unsupported_architecture_or_quant_type_is_a_one_line_error(hf_dir: P
     assert "\n" not in str(error.value)
     path = write_gguf(hf_dir, tmp_path / "tiny.gguf")
     assert GGUFCheckpoint(path).config.model_type == "qwen3_moe"
-    q4 = _tiny_gguf(tmp_path / "q4.gguf", "qwen3moe", gguf.GGMLQuantizationType.Q4_K)
-    with pytest.raises(StrataError, match="unsupported quant type Q4_K of token_embd.weight"):
-        GGUFCheckpoint(q4)
+    q2 = _tiny_gguf(tmp_path / "q2.gguf", "qwen3moe", gguf.GGMLQuantizationType.Q2_K)
+    with pytest.raises(StrataError, match="unsupported quant type Q2_K of token_embd.weight"):
+        GGUFCheckpoint(q2)
 
 
 def test_strata_serves_a_gguf_file_over_http(hf_dir: Path, tmp_path: Path) -> None:
