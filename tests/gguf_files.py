@@ -53,11 +53,12 @@ def _tensors(hf_dir: Path) -> dict[str, np.ndarray]:
     return out
 
 
-def write_gguf(hf_dir: Path, path: Path, quant: str = "F32", arch: str = "qwen3moe") -> Path:
+def write_gguf(hf_dir: Path, path: Path, quant: str = "F32", split: int = 0) -> Path:
     """Write the tiny qwen3_moe checkpoint in `hf_dir` as one GGUF file; with `quant` "Q8_0" its matrices are
-    Q8_0 (norms stay F32, as llama.cpp keeps them)."""
+    Q8_0 (norms stay F32, as llama.cpp keeps them); with `split`, as files of at most that many tensors
+    (`NAME-0000i-of-0000N.gguf`, as llama.cpp's gguf-split names them; returns the first)."""
     config = json.loads((hf_dir / "config.json").read_text())
-    writer = gguf.GGUFWriter(path, arch)
+    writer = gguf.GGUFWriter(path, "qwen3moe", split_max_tensors=split)
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
@@ -83,7 +84,8 @@ def write_gguf(hf_dir: Path, path: Path, quant: str = "F32", arch: str = "qwen3m
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return path
+    shards = sorted(path.parent.glob(f"{path.stem}-*-of-*.gguf"))
+    return shards[0] if split else path
 
 
 def _add_tokenizer(writer: gguf.GGUFWriter, hf_dir: Path) -> None:

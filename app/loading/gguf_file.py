@@ -11,6 +11,7 @@ are refused with a one-line error.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -64,13 +65,37 @@ _EXPERT = {
 }
 
 
+SHARD = re.compile(r"^(?P<stem>.+)-(?P<number>\d{5})-of-(?P<count>\d{5})\.gguf$")  # llama.cpp's gguf-split
+
+
 def is_gguf(path: Path | str) -> bool:
     """Whether `path` names a GGUF file (by its suffix)."""
     return Path(path).suffix == ".gguf"
 
 
+def gguf_shards(path: Path) -> list[Path]:
+    """The files of a GGUF model: the one file, or every shard of a split one (`NAME-00001-of-0000N.gguf`,
+    given any of them)."""
+    match = SHARD.match(path.name)
+    if match is None:
+        return [path]
+    count = int(match["count"])
+    shards = [path.with_name(f"{match['stem']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+    missing = [shard.name for shard in shards if not shard.is_file()]
+    if missing:
+        raise CheckpointError(f"{path.name} is one of {count} files; {missing[0]} is missing")
+    return shards
+
+
+def model_name(path: Path) -> str:
+    """A GGUF model's name as users see it: its file's, without the suffix or a split file's numbering."""
+    match = SHARD.match(path.name)
+    return match["stem"] if match is not None else path.stem
+
+
 class GGUFCheckpoint:
-    """One GGUF file with the interface of `CheckpointDir`: `config`, `names()`, `shape()`, `tensor()`."""
+    """A GGUF model (one file, or the shards of a split one) with the interface of `CheckpointDir`: `config`,
+    `names()`, `shape()`, `tensor()`."""
 
     def __init__(self, path: Path | str) -> None:
         import gguf  # the reader is only needed for GGUF files
@@ -78,13 +103,16 @@ class GGUFCheckpoint:
         self.path = Path(path)
         if not self.path.is_file():
             raise CheckpointError(f"model file {self.path} does not exist")
-        try:
-            self._reader = gguf.GGUFReader(self.path)
-        except (OSError, ValueError) as e:
-            raise CheckpointError(f"cannot read GGUF file {self.path}: {e}") from None
-        self.metadata: dict[str, Any] = {
-            name: field.contents() for name, field in self._reader.fields.items()
-        }
+        self.files = gguf_shards(self.path)
+        readers = []
+        for file in self.files:
+            try:
+                readers.append(gguf.GGUFReader(file))
+            except (OSError, ValueError) as e:
+                raise CheckpointError(f"cannot read GGUF file {file}: {e}") from None
+        self.metadata: dict[str, Any] = {}
+        for reader in reversed(readers):  # the first shard's metadata wins
+            self.metadata.update({name: field.contents() for name, field in reader.fields.items()})
         arch = self.metadata.get("general.architecture")
         if arch not in ARCHITECTURES:
             raise CheckpointError(
@@ -92,8 +120,8 @@ class GGUFCheckpoint:
                 f"supported: {', '.join(ARCHITECTURES)}"
             )
         self.arch = arch
-        self._tensors = {t.name: t for t in self._reader.tensors}
-        for name, tensor in self._tensors.items():
+        self._tensors = {t.name: (t, i) for i, reader in enumerate(readers) for t in reader.tensors}
+        for name, (tensor, _) in self._tensors.items():
             if tensor.tensor_type.name not in (*PLAIN, *DEQUANTIZE):
                 raise CheckpointError(
                     f"unsupported quant type {tensor.tensor_type.name} of {name} in {self.path.name}; "
@@ -101,9 +129,10 @@ class GGUFCheckpoint:
                 )
         self.raw_config = self._config()
         self.config = ModelConfig.from_dict(self.raw_config)
-        self._storage = torch.UntypedStorage.from_file(
-            str(self.path), shared=False, nbytes=self.path.stat().st_size
-        )
+        self._storages = [
+            torch.UntypedStorage.from_file(str(file), shared=False, nbytes=file.stat().st_size)
+            for file in self.files
+        ]
         self._names = self._hf_names()
 
     def _config(self) -> dict[str, Any]:
@@ -117,11 +146,11 @@ class GGUFCheckpoint:
                 config[field] = value
         tokens = meta.get("tokenizer.ggml.tokens")
         embed = self._tensors.get("token_embd.weight")
-        config["vocab_size"] = int(embed.shape[1]) if embed is not None else len(tokens or ())
+        config["vocab_size"] = int(embed[0].shape[1]) if embed is not None else len(tokens or ())
         config["tie_word_embeddings"] = "output.weight" not in self._tensors
         config["norm_topk_prob"] = bool(meta.get(prefix + "expert_weights_norm", True))
         # `--dtype auto`: float32 for an all-F32 file, else bfloat16 (what 16-bit and quantized ones widen to)
-        kinds = {t.tensor_type.name for t in self._tensors.values()}
+        kinds = {t.tensor_type.name for t, _ in self._tensors.values()}
         config["dtype"] = "float32" if kinds <= {"F32"} else "bfloat16"
         if "tokenizer.ggml.eos_token_id" in meta:
             config["eos_token_id"] = int(meta["tokenizer.ggml.eos_token_id"])
@@ -153,26 +182,26 @@ class GGUFCheckpoint:
     def shape(self, name: str) -> tuple[int, ...]:
         """A tensor's shape (HF order: the reverse of GGUF's), without touching its data."""
         source, expert = self._names[name]
-        shape = tuple(int(d) for d in reversed(self._tensors[source].shape))
+        shape = tuple(int(d) for d in reversed(self._tensors[source][0].shape))
         return shape[1:] if expert is not None else shape
 
     def tensor(self, name: str) -> torch.Tensor:
-        """A tensor: a view of the mapped file (F32, F16, BF16) or its values dequantized (quant types)."""
+        """A tensor: a view of the mapped file (F32, F16, BF16) or its values dequantized (quant types); an
+        expert's projection reads only its own slice of the layer's stacked tensor."""
         source, expert = self._names[name]
-        whole = self._read(source)
-        return whole[expert] if expert is not None else whole
-
-    def _read(self, source: str) -> torch.Tensor:
-        tensor = self._tensors[source]
+        tensor, file = self._tensors[source]
         shape = tuple(int(d) for d in reversed(tensor.shape))
+        start, size = int(tensor.data_offset), int(tensor.n_bytes)
+        if expert is not None:
+            size //= shape[0]
+            start += expert * size
+            shape = shape[1:]
+        raw = torch.empty(0, dtype=torch.uint8).set_(self._storages[file], start, (size,))
         kind = tensor.tensor_type.name
-        raw = torch.empty(0, dtype=torch.uint8).set_(
-            self._storage, tensor.data_offset, (int(tensor.n_bytes),)
-        )
         if kind in DEQUANTIZE:
             return dequantize(kind, raw, shape)
         dtype = PLAIN[kind]
-        if tensor.data_offset % dtype.itemsize:
+        if start % dtype.itemsize:
             raw = raw.clone()
         return raw.view(dtype).reshape(shape)
 

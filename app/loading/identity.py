@@ -5,15 +5,17 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+from app.loading.gguf_file import gguf_shards
+
 SAMPLE = 1 << 16  # bytes read from each end of a weight file
 
 
 def model_identity(path: Path) -> str:
     """A fingerprint of a model: a directory's config and, per weight file, name, size and both ends (a GGUF
-    file: the same of that file, whose metadata is its config)."""
+    file: the same of each of its files, whose metadata is its config)."""
     digest = hashlib.blake2b(digest_size=16)
     if path.is_file():
-        files = [path]
+        files = gguf_shards(path)
     else:
         digest.update((path / "config.json").read_bytes())
         files = sorted([*path.glob("*.safetensors"), *path.glob("*.gguf")])

@@ -9,7 +9,8 @@ import torch
 
 from app.kernels.interface import Backends
 from app.kernels.reference import REFERENCE
-from app.loading.checkpoint import CheckpointDir
+from app.loading.checkpoint import Checkpoint
+from app.loading.gguf_file import is_gguf, model_name
 from app.loading.loader import load_model
 from app.models.qwen3 import CausalLM
 from app.text.tokenizer import Tokenizer
@@ -21,7 +22,7 @@ class LoadedModel:
 
     model: CausalLM
     tokenizer: Tokenizer
-    checkpoint: CheckpointDir
+    checkpoint: Checkpoint
     eos_token_ids: tuple[int, ...]
     device: torch.device
 
@@ -29,7 +30,7 @@ class LoadedModel:
     def name(self) -> str:
         """The model's name as users see it: its directory's name, or its GGUF file's without the suffix."""
         path = self.checkpoint.path
-        return path.stem if path.suffix == ".gguf" else path.name
+        return model_name(path) if is_gguf(path) else path.name
 
 
 def open_model(

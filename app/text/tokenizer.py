@@ -104,8 +104,10 @@ class Tokenizer:
         stored in a GGUF file: its tokens, merges, special tokens, pre-tokenizer and chat template."""
         import gguf  # only needed for GGUF files
 
+        from app.loading.gguf_file import gguf_shards
+
         try:
-            fields = gguf.GGUFReader(path).fields
+            fields = gguf.GGUFReader(gguf_shards(path)[0]).fields  # a split file's metadata is in its first
         except (OSError, ValueError) as exc:
             raise TokenizerError(f"cannot read GGUF file {path}: {exc}") from exc
         meta = {name: field.contents() for name, field in fields.items() if name.startswith("tokenizer.")}

@@ -59,6 +59,20 @@ def test_a_gguf_file_gives_the_greedy_tokens_of_its_hf_directory(
     assert from_gguf.token_ids == from_hf.token_ids
 
 
+def test_a_split_gguf_loads_from_any_of_its_files(hf_dir: Path, tmp_path: Path) -> None:
+    first = write_gguf(hf_dir, tmp_path / "tiny.gguf", split=10)
+    shards = sorted(tmp_path.glob("tiny-*-of-*.gguf"))
+    assert len(shards) > 2 and first == shards[0]
+    prompt = [5, 17, 99, 230, 31]
+    whole = complete(make_core(hf_dir), prompt, max_tokens=8, temperature=0, ignore_eos=True)
+    core = make_core(shards[1])
+    assert core.loaded.name == "tiny"
+    assert complete(core, prompt, max_tokens=8, temperature=0, ignore_eos=True).token_ids == whole.token_ids
+    shards[-1].unlink()
+    with pytest.raises(StrataError, match=f"is one of {len(shards)} files; {shards[-1].name} is missing"):
+        GGUFCheckpoint(first)
+
+
 def test_the_file_maps_onto_the_hf_names_and_config(hf_dir: Path, tmp_path: Path) -> None:
     checkpoint = open_checkpoint(write_gguf(hf_dir, tmp_path / "tiny.gguf"))
     assert isinstance(checkpoint, GGUFCheckpoint)
@@ -88,6 +102,7 @@ def test_the_tokenizer_and_chat_template_come_from_the_file(hf_dir: Path, tmp_pa
 
 
 def _tiny_gguf(path: Path, arch: str, kind: gguf.GGMLQuantizationType) -> Path:
+    """A GGUF of `arch` with one tensor of quant type `kind` (zero bytes) and no other metadata."""
     writer = gguf.GGUFWriter(path, arch)
     writer.add_block_count(1)
     block, size = gguf.GGML_QUANT_SIZES[kind]
