@@ -22,7 +22,8 @@ def triton_backends() -> Backends:
     """The Triton kernels (CUDA; on CPU tensors only under TRITON_INTERPRET=1, for tests)."""
     from app.kernels.triton_attention import paged_attention
     from app.kernels.triton_gdn import causal_conv_varlen, gated_delta_rule_paged
-    from app.kernels.triton_moe import few_rows_linear, fused_experts, route_top_k
+    from app.kernels.triton_linear import few_rows_linear
+    from app.kernels.triton_moe import fused_experts, route_top_k
     from app.kernels.triton_norm import (
         add_rms_norm,
         gated_rms_norm,

@@ -447,30 +447,3 @@ def tiled_linear(
         blocks = -(-rows // tiles.block_m)
         _launch(x, weight.unsqueeze(0), out, routes, tiles, n, 1, None, mode=ONE_GROUP, tile_count=blocks)
     return out if bias is None else out + bias
-
-
-# Few rows' dense projections (benchmarks/tune_linear.py on an H200, docs/KERNELS.md): cuBLAS reads
-# mid-sized matrices fastest, but small ones (routers, Qwen3-Next's shared expert: 7-14 us for at most 4 MB)
-# and very wide ones (LM heads, Qwen3-Next's qkvz) slower than these tiles.
-SMALL_WEIGHT_TILES = MoeTiles(block_m=16, block_n=16, block_k=512, num_warps=4, num_stages=3)
-WIDE_WEIGHT_TILES = MoeTiles(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4)
-SMALL_WEIGHT, WIDE_WEIGHT = 1 << 21, 12288  # elements of a small weight; rows of a wide one
-
-
-def few_rows_tiles(weight: torch.Tensor) -> MoeTiles | None:
-    """The tiles a window of few rows uses for this weight [n, k], or None for cuBLAS (by shape only)."""
-    if weight.numel() <= SMALL_WEIGHT:
-        return SMALL_WEIGHT_TILES
-    if weight.shape[0] >= WIDE_WEIGHT:
-        return WIDE_WEIGHT_TILES
-    return None
-
-
-def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [rows, k] @ weight [n, k].T (+ bias): windows of up to 16 rows by the tiles `few_rows_tiles` picks
-    for the weight's shape (each row's result then the same whatever else shares the window), everything
-    else by torch (cuBLAS)."""
-    tiles = few_rows_tiles(weight)
-    if tiles is None or x.shape[0] > tiles.block_m:
-        return torch.nn.functional.linear(x, weight, bias)
-    return tiled_linear(x, weight, bias, tiles)

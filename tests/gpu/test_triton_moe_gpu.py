@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from app.kernels.reference import experts_reference
-from app.kernels.triton_moe import exact_linear, few_rows_linear, fused_experts
+from app.kernels.triton_linear import SMALL_WEIGHT_TILES, few_rows_linear, resident_tile_linear
+from app.kernels.triton_moe import exact_linear, fused_experts, tiled_linear
 
 pytestmark = [
     pytest.mark.gpu,
@@ -62,13 +63,39 @@ def test_exact_linear_rows_are_bit_identical_alone_and_batched() -> None:
         assert torch.equal(exact_linear(x[rows], weight), batched[rows])
 
 
-@pytest.mark.parametrize(("n", "k"), [(12288, 2048), (1024, 2048), (128, 2048)])  # wide, small, router
-def test_few_rows_linear_matches_fp32_and_a_row_never_depends_on_the_batch(n: int, k: int) -> None:
+@pytest.mark.parametrize(
+    ("n", "k", "alike"),
+    [
+        (12288, 2048, 16),  # wide: fixed tiles for every window of up to 16 rows
+        (1024, 2048, 16),  # small: resident tiles
+        (128, 2048, 16),  # a router
+        (2048, 512, 16),  # a short row
+        (5120, 2048, 1),  # mid-sized (q30's qkv and o): a lone row on its own, more rows by cuBLAS
+        (2048, 4096, 1),
+    ],
+)
+def test_few_rows_linear_matches_fp32_and_a_row_never_depends_on_the_batch(
+    n: int, k: int, alike: int
+) -> None:
     g = torch.Generator(device="cuda").manual_seed(n)
-    x = torch.randn(16, k, device="cuda", generator=g).bfloat16()
     weight = (torch.randn(n, k, device="cuda", generator=g) * 0.02).bfloat16()
+    for count in (1, 4, 16):
+        x = torch.randn(count, k, device="cuda", generator=g).bfloat16()
+        got = few_rows_linear(x, weight)
+        expected = torch.nn.functional.linear(x.float(), weight.float())
+        assert ((got.float() - expected).abs().max() / expected.abs().max()) < 1e-2
+    x = torch.randn(alike, k, device="cuda", generator=g).bfloat16()
     batched = few_rows_linear(x, weight)
-    expected = torch.nn.functional.linear(x.float(), weight.float())
-    assert ((batched.float() - expected).abs().max() / expected.abs().max()) < 1e-2
-    for rows in (slice(0, 1), slice(2, 6), slice(15, 16)):
+    for rows in (slice(0, 1), slice(alike // 2, alike)):
         assert torch.equal(few_rows_linear(x[rows], weight), batched[rows])
+
+
+@pytest.mark.parametrize(("n", "k"), [(128, 2048), (1024, 2048), (64, 64), (300, 512)])
+def test_resident_tiles_give_the_bits_of_the_fixed_tiles(n: int, k: int) -> None:
+    g = torch.Generator(device="cuda").manual_seed(k)
+    weight = (torch.randn(n, k, device="cuda", generator=g) * 0.02).bfloat16()
+    for rows in (1, 5, 16):
+        x = torch.randn(rows, k, device="cuda", generator=g).bfloat16()
+        assert torch.equal(
+            resident_tile_linear(x, weight, None), tiled_linear(x, weight, None, SMALL_WEIGHT_TILES)
+        )

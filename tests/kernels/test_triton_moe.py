@@ -11,7 +11,6 @@ from app.kernels.triton_moe import (
     PER_PAIR_TOKENS,
     align_routes,
     exact_linear,
-    few_rows_linear,
     fused_experts,
     moe_tiles,
     route_top_k,
@@ -95,18 +94,3 @@ def test_exact_linear_matches_torch_and_a_row_never_depends_on_the_batch(dtype: 
     torch.testing.assert_close(got.float(), expected, atol=tolerance, rtol=tolerance)
     for row in (0, 20, 36):
         assert torch.equal(exact_linear(x[row : row + 1], weight, bias)[0], got[row])
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_few_rows_linear_matches_torch_and_a_row_never_depends_on_the_batch(dtype: torch.dtype) -> None:
-    g = torch.Generator().manual_seed(6)
-    x = torch.randn(16, 300, generator=g).to(dtype)
-    weight = (torch.randn(40, 300, generator=g) * 0.1).to(dtype)
-    got = few_rows_linear(x, weight)
-    expected = torch.nn.functional.linear(x.float(), weight.float())
-    tolerance = 1e-5 if dtype == torch.float32 else 2e-3
-    torch.testing.assert_close(got.float(), expected, atol=tolerance, rtol=tolerance)
-    for rows in (slice(0, 1), slice(3, 7), slice(15, 16)):
-        assert torch.equal(few_rows_linear(x[rows], weight), got[rows])
-    many = torch.randn(17, 300, generator=g).to(dtype)
-    torch.testing.assert_close(few_rows_linear(many, weight), torch.nn.functional.linear(many, weight))

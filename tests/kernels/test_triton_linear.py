@@ -1,0 +1,56 @@
+"""The dense projections of few rows against torch, in Triton's interpreter on CPU tensors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from app.kernels.triton_linear import TILE, few_rows_linear, resident_tile_linear, row_linear
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(("n", "k"), [(40, 300), (13, 64)])
+def test_few_rows_linear_matches_torch_and_a_row_never_depends_on_the_batch(
+    dtype: torch.dtype, n: int, k: int
+) -> None:
+    # A small weight: resident tiles up to 16 rows, cuBLAS beyond.
+    g = torch.Generator().manual_seed(6)
+    weight = (torch.randn(n, k, generator=g) * 0.1).to(dtype)
+    x = torch.randn(TILE, k, generator=g).to(dtype)
+    got = few_rows_linear(x, weight)
+    expected = torch.nn.functional.linear(x.float(), weight.float())
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(got.float(), expected, atol=tolerance, rtol=tolerance)
+    for rows in (slice(0, 1), slice(3, 7), slice(TILE - 1, TILE)):
+        assert torch.equal(few_rows_linear(x[rows], weight), got[rows])
+    many = torch.randn(TILE + 1, k, generator=g).to(dtype)
+    torch.testing.assert_close(few_rows_linear(many, weight), torch.nn.functional.linear(many, weight))
+
+
+@pytest.mark.parametrize("block_n", [1, 4, 16])
+def test_a_lone_row_over_whole_weight_rows_matches_torch(block_n: int) -> None:
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(1, 100, generator=g)
+    weight = torch.randn(37, 100, generator=g)
+    bias = torch.randn(37, generator=g)
+    got = row_linear(x, weight, bias, block_n)
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, weight, bias), atol=1e-5, rtol=1e-5)
+
+
+def test_resident_tiles_cover_a_ragged_weight_with_a_bias() -> None:
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(5, 100, generator=g)
+    weight = torch.randn(37, 100, generator=g)
+    bias = torch.randn(37, generator=g)
+    got = resident_tile_linear(x, weight, bias)
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, weight, bias), atol=1e-5, rtol=1e-5)
+    assert resident_tile_linear(x[:0], weight, None).shape == (0, 37)
+
+
+def test_what_does_not_fit_a_program_is_refused() -> None:
+    with pytest.raises(ValueError, match="do not fit"):
+        resident_tile_linear(torch.zeros(1, 4096), torch.zeros(16, 4096), None)
+    with pytest.raises(ValueError, match="at most"):
+        resident_tile_linear(torch.zeros(TILE + 1, 64), torch.zeros(16, 64), None)
+    with pytest.raises(ValueError, match="one row"):
+        row_linear(torch.zeros(2, 64), torch.zeros(16, 64), None, 1)
