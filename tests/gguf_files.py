@@ -30,36 +30,115 @@ _NAMES = {
     "self_attn.k_norm.weight": "attn_k_norm.weight",
     "mlp.gate.weight": "ffn_gate_inp.weight",
 }
-_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
-_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+# qwen3next (llama.cpp's Qwen3NextModel): other names, and what the converter does to the values
+_NEXT_NAMES = {
+    **_NAMES,
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+    "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
+    "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
+    "linear_attn.in_proj_ba.weight": "ssm_ba.weight",
+    "linear_attn.conv1d.weight": "ssm_conv1d.weight",
+    "linear_attn.dt_bias": "ssm_dt.bias",
+    "linear_attn.A_log": "ssm_a",
+    "linear_attn.norm.weight": "ssm_norm.weight",
+    "linear_attn.out_proj.weight": "ssm_out.weight",
+    "mtp.fc.weight": "nextn.eh_proj.weight",
+    "mtp.pre_fc_norm_embedding.weight": "nextn.enorm.weight",
+    "mtp.pre_fc_norm_hidden.weight": "nextn.hnorm.weight",
+    "mtp.norm.weight": "nextn.shared_head_norm.weight",
+}
+_EXPERT = re.compile(r"(?:model|mtp)\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
+_LAYER = re.compile(r"(model|mtp)\.layers\.(\d+)\.(.+)")
+_MTP_HEAD = re.compile(r"mtp\.(fc|pre_fc_norm_embedding|pre_fc_norm_hidden|norm)\.weight")
 
 
-def _tensors(hf_dir: Path) -> dict[str, np.ndarray]:
-    """The HF checkpoint's tensors under llama.cpp's names, a layer's experts stacked [experts, out, in]."""
+def _quantized(name: str, shape: tuple[int, ...]) -> bool:
+    """Whether a Q8_0 file holds this tensor quantized: matrices whose rows are whole blocks of 32 (as
+    llama.cpp, which keeps the rest and the conv weight in float)."""
+    return len(shape) >= 2 and shape[-1] % 32 == 0 and "conv1d" not in name
+
+
+def _stored_as_one_plus(name: str) -> bool:
+    """Whether qwen3next's converter stores this norm as 1 + weight: every norm but the gated one, the MTP
+    head's too (renamed enorm / hnorm before the converter looks at the name)."""
+    gated = name.endswith("linear_attn.norm.weight")
+    return (name.endswith("norm.weight") and not gated) or name.startswith("mtp.pre_fc_norm_")
+
+
+def converted(name: str, value: np.ndarray) -> np.ndarray:
+    """What llama.cpp's qwen3next converter stores for an HF tensor (in_proj_qkvz aside): norms as 1 + weight
+    (not the Gated DeltaNet's gated norm), A_log as -exp(A_log), the conv weight without its middle axis."""
+    if _stored_as_one_plus(name):
+        return value + np.float32(1)
+    if name.endswith(".A_log"):
+        return -np.exp(value)
+    if name.endswith("conv1d.weight"):
+        return value.squeeze(1)
+    return value
+
+
+def _split_qkvz(value: np.ndarray, config: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+    """HF's in_proj_qkvz (per key head: q, k, its value heads' v, z) as llama.cpp's attn_qkv (every q, then
+    every k, then every v) and attn_gate (every z)."""
+    heads, qk = config["linear_num_key_heads"], config["linear_key_head_dim"]
+    vz = config["linear_value_head_dim"] * config["linear_num_value_heads"] // heads
+    per_head = value.reshape(heads, 2 * qk + 2 * vz, -1)
+    q, k, v, z = np.split(per_head, [qk, 2 * qk, 2 * qk + vz], axis=1)
+    hidden = value.shape[-1]
+    return np.concatenate([q.reshape(-1, hidden), k.reshape(-1, hidden), v.reshape(-1, hidden)]), z.reshape(
+        -1, hidden
+    )
+
+
+def _tensors(hf_dir: Path, config: dict[str, Any], whole_qkvz: bool = False) -> dict[str, np.ndarray]:
+    """The HF checkpoint's tensors under llama.cpp's names (a layer's experts stacked [experts, out, in]);
+    qwen3next's converted as llama.cpp's converter does, its MTP layer as the block after the last (with
+    `whole_qkvz`, in_proj_qkvz kept whole as `ssm_in`, as older files have it)."""
+    nxt = config["model_type"] == "qwen3_next"
+    names, layers = (_NEXT_NAMES if nxt else _NAMES), config["num_hidden_layers"]
     out: dict[str, np.ndarray] = {}
     experts: dict[str, dict[int, np.ndarray]] = {}
     for file in sorted(hf_dir.glob("*.safetensors")):
         with safe_open(str(file), "pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
                 value = f.get_tensor(name).float().numpy()
+                value = converted(name, value) if nxt else value
+                block = None
+                if m := _LAYER.match(name):
+                    block, rest = int(m[2]) + (layers if m[1] == "mtp" else 0), m[3]
                 if m := _EXPERT.match(name):
-                    experts.setdefault(f"blk.{m[1]}.ffn_{m[3]}_exps.weight", {})[int(m[2])] = value
-                elif m := _LAYER.match(name):
-                    out[f"blk.{m[1]}.{_NAMES[m[2]]}"] = value
+                    experts.setdefault(f"blk.{block}.ffn_{m[3]}_exps.weight", {})[int(m[2])] = value
+                elif block is not None and rest == "linear_attn.in_proj_qkvz.weight" and whole_qkvz:
+                    out[f"blk.{block}.ssm_in.weight"] = value
+                elif block is not None and rest == "linear_attn.in_proj_qkvz.weight":
+                    out[f"blk.{block}.attn_qkv.weight"], out[f"blk.{block}.attn_gate.weight"] = _split_qkvz(
+                        value, config
+                    )
+                elif block is not None:
+                    out[f"blk.{block}.{names[rest]}"] = value
+                elif _MTP_HEAD.match(name):
+                    out[f"blk.{layers}.{names[name]}"] = value
                 else:
-                    out[_NAMES[name]] = value
+                    out[names[name]] = value
     for name, by_expert in experts.items():
         out[name] = np.stack([by_expert[e] for e in sorted(by_expert)])
     return out
 
 
-def write_gguf(hf_dir: Path, path: Path, quant: str = "F32", split: int = 0) -> Path:
-    """Write the tiny qwen3_moe checkpoint in `hf_dir` as one GGUF file; with `quant` "Q8_0" its matrices are
-    Q8_0 (norms stay F32, as llama.cpp keeps them); with `split`, as files of at most that many tensors
-    (`NAME-0000i-of-0000N.gguf`, as llama.cpp's gguf-split names them; returns the first)."""
+def write_gguf(
+    hf_dir: Path, path: Path, quant: str = "F32", split: int = 0, whole_qkvz: bool = False
+) -> Path:
+    """Write the tiny qwen3_moe or qwen3_next checkpoint in `hf_dir` as one GGUF file; with `quant` "Q8_0"
+    its matrices are Q8_0 (norms and vectors stay F32, as llama.cpp keeps them); with `split`, as files of
+    at most that many tensors (`NAME-0000i-of-0000N.gguf`, as llama.cpp's gguf-split names them; returns
+    the first)."""
     config = json.loads((hf_dir / "config.json").read_text())
-    writer = gguf.GGUFWriter(path, "qwen3moe", split_max_tensors=split)
-    writer.add_block_count(config["num_hidden_layers"])
+    nxt = config["model_type"] == "qwen3_next"
+    mtp = len({n.split(".")[2] for n in _safetensor_names(hf_dir) if n.startswith("mtp.layers.")})
+    writer = gguf.GGUFWriter(path, "qwen3next" if nxt else "qwen3moe", split_max_tensors=split)
+    writer.add_block_count(config["num_hidden_layers"] + mtp)
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
     writer.add_feed_forward_length(config["intermediate_size"])
@@ -70,12 +149,26 @@ def write_gguf(hf_dir: Path, path: Path, quant: str = "F32", split: int = 0) -> 
     writer.add_rope_freq_base(float(config["rope_parameters"]["rope_theta"]))
     writer.add_layer_norm_rms_eps(float(config["rms_norm_eps"]))
     writer.add_expert_count(config.get("num_experts") or config["num_local_experts"])
-    writer.add_expert_weights_norm(bool(config["norm_topk_prob"]))
     writer.add_expert_used_count(config["num_experts_per_tok"])
     writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    if nxt:
+        partial = config["rope_parameters"]["partial_rotary_factor"]
+        writer.add_rope_dimension_count(int(config["head_dim"] * partial))
+        writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
+        writer.add_ssm_conv_kernel(config["linear_conv_kernel_dim"])
+        writer.add_ssm_state_size(config["linear_key_head_dim"])
+        writer.add_ssm_group_count(config["linear_num_key_heads"])
+        writer.add_ssm_time_step_rank(config["linear_num_value_heads"])
+        writer.add_ssm_inner_size(config["linear_value_head_dim"] * config["linear_num_value_heads"])
+        interval = [t == "full_attention" for t in config["layer_types"]].index(True) + 1
+        writer.add_full_attention_interval(interval)
+        if mtp:
+            writer.add_nextn_predict_layers(mtp)
+    else:
+        writer.add_expert_weights_norm(bool(config["norm_topk_prob"]))
     _add_tokenizer(writer, hf_dir)
-    for name, value in _tensors(hf_dir).items():
-        if quant == "Q8_0" and value.ndim >= 2:
+    for name, value in _tensors(hf_dir, config, whole_qkvz).items():
+        if quant == "Q8_0" and _quantized(name, value.shape):
             q = gguf.quants.quantize(value, gguf.GGMLQuantizationType.Q8_0)
             writer.add_tensor(name, q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
         else:
@@ -86,6 +179,14 @@ def write_gguf(hf_dir: Path, path: Path, quant: str = "F32", split: int = 0) -> 
     writer.close()
     shards = sorted(path.parent.glob(f"{path.stem}-*-of-*.gguf"))
     return shards[0] if split else path
+
+
+def _safetensor_names(hf_dir: Path) -> list[str]:
+    names: list[str] = []
+    for file in sorted(hf_dir.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            names.extend(f.keys())
+    return names
 
 
 def _add_tokenizer(writer: gguf.GGUFWriter, hf_dir: Path) -> None:
@@ -106,17 +207,24 @@ def _add_tokenizer(writer: gguf.GGUFWriter, hf_dir: Path) -> None:
     writer.add_chat_template(config["chat_template"])
 
 
-def dequantized_copy(hf_dir: Path, out_dir: Path) -> Path:
-    """A copy of the HF checkpoint whose matrices hold their Q8_0 values (what a Q8_0 GGUF of it holds)."""
+def same_values_copy(hf_dir: Path, out_dir: Path, quant: str = "F32") -> Path:
+    """A copy of the HF checkpoint holding the values a GGUF of it holds, as the loader reads them back: with
+    `quant` "Q8_0" its matrices' Q8_0 values; for qwen3next the converter's changes undone in float32
+    ((1 + w) - 1 for the norms, log(exp(A_log))), which need not give back the same bits."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    nxt = json.loads((hf_dir / "config.json").read_text())["model_type"] == "qwen3_next"
     tensors: dict[str, Any] = {}
     for file in sorted(hf_dir.glob("*.safetensors")):
         with safe_open(str(file), "pt") as f:
             for name in f.keys():  # noqa: SIM118
                 value = f.get_tensor(name).float()
-                if value.dim() >= 2:
+                if quant == "Q8_0" and _quantized(name, tuple(value.shape)):
                     q = gguf.quants.quantize(value.numpy(), gguf.GGMLQuantizationType.Q8_0)
                     value = torch.from_numpy(gguf.quants.dequantize(q, gguf.GGMLQuantizationType.Q8_0).copy())
+                if nxt and name.endswith(".A_log"):
+                    value = torch.log(-torch.from_numpy(converted(name, value.numpy())))
+                elif nxt and _stored_as_one_plus(name):
+                    value = torch.from_numpy(converted(name, value.numpy())) - 1
                 tensors[name] = value.contiguous()
     save_file(tensors, str(out_dir / "model.safetensors"))
     for extra in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):

@@ -3,6 +3,8 @@ file, and the same greedy tokens as the HF directory holding the same values."""
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 
 import gguf
@@ -12,8 +14,9 @@ import pytest
 import torch
 from checkpoints import write_checkpoint
 from engine_helpers import complete, make_core
-from gguf_files import dequantized_copy, write_gguf
+from gguf_files import same_values_copy, write_gguf
 from serving import start_server, stop_server
+from websockets.sync.client import connect
 
 from app.errors import StrataError
 from app.kernels.gguf_quants import DEQUANTIZE, dequantize
@@ -25,6 +28,12 @@ from app.text.tokenizer import Tokenizer
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_checkpoint(tmp_path_factory.mktemp("hf"), "qwen3_moe")
+
+
+@pytest.fixture(scope="module")
+def next_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny qwen3_next checkpoint with an MTP layer."""
+    return write_checkpoint(tmp_path_factory.mktemp("next"), "qwen3_next", mtp_layers=1)
 
 
 # Where each type keeps its float16 scale(s): set to finite values (random bytes there could be inf or NaN)
@@ -52,7 +61,7 @@ def test_a_gguf_file_gives_the_greedy_tokens_of_its_hf_directory(
     hf_dir: Path, tmp_path: Path, quant: str
 ) -> None:
     path = write_gguf(hf_dir, tmp_path / f"tiny-{quant}.gguf", quant)
-    same_values = hf_dir if quant == "F32" else dequantized_copy(hf_dir, tmp_path / "dequantized")
+    same_values = hf_dir if quant == "F32" else same_values_copy(hf_dir, tmp_path / "dequantized", quant)
     prompt = [5, 17, 99, 230, 31, 8, 400, 12]
     from_gguf = complete(make_core(path), prompt, max_tokens=12, temperature=0, ignore_eos=True)
     from_hf = complete(make_core(same_values), prompt, max_tokens=12, temperature=0, ignore_eos=True)
@@ -125,10 +134,59 @@ def test_an_unsupported_architecture_or_quant_type_is_a_one_line_error(hf_dir: P
         GGUFCheckpoint(q2)
 
 
-def test_strata_serves_a_gguf_file_over_http(hf_dir: Path, tmp_path: Path) -> None:
-    """`strata serve --model tiny-Q8_0.gguf`: named by the file, chat rendered with the file's own template,
-    greedy answers those of the HF directory holding the same values."""
-    path = write_gguf(hf_dir, tmp_path / "tiny-Q8_0.gguf", "Q8_0")
+def test_a_qwen3next_file_maps_onto_the_hf_names_config_and_values(next_dir: Path, tmp_path: Path) -> None:
+    """llama.cpp's layout undone: every HF tensor (the MTP head's too) comes back from the file with the
+    values a GGUF of it holds, the config with the HF directory's fields."""
+    checkpoint = GGUFCheckpoint(write_gguf(next_dir, tmp_path / "next.gguf"))
+    hf = open_checkpoint(next_dir)
+    same = open_checkpoint(same_values_copy(next_dir, tmp_path / "same"))
+    assert sorted(checkpoint.names()) == sorted(hf.names())
+    assert any(name.startswith("mtp.layers.0.") for name in checkpoint.names())
+    for name in checkpoint.names():
+        assert checkpoint.shape(name) == hf.shape(name), name
+        assert torch.equal(checkpoint.tensor(name), same.tensor(name)), name
+    config, expected = checkpoint.config, hf.config
+    fields = (
+        "num_hidden_layers",
+        "layer_types",
+        "linear_conv_kernel_dim",
+        "linear_key_head_dim",
+        "linear_value_head_dim",
+        "linear_num_key_heads",
+        "linear_num_value_heads",
+        "shared_expert_intermediate_size",
+        "rotary_dim",
+    )
+    for field in fields:
+        assert getattr(config, field) == getattr(expected, field), field
+    assert config.mtp_layers == 1 and config.model_type == "qwen3_next"
+
+
+@pytest.mark.parametrize("quant", ["F32", "Q8_0"])
+def test_a_qwen3next_file_gives_the_greedy_tokens_of_the_same_values(
+    next_dir: Path, tmp_path: Path, quant: str
+) -> None:
+    path = write_gguf(next_dir, tmp_path / f"next-{quant}.gguf", quant)
+    prompt = [5, 17, 99, 230, 31, 8, 400, 12]
+    from_gguf = complete(make_core(path), prompt, max_tokens=12, temperature=0, ignore_eos=True)
+    same = same_values_copy(next_dir, tmp_path / "same", quant)
+    from_hf = complete(make_core(same), prompt, max_tokens=12, temperature=0, ignore_eos=True)
+    assert from_gguf.token_ids == from_hf.token_ids
+
+
+def test_an_older_qwen3next_file_with_the_whole_qkvz_loads_the_same(next_dir: Path, tmp_path: Path) -> None:
+    split = GGUFCheckpoint(write_gguf(next_dir, tmp_path / "split.gguf"))
+    whole = GGUFCheckpoint(write_gguf(next_dir, tmp_path / "whole.gguf", whole_qkvz=True))
+    assert "blk.0.ssm_in.weight" in whole._tensors and "blk.0.ssm_in.weight" not in split._tensors
+    name = "model.layers.0.linear_attn.in_proj_qkvz.weight"
+    assert torch.equal(whole.tensor(name), split.tensor(name))
+
+
+def test_strata_serves_a_gguf_file_over_http(next_dir: Path, tmp_path: Path) -> None:
+    """`strata serve --model tiny-Q8_0.gguf` (qwen3next): named by the file, chat rendered with the file's
+    own template, greedy answers those of the HF directory holding the same values; `/metrics` and the
+    Monitor's feed report it."""
+    path = write_gguf(next_dir, tmp_path / "tiny-Q8_0.gguf", "Q8_0")
     body = {
         "messages": [{"role": "user", "content": "the cat and the dog"}],
         "max_tokens": 8,
@@ -136,11 +194,21 @@ def test_strata_serves_a_gguf_file_over_http(hf_dir: Path, tmp_path: Path) -> No
         "ignore_eos": True,
     }
     answers = []
-    for model in (path, dequantized_copy(hf_dir, tmp_path / "dequantized")):
+    for model in (path, same_values_copy(next_dir, tmp_path / "same", "Q8_0")):
         server = start_server(model)
         try:
             models = httpx.get(f"{server.url}/v1/models", timeout=30).json()["data"]
             reply = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60).json()
+            if model == path:
+                scrape = httpx.get(f"{server.url}/metrics?format=prometheus", timeout=30).text
+                counted = r'vllm:generation_tokens_total\{[^}]*model_name="tiny-Q8_0"[^}]*\} 8\.0'
+                assert re.search(counted, scrape)
+                assert httpx.get(f"{server.url}/monitor", timeout=30).status_code == 200
+                socket_url = server.url.replace("http://", "ws://") + "/ws/monitor"
+                with connect(socket_url, origin=server.url, open_timeout=30) as socket:
+                    frame = json.loads(socket.recv(timeout=30))
+                assert frame["type"] == "frame" and frame["engine"]["model"] == "tiny-Q8_0"
+                assert frame["experts"]["layers"] == [0, 1, 2, 3]  # the residency grid of its MoE layers
         finally:
             stop_server(server)
         answers.append((models[0]["id"], reply["choices"][0]["message"]["content"], reply["usage"]))
