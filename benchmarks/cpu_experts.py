@@ -3,11 +3,10 @@
     python benchmarks/cpu_experts.py [--hidden 2048] [--inter 768] [--experts 48] [--rows 1 4 16]
 
 Measures the host's copy bandwidth (a 512 MiB tensor copied, bytes read plus written; the best of before and
-after the kernels), and runs one expert's
-SwiGLU for each expert of a layer in turn (more expert bytes than the caches hold, so every call reads its
-weights from RAM) for bf16 and int8 weights, and reports per call: time, bytes of weights read per second and
-that as a share of the copy bandwidth. Fails when a figure is above the measured bandwidth (a cache, not RAM,
-would have served it). Prints one JSON line.
+after the kernels), and runs one expert's SwiGLU for each expert of a layer in turn (more expert bytes than
+the caches hold, so every call reads its weights from RAM) for fp32, bf16, int8 and GGUF Q8_0 weights, and
+reports per call: time, bytes of weights read per second and that as a share of the copy bandwidth. Fails
+when a figure is above the measured bandwidth (a cache, not RAM, would have served it). Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -40,10 +39,16 @@ def copy_bandwidth(megabytes: int = 512, repeats: int = 10) -> float:
 def expert_weights(
     kind: torch.dtype, experts: int, hidden: int, inter: int
 ) -> list[tuple[torch.Tensor, ...]]:
-    """`experts` experts' random weights (int8 with per-row scales)."""
+    """`experts` experts' random weights (int8 with per-row scales; uint8: Q8_0 blocks of random values)."""
     made = []
     for _ in range(experts):
-        if kind == torch.int8:
+        if kind == torch.uint8:
+            made.append(
+                tuple(
+                    q8_0_blocks(torch.randn(shape) * 0.02) for shape in ((2 * inter, hidden), (hidden, inter))
+                )
+            )
+        elif kind == torch.int8:
             gate_up = torch.randint(-127, 128, (2 * inter, hidden), dtype=torch.int8)
             down = torch.randint(-127, 128, (hidden, inter), dtype=torch.int8)
             made.append((gate_up, down, torch.rand(2 * inter) * 1e-3, torch.rand(hidden) * 1e-3))
@@ -55,6 +60,15 @@ def expert_weights(
                 )
             )
     return made
+
+
+def q8_0_blocks(values: torch.Tensor) -> torch.Tensor:
+    """Values as GGUF Q8_0 blocks [rows, columns / 32 * 34] uint8: per 32, an fp16 scale and 32 int8."""
+    blocks = values.reshape(-1, 32)
+    scale = blocks.abs().amax(1, keepdim=True) / 127
+    q = torch.round(blocks / scale.clamp(min=1e-12)).to(torch.int8)
+    packed = torch.cat((scale.half().view(torch.uint8), q.view(torch.uint8)), 1)
+    return packed.reshape(values.shape[0], -1)
 
 
 def time_kernel(weights: list[tuple], rows: int, hidden: int, rounds: int = 3) -> float:
@@ -78,7 +92,12 @@ def main() -> None:
     args = parser.parse_args()
     bandwidth = copy_bandwidth()
     timings = {}
-    for name, kind in (("bf16", torch.bfloat16), ("int8", torch.int8)):
+    for name, kind in (
+        ("fp32", torch.float32),
+        ("bf16", torch.bfloat16),
+        ("int8", torch.int8),
+        ("q8_0", torch.uint8),
+    ):
         weights = expert_weights(kind, args.experts, args.hidden, args.inter)
         per_expert = sum(t.nbytes for t in weights[0])
         timings[name] = (per_expert, {rows: time_kernel(weights, rows, args.hidden) for rows in args.rows})

@@ -4,7 +4,8 @@
 //   h[t, j] = silu(gate_j . x_t) * (up_j . x_t)      j < inter
 //   y[t, i] = down_i . h_t                            i < hidden
 //
-// x [n, hidden] and y [n, hidden] are fp32; the weights fp32, bf16 or int8 with one fp32 scale per output row.
+// x [n, hidden] and y [n, hidden] are fp32; the weights fp32, bf16, int8 with one fp32 scale per output row, or
+// GGUF's Q8_0 blocks.
 // A call's experts run together in one OpenMP team, in two passes (gate and up, then down) whose work units
 // are (expert, a few output rows) pairs; dot products as native/dot.h computes them, so a row's result never
 // depends on what else shares the call. Registered with the native module (native/module.cpp); called from
@@ -157,7 +158,7 @@ void add_groups(const Passes& p, const float* x, float* y, const int64_t* rows, 
 
 Kind checked_kind(int kind_code, uintptr_t gate_up_scales_ptr, uintptr_t down_scales_ptr) {
     const auto kind = static_cast<Kind>(kind_code);
-    dot::element_bytes(kind);
+    dot::row_bytes(kind, 0);
     if (kind == Kind::I8 && (gate_up_scales_ptr == 0 || down_scales_ptr == 0)) {
         throw std::invalid_argument("int8 weights need their scales");
     }
@@ -168,14 +169,14 @@ Kind checked_kind(int kind_code, uintptr_t gate_up_scales_ptr, uintptr_t down_sc
 Group stacked_expert(uintptr_t gate_up_ptr, uintptr_t down_ptr, uintptr_t gate_up_scales_ptr,
                      uintptr_t down_scales_ptr, Kind kind, int64_t expert, int64_t hidden, int64_t inter,
                      int64_t first, int64_t last) {
-    const int64_t bytes = dot::element_bytes(kind);
-    const char* gate_up = reinterpret_cast<const char*>(gate_up_ptr) + expert * 2 * inter * hidden * bytes;
-    const char* down = reinterpret_cast<const char*>(down_ptr) + expert * hidden * inter * bytes;
+    const int64_t gate_row = dot::row_bytes(kind, hidden), down_row = dot::row_bytes(kind, inter);
+    const char* gate_up = reinterpret_cast<const char*>(gate_up_ptr) + expert * 2 * inter * gate_row;
+    const char* down = reinterpret_cast<const char*>(down_ptr) + expert * hidden * down_row;
     const auto* gu_scales = reinterpret_cast<const float*>(gate_up_scales_ptr);
     const auto* d_scales = reinterpret_cast<const float*>(down_scales_ptr);
     Group g;
     g.gate = Matrix{gate_up, kind, hidden, gu_scales ? gu_scales + expert * 2 * inter : nullptr};
-    g.up = Matrix{gate_up + inter * hidden * bytes, kind, hidden, gu_scales ? gu_scales + expert * 2 * inter + inter : nullptr};
+    g.up = Matrix{gate_up + inter * gate_row, kind, hidden, gu_scales ? gu_scales + expert * 2 * inter + inter : nullptr};
     g.down = Matrix{down, kind, inter, d_scales ? d_scales + expert * hidden : nullptr};
     g.inter = inter;
     g.first = first;
@@ -327,7 +328,7 @@ void routed_experts(uintptr_t x_ptr, uintptr_t gate_up_ptr, uintptr_t down_ptr, 
                     int64_t inter, int kind_code, int threads, uintptr_t ids_ptr, uintptr_t top_weights_ptr,
                     int64_t n, int64_t top_k, int64_t total) {
     const Kind kind = checked_kind(kind_code, 0, 0);
-    if (kind == Kind::I8) throw pybind11::value_error("routed experts take fp32 or bf16 weights");
+    if (kind == Kind::I8) throw pybind11::value_error("routed experts take fp32, bf16 or Q8_0 weights");
     const auto* ids = reinterpret_cast<const int64_t*>(ids_ptr);
     const auto* top_weights = reinterpret_cast<const float*>(top_weights_ptr);
     const int64_t entries = n * top_k;
@@ -355,8 +356,9 @@ void moe_block(uintptr_t x_ptr, uintptr_t y_ptr, int64_t n, int64_t hidden, uint
                int64_t shared_inter, uintptr_t shared_router_ptr, int threads) {
     const Kind kind = checked_kind(kind_code, 0, 0), shared_kind = checked_kind(shared_kind_code, 0, 0);
     const Kind router_kind = checked_kind(router_kind_code, 0, 0);
-    if (kind == Kind::I8 || shared_kind == Kind::I8 || router_kind == Kind::I8) {
-        throw pybind11::value_error("MoE blocks take fp32 or bf16 weights");
+    const auto plain = [](Kind k) { return k == Kind::F32 || k == Kind::BF16; };
+    if (kind == Kind::I8 || !plain(shared_kind) || !plain(router_kind)) {
+        throw pybind11::value_error("MoE blocks take fp32 or bf16 weights (and Q8_0 routed experts)");
     }
     if (top_k < 1 || top_k > total) throw pybind11::value_error("top_k must be in [1, experts]");
     const float* x = reinterpret_cast<const float*>(x_ptr);

@@ -1,7 +1,8 @@
 // Dot products of weight rows with token vectors, fp32 arithmetic, for the native CPU kernels.
 //
-// Weights are fp32, bf16 or int8 with one fp32 scale per row (weight = int8 * scale), read row by row from
-// contiguous memory. A pass takes R weight rows and C token vectors at once (R * C sums kept in registers),
+// Weights are fp32, bf16, int8 with one fp32 scale per row (weight = int8 * scale), or GGUF's Q8_0 (blocks of
+// 32 weights: an fp16 scale, then 32 int8; weight = int8 * scale, widened to fp32 exactly as GGUF's own
+// dequantizer does), read row by row from contiguous memory. A pass takes R weight rows and C token vectors at once (R * C sums kept in registers),
 // so each weight is read and widened once per C tokens and each token element once per R rows. Every product
 // of a (row, token) pair goes to lane (column % LANES), and the lanes are added in one fixed tree at the end:
 // a pair's result is the same whatever R and C were, so a token's result never depends on which other tokens
@@ -15,18 +16,27 @@
 #include <cstring>
 #include <stdexcept>
 
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
 namespace dot {
 
-enum class Kind : int { F32 = 0, BF16 = 1, I8 = 2 };
+enum class Kind : int { F32 = 0, BF16 = 1, I8 = 2, Q8_0 = 3 };
 
 constexpr int TILE = 4;    // token vectors per pass (C at most)
 constexpr int LANES = 16;  // partial sums of one dot product: one AVX-512 register, two AVX2 ones
+constexpr int64_t Q8_BLOCK = 32, Q8_BLOCK_BYTES = 34;  // Q8_0: weights a block, its bytes (fp16 + 32 int8)
 
-inline int64_t element_bytes(Kind kind) {
+// The bytes of one weight row of `cols` columns.
+inline int64_t row_bytes(Kind kind, int64_t cols) {
     switch (kind) {
-        case Kind::F32: return 4;
-        case Kind::BF16: return 2;
-        case Kind::I8: return 1;
+        case Kind::F32: return 4 * cols;
+        case Kind::BF16: return 2 * cols;
+        case Kind::I8: return cols;
+        case Kind::Q8_0:
+            if (cols % Q8_BLOCK) throw std::invalid_argument("Q8_0 rows hold whole blocks of 32 weights");
+            return cols / Q8_BLOCK * Q8_BLOCK_BYTES;
     }
     throw std::invalid_argument("unknown weight kind");
 }
@@ -38,6 +48,27 @@ inline float widen(uint16_t v) {  // bf16: the upper half of an fp32
     float f;
     std::memcpy(&f, &bits, sizeof f);
     return f;
+}
+
+// An IEEE fp16 value (a Q8_0 block's scale) as fp32, exactly: F16C's conversion where the CPU has it, else
+// its bits rebuilt.
+inline float half(const unsigned char* bytes) {
+    uint16_t h;
+    std::memcpy(&h, bytes, sizeof h);
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+    const uint32_t e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+    if (e == 0) {  // zero or subnormal: m * 2^-24
+        const float v = static_cast<float>(m) * 5.9604644775390625e-8f;
+        return sign ? -v : v;
+    }
+    const uint32_t bits = sign | (e == 31 ? 0x7f800000u | (m << 13) : ((e + 112) << 23) | (m << 13));
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    return f;
+#endif
 }
 
 // e^x in fp32 within 2 ulp, in plain arithmetic a loop can vectorise (libm's expf is a call per element):
@@ -109,14 +140,45 @@ inline void dot_block(const T* const* w, int64_t cols, const float* const* xs, f
     }
 }
 
-// A row-major weight matrix: rows of `cols` elements of `kind`, with one fp32 scale per row for int8.
+// dot_block for Q8_0 rows: each block's weights widened with its scale (int8 * scale, in fp32) and summed in
+// the lanes a fp32 row of those values would use, so a row gives the bits of its dequantized fp32 copy.
+template <int R, int C>
+inline void dot_block_q8(const unsigned char* const* w, int64_t cols, const float* const* xs, float (*out)[TILE],
+                         const unsigned char* const* ahead) {
+    float part[R][C][LANES] = {};
+    for (int64_t col = 0; col < cols; col += LANES) {  // LANES divides a block: one scale a pass
+        const int64_t at = col / Q8_BLOCK * Q8_BLOCK_BYTES;
+        if (ahead && col % Q8_BLOCK == 0) {
+            for (int r = 0; r < R; ++r) __builtin_prefetch(ahead[r] + at);
+        }
+        float wide[R][LANES];
+        for (int r = 0; r < R; ++r) {
+            const float scale = half(w[r] + at);
+            const auto* q = reinterpret_cast<const int8_t*>(w[r] + at + 2 + col % Q8_BLOCK);
+#pragma omp simd
+            for (int l = 0; l < LANES; ++l) wide[r][l] = static_cast<float>(q[l]) * scale;
+        }
+        for (int c = 0; c < C; ++c) {
+            const float* x = xs[c] + col;
+            for (int r = 0; r < R; ++r) {
+#pragma omp simd
+                for (int l = 0; l < LANES; ++l) part[r][c][l] += wide[r][l] * x[l];
+            }
+        }
+    }
+    for (int r = 0; r < R; ++r) {
+        for (int c = 0; c < C; ++c) out[r][c] = lane_sum(part[r][c]);
+    }
+}
+
+// A row-major weight matrix: rows of `cols` weights of `kind`, with one fp32 scale per row for int8.
 struct Matrix {
     const char* data = nullptr;
     Kind kind = Kind::F32;
     int64_t cols = 0;
     const float* scales = nullptr;
 
-    const char* row(int64_t r) const { return data + r * cols * element_bytes(kind); }
+    const char* row(int64_t r) const { return data + r * row_bytes(kind, cols); }
     float scale(int64_t r) const { return scales ? scales[r] : 1.0f; }
 };
 
@@ -138,6 +200,24 @@ inline void dot_typed(const char* const* rows, int64_t cols, const float* const*
     }
 }
 
+template <int R>
+inline void dot_q8(const char* const* rows, int64_t cols, const float* const* xs, int count, float (*out)[TILE],
+                   const char* const* ahead) {
+    const unsigned char* w[R];
+    const unsigned char* next[R];
+    for (int r = 0; r < R; ++r) {
+        w[r] = reinterpret_cast<const unsigned char*>(rows[r]);
+        next[r] = ahead ? reinterpret_cast<const unsigned char*>(ahead[r]) : nullptr;
+    }
+    const unsigned char* const* prefetch = ahead ? next : nullptr;
+    switch (count) {
+        case 1: dot_block_q8<R, 1>(w, cols, xs, out, prefetch); break;
+        case 2: dot_block_q8<R, 2>(w, cols, xs, out, prefetch); break;
+        case 3: dot_block_q8<R, 3>(w, cols, xs, out, prefetch); break;
+        default: dot_block_q8<R, TILE>(w, cols, xs, out, prefetch); break;
+    }
+}
+
 // out[r][c] = rows[r] . xs[c] for R weight rows of one kind (unscaled) and `count` (1 to TILE) token vectors,
 // prefetching the R rows `ahead` (null: none) meanwhile.
 template <int R>
@@ -147,6 +227,7 @@ inline void dot_rows(Kind kind, const char* const* rows, int64_t cols, const flo
         case Kind::F32: return dot_typed<R, float>(rows, cols, xs, count, out, ahead);
         case Kind::BF16: return dot_typed<R, uint16_t>(rows, cols, xs, count, out, ahead);
         case Kind::I8: return dot_typed<R, int8_t>(rows, cols, xs, count, out, ahead);
+        case Kind::Q8_0: return dot_q8<R>(rows, cols, xs, count, out, ahead);
     }
     throw std::invalid_argument("unknown weight kind");
 }
@@ -163,6 +244,15 @@ inline Kind widen_rows(Kind kind, const char** rows, int64_t cols, int64_t reade
             const auto* w = reinterpret_cast<const uint16_t*>(rows[r]);
 #pragma omp simd
             for (int64_t c = 0; c < cols; ++c) wide[c] = widen(w[c]);
+        } else if (kind == Kind::Q8_0) {
+            const auto* w = reinterpret_cast<const unsigned char*>(rows[r]);
+            for (int64_t block = 0; block < cols / Q8_BLOCK; ++block) {
+                const unsigned char* at = w + block * Q8_BLOCK_BYTES;
+                const float scale = half(at);
+                const auto* q = reinterpret_cast<const int8_t*>(at + 2);
+#pragma omp simd
+                for (int64_t c = 0; c < Q8_BLOCK; ++c) wide[block * Q8_BLOCK + c] = static_cast<float>(q[c]) * scale;
+            }
         } else {
             const auto* w = reinterpret_cast<const int8_t*>(rows[r]);
 #pragma omp simd

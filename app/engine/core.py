@@ -32,7 +32,7 @@ from app.engine.sampler import Sampler
 from app.engine.scheduler import Phase, Request, Scheduler, SchedulerConfig, Window, placeholder
 from app.errors import StrataError
 from app.kernels.backends import select_backends
-from app.kernels.interface import CHUNK
+from app.kernels.interface import CHUNK, Q8_0_BLOCK, Q8_0_BYTES
 from app.loading.identity import model_identity
 from app.loading.loader import experts_within
 from app.loading.model import LoadedModel, open_model
@@ -125,14 +125,17 @@ class EngineCore:
             )
         self.loaded = loaded
         model = loaded.model
-        kept = sum(p.numel() for p in model.parameters() if p.dtype != self._dtype)
+        narrowed = self._dtype != torch.bfloat16
+        kept = sum(p.numel() for p in model.parameters() if narrowed and p.dtype == torch.bfloat16)
+        q8_0 = sum(p.numel() for p in model.parameters() if p.dtype == torch.uint8) // Q8_0_BYTES * Q8_0_BLOCK
         log.info(
-            "weights in %s (--dtype %s)%s",
+            "weights in %s (--dtype %s)%s%s",
             str(self._dtype).removeprefix("torch."),
             config.dtype,
             f"; {kept / 1e6:.1f}M of them kept in bf16, as the checkpoint has them, for the kernels"
             if kept
             else "",
+            f"; {q8_0 / 1e6:.1f}M routed expert weights held as the file's Q8_0 blocks" if q8_0 else "",
         )
         self.max_model_len = min(
             config.max_model_len or model.config.max_position_embeddings, model.config.max_position_embeddings

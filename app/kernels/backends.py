@@ -79,6 +79,7 @@ def cpu_backends() -> Backends:
         gdn_decode=sequence.gdn_decode,
         attention_decode=sequence.attention_decode,
         bf16_weights=True,
+        q8_0_experts=True,
     )
 
 

@@ -3,8 +3,9 @@
 `expert_swiglu` (one expert) and `experts_swiglu_sum` (several experts of a layer, weighted and added at their
 rows: a window's whole CPU share in one call) run the native kernel (native/cpu_experts.cpp: OpenMP threads,
 vectorised for the machine it was built on) when the install could build it, else the torch references
-(`expert_swiglu_reference`, `experts_swiglu_sum_reference`), and say so once. Weights are fp32, bf16, or int8
-with one fp32 scale per output row; activations and results are fp32.
+(`expert_swiglu_reference`, `experts_swiglu_sum_reference`), and say so once. Weights are fp32, bf16, int8
+with one fp32 scale per output row, or GGUF's Q8_0 blocks as they lie in the file (uint8 rows of 34 bytes a
+32 weights, app/kernels/interface.py); activations and results are fp32.
 """
 
 from __future__ import annotations
@@ -15,13 +16,16 @@ import os
 
 import torch
 
+from app.kernels.gguf_quants import q8_0
+from app.kernels.interface import Q8_0_BLOCK, Q8_0_BYTES
+
 try:
     from app.kernels import _native  # type: ignore[attr-defined]
 except ImportError:
     _native = None
 
 log = logging.getLogger("strata.kernels")
-_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
+_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.uint8: 3}  # uint8: Q8_0 blocks
 _warned = False
 
 
@@ -40,7 +44,17 @@ def threads() -> int:
     return len(os.sched_getaffinity(0))
 
 
+def columns(weight: torch.Tensor) -> int:
+    """The weights in each row of `weight` (a Q8_0 row's bytes hold 32 in every 34)."""
+    if weight.dtype == torch.uint8:
+        return weight.shape[-1] // Q8_0_BYTES * Q8_0_BLOCK
+    return weight.shape[-1]
+
+
 def _dequantized(weight: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
+    if weight.dtype == torch.uint8:
+        values = q8_0(weight.reshape(-1, Q8_0_BYTES))
+        return values.reshape(*weight.shape[:-1], columns(weight))
     if weight.dtype == torch.int8:
         if scales is None:
             raise ValueError("int8 weights need their scales")
@@ -132,7 +146,7 @@ def experts_swiglu_sum(
         gate_up_scales.data_ptr() if gate_up_scales is not None else 0,
         down_scales.data_ptr() if down_scales is not None else 0,
         x.shape[1],
-        down.shape[2],
+        columns(down),
         _KINDS[gate_up.dtype],
         threads(),
         experts.data_ptr(),
@@ -169,7 +183,7 @@ def expert_swiglu(
     _check(x, gate_up, down, gate_up_scales, down_scales)
     x = x.float().contiguous()
     n, hidden = x.shape
-    inter = down.shape[1]
+    inter = columns(down)
     y = torch.empty(n, hidden, dtype=torch.float32)
     _native.expert_swiglu(
         x.data_ptr(),
@@ -207,8 +221,8 @@ def routed_experts(
 ) -> torch.Tensor:
     """The routed experts' weighted sum (the `experts` contract of app/kernels/interface.py) on the CPU
     through the native kernel in one call, which groups the entries by expert itself: the experts in expert
-    order, each row's result independent of its batch, fp32 inside, returned in x's dtype. Weights fp32 or
-    bf16 (int8 goes through `experts_swiglu_sum`). The CPU backend set's experts kernel."""
+    order, each row's result independent of its batch, fp32 inside, returned in x's dtype. Weights fp32,
+    bf16 or Q8_0 (int8 goes through `experts_swiglu_sum`). The CPU backend set's experts kernel."""
     if _native is None or gate_up.dtype == torch.int8:
         experts, offsets, rows, weights = by_expert(top_ids, top_weights)
         return experts_swiglu_sum(x, experts, offsets, rows, weights, gate_up, down).to(x.dtype)
@@ -228,7 +242,7 @@ def routed_experts(
         down.data_ptr(),
         y.data_ptr(),
         x.shape[1],
-        down.shape[2],
+        columns(down),
         _KINDS[gate_up.dtype],
         threads(),
         ids.data_ptr(),
@@ -280,11 +294,13 @@ def moe_block(
     """A sparse MoE block (the `moe_block` contract of app/kernels/interface.py) in one native call:
     router logits (router [experts, hidden]), softmax and top-k picks (renormalised with `renormalize`,
     each real row's picks added to `counts`), the routed experts' weighted SwiGLU (stacked gate_up / down,
-    fp32 or bf16) and the shared expert's (gate, up [inter, hidden], down [hidden, inter], router
+    fp32, bf16 or Q8_0) and the shared expert's (gate, up [inter, hidden], down [hidden, inter], router
     [1, hidden]) behind its sigmoid, for fp32 rows in host memory; the torch reference otherwise."""
     native = _native is not None and x.dtype == torch.float32 and x.device.type == "cpu"
-    weights = [gate_up, down, router, *(shared or ())]
-    native = native and all(w.dtype in (torch.float32, torch.bfloat16) and w.is_contiguous() for w in weights)
+    plain = [router, *(shared or ())]
+    native = native and gate_up.dtype in (torch.float32, torch.bfloat16, torch.uint8)
+    native = native and all(w.dtype in (torch.float32, torch.bfloat16) for w in plain)
+    native = native and all(w.is_contiguous() for w in (gate_up, down, *plain))
     if not native or counts.dtype != torch.int64 or not counts.is_contiguous():
         return moe_block_reference(x, router, top_k, renormalize, counts, live, gate_up, down, shared)
     _check(x, gate_up, down, None, None, stacked=True)
@@ -322,7 +338,7 @@ def moe_block(
         gate_up.data_ptr(),
         down.data_ptr(),
         _KINDS[gate_up.dtype],
-        down.shape[2],
+        columns(down),
         0 if gate is None else gate.data_ptr(),
         0 if up is None else up.data_ptr(),
         0 if shared_down is None else shared_down.data_ptr(),
@@ -487,14 +503,18 @@ def _check(
     """The native kernel reads raw memory: everything on the CPU, contiguous, of matching shapes and kinds
     (one expert's weights, or `stacked` ones with a leading experts dimension, scales [experts, rows])."""
     lead = 1 if stacked else 0
-    hidden, inter = down.shape[lead:]
-    if x.dim() != 2 or x.shape[1] != hidden or gate_up.shape[lead:] != (2 * inter, hidden):
+    if down.dim() != lead + 2 or gate_up.dim() != lead + 2:
+        raise ValueError(
+            "weights: gate_up [2 * inter, hidden] and down [hidden, inter] (stacked: [experts, ...])"
+        )
+    hidden, inter = down.shape[lead], columns(down)
+    if x.dim() != 2 or x.shape[1] != hidden or (gate_up.shape[lead], columns(gate_up)) != (2 * inter, hidden):
         shapes = f"x {tuple(x.shape)}, gate_up {tuple(gate_up.shape[lead:])}, down {tuple(down.shape[lead:])}"
         raise ValueError(
             f"shapes {shapes}: want x [n, hidden], gate_up [2 * inter, hidden], down [hidden, inter]"
         )
     if gate_up.dtype != down.dtype or gate_up.dtype not in _KINDS:
-        raise ValueError(f"weights of {gate_up.dtype} and {down.dtype}: both fp32, bf16 or int8")
+        raise ValueError(f"weights of {gate_up.dtype} and {down.dtype}: both fp32, bf16, int8 or Q8_0")
     tensors = [gate_up, down]
     if gate_up.dtype == torch.int8:
         if gate_up_scales is None or down_scales is None:

@@ -14,6 +14,17 @@ from app.models.batch import PagedLayout
 
 # The delta rule's prompt form reads sequences in chunks ending at multiples of CHUNK positions.
 CHUNK = 64
+# GGUF's Q8_0 blocks, as `Backends.q8_0_experts` kernels read them: weights a block, and its bytes (an fp16
+# scale, then 32 int8)
+Q8_0_BLOCK, Q8_0_BYTES = 32, 34
+
+
+def q8_0_bytes(columns: int) -> int:
+    """The bytes of a Q8_0 row of `columns` weights (whole blocks of Q8_0_BLOCK)."""
+    if columns % Q8_0_BLOCK:
+        raise ValueError(f"Q8_0 rows hold whole blocks of {Q8_0_BLOCK} weights, not {columns}")
+    return columns // Q8_0_BLOCK * Q8_0_BYTES
+
 
 NormKernel = Callable[[torch.Tensor, torch.Tensor, float, bool], torch.Tensor]
 AddNormKernel = Callable[
@@ -116,6 +127,8 @@ class Backends:
     `exact` marks a set whose kernels never choose their tiles by the batch. `bf16_weights` marks a set
     whose experts, MoE-block and linear kernels read bf16 weights and compute in fp32: a bf16 checkpoint's
     matrices that those kernels take then stay bf16 in a wider model (the same products, half the bytes).
+    `q8_0_experts` marks a set whose experts and MoE-block kernels also read the routed experts as GGUF's
+    Q8_0 blocks in place (uint8 rows of 34 bytes a 32 weights), so a Q8_0 file's experts stay Q8_0.
     """
 
     name: str
@@ -138,3 +151,4 @@ class Backends:
     attention_decode: AttentionDecodeFn | None = None
     exact: bool = False
     bf16_weights: bool = False
+    q8_0_experts: bool = False

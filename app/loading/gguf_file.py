@@ -305,23 +305,42 @@ class GGUFCheckpoint:
         shapes = [self._shape(part, source) for part in source.names]
         return source.undo.shape(shapes) if source.undo is not None else shapes[0]
 
-    def _read(self, name: str, source: Source) -> torch.Tensor:
-        """One GGUF tensor's values (the part `source` reads): a view of the mapped file, or dequantized."""
+    def _raw(self, name: str, expert: int | None) -> tuple[torch.Tensor, tuple[int, ...]]:
+        """One GGUF tensor's bytes (an expert's slice of them) as a view of the mapped file, and its shape in
+        HF order."""
         tensor, file = self._tensors[name]
         shape = tuple(int(d) for d in reversed(tensor.shape))
         start, size = int(tensor.data_offset), int(tensor.n_bytes)
-        if source.expert is not None:
+        if expert is not None:
             size //= shape[0]
-            start += source.expert * size
+            start += expert * size
             shape = shape[1:]
-        raw = torch.empty(0, dtype=torch.uint8).set_(self._storages[file], start, (size,))
-        kind = tensor.tensor_type.name
+        return torch.empty(0, dtype=torch.uint8).set_(self._storages[file], start, (size,)), shape
+
+    def _read(self, name: str, source: Source) -> torch.Tensor:
+        """One GGUF tensor's values (the part `source` reads): a view of the mapped file, or dequantized."""
+        raw, shape = self._raw(name, source.expert)
+        kind = self._tensors[name][0].tensor_type.name
         if kind in DEQUANTIZE:
             values = dequantize(kind, raw, shape)
         else:
             dtype = PLAIN[kind]
-            values = (raw.clone() if start % dtype.itemsize else raw).view(dtype).reshape(shape)
+            values = (
+                (raw.clone() if raw.storage_offset() % dtype.itemsize else raw).view(dtype).reshape(shape)
+            )
         return values if source.rows is None else values[source.rows[0] : source.rows[1]]
+
+    def q8_0_blocks(self, name: str) -> torch.Tensor | None:
+        """A tensor's Q8_0 blocks as the file holds them, [rows, columns / 32 * 34] uint8 (a view of the
+        mapped file; an expert's slice of its stacked tensor), or None where it is no Q8_0 tensor read as
+        it lies."""
+        source = self._names[name]
+        kind = self._tensors[source.names[0]][0].tensor_type.name
+        if len(source.names) != 1 or source.undo is not None or kind != "Q8_0":
+            return None
+        raw, shape = self._raw(source.names[0], source.expert)
+        blocks = raw.view(shape[0], -1)
+        return blocks if source.rows is None else blocks[source.rows[0] : source.rows[1]]
 
     def tensor(self, name: str) -> torch.Tensor:
         """A tensor: a view of the mapped file (F32, F16, BF16) or its values dequantized (quant types), with

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from app.kernels.cpu_experts import experts_swiglu_sum
-from app.kernels.interface import Backends
+from app.kernels.interface import Backends, q8_0_bytes
 from app.kernels.reference import REFERENCE
 from app.loading.checkpoint import Checkpoint, open_checkpoint
 from app.loading.progress import Progress
@@ -117,11 +117,15 @@ def load_model(
     """
     checkpoint = open_checkpoint(path)
     target = resolve_dtype(dtype, checkpoint, device)
+    tiered = resident_experts is not None and resident_experts < checkpoint.config.num_experts
     with torch.device("meta"):
         model = CausalLM(checkpoint.config, mtp_layers=mtp_layer_count(checkpoint), backends=backends)
-        if resident_experts is not None and resident_experts < checkpoint.config.num_experts:
+        if tiered:
             use_expert_tier(model, resident_experts, experts_swiglu_sum, spare_experts)
     sources = tensor_sources(model)
+    packed = set()
+    if backends.q8_0_experts and torch.device(device).type == "cpu" and not tiered:
+        packed = _hold_q8_0_experts(model, checkpoint, sources)
     params = dict(model.named_parameters())
     names = checkpoint.names()
     for name in names:
@@ -137,6 +141,8 @@ def load_model(
     for name, source in sources.items():
         expected = tuple(params[source.param][source.index].shape)
         found = checkpoint.shape(name)
+        if source.param in packed:
+            found = (*found[:-1], q8_0_bytes(found[-1]))
         if found != expected:
             raise CheckpointError(
                 f"wrong shape for {name} in {checkpoint.path}: checkpoint has {list(found)}, model expects "
@@ -148,8 +154,8 @@ def load_model(
         if isinstance(module, TieredExperts)
         for name in module.HOST_PARAMETERS
     }
-    narrow = _bf16_weights(model, checkpoint, target, backends)
-    state = _fill(params, sources, checkpoint, target, torch.device(device), host, narrow, progress)
+    narrow = _bf16_weights(model, checkpoint, target, backends, packed)
+    state = _fill(params, sources, checkpoint, target, torch.device(device), host, narrow, packed, progress)
     model.load_state_dict(state, strict=True, assign=True)
     model.requires_grad_(False)
     model.model.rotary.to(device)
@@ -159,18 +165,38 @@ def load_model(
     return model.eval(), checkpoint
 
 
+def _hold_q8_0_experts(model: CausalLM, checkpoint: Checkpoint, sources: dict[str, TensorSource]) -> set[str]:
+    """Where every routed expert of the checkpoint is a Q8_0 tensor read as it lies (a GGUF file's), the
+    routed experts' parameters become Q8_0 blocks (`RoutedExperts.hold_q8_0`), filled from the file's bytes
+    without dequantizing; returns their names (none otherwise)."""
+    experts = {
+        f"{prefix}.{name}": module
+        for prefix, module in model.named_modules()
+        if isinstance(module, RoutedExperts)
+        for name in ("gate_up", "down")
+    }
+    held = [name for name, source in sources.items() if source.param in experts]
+    reads_blocks = getattr(checkpoint, "q8_0_blocks", None)
+    if not held or reads_blocks is None or any(reads_blocks(name) is None for name in held):
+        return set()
+    for module in set(experts.values()):
+        module.hold_q8_0()
+    return set(experts)
+
+
 def _bf16_weights(
-    model: CausalLM, checkpoint: Checkpoint, target: torch.dtype, backends: Backends
+    model: CausalLM, checkpoint: Checkpoint, target: torch.dtype, backends: Backends, packed: set[str]
 ) -> set[str]:
     """The matrices to keep in bf16 in a wider model, where the backends' kernels read bf16 weights with fp32
-    arithmetic (`Backends.bf16_weights`): the routed experts and the weights of projections that go through
-    the backends' linear kernel, each where the checkpoint stores it in bf16, so nothing is rounded."""
+    arithmetic (`Backends.bf16_weights`): the routed experts (unless they are held as Q8_0, `packed`) and the
+    weights of projections that go through the backends' linear kernel, each where the checkpoint stores it
+    in bf16, so nothing is rounded."""
     if not backends.bf16_weights or target == torch.bfloat16:
         return set()
     names = set()
     for prefix, module in model.named_modules():
         if isinstance(module, RoutedExperts):
-            names |= {f"{prefix}.gate_up", f"{prefix}.down"}
+            names |= {f"{prefix}.gate_up", f"{prefix}.down"} - packed
         elif isinstance(module, Linear) and module.kernel is not None:
             names.add(f"{prefix}.weight")
         elif isinstance(module, Attention) and module.linear_kernel is not None:
@@ -190,17 +216,20 @@ def _fill(
     device: torch.device,
     host: set[str],
     narrow: set[str],
+    packed: set[str],
     progress: bool,
 ) -> dict[str, torch.Tensor]:
     """Materialise every parameter: a mapped view where no conversion is needed, else a filled copy; the
-    parameters named in `host` in host memory, whatever `device` is; those in `narrow` in bf16."""
+    parameters named in `host` in host memory, whatever `device` is; those in `narrow` in bf16; those in
+    `packed` from the checkpoint's Q8_0 blocks."""
     state: dict[str, torch.Tensor] = {}
     bar = Progress(len(sources), "loading", enabled=progress)
     cpu = torch.device("cpu")
     for name, source in sources.items():
-        tensor = checkpoint.tensor(name)
+        held = source.param in packed
+        tensor = checkpoint.q8_0_blocks(name) if held else checkpoint.tensor(name)  # type: ignore[union-attr]
         where = cpu if source.param in host else device
-        kind = torch.bfloat16 if source.param in narrow else dtype
+        kind = torch.uint8 if held else torch.bfloat16 if source.param in narrow else dtype
         if source.index == ():
             state[source.param] = tensor.to(device=where, dtype=kind)
         else:

@@ -34,7 +34,12 @@ def test_auto_picks_the_cpu_set_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> N
     native |= {"paged_attention", "conv_varlen", "delta_rule_varlen", "moe_block", "gdn_decode"}
     native |= {"attention_decode"}
     pure = dataclasses.replace(
-        cpu, name="torch", experts=REFERENCE.experts, bf16_weights=False, **dict.fromkeys(native)
+        cpu,
+        name="torch",
+        experts=REFERENCE.experts,
+        bf16_weights=False,
+        q8_0_experts=False,
+        **dict.fromkeys(native),
     )
     assert pure == REFERENCE
     assert select_backends("torch", "cpu") is REFERENCE

@@ -1,9 +1,10 @@
-"""The CPU expert pool's native kernel against its torch reference: fp32, bf16 and int8 weights."""
+"""The CPU expert pool's native kernel against its torch reference: fp32, bf16, int8 and Q8_0 weights."""
 
 from __future__ import annotations
 
 import logging
 
+import gguf
 import pytest
 import torch
 
@@ -124,6 +125,46 @@ def test_a_whole_moe_block_in_one_call_equals_its_pieces(kind: torch.dtype, shar
         assert torch.equal(alone[0], got[row])
 
 
+def _q8_0(experts: int, rows: int, cols: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stacked random weights as GGUF Q8_0 blocks [experts, rows, cols / 32 * 34] (uint8) and their values."""
+    values = (torch.randn(experts, rows, cols, generator=torch.Generator().manual_seed(seed)) * 0.1).numpy()
+    blocks = gguf.quants.quantize(values, gguf.GGMLQuantizationType.Q8_0)
+    dequantized = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q8_0)
+    return torch.from_numpy(blocks.copy()), torch.from_numpy(dequantized.copy())
+
+
+@pytest.mark.parametrize("rows", [1, 3, 9])
+def test_q8_0_experts_give_the_bits_of_their_dequantized_fp32_copy(rows: int) -> None:
+    """GGUF's Q8_0 blocks read in place: the routed experts, a window's CPU share and a whole MoE block give
+    bit for bit what the same kernels give on the fp32 values GGUF's own dequantizer makes of them (9 rows:
+    some expert's rows are widened once for several passes), and the torch reference's result."""
+    inter = 64
+    gate_up, gate_up_values = _q8_0(6, 2 * inter, HIDDEN, rows)
+    down, down_values = _q8_0(6, HIDDEN, inter, rows + 1)
+    assert cpu_experts.columns(gate_up) == HIDDEN and cpu_experts.columns(down) == inter
+    generator = torch.Generator().manual_seed(12)
+    x = torch.randn(rows, HIDDEN, generator=generator)
+    ids = torch.stack([torch.randperm(6, generator=generator)[:3] for _ in range(rows)])
+    ids[:, 0] = 2  # every row takes expert 2
+    weights = torch.rand(rows, 3, generator=generator)
+    got = routed_experts(x, ids, weights, gate_up, down)
+    assert torch.equal(got, routed_experts(x, ids, weights, gate_up_values, down_values))
+    expected = experts_reference(x, ids, weights, gate_up_values, down_values)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    grouped = cpu_experts.by_expert(ids, weights)
+    share = experts_swiglu_sum(x, *grouped, gate_up, down)
+    assert torch.equal(share, experts_swiglu_sum(x, *grouped, gate_up_values, down_values))
+    torch.testing.assert_close(
+        experts_swiglu_sum_reference(x, *grouped, gate_up, down), share, rtol=1e-5, atol=1e-5
+    )
+    router = torch.randn(6, HIDDEN, generator=generator)
+    counts = [torch.zeros(6, dtype=torch.int64) for _ in range(2)]
+    block = moe_block(x, router, 3, True, counts[0], None, gate_up, down, None)
+    assert torch.equal(
+        block, moe_block(x, router, 3, True, counts[1], None, gate_up_values, down_values, None)
+    )
+
+
 @pytest.mark.parametrize("rows", [1, 40])
 def test_bf16_weights_of_an_fp32_model_give_the_fp32_result(rows: int) -> None:
     """A bf16 weight kept narrow in an fp32 model (any size): the result of its fp32 copy, natively for a
@@ -234,7 +275,7 @@ def test_bad_weights_are_refused_before_the_native_kernel_reads_them() -> None:
     x = torch.randn(2, HIDDEN)
     with pytest.raises(ValueError, match="shapes"):
         expert_swiglu(x[:, :-1], gate_up, down)
-    with pytest.raises(ValueError, match="both fp32, bf16 or int8"):
+    with pytest.raises(ValueError, match="both fp32, bf16, int8 or Q8_0"):
         expert_swiglu(x, gate_up, down.bfloat16())
     with pytest.raises(ValueError, match="contiguous"):
         expert_swiglu(x, gate_up.T.contiguous().T, down)

@@ -68,6 +68,21 @@ def test_a_gguf_file_gives_the_greedy_tokens_of_its_hf_directory(
     assert from_gguf.token_ids == from_hf.token_ids
 
 
+def test_a_q8_0_files_experts_stay_its_q8_0_blocks_on_the_cpu(next_dir: Path, tmp_path: Path) -> None:
+    """On the CPU set the routed experts are held as the file's own Q8_0 bytes (read in place by the native
+    kernels), not widened: a quarter of the fp32 bytes; everything else, and any HF directory, as before."""
+    path = write_gguf(next_dir, tmp_path / "next-Q8_0.gguf", "Q8_0")
+    model = make_core(path).loaded.model
+    experts = model.model.layers[0].mlp.experts
+    assert experts.gate_up.dtype == torch.uint8 and experts.gate_up.shape == (8, 64, 64 // 32 * 34)
+    file = GGUFCheckpoint(path)
+    name = "model.layers.0.mlp.experts.5.down_proj.weight"
+    assert torch.equal(experts.down[5], file.q8_0_blocks(name))
+    assert model.mtp.layers[0].mlp.experts.down.dtype == torch.uint8
+    assert model.model.layers[0].linear_attn.in_proj_qkvz.weight.dtype == torch.float32
+    assert make_core(next_dir).loaded.model.model.layers[0].mlp.experts.gate_up.dtype == torch.float32
+
+
 def test_a_split_gguf_loads_from_any_of_its_files(hf_dir: Path, tmp_path: Path) -> None:
     first = write_gguf(hf_dir, tmp_path / "tiny.gguf", split=10)
     shards = sorted(tmp_path.glob("tiny-*-of-*.gguf"))
