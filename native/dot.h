@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
+#include <type_traits>
 
 #if defined(__F16C__)
 #include <immintrin.h>
@@ -105,23 +106,55 @@ inline float lane_sum(const float* part) {
     return half[0];
 }
 
+// R weight rows of one element type (fp32, bf16, int8): how a pass widens LANES of row r's weights from column
+// `col` to fp32, one weight alone (a row's tail), and where row r's bytes for column `col` lie.
+template <int R, typename T>
+struct Elements {
+    const T* row[R];
+
+    void widen(int r, int64_t col, float* wide) const {
+#pragma omp simd
+        for (int l = 0; l < LANES; ++l) wide[l] = dot::widen(row[r][col + l]);
+    }
+    float one(int r, int64_t col) const { return dot::widen(row[r][col]); }
+    const void* at(int r, int64_t col) const { return row[r] + col; }
+};
+
+// R Q8_0 rows: a block's weights widened with its scale (int8 * scale, in fp32), the values GGUF's own
+// dequantizer gives, so a row sums as its dequantized fp32 copy does. Rows hold whole blocks, and LANES
+// divides a block: a pass's weights share one scale.
+template <int R>
+struct Q8Blocks {
+    const unsigned char* row[R];
+
+    const unsigned char* block(int r, int64_t col) const { return row[r] + col / Q8_BLOCK * Q8_BLOCK_BYTES; }
+    void widen(int r, int64_t col, float* wide) const {
+        const unsigned char* b = block(r, col);
+        const float scale = half(b);
+        const auto* q = reinterpret_cast<const int8_t*>(b + 2 + col % Q8_BLOCK);
+#pragma omp simd
+        for (int l = 0; l < LANES; ++l) wide[l] = static_cast<float>(q[l]) * scale;
+    }
+    float one(int r, int64_t col) const {
+        const unsigned char* b = block(r, col);
+        return static_cast<float>(reinterpret_cast<const int8_t*>(b + 2)[col % Q8_BLOCK]) * half(b);
+    }
+    const void* at(int r, int64_t col) const { return block(r, col); }
+};
+
 // out[r][c] = w[r] . xs[c] over `cols` columns, for R rows and C token vectors. With `ahead` (R rows of the
 // next pass, or null) those rows are prefetched at the pace this pass reads its own: weights come from memory
 // once per decode step, and short rows give the hardware's prefetcher no time to find the stream.
-template <int R, int C, typename T>
-inline void dot_block(const T* const* w, int64_t cols, const float* const* xs, float (*out)[TILE],
-                      const T* const* ahead) {
+template <int R, int C, typename Rows>
+inline void dot_block(const Rows& w, int64_t cols, const float* const* xs, float (*out)[TILE], const Rows* ahead) {
     float part[R][C][LANES] = {};
     const int64_t full = cols - cols % LANES;
     for (int64_t col = 0; col < full; col += LANES) {
         if (ahead) {
-            for (int r = 0; r < R; ++r) __builtin_prefetch(ahead[r] + col);
+            for (int r = 0; r < R; ++r) __builtin_prefetch(ahead->at(r, col));
         }
         float wide[R][LANES];
-        for (int r = 0; r < R; ++r) {
-#pragma omp simd
-            for (int l = 0; l < LANES; ++l) wide[r][l] = widen(w[r][col + l]);
-        }
+        for (int r = 0; r < R; ++r) w.widen(r, col, wide[r]);
         for (int c = 0; c < C; ++c) {
             const float* x = xs[c] + col;
             for (int r = 0; r < R; ++r) {
@@ -132,38 +165,7 @@ inline void dot_block(const T* const* w, int64_t cols, const float* const* xs, f
     }
     for (int64_t col = full; col < cols; ++col) {
         for (int r = 0; r < R; ++r) {
-            for (int c = 0; c < C; ++c) part[r][c][col - full] += widen(w[r][col]) * xs[c][col];
-        }
-    }
-    for (int r = 0; r < R; ++r) {
-        for (int c = 0; c < C; ++c) out[r][c] = lane_sum(part[r][c]);
-    }
-}
-
-// dot_block for Q8_0 rows: each block's weights widened with its scale (int8 * scale, in fp32) and summed in
-// the lanes a fp32 row of those values would use, so a row gives the bits of its dequantized fp32 copy.
-template <int R, int C>
-inline void dot_block_q8(const unsigned char* const* w, int64_t cols, const float* const* xs, float (*out)[TILE],
-                         const unsigned char* const* ahead) {
-    float part[R][C][LANES] = {};
-    for (int64_t col = 0; col < cols; col += LANES) {  // LANES divides a block: one scale a pass
-        const int64_t at = col / Q8_BLOCK * Q8_BLOCK_BYTES;
-        if (ahead && col % Q8_BLOCK == 0) {
-            for (int r = 0; r < R; ++r) __builtin_prefetch(ahead[r] + at);
-        }
-        float wide[R][LANES];
-        for (int r = 0; r < R; ++r) {
-            const float scale = half(w[r] + at);
-            const auto* q = reinterpret_cast<const int8_t*>(w[r] + at + 2 + col % Q8_BLOCK);
-#pragma omp simd
-            for (int l = 0; l < LANES; ++l) wide[r][l] = static_cast<float>(q[l]) * scale;
-        }
-        for (int c = 0; c < C; ++c) {
-            const float* x = xs[c] + col;
-            for (int r = 0; r < R; ++r) {
-#pragma omp simd
-                for (int l = 0; l < LANES; ++l) part[r][c][l] += wide[r][l] * x[l];
-            }
+            for (int c = 0; c < C; ++c) part[r][c][col - full] += w.one(r, col) * xs[c][col];
         }
     }
     for (int r = 0; r < R; ++r) {
@@ -182,39 +184,26 @@ struct Matrix {
     float scale(int64_t r) const { return scales ? scales[r] : 1.0f; }
 };
 
-template <int R, typename T>
-inline void dot_typed(const char* const* rows, int64_t cols, const float* const* xs, int count, float (*out)[TILE],
-                      const char* const* ahead) {
-    const T* w[R];
-    const T* next[R];
-    for (int r = 0; r < R; ++r) {
-        w[r] = reinterpret_cast<const T*>(rows[r]);
-        next[r] = ahead ? reinterpret_cast<const T*>(ahead[r]) : nullptr;
-    }
-    const T* const* prefetch = ahead ? next : nullptr;
+// Raw row pointers as a reader of R rows of its kind.
+template <typename Rows, int R>
+inline Rows reader(const char* const* rows) {
+    Rows w;
+    for (int r = 0; r < R; ++r) w.row[r] = reinterpret_cast<std::remove_reference_t<decltype(w.row[0])>>(rows[r]);
+    return w;
+}
+
+template <int R, typename Rows>
+inline void dot_as(const char* const* rows, int64_t cols, const float* const* xs, int count, float (*out)[TILE],
+                   const char* const* ahead) {
+    const Rows w = reader<Rows, R>(rows);
+    Rows next;
+    if (ahead) next = reader<Rows, R>(ahead);
+    const Rows* prefetch = ahead ? &next : nullptr;
     switch (count) {
         case 1: dot_block<R, 1>(w, cols, xs, out, prefetch); break;
         case 2: dot_block<R, 2>(w, cols, xs, out, prefetch); break;
         case 3: dot_block<R, 3>(w, cols, xs, out, prefetch); break;
         default: dot_block<R, TILE>(w, cols, xs, out, prefetch); break;
-    }
-}
-
-template <int R>
-inline void dot_q8(const char* const* rows, int64_t cols, const float* const* xs, int count, float (*out)[TILE],
-                   const char* const* ahead) {
-    const unsigned char* w[R];
-    const unsigned char* next[R];
-    for (int r = 0; r < R; ++r) {
-        w[r] = reinterpret_cast<const unsigned char*>(rows[r]);
-        next[r] = ahead ? reinterpret_cast<const unsigned char*>(ahead[r]) : nullptr;
-    }
-    const unsigned char* const* prefetch = ahead ? next : nullptr;
-    switch (count) {
-        case 1: dot_block_q8<R, 1>(w, cols, xs, out, prefetch); break;
-        case 2: dot_block_q8<R, 2>(w, cols, xs, out, prefetch); break;
-        case 3: dot_block_q8<R, 3>(w, cols, xs, out, prefetch); break;
-        default: dot_block_q8<R, TILE>(w, cols, xs, out, prefetch); break;
     }
 }
 
@@ -224,12 +213,24 @@ template <int R>
 inline void dot_rows(Kind kind, const char* const* rows, int64_t cols, const float* const* xs, int count,
                      float (*out)[TILE], const char* const* ahead = nullptr) {
     switch (kind) {
-        case Kind::F32: return dot_typed<R, float>(rows, cols, xs, count, out, ahead);
-        case Kind::BF16: return dot_typed<R, uint16_t>(rows, cols, xs, count, out, ahead);
-        case Kind::I8: return dot_typed<R, int8_t>(rows, cols, xs, count, out, ahead);
-        case Kind::Q8_0: return dot_q8<R>(rows, cols, xs, count, out, ahead);
+        case Kind::F32: return dot_as<R, Elements<R, float>>(rows, cols, xs, count, out, ahead);
+        case Kind::BF16: return dot_as<R, Elements<R, uint16_t>>(rows, cols, xs, count, out, ahead);
+        case Kind::I8: return dot_as<R, Elements<R, int8_t>>(rows, cols, xs, count, out, ahead);
+        case Kind::Q8_0: return dot_as<R, Q8Blocks<R>>(rows, cols, xs, count, out, ahead);
     }
     throw std::invalid_argument("unknown weight kind");
+}
+
+template <int R, typename Rows>
+inline void widen_all(const char** rows, int64_t cols, float* buffer) {
+    const Rows w = reader<Rows, R>(rows);
+    const int64_t full = cols - cols % LANES;
+    for (int r = 0; r < R; ++r) {
+        float* wide = buffer + r * cols;
+        for (int64_t col = 0; col < full; col += LANES) w.widen(r, col, wide + col);
+        for (int64_t col = full; col < cols; ++col) wide[col] = w.one(r, col);
+        rows[r] = reinterpret_cast<const char*>(wide);
+    }
 }
 
 // Points `rows` (R rows of `kind`) at fp32 copies in `buffer` [R * cols] when more than one pass of TILE token
@@ -238,27 +239,11 @@ inline void dot_rows(Kind kind, const char* const* rows, int64_t cols, const flo
 template <int R>
 inline Kind widen_rows(Kind kind, const char** rows, int64_t cols, int64_t readers, float* buffer) {
     if (kind == Kind::F32 || readers <= TILE) return kind;
-    for (int r = 0; r < R; ++r) {
-        float* wide = buffer + r * cols;
-        if (kind == Kind::BF16) {
-            const auto* w = reinterpret_cast<const uint16_t*>(rows[r]);
-#pragma omp simd
-            for (int64_t c = 0; c < cols; ++c) wide[c] = widen(w[c]);
-        } else if (kind == Kind::Q8_0) {
-            const auto* w = reinterpret_cast<const unsigned char*>(rows[r]);
-            for (int64_t block = 0; block < cols / Q8_BLOCK; ++block) {
-                const unsigned char* at = w + block * Q8_BLOCK_BYTES;
-                const float scale = half(at);
-                const auto* q = reinterpret_cast<const int8_t*>(at + 2);
-#pragma omp simd
-                for (int64_t c = 0; c < Q8_BLOCK; ++c) wide[block * Q8_BLOCK + c] = static_cast<float>(q[c]) * scale;
-            }
-        } else {
-            const auto* w = reinterpret_cast<const int8_t*>(rows[r]);
-#pragma omp simd
-            for (int64_t c = 0; c < cols; ++c) wide[c] = widen(w[c]);
-        }
-        rows[r] = reinterpret_cast<const char*>(wide);
+    switch (kind) {
+        case Kind::BF16: widen_all<R, Elements<R, uint16_t>>(rows, cols, buffer); break;
+        case Kind::I8: widen_all<R, Elements<R, int8_t>>(rows, cols, buffer); break;
+        case Kind::Q8_0: widen_all<R, Q8Blocks<R>>(rows, cols, buffer); break;
+        default: throw std::invalid_argument("unknown weight kind");
     }
     return Kind::F32;
 }

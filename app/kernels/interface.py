@@ -10,13 +10,14 @@ from dataclasses import dataclass
 
 import torch
 
+from app.kernels.gguf_quants import DEQUANTIZE
 from app.models.batch import PagedLayout
 
 # The delta rule's prompt form reads sequences in chunks ending at multiples of CHUNK positions.
 CHUNK = 64
 # GGUF's Q8_0 blocks, as `Backends.q8_0_experts` kernels read them: weights a block, and its bytes (an fp16
 # scale, then 32 int8)
-Q8_0_BLOCK, Q8_0_BYTES = 32, 34
+Q8_0_BLOCK, Q8_0_BYTES, _ = DEQUANTIZE["Q8_0"]
 
 
 def q8_0_bytes(columns: int) -> int:
