@@ -49,6 +49,8 @@ SHAPES = {  # name: (out features, in features)
 }
 # `row_linear` (a lone row): weight elements a program holds, warps
 ROW_PROGRAMS = [(elements, warps) for elements in (2048, 4096, 8192, 16384) for warps in (4, 8)]
+# resident tiles with k in pieces: the piece, warps
+RESIDENT_CHUNKS = [(chunk_k, warps) for chunk_k in (128, 256, 512) for warps in (4, 8)]
 L2_BYTES = 60 << 20
 
 Call = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -95,6 +97,10 @@ def candidates(n: int, k: int, rows: int) -> dict[str, Call]:
         cells["tiles 16x64x128"] = lambda x, w: tiled_linear(x, w, None, WIDE_WEIGHT_TILES)
         if TILE * block_k <= MAX_PROGRAM_ELEMENTS:
             cells["resident tiles"] = lambda x, w: resident_tile_linear(x, w, None)
+            for chunk_k, warps in RESIDENT_CHUNKS if block_k > 128 else []:
+                cells[f"resident {chunk_k}-pieces w{warps}"] = lambda x, w, c=chunk_k, nw=warps: (
+                    resident_tile_linear(x, w, None, c, nw)
+                )
     for elements, warps in ROW_PROGRAMS if rows == 1 else []:
         block_n = max(1, elements // block_k)
         if block_n * block_k <= MAX_PROGRAM_ELEMENTS and block_n * block_k // (32 * warps) >= 8:

@@ -8,7 +8,10 @@ attention merge) still runs, and only the rows wait for it.
 
 - `resident_tile_linear` (small weights, up to 16 rows): a program holds 16 weight rows, all of k, and
   multiplies the window's rows (padded to 16) by them in one `tl.dot`: the same sequence of tensor-core steps
-  as the fixed 16 x 16 x 512 tiles of `tiled_linear`, so a row gets the tiles' bits in any window.
+  as the fixed 16 x 16 x 512 tiles of `tiled_linear`, so a row gets the tiles' bits in any window. With
+  `chunk_k` k is cut into pieces, one dot each (independent chains of tensor-core steps, several warps at
+  once), their sums added in a fixed order: other bits than the tiles', the same in any window of up to 16
+  rows (a candidate of `benchmarks/tune_linear.py`; the engine does not pick it).
 - `row_linear` (a lone row, mid-sized weights): a program holds a few weight rows and sums their products
   with the row in fp32 on the CUDA cores.
 - the grouped matmul of `triton_moe` with one group and fixed tiles (`tiled_linear`) for the rest of few
@@ -42,28 +45,46 @@ def _resident_tile_kernel(
     stride_wn,
     stride_om,
     K: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    CHUNKS: tl.constexpr,
+    CHUNK_K: tl.constexpr,
     TILE_N: tl.constexpr,
     PRECISION: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """out[:rows, cols] = x[:rows] @ w[cols].T for TILE_N weight rows held whole, in one dot over k."""
+    """out[:rows, cols] = x[:rows] @ w[cols].T for TILE_N weight rows held whole: one dot over each of the
+    CHUNKS pieces of CHUNK_K of k, the pieces' sums then added together."""
     cols = tl.program_id(0) * TILE_N + tl.arange(0, TILE_N)
     col_ok = cols < n
-    ks = tl.arange(0, BLOCK_K)
-    k_ok = ks < K
-    b = tl.load(
-        w_ptr + cols.to(tl.int64)[None, :] * stride_wn + ks[:, None],
-        mask=k_ok[:, None] & col_ok[None, :],
-        other=0.0,
-    )  # [BLOCK_K, TILE_N], read before the kernel this one follows has finished
-    follow_previous(PDL)
     lanes = tl.arange(0, TILE_N)
     live = lanes < rows
-    a = tl.load(
-        x_ptr + lanes[:, None] * stride_xm + ks[None, :], mask=live[:, None] & k_ok[None, :], other=0.0
-    )
-    acc = tl.dot(a, b, input_precision=PRECISION)
+    if CHUNKS == 1:
+        ks = tl.arange(0, CHUNK_K)
+        k_ok = ks < K
+        b = tl.load(
+            w_ptr + cols.to(tl.int64)[None, :] * stride_wn + ks[:, None],
+            mask=k_ok[:, None] & col_ok[None, :],
+            other=0.0,
+        )  # [CHUNK_K, TILE_N], read before the kernel this one follows has finished
+        follow_previous(PDL)
+        a = tl.load(
+            x_ptr + lanes[:, None] * stride_xm + ks[None, :], mask=live[:, None] & k_ok[None, :], other=0.0
+        )
+        acc = tl.dot(a, b, input_precision=PRECISION)
+    else:
+        starts = tl.arange(0, CHUNKS) * CHUNK_K
+        steps = tl.arange(0, CHUNK_K)
+        kb = starts[:, None, None] + steps[None, :, None]  # [CHUNKS, CHUNK_K, 1]
+        b = tl.load(
+            w_ptr + cols.to(tl.int64)[None, None, :] * stride_wn + kb,
+            mask=(kb < K) & col_ok[None, None, :],
+            other=0.0,
+        )  # [CHUNKS, CHUNK_K, TILE_N], read before the kernel this one follows has finished
+        follow_previous(PDL)
+        ka = starts[:, None, None] + steps[None, None, :]  # [CHUNKS, 1, CHUNK_K]
+        a = tl.load(
+            x_ptr + lanes[None, :, None] * stride_xm + ka, mask=live[None, :, None] & (ka < K), other=0.0
+        )
+        acc = tl.sum(tl.dot(a, b, input_precision=PRECISION), 0)
     out = out_ptr + lanes[:, None] * stride_om + cols[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=live[:, None] & col_ok[None, :])
 
@@ -107,12 +128,20 @@ def _checked(x: torch.Tensor, weight: torch.Tensor, weight_rows: int) -> tuple[t
     return (x if x.stride(-1) == 1 else x.contiguous()), block_k
 
 
-def resident_tile_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [rows <= 16, k] @ weight [n, k].T (+ bias), 16 whole weight rows a program, one dot each."""
+def resident_tile_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    chunk_k: int | None = None,
+    num_warps: int = 4,
+) -> torch.Tensor:
+    """x [rows <= 16, k] @ weight [n, k].T (+ bias), 16 whole weight rows a program: one dot over k, or with
+    `chunk_k` (a power of two) one dot over each piece of that many of k and the pieces' sums added."""
     rows, k = x.shape
     if rows > TILE:
         raise ValueError(f"resident tiles take at most {TILE} rows, got {rows}")
     x, block_k = _checked(x, weight, TILE)
+    chunk_k = block_k if chunk_k is None else min(chunk_k, block_k)
     n = weight.shape[0]
     out = x.new_empty(rows, n)
     if rows:
@@ -127,10 +156,11 @@ def resident_tile_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
             weight.stride(0),
             out.stride(0),
             K=k,
-            BLOCK_K=block_k,
+            CHUNKS=block_k // chunk_k,
+            CHUNK_K=chunk_k,
             TILE_N=TILE,
             PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-            num_warps=4,
+            num_warps=num_warps,
             **pdl(x.device, grid),
         )
     return out if bias is None else out + bias

@@ -37,12 +37,14 @@ def test_a_lone_row_over_whole_weight_rows_matches_torch(block_n: int) -> None:
     torch.testing.assert_close(got, torch.nn.functional.linear(x, weight, bias), atol=1e-5, rtol=1e-5)
 
 
-def test_resident_tiles_cover_a_ragged_weight_with_a_bias() -> None:
+@pytest.mark.parametrize("chunk_k", [None, 32])
+def test_resident_tiles_cover_a_ragged_weight_with_a_bias(chunk_k: int | None) -> None:
+    # k of 100 in one dot, or in four pieces of 32 (the last one short).
     g = torch.Generator().manual_seed(8)
     x = torch.randn(5, 100, generator=g)
     weight = torch.randn(37, 100, generator=g)
     bias = torch.randn(37, generator=g)
-    got = resident_tile_linear(x, weight, bias)
+    got = resident_tile_linear(x, weight, bias, chunk_k)
     torch.testing.assert_close(got, torch.nn.functional.linear(x, weight, bias), atol=1e-5, rtol=1e-5)
     assert resident_tile_linear(x[:0], weight, None).shape == (0, 37)
 
