@@ -181,22 +181,25 @@ def _observer_rates(windows: list[WindowStats]) -> tuple[float | None, float | N
     """Request 0's decode speed in windows where it decoded alone, and while peers' prompts were being read.
 
     The second counts every window from the peers' arrival until their prompts are read, also the windows that
-    read none of them (the scheduler may let decoding slots run ahead, then read a large chunk).
+    read none of them (the scheduler may let decoding slots run ahead, then read a large chunk). The time of
+    every window while request 0 decodes counts, its tokens only in the windows that fed one: with pipelined
+    slot groups (a layer split) the other groups' windows come between its own.
     """
     observer = next((s.request_id for w in windows for s in w.slots), None)
     solo_time = read_time = 0.0
     solo_rows = read_rows = 0
     for w in windows:
-        decoding = any(s.request_id == observer and s.phase == "decode" for s in w.slots)
-        if not decoding or w.decode_tokens == 0:
+        mine = next((s for s in w.slots if s.request_id == observer and s.phase == "decode"), None)
+        if mine is None or w.decode_tokens == 0:
             continue
+        fed = int(mine.window_tokens > 0)
         peers_reading = w.waiting > 0 or any(s.phase == "prompt" for s in w.slots)
         if peers_reading or w.prompt_tokens:
             read_time += w.duration_s
-            read_rows += 1
+            read_rows += fed
         elif len(w.slots) == 1:
             solo_time += w.duration_s
-            solo_rows += 1
+            solo_rows += fed
     return (solo_rows / solo_time if solo_time else None, read_rows / read_time if read_time else None)
 
 

@@ -30,6 +30,15 @@ def _size(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2)])
 
 
+def _groups(text: str) -> int | None:
+    """`--batch-groups`: auto (None) or a count."""
+    if text == "auto":
+        return None
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"expected auto or a number of groups, got {text!r}")
+    return int(text)
+
+
 def _add_engine_options(parser: argparse.ArgumentParser) -> None:
     defaults = EngineConfig()
     parser.add_argument(
@@ -104,6 +113,20 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
         help="with --expert-cache: every N windows the most routed experts move onto the device (0: frozen)",
     )
     parser.add_argument(
+        "--layer-split",
+        metavar="SPEC",
+        help="cut the model's layers into stages, one process and GPU each (over torch.distributed; on a "
+        "CPU, processes of this machine): auto (as few GPUs as hold the weights), a stage count, or each "
+        "stage's layers, e.g. 20,28 (default: the whole model in one process)",
+    )
+    parser.add_argument(
+        "--batch-groups",
+        type=_groups,
+        metavar="auto|G",
+        help="with --layer-split: the slots form G groups that take turns down the stages, so that each "
+        "stage runs another group's window (auto: one group per stage)",
+    )
+    parser.add_argument(
         "--no-overlap",
         dest="overlap",
         action="store_false",
@@ -166,6 +189,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         adapt_every=args.adapt_every,
         pcie_frac=args.pcie_frac,
         adapt_async=args.adapt_async,
+        layer_split=args.layer_split,
+        batch_groups=args.batch_groups,
         prefix_cache=args.prefix_cache,
         park_memory=args.park_memory,
         park_dir=str(args.park_dir),

@@ -55,6 +55,13 @@ def test_generate_json_equals_transformers_greedy(
     )
     assert by_ids["token_ids"] == expected
 
+    split = [
+        *("--model", str(path), "--prompt", prompt, "--max-tokens", "24", "--ignore-eos"),
+        "--layer-split",
+        "2",
+    ]
+    assert _generate(capsys, *split)["token_ids"] == expected  # two stages over gloo
+
 
 def test_seeded_sampling_repeats_and_chat_uses_the_template(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
@@ -97,6 +104,7 @@ def test_generation_stops_at_eos(tmp_path: Path, capsys: pytest.CaptureFixture[s
         (["--max-tokens", "0"], "max_tokens must be at least 1"),
         (["--prompt-token-ids", "1,99999"], "prompt token id 99999 is outside the vocabulary [0, 512)"),
         (["--max-tokens", "100000"], "exceeds the context of 512 tokens"),
+        (["--layer-split", "4"], "--layer-split 4: the model has 3 layers, so 1 to 3 stages"),
     ],
 )
 def test_bad_requests_get_one_line(

@@ -36,6 +36,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     the CPU or copied over PCIe as the measured costs say (`pcie_frac` forces that share over PCIe), and every
     `adapt_every` windows the most routed experts become the resident ones (0: the tier stays frozen), their
     copies queued before the next window or, with `adapt_async`, made on a side stream while windows run.
+    `layer_split` cuts the decoder layers into stages, one process each (app/engine/split.py): `auto`, a
+    stage count, or each stage's layer count ("20,28"); None runs the model whole in the engine process.
+    `batch_groups` slot groups take turns down a split's stages, each window one group's (None: one group
+    per stage).
     """
 
     model: str | None = None
@@ -61,3 +65,5 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     adapt_every: int = 32
     pcie_frac: float | None = None
     adapt_async: bool = False
+    layer_split: str | None = None
+    batch_groups: int | None = None

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,15 +32,18 @@ from app.engine.protocol import (
 from app.engine.runner import Launched, ModelRunner
 from app.engine.sampler import Sampler
 from app.engine.scheduler import Phase, Request, Scheduler, SchedulerConfig, Window, placeholder
+from app.engine.split import StagePipeline, split_layers, stages_for
 from app.errors import StrataError
 from app.kernels.backends import select_backends
 from app.kernels.interface import CHUNK, Q8_0_BLOCK, Q8_0_BYTES
+from app.loading.checkpoint import open_checkpoint
 from app.loading.identity import model_identity
-from app.loading.loader import experts_within
+from app.loading.loader import experts_within, resolve_dtype
 from app.loading.model import LoadedModel, open_model
 from app.models.config import LINEAR_ATTENTION
 from app.models.expert_tier import TieredExperts, spare_slots, use_staging
 from app.models.moe import SparseMoE
+from app.models.qwen3 import DecoderLayer, ModelPart
 from app.text.stream import TextStream
 
 log = logging.getLogger("strata.engine")
@@ -105,8 +110,14 @@ class EngineCore:
             raise StrataError("give --expert-cache (experts a layer) or --expert-vram (bytes), not both")
         if config.expert_vram is not None and config.expert_vram < 0:
             raise StrataError(f"--expert-vram must be 0 or more bytes, not {config.expert_vram}")
+        self.pipeline: StagePipeline | None = None
+        if config.layer_split is not None and loaded is not None:
+            raise StrataError("--layer-split loads the model's parts in its stages: give a model path")
         if loaded is None:
             path = config.model or default_model_dir()
+            parts = self._layer_split(Path(path))
+            if parts is not None:
+                self.pipeline = StagePipeline(config, Path(path), parts, self.device)
             resident = config.expert_cache
             if config.expert_vram is not None:
                 resident = experts_within(path, config.dtype, config.expert_vram, self.device)
@@ -122,8 +133,10 @@ class EngineCore:
                 backends=self.backends,
                 resident_experts=resident,
                 spare_experts=spare_slots(resident or 0) if config.adapt_async else 0,
+                part=parts[0] if parts is not None else None,
             )
         self.loaded = loaded
+        self.groups = self._batch_groups()
         model = loaded.model
         narrowed = self._dtype != torch.bfloat16
         kept = sum(p.numel() for p in model.parameters() if narrowed and p.dtype == torch.bfloat16)
@@ -155,19 +168,26 @@ class EngineCore:
         self.launched = 0  # windows launched, for the expert tier's adaptation
         self.expert_swaps = 0
         state = self._paged_state()
+        if self.pipeline is not None:
+            self.pipeline.wait_loaded(model, state.blocks, len(state.checkpoint_slots))
         graphs = self._window_graphs(state)
         self.park = self._conversation_park(state)
-        self.runner = ModelRunner(model, state, Sampler(config.seed), graphs, self.park)
+        self.runner = ModelRunner(model, state, Sampler(config.seed), graphs, self.park, self.pipeline)
         self.runner.warm_up()
         self.scheduler = Scheduler(self._scheduler_config(state, graphs), parked=self.park)
         if graphs is not None:  # windows with prompt rows are priced before the first one runs
             self.scheduler.calibrate(graphs.time_mixed())
         self.streams: dict[str, TextStream] = {}
         self.windows = 0
-        self._flight: _Flight | None = None  # the window launched and not yet handed out (overlapped)
+        # windows launched and not yet handed out, oldest first: at most one beside the window being planned
+        # (overlapped), none (--no-overlap), or one per other slot group on a layer split
+        self._flights: deque[_Flight] = deque()
+        self._in_flight = (self.groups - 1) if self.pipeline is not None else int(config.overlap)
         self._emitted_at = 0.0  # when the last window's tokens were handed out (perf_counter)
         self.moe_layers = [
-            (i, layer.mlp) for i, layer in enumerate(model.model.layers) if isinstance(layer.mlp, SparseMoE)
+            (i, layer.mlp)
+            for i, layer in enumerate(model.model.layers)
+            if isinstance(layer, DecoderLayer) and isinstance(layer.mlp, SparseMoE)  # this stage's layers
         ]
         self._experts_reported = time.monotonic()
 
@@ -180,24 +200,73 @@ class EngineCore:
     def _dtype(self) -> torch.dtype:
         return self.loaded.model.model.embed_tokens.weight.dtype
 
+    def _layer_split(self, path: Path) -> list[ModelPart] | None:
+        """The stages of `--layer-split` (None: the model runs whole here). `auto` splits over as few GPUs
+        as hold the weights."""
+        config = self.config
+        if config.layer_split is None:
+            return None
+        checkpoint = open_checkpoint(path)
+        spec = config.layer_split
+        if spec == "auto":
+            cards = [
+                torch.cuda.get_device_properties(i).total_memory
+                for i in range(torch.cuda.device_count() if self.device == "cuda" else 0)
+            ]
+            item = torch.empty((), dtype=resolve_dtype(config.dtype, checkpoint, self.device)).element_size()
+            elements = sum(math.prod(checkpoint.shape(name)) for name in checkpoint.names())
+            spec = str(stages_for(elements * item, cards))
+        parts = split_layers(spec, checkpoint.config.num_hidden_layers)
+        if len(parts) == 1:
+            return None
+        if config.expert_cache is not None or config.expert_vram is not None:
+            raise StrataError(
+                "--layer-split with an expert tier (--expert-cache, --expert-vram) is not built yet"
+            )
+        return parts
+
+    def _batch_groups(self) -> int:
+        """Slot groups (`--batch-groups`): by default one per stage of a layer split, else one."""
+        groups, stages = self.config.batch_groups, len(self.pipeline.parts) if self.pipeline else 1
+        if groups is None:
+            return min(stages, self.config.parallel)
+        if not 1 <= groups <= self.config.parallel:
+            parallel = self.config.parallel
+            raise StrataError(f"--batch-groups must be 1 to --parallel ({parallel}), not {groups}")
+        if groups > 1 and self.pipeline is None:
+            raise StrataError("--batch-groups pipelines the stages of a --layer-split; without one it is 1")
+        return groups
+
     def _paged_state(self) -> PagedState:
-        """The KV pool and slot state sized from `--kv-memory`: the recurrent state of every slot and
-        checkpoint first, KV blocks with the rest (no more than every slot filled to the context uses)."""
+        """The KV pool and slot state sized from `--kv-memory` (on each stage of a layer split, for its own
+        layers): the recurrent state of every slot and checkpoint first, KV blocks with the rest (no more
+        than every slot filled to the context uses, nor than the fullest stage holds)."""
         config, model_config, dtype = self.config, self.loaded.model.config, self._dtype
         checkpoints = CHECKPOINTS_PER_SLOT * config.parallel if self.recurrent and config.prefix_cache else 0
-        state_bytes = slot_state_bytes(model_config, dtype) * (config.parallel + checkpoints)
-        block_bytes = kv_block_bytes(model_config, config.block_size, dtype)
-        blocks = (config.kv_memory - state_bytes) // block_bytes
-        if blocks < 1:
-            raise StrataError(
-                f"--kv-memory {config.kv_memory} bytes is too small: {config.parallel} slots and "
-                f"{checkpoints} checkpoints of recurrent state take {state_bytes} and one KV block "
-                f"{block_bytes}"
-            )
-        blocks = min(blocks, config.parallel * -(-self.max_model_len // config.block_size))
+        blocks = config.parallel * -(-self.max_model_len // config.block_size)
+        parts = self.pipeline.parts if self.pipeline is not None else [None]
+        for part in parts:
+            layers = part.layers if part is not None else None
+            state_bytes = slot_state_bytes(model_config, dtype, layers) * (config.parallel + checkpoints)
+            block_bytes = kv_block_bytes(model_config, config.block_size, dtype, layers)
+            fits = (config.kv_memory - state_bytes) // block_bytes if block_bytes else blocks
+            if fits < 1:
+                raise StrataError(
+                    f"--kv-memory {config.kv_memory} bytes is too small: {config.parallel} slots and "
+                    f"{checkpoints} checkpoints of recurrent state take {state_bytes} and one KV block "
+                    f"{block_bytes}"
+                )
+            blocks = min(blocks, fits)
         device = torch.device(self.device)
         return PagedState(
-            model_config, blocks, config.block_size, config.parallel, dtype, device, checkpoints=checkpoints
+            model_config,
+            blocks,
+            config.block_size,
+            config.parallel,
+            dtype,
+            device,
+            checkpoints=checkpoints,
+            layers=parts[0].layers if parts[0] is not None else None,
         )
 
     def _window_graphs(self, state: PagedState) -> WindowGraphs | None:
@@ -205,6 +274,9 @@ class EngineCore:
         tier: decode windows only, captured piecewise around each layer's misses)."""
         config = self.config
         if self.device != "cuda" or self.backends.paged_attention is None or config.enforce_eager:
+            return None
+        if self.pipeline is not None:
+            log.info("layer split: windows run eagerly (captured graphs of stages are not built yet)")
             return None
         max_blocks = -(-self.max_model_len // config.block_size)
         # a prompt piece may pass the token budget to reach its next chunk multiple (scheduler.py)
@@ -218,6 +290,9 @@ class EngineCore:
         config = self.config
         has_room = config.park_memory > 0 or (config.park_dir and config.park_disk > 0)
         if not config.prefix_cache or not has_room:
+            return None
+        if self.pipeline is not None:
+            log.info("layer split: conversations are not parked (a park per stage is not built yet)")
             return None
         return ConversationPark(
             state,
@@ -240,12 +315,15 @@ class EngineCore:
             checkpoint_slots=state.checkpoint_slots,
             recurrent=self.recurrent,
             window_rows=graphs.mixed_rows if graphs is not None else (),
+            groups=self.groups,
         )
 
     def close(self) -> None:
         """Finish what must outlive the process: parked conversations still being written to disk."""
         if self.park is not None:
             self.park.flush()
+        if self.pipeline is not None:
+            self.pipeline.close()
 
     def ready(self) -> Ready:
         """What clients need to know before sending requests."""
@@ -308,7 +386,14 @@ class EngineCore:
 
     def has_work(self) -> bool:
         """Any request running or waiting, or a window whose tokens are not handed out yet."""
-        return self.scheduler.has_work() or self._flight is not None
+        return self.scheduler.has_work() or bool(self._flights)
+
+    def _busy_groups(self) -> frozenset[int]:
+        """The slot groups with a window in flight (pipelined groups on a layer split; none otherwise, where
+        the next window feeds the tokens the one in flight draws)."""
+        if self.pipeline is None:
+            return frozenset()
+        return frozenset(self.scheduler.group_of(c.slot) for f in self._flights for c in f.window.chunks)
 
     def step(self) -> tuple[list[RequestOutput], WindowStats | None]:
         """Plan and launch one window, and hand out the tokens of the one before it (overlapped), or of this
@@ -318,21 +403,23 @@ class EngineCore:
         tokens N draws straight from the device, and a request that N ends runs one row more, never read.
         """
         began = time.perf_counter()
-        window = self.scheduler.schedule()
-        previous, self._flight = self._flight, None
+        flights = self._flights
+        window = self.scheduler.schedule(self._busy_groups())
         done: _Flight | None = None
         resolved: list[_Drawn] = []
-        if previous is not None and self._needs_history(window):
-            done, resolved, previous = previous, self._resolve(previous), None  # its penalties read them
-        if not window.chunks and done is None and previous is None and self.park is not None:
+        if flights and self._needs_history(window):
+            done = flights.popleft()
+            resolved = self._resolve(done)  # its penalties read them
+        if not window.chunks and done is None and not flights and self.park is not None:
             self.park.wait_reads(READ_WAIT_S)  # a request waits for its parked file: do not spin
         flight = self._launch(window, began)
-        if previous is not None:
-            done, resolved = previous, self._resolve(previous)
-        if window.chunks and self.config.overlap:
-            self._flight = flight
-        elif done is None:
-            done, resolved = flight, self._resolve(flight)
+        if window.chunks:
+            flights.append(flight)
+        if done is None and (len(flights) > self._in_flight or (flights and not window.chunks)):
+            done = flights.popleft()
+            resolved = self._resolve(done)
+        elif done is None and not window.chunks:
+            done = flight
         self.scheduler.advance(window)
         fed = {c.request.request_id: len(c.tokens) for c in window.chunks}
         flight.slots = [(r, self._slot_stats(r, fed.get(r.request_id, 0))) for r in self.scheduler.running]

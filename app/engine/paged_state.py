@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from app.models.batch import PagedLayout, SequenceSpan
@@ -10,16 +12,24 @@ from app.models.config import ATTENTION, LINEAR_ATTENTION, ModelConfig
 STATE_DTYPE = torch.float32  # Gated DeltaNet recurrent state is carried in fp32
 
 
-def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one KV block across all attention layers (keys and values)."""
-    layers = config.layer_types.count(ATTENTION)
+def _count(config: ModelConfig, kind: str, layers: range | None) -> int:
+    """How many of `layers` (None: all) are of `kind`."""
+    types = config.layer_types
+    return sum(types[i] == kind for i in (range(len(types)) if layers is None else layers))
+
+
+def kv_block_bytes(
+    config: ModelConfig, block_size: int, dtype: torch.dtype, layers: range | None = None
+) -> int:
+    """Bytes of one KV block across the attention layers among `layers` (None: all), keys and values."""
+    count = _count(config, ATTENTION, layers)
     item = torch.empty((), dtype=dtype).element_size()
-    return 2 * layers * block_size * config.num_key_value_heads * config.head_dim * item
+    return 2 * count * block_size * config.num_key_value_heads * config.head_dim * item
 
 
-def slot_state_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
-    """Bytes of one slot's conv and recurrent state across all Gated DeltaNet layers."""
-    layers = config.layer_types.count(LINEAR_ATTENTION)
+def slot_state_bytes(config: ModelConfig, dtype: torch.dtype, layers: range | None = None) -> int:
+    """Bytes of one slot's conv and recurrent state across the Gated DeltaNet layers among `layers`."""
+    layers = _count(config, LINEAR_ATTENTION, layers)
     if layers == 0:
         return 0
     conv_dim = 2 * config.linear_num_key_heads * config.linear_key_head_dim + (
@@ -37,7 +47,8 @@ class PagedState:
     block table (set per window by the runner) maps its positions to blocks. One block and one slot beyond
     the given counts (`scratch_block`, `scratch_slot`) belong to no request: padding rows of a CUDA graph's
     bucket write there. The Gated DeltaNet pools hold `checkpoints` more slots after the scratch one
-    (`checkpoint_slots`), where the prefix cache keeps states that requests can continue from.
+    (`checkpoint_slots`), where the prefix cache keeps states that requests can continue from. A stage of a
+    layer split holds the state of its own `layers` only.
     """
 
     def __init__(
@@ -49,6 +60,7 @@ class PagedState:
         dtype: torch.dtype,
         device: torch.device,
         checkpoints: int = 0,
+        layers: range | None = None,
     ) -> None:
         self.blocks = blocks
         self.block_size = block_size
@@ -56,11 +68,10 @@ class PagedState:
         self.scratch_slot = slots
         self.checkpoint_slots = tuple(range(slots + 1, slots + 1 + checkpoints))
         self.device = device
-        self._kv_layer = {
-            i: n for n, i in enumerate(i for i, t in enumerate(config.layer_types) if t == ATTENTION)
-        }
+        held = range(len(config.layer_types)) if layers is None else layers
+        self._kv_layer = {i: n for n, i in enumerate(i for i in held if config.layer_types[i] == ATTENTION)}
         self._gdn_layer = {
-            i: n for n, i in enumerate(i for i, t in enumerate(config.layer_types) if t == LINEAR_ATTENTION)
+            i: n for n, i in enumerate(i for i in held if config.layer_types[i] == LINEAR_ATTENTION)
         }
         kv_shape = (len(self._kv_layer), blocks + 1, block_size, config.num_key_value_heads, config.head_dim)
         self.keys = torch.zeros(kv_shape, dtype=dtype, device=device)
@@ -187,3 +198,26 @@ class PagedState:
         n = self._gdn_layer[layer]
         self.conv[n, seq] = conv
         self.recurrent[n, seq] = recurrent
+
+
+@dataclass
+class StateCopies:
+    """A window's work on the state before its forward, in this order: `saves` copy a slot's recurrent
+    state into a checkpoint slot, `block_copies` a KV block into another, `restores` a checkpoint into a
+    slot, and `resets` start slots empty (requests read from their first token). Every stage of a layer
+    split applies the same copies to its own layers' state."""
+
+    saves: list[tuple[int, int]] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    restores: list[tuple[int, int]] = field(default_factory=list)
+    resets: list[int] = field(default_factory=list)
+
+    def apply(self, state: PagedState) -> None:
+        for slot, checkpoint in self.saves:
+            state.copy_slot(slot, checkpoint)
+        for source, target in self.block_copies:
+            state.copy_block(source, target)
+        for checkpoint, slot in self.restores:
+            state.copy_slot(checkpoint, slot)
+        for slot in self.resets:
+            state.reset_slot(slot)

@@ -1,24 +1,27 @@
 """The model runner: one forward per window, then sampling.
 
 It drives the device for each window. The other engine modules that touch devices are the ones it uses: the
-paged state (paged_state.py), the window graphs (cuda_graphs.py) and the park's copies (parking.py); the
-engine core reads routing counters back every EXPERT_REPORT_S seconds. The scheduler and everything it
+paged state (paged_state.py), the window graphs (cuda_graphs.py), the park's copies (parking.py) and a layer
+split's stages (split.py, stage_worker.py); the engine core reads routing counters back every EXPERT_REPORT_S
+seconds. The scheduler and everything it
 imports never do.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from app.engine.cuda_graphs import Fed, WindowGraphs
-from app.engine.paged_state import PagedState
+from app.engine.paged_state import PagedState, StateCopies
 from app.engine.parking import ConversationPark, Parked
 from app.engine.protocol import PositionLogprobs
 from app.engine.sampler import DrawnTokens, RowSampling, Sampler
 from app.engine.scheduler import Chunk, Window, placeholder_row
+from app.engine.split import StagePipeline, StageWork
 from app.engine.transfer import device_tensor
 from app.models.batch import ForwardBatch
 from app.models.qwen3 import CausalLM
@@ -36,11 +39,13 @@ class Sampled:
 @dataclass
 class Launched:
     """A window queued on the device: the chunks that sample, in the order of the tokens drawn for them
-    (still on the device, their copy to the host queued), and whether it replayed a CUDA graph."""
+    (still on the device, their copy to the host queued), and whether it replayed a CUDA graph. On a layer
+    split the window is still going down the stages: `later` draws its tokens once the last one answers."""
 
     sampling: list[Chunk]
     drawn: DrawnTokens | None
     replayed: bool
+    later: Callable[[], DrawnTokens] | None = None
 
 
 class ModelRunner:
@@ -57,8 +62,10 @@ class ModelRunner:
         sampler: Sampler,
         graphs: WindowGraphs | None = None,
         park: ConversationPark | None = None,
+        pipeline: StagePipeline | None = None,
     ) -> None:
         self.model = model
+        self.pipeline = pipeline
         self.park = park
         self.state = state
         self.sampler = sampler
@@ -77,7 +84,7 @@ class ModelRunner:
         of 16); without this, the first windows that read a prompt would stall every decoding slot while they
         compile. Runs prompt chunks beside decode rows on the scratch block and slot; nothing is counted.
         """
-        if not self.paged or self.device.type != "cuda":
+        if not self.paged or self.device.type != "cuda" or self.pipeline is not None:
             return
         scratch, size = self.state.scratch_slot, self.state.block_size
         self.state.set_block_table(scratch, [self.state.scratch_block] * (-(-160 // size)))
@@ -96,12 +103,17 @@ class ModelRunner:
         A chunk whose last token is a placeholder (`scheduler.placeholder`) is fed the token drawn on the
         device for that row of the window launched before, which the host has not read yet.
         """
-        self._copy_state(window)
         chunks, graphs = window.chunks, self.graphs
-        for chunk in chunks:
-            if chunk.fresh:
-                self.state.reset_slot(chunk.slot)
+        copies = StateCopies(
+            window.saves, window.block_copies, window.restores, [c.slot for c in chunks if c.fresh]
+        )
+        copies.apply(self.state)
+        for parked, slot, blocks in window.unparks:
+            assert self.park is not None and isinstance(parked, Parked)
+            self.park.restore(parked, slot, blocks)
         fed = self._fed(chunks)
+        if self.pipeline is not None:
+            return self._down_the_stages(chunks, fed, copies)
         bucket = graphs.bucket(chunks) if graphs is not None else None
         self.last_replayed = bucket is not None
         if graphs is not None and bucket is not None:
@@ -115,26 +127,42 @@ class ModelRunner:
         self._drawn = None
         if not sampling:
             return Launched([], None, self.last_replayed)
-        requests = [chunk.request for chunk in sampling]
-        drawn = self.sampler.sample(
-            logits,
-            [
-                RowSampling(
-                    params=r.params,
-                    position=len(r.prompt) + len(r.output),
-                    prompt_token_ids=r.prompt,
-                    output_token_ids=r.output,
-                )
-                for r in requests
-            ],
-        )
+        drawn = self.sampler.sample(logits, _row_sampling(sampling))
         drawn.to_host()
         self._drawn = drawn.tokens
         return Launched(sampling, drawn, self.last_replayed)
 
+    def _down_the_stages(self, chunks: list[Chunk], fed: Fed | None, copies: StateCopies) -> Launched:
+        """Send the window down a layer split's stages (stage 0's layers run here now); its tokens are drawn
+        when `collect` reads the last stage's answer. The rows' sampling is fixed now, before later windows
+        of other slot groups change what the requests hold."""
+        assert self.pipeline is not None and fed is None  # a group's window waits for its last one's tokens
+        self.last_replayed = False
+        batch, sampling, last_rows = self._batch(chunks, fed)
+        work = StageWork(
+            chunks=[(c.slot, len(c.tokens), c.past) for c in chunks],
+            saves={c.slot: c.save for c in chunks if c.save is not None},
+            tables={c.slot: c.request.blocks for c in chunks},
+            copies=copies,
+        )
+        self.pipeline.send(batch, last_rows, work)
+        if not sampling:
+            return Launched([], None, False)
+        rows = _row_sampling(sampling, copied=True)
+        pipeline = self.pipeline
+
+        def draw() -> DrawnTokens:
+            drawn = self.sampler.sample(self.model.logits(pipeline.receive(len(rows))), rows)
+            drawn.to_host()
+            return drawn
+
+        return Launched(sampling, None, False, later=draw)
+
     def collect(self, launched: Launched) -> list[Sampled]:
         """Wait for a launched window's tokens; one per chunk that samples, in launch order."""
         self.last_wait_s = 0.0
+        if launched.later is not None:
+            launched.drawn, launched.later = launched.later(), None
         if launched.drawn is None:
             return []
         result = launched.drawn.read()
@@ -157,20 +185,8 @@ class ModelRunner:
         index = device_tensor(rows + sources, torch.long, self.device)
         return index[: len(rows)], self._drawn[index[len(rows) :]]
 
-    def _copy_state(self, window: Window) -> None:
-        """Before the forward: the window's checkpoint saves, block copies, restores and unparks, in order."""
-        for slot, checkpoint in window.saves:
-            self.state.copy_slot(slot, checkpoint)
-        for source, target in window.block_copies:
-            self.state.copy_block(source, target)
-        for checkpoint, slot in window.restores:
-            self.state.copy_slot(checkpoint, slot)
-        for parked, slot, blocks in window.unparks:
-            assert self.park is not None and isinstance(parked, Parked)
-            self.park.restore(parked, slot, blocks)
-
-    def _eager(self, chunks: list[Chunk], fed: Fed | None) -> tuple[list[Chunk], torch.Tensor]:
-        """One forward over the flat batch; the chunks that sample and their logits.
+    def _batch(self, chunks: list[Chunk], fed: Fed | None) -> tuple[ForwardBatch, list[Chunk], list[int]]:
+        """The window's flat batch (its rows' block tables set), the chunks that sample and their last rows.
 
         Replayed windows read their rows' block tables themselves; eager ones go through the state's.
         """
@@ -186,9 +202,31 @@ class ModelRunner:
             batch.input_ids[fed[0]] = fed[1]
         if self.paged:
             batch.layout = self.state.layout(batch.spans)
-        hidden = self.model(batch)
         sampling = [(span, chunk) for span, chunk in zip(batch.spans, chunks, strict=True) if chunk.samples]
+        last_rows = [span.start + span.length - 1 for span, _ in sampling]
+        return batch, [chunk for _, chunk in sampling], last_rows
+
+    def _eager(self, chunks: list[Chunk], fed: Fed | None) -> tuple[list[Chunk], torch.Tensor]:
+        """One forward over the flat batch; the chunks that sample and their logits."""
+        batch, sampling, last_rows = self._batch(chunks, fed)
+        hidden = self.model(batch)
         if not sampling:
             return [], hidden[:0]
-        rows = device_tensor([span.start + span.length - 1 for span, _ in sampling], torch.long, self.device)
-        return [chunk for _, chunk in sampling], self.model.logits(hidden[rows])
+        return sampling, self.model.logits(hidden[device_tensor(last_rows, torch.long, self.device)])
+
+
+def _row_sampling(sampling: list[Chunk], copied: bool = False) -> list[RowSampling]:
+    """How each sampling chunk's row draws its token; with `copied`, over copies of what its request holds."""
+    rows = []
+    for chunk in sampling:
+        r = chunk.request
+        output = list(r.output) if copied else r.output
+        rows.append(
+            RowSampling(
+                params=r.params,
+                position=len(r.prompt) + len(output),
+                prompt_token_ids=list(r.prompt) if copied else r.prompt,
+                output_token_ids=output,
+            )
+        )
+    return rows

@@ -166,6 +166,8 @@ class SchedulerConfig:
     checkpoint was saved, in one of the state pools' `checkpoint_slots` (app/engine/prefix_cache.py).
     `window_rows`: the row counts (ascending) that windows with prompt rows are padded to when they replay a
     captured graph; such a window costs what its padded rows cost, so prompt chunks fill the padding.
+    `groups`: the slots form this many groups (slot s in group s % groups) and a window holds the rows of
+    one group only, so that the stages of a layer split each run another group's window (pipelined groups).
     """
 
     parallel: int
@@ -178,6 +180,7 @@ class SchedulerConfig:
     checkpoint_slots: tuple[int, ...] = ()
     recurrent: bool = False
     window_rows: tuple[int, ...] = ()
+    groups: int = 1
 
 
 class ParkedStore(Protocol):
@@ -222,6 +225,7 @@ class Scheduler:
         self.free_slots = list(range(config.parallel - 1, -1, -1))
         self.requests: dict[str, Request] = {}
         self._admissions = 0
+        self._turn = 0  # the group whose turn it is to be planned next
 
     def add(self, request: Request) -> None:
         """Queue a request; it is never refused for being busy."""
@@ -242,12 +246,21 @@ class Scheduler:
         """The most tokens one request can hold: the whole KV pool."""
         return self.pool.total * self.pool.block_size
 
-    def schedule(self) -> Window:
-        """Plan the next window."""
+    def group_of(self, slot: int) -> int:
+        """The group of a slot (`SchedulerConfig.groups`)."""
+        return slot % self.config.groups
+
+    def schedule(self, busy: frozenset[int] = frozenset()) -> Window:
+        """Plan the next window: of the next group in turn that has work and is not `busy` (a window of it
+        still runs), or an empty one."""
         window = Window(chunks=[])
+        group = self._pick_group(busy)
+        if group is None:
+            return window
         budget = self.config.max_batched_tokens
         reading = self._prompts_pending()
-        for request in [r for r in self.running if r.phase is Phase.DECODE]:
+        ours = [r for r in self.running if self.group_of(r.slot) == group]  # type: ignore[arg-type]
+        for request in [r for r in ours if r.phase is Phase.DECODE]:
             if request.phase is not Phase.DECODE:
                 continue  # preempted while making room for an earlier row
             if self._held(request, reading):
@@ -255,7 +268,7 @@ class Scheduler:
             if len(request.output) >= request.params.max_tokens:
                 continue  # its last token is still being drawn: it ends when that is read
             while not self.pool.grow(request.blocks, request.computed + 1):
-                victim = self.running[-1]
+                victim = [r for r in self.running if r in ours][-1]
                 self._preempt(victim)
                 window.preempted += 1
                 if victim is request:
@@ -263,13 +276,15 @@ class Scheduler:
             if request.phase is Phase.DECODE:
                 window.chunks.append(self._chunk(request, 1))
                 budget -= 1
-        share = _Share(self, decode_rows=len(window.chunks), tokens=budget)
-        for request in [r for r in self.running if r.phase is Phase.PROMPT]:
+        share = _Share(
+            self, len(window.chunks), budget, paced=max(len(window.chunks), self._decoding_beside(group))
+        )
+        for request in [r for r in self.running if r in ours and r.phase is Phase.PROMPT]:
             take = share.take(request.pending, request.computed)
             if take <= 0:
                 break
             window.chunks.append(self._with_checkpoint(self._chunk(request, take)))
-        while self.waiting and self.free_slots and share.tokens > 0:
+        while self.waiting and self._free_slot(group) is not None and share.tokens > 0:
             request = self.waiting[0]
             if not self._park_ready(request):
                 break  # its parked conversation is being read from disk: the slots that run go on
@@ -288,7 +303,7 @@ class Scheduler:
                 self.pool.release(request.blocks)
                 break
             self.waiting.popleft()
-            self._admit(request)
+            self._admit(request, group)
             request.computed = start
             if hit:
                 self._continue(window, request, hit)
@@ -303,6 +318,32 @@ class Scheduler:
             window.saves, self._saves = self._saves, []
         window.charged = self._charge(window)
         return window
+
+    def _pick_group(self, busy: frozenset[int]) -> int | None:
+        """The group to plan: the first from the one whose turn it is that is not busy and has a request or a
+        free slot for a waiting one; None when every group is busy or idle."""
+        groups = self.config.groups
+        for group in ((self._turn + i) % groups for i in range(groups)):
+            if group in busy:
+                continue
+            has_running = any(self.group_of(r.slot) == group for r in self.running)  # type: ignore[arg-type]
+            if groups == 1 or has_running or (self.waiting and self._free_slot(group) is not None):
+                self._turn = (group + 1) % groups
+                return group
+        return None
+
+    def _decoding_beside(self, group: int) -> int:
+        """The most requests decoding in one of the other slot groups: a window of this group holds up
+        theirs in the stages, so its prompt rows are paced by them too."""
+        counts = [0] * self.config.groups
+        for r in self.running:
+            if r.phase is Phase.DECODE and r.slot is not None and self.group_of(r.slot) != group:
+                counts[self.group_of(r.slot)] += 1
+        return max(counts)
+
+    def _free_slot(self, group: int) -> int | None:
+        """The free slot of `group` to fill next, or None."""
+        return next((s for s in reversed(self.free_slots) if self.group_of(s) == group), None)
 
     def _prompts_pending(self) -> bool:
         """Whether a prompt is being read or waits with a slot free to be read in."""
@@ -402,8 +443,11 @@ class Scheduler:
             decode=request.phase is Phase.DECODE,
         )
 
-    def _admit(self, request: Request) -> None:
-        request.slot = self.free_slots.pop()
+    def _admit(self, request: Request, group: int) -> None:
+        slot = self._free_slot(group)
+        assert slot is not None
+        self.free_slots.remove(slot)
+        request.slot = slot
         request.phase = Phase.PROMPT
         self._admissions += 1
         request.admitted_order = self._admissions
@@ -569,7 +613,10 @@ class _Share:
     such multiple even past the token budget, so that it progresses.
     """
 
-    def __init__(self, scheduler: Scheduler, decode_rows: int, tokens: int) -> None:
+    def __init__(self, scheduler: Scheduler, decode_rows: int, tokens: int, paced: int | None = None) -> None:
+        """`paced`: the decode rows whose solo speed sets the time budget (the window's own, or with slot
+        groups those of another group it holds up, where more)."""
+        paced = decode_rows if paced is None else paced
         self.cost = scheduler.cost
         self.fill = scheduler.fill
         self.minimum = scheduler.config.block_size
@@ -579,16 +626,16 @@ class _Share:
         self.limit: float | None = None
         self.first = True
         self.saving = self.owing = False
-        solo = scheduler.solo_seconds(decode_rows) if decode_rows else None
+        solo = scheduler.solo_seconds(paced) if paced else None
         if solo is not None and self.cost.calibrated:
             allowed = solo / scheduler.planned_share
             self.limit = allowed + scheduler.credit
             one_block = self.cost.predict(scheduler.padded(decode_rows + self.minimum), decode_rows + 1)
-            capped = scheduler.credit >= scheduler.credit_cap(decode_rows, allowed)
+            capped = scheduler.credit >= scheduler.credit_cap(paced, allowed)
             sharing = scheduler.config.decode_share < 1
             self.saving = one_block > allowed and sharing and not capped
             self.owing = one_block > self.limit and sharing and not capped
-        elif decode_rows:
+        elif paced:
             self.tokens = min(tokens, UNCALIBRATED_CHUNK)
 
     def take(self, pending: int, past: int) -> int:

@@ -21,7 +21,7 @@ from app.models.attention import Attention
 from app.models.expert_tier import TieredExperts, use_expert_tier
 from app.models.layers import Linear
 from app.models.moe import RoutedExperts
-from app.models.qwen3 import CausalLM
+from app.models.qwen3 import CausalLM, ModelPart
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.")
@@ -108,18 +108,23 @@ def load_model(
     backends: Backends = REFERENCE,
     resident_experts: int | None = None,
     spare_experts: int = 0,
+    part: ModelPart | None = None,
 ) -> tuple[CausalLM, Checkpoint]:
     """Load an HF directory into a CausalLM on `device`, checking every tensor's presence, name and shape.
 
     With `resident_experts` below the model's experts per layer, every MoE layer gets an expert tier: its
     experts load to host memory, and only the resident ones are copied to `device` (models/expert_tier.py),
-    beside `spare_experts` free slots a layer for asynchronous swaps.
+    beside `spare_experts` free slots a layer for asynchronous swaps. With `part` (a stage of a layer split)
+    only that part's tensors are read; the rest of the model is `Absent`.
     """
     checkpoint = open_checkpoint(path)
     target = resolve_dtype(dtype, checkpoint, device)
     tiered = resident_experts is not None and resident_experts < checkpoint.config.num_experts
     with torch.device("meta"):
         model = CausalLM(checkpoint.config, mtp_layers=mtp_layer_count(checkpoint), backends=backends)
+        known = set(tensor_sources(model))  # every tensor the whole model reads
+        if part is not None:
+            model.keep_part(part)
         if tiered:
             use_expert_tier(model, resident_experts, experts_swiglu_sum, spare_experts)
     sources = tensor_sources(model)
@@ -129,7 +134,7 @@ def load_model(
     params = dict(model.named_parameters())
     names = checkpoint.names()
     for name in names:
-        if name in sources:
+        if name in known:
             continue
         if name == "lm_head.weight" and checkpoint.config.tie_word_embeddings:
             continue

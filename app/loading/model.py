@@ -12,7 +12,7 @@ from app.kernels.reference import REFERENCE
 from app.loading.checkpoint import Checkpoint
 from app.loading.gguf_file import is_gguf, model_name
 from app.loading.loader import load_model
-from app.models.qwen3 import CausalLM
+from app.models.qwen3 import CausalLM, ModelPart
 from app.text.tokenizer import Tokenizer
 
 
@@ -41,6 +41,7 @@ def open_model(
     backends: Backends = REFERENCE,
     resident_experts: int | None = None,
     spare_experts: int = 0,
+    part: ModelPart | None = None,
 ) -> LoadedModel:
     """Load weights and tokenizer of an HF directory; eos ids from the configs, else the tokenizer's eos."""
     model, checkpoint = load_model(
@@ -51,6 +52,7 @@ def open_model(
         backends=backends,
         resident_experts=resident_experts,
         spare_experts=spare_experts,
+        part=part,
     )
     tokenizer = Tokenizer.load(checkpoint.path)
     eos = checkpoint.eos_token_ids()

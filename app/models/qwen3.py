@@ -6,6 +6,8 @@ attention layers, (1 + w) RMSNorm, a shared expert, and an MTP head.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -21,6 +23,20 @@ from app.models.moe import SparseMoE
 def norm(config: ModelConfig, dim: int, backends: Backends) -> RMSNorm:
     """An RMSNorm of the model's kind (offset or not) with the backends' fused kernels."""
     return RMSNorm(dim, config.rms_norm_eps, config.offset_norm, backends.rms_norm, backends.add_rms_norm)
+
+
+@dataclass(frozen=True)
+class ModelPart:
+    """What one stage of a layer split holds: the decoder layers `layers`; the first stage also the
+    embedding, the LM head and the MTP head (it embeds the tokens and samples), the last the final norm."""
+
+    layers: range
+    first: bool
+    last: bool
+
+
+class Absent(nn.Module):
+    """In place of a module that another stage of a layer split holds."""
 
 
 class DecoderLayer(nn.Module):
@@ -79,10 +95,21 @@ class DecoderModel(nn.Module):
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         x = self.embed_tokens(batch.input_ids)
+        x, pending = self.run_layers(batch, range(len(self.layers)), x, None)
+        return self.final_norm(x, pending)
+
+    def run_layers(
+        self, batch: ForwardBatch, layers: range, x: torch.Tensor, pending: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The residual stream `x` and the output `pending` of the layer before (None: no layer yet) through
+        `layers`: the stream and the last one's output, as a stage of a layer split hands them on."""
         cos_sin = self.rotary.cos_sin(batch.positions, x.dtype)
-        pending = None
-        for layer in self.layers:
-            x, pending = layer(x, batch, cos_sin, pending)
+        for i in layers:
+            x, pending = self.layers[i](x, batch, cos_sin, pending)
+        return x, pending
+
+    def final_norm(self, x: torch.Tensor, pending: torch.Tensor | None) -> torch.Tensor:
+        """The final hidden states: the last layer's output added to the stream, normed."""
         return self.norm.add_forward(pending, x)[0] if pending is not None else self.norm(x)
 
 
@@ -139,6 +166,19 @@ class CausalLM(nn.Module):
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Final hidden states [tokens, hidden] of every row, updating the batch's sequence state."""
         return self.model(batch)
+
+    def keep_part(self, part: ModelPart) -> None:
+        """Hold only `part` of the model: what other stages hold becomes `Absent` (before loading)."""
+        decoder = self.model
+        for i in range(len(decoder.layers)):
+            if i not in part.layers:
+                decoder.layers[i] = Absent()
+        if not part.first:
+            decoder.embed_tokens = Absent()  # type: ignore[assignment]
+            self.lm_head = None
+            self.mtp = None
+        if not part.last:
+            decoder.norm = Absent()  # type: ignore[assignment]
 
     def mtp_forward(
         self, hidden: torch.Tensor, next_ids: torch.Tensor, batch: ForwardBatch, step: int = 0

@@ -384,3 +384,21 @@ def test_measured_windows_calibrate_the_cost_before_any_window_runs() -> None:
     scheduler.calibrate([(32, 0.004), (128, 0.005), (512, 0.009)])
     assert scheduler.cost.calibrated
     assert 0.0035 < scheduler.cost.predict(64, 2) < 0.0055
+
+
+def test_pipelined_groups_take_turns_and_a_busy_groups_slots_wait() -> None:
+    scheduler = _scheduler(groups=2)
+    for name in "abcd":
+        scheduler.add(_request(name, 20))
+    first = scheduler.schedule()
+    assert {c.slot % 2 for c in first.chunks} == {0} and len(first.chunks) == 2  # slots 0 and 2
+    scheduler.advance(first)
+    second = scheduler.schedule(busy=frozenset({0}))
+    assert {c.slot % 2 for c in second.chunks} == {1} and len(second.chunks) == 2
+    scheduler.advance(second)
+    assert not scheduler.schedule(busy=frozenset({0, 1})).chunks  # both groups still run
+    for chunk in [*first.chunks, *second.chunks]:
+        chunk.request.output.append(7)
+    third = scheduler.schedule(busy=frozenset({1}))
+    assert [c.request for c in third.chunks] == [c.request for c in first.chunks]
+    assert all(c.decode for c in third.chunks)

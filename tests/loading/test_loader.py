@@ -1,4 +1,4 @@
-"""Loading: memory-mapped tensors, dtype at load, the MTP head, eos ids, the progress bar."""
+"""Loading: memory-mapped tensors, dtype at load, the MTP head, a stage's part, eos ids, the progress bar."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from app.kernels.backends import select_backends
 from app.loading.checkpoint import CheckpointDir
 from app.loading.loader import load_model, resolve_dtype
 from app.loading.progress import Progress
+from app.models.qwen3 import Absent, ModelPart
 
 
 def test_weights_that_need_no_conversion_stay_mapped_from_the_file(tmp_path: Path) -> None:
@@ -84,6 +85,21 @@ def test_mtp_tensors_load_into_the_mtp_head(tmp_path: Path) -> None:
 def test_checkpoint_without_mtp_has_no_head(tmp_path: Path) -> None:
     model, _ = load_model(write_checkpoint(tmp_path, "qwen3_next"), progress=False)
     assert model.mtp is None
+
+
+def test_a_stage_of_a_layer_split_loads_only_its_part(tmp_path: Path) -> None:
+    path = write_checkpoint(tmp_path, "qwen3_next", mtp_layers=1)
+    whole, _ = load_model(path, dtype="float32", progress=False)
+    middle, _ = load_model(path, dtype="float32", progress=False, part=ModelPart(range(1, 3), False, False))
+    held = dict(middle.named_parameters())
+    assert held and all(name.startswith(("model.layers.1.", "model.layers.2.")) for name in held)
+    for name, tensor in held.items():
+        assert torch.equal(tensor, dict(whole.named_parameters())[name])
+    assert isinstance(middle.model.embed_tokens, Absent) and middle.mtp is None
+    first, _ = load_model(path, dtype="float32", progress=False, part=ModelPart(range(0, 1), True, False))
+    assert first.mtp is not None and isinstance(first.model.norm, Absent)
+    last, _ = load_model(path, dtype="float32", progress=False, part=ModelPart(range(3, 4), False, True))
+    assert {name.split(".")[1] for name, _ in last.named_parameters()} == {"layers", "norm"}
 
 
 def test_eos_ids_come_from_generation_config_then_config(tmp_path: Path) -> None:

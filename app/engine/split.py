@@ -1,0 +1,298 @@
+"""The layer split: the model's decoder layers cut into stages, one process each, over torch.distributed.
+
+The engine process is stage 0: it holds the scheduler, the embedding, the LM head and its own first layers,
+and samples. Stage workers 1..N-1 (`stage_worker.py`, spawned here) each hold their layers and their share
+of the paged state. A window travels down the stages as one message (`StageWork`: the spans, block tables
+and state copies every stage applies to its own state) followed by the residual stream and the last layer's
+output; the last stage norms the rows that sample and sends their final hidden states back to stage 0.
+Objects go over gloo, tensors over the default group (NCCL between GPUs, gloo on a CPU), so the same code
+runs on the cards of one host or on one CPU (`--device cpu --layer-split 2`, the tests' case).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import os
+import pickle
+import tempfile
+from dataclasses import dataclass, field
+from datetime import timedelta
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+
+import msgspec
+import torch
+import torch.distributed as dist
+
+from app.engine.config import EngineConfig
+from app.engine.paged_state import StateCopies
+from app.errors import StrataError
+from app.kernels.cpu_experts import threads
+from app.models.batch import ForwardBatch
+from app.models.qwen3 import CausalLM, ModelPart
+
+log = logging.getLogger("strata.engine")
+TIMEOUT = timedelta(minutes=30)  # how long a stage waits for its peer (a long prompt's window included)
+CARD_SHARE = 0.85  # `auto`: the share of a card's memory the weights may take before the model is split
+
+
+def split_layers(spec: str, layers: int) -> list[ModelPart]:
+    """The stages of `--layer-split`: a stage count ("2": layers as even as they go, the later stages taking
+    the odd ones, since the first also holds the embedding and LM head) or each stage's layer count
+    ("20,28", adding up to the model's layers)."""
+    counts: list[int]
+    try:
+        numbers = [int(n) for n in spec.split(",")]
+    except ValueError:
+        raise StrataError(
+            f"--layer-split {spec}: give auto, a stage count or each stage's layers (e.g. 20,28)"
+        ) from None
+    if len(numbers) == 1:
+        stages = numbers[0]
+        if not 1 <= stages <= layers:
+            raise StrataError(f"--layer-split {spec}: the model has {layers} layers, so 1 to {layers} stages")
+        base, odd = divmod(layers, stages)
+        counts = [base + (i >= stages - odd) for i in range(stages)]
+    else:
+        counts = numbers
+        if min(counts) < 1 or sum(counts) != layers:
+            raise StrataError(
+                f"--layer-split {spec}: each stage needs a layer and together the model's {layers}"
+            )
+    parts, start = [], 0
+    for i, count in enumerate(counts):
+        parts.append(ModelPart(range(start, start + count), first=i == 0, last=i == len(counts) - 1))
+        start += count
+    return parts
+
+
+def stages_for(weight_bytes: int, cards: list[int]) -> int:
+    """`--layer-split auto`: the fewest of the cards (their memory in bytes, in order) whose memory holds
+    the weights at CARD_SHARE each, or all of them; one stage on a CPU (no cards)."""
+    for stages in range(1, len(cards) + 1):
+        if weight_bytes <= CARD_SHARE * sum(cards[:stages]):
+            return stages
+    return max(1, len(cards))
+
+
+@dataclass(frozen=True)
+class StageSetup:
+    """Sent to every worker once stage 0 has sized the paged state: the KV blocks and checkpoint slots."""
+
+    blocks: int
+    checkpoints: int
+
+
+@dataclass(frozen=True)
+class StageLoaded:
+    """A worker's answer once its part is loaded: None, or why it could not be."""
+
+    error: str | None = None
+
+
+@dataclass
+class StageWork:
+    """One window for the stages after the first: each chunk's (slot, rows, past), the checkpoints spans
+    leave (slot -> (position, checkpoint slot)), the chunks' block tables, the state copies before the
+    forward, and the rows whose final hidden states the last stage sends back. `stop` ends the workers."""
+
+    chunks: list[tuple[int, int, int]] = field(default_factory=list)
+    saves: dict[int, tuple[int, int]] = field(default_factory=dict)
+    tables: dict[int, list[int]] = field(default_factory=dict)
+    copies: StateCopies = field(default_factory=StateCopies)
+    rows: list[int] = field(default_factory=list)
+    stop: bool = False
+
+    @property
+    def tokens(self) -> int:
+        return sum(rows for _, rows, _ in self.chunks)
+
+
+class StageLink:
+    """Messages between the stages: pickled objects over gloo, tensors over the default group.
+
+    Sends do not wait for their receiver (a gloo send of a tensor waits until the peer posts its receive):
+    stage 0 sends the next group's window while the last stage sends it the answer of the one before, and
+    blocking sends would wait for each other round the ring of stages. Each send's buffers are kept until
+    it has completed.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.objects = dist.new_group(backend="gloo") if device.type == "cuda" else None
+        self._sending: list[tuple[dist.Work, torch.Tensor]] = []
+
+    def _send(self, tensor: torch.Tensor, to: int, group: dist.ProcessGroup | None = None) -> None:
+        self._sending = [(work, t) for work, t in self._sending if not work.is_completed()]
+        work = dist.isend(tensor, to, group=group)
+        assert work is not None
+        self._sending.append((work, tensor))
+
+    def flush(self) -> None:
+        """Wait until every message sent has been received."""
+        for work, _ in self._sending:
+            work.wait()
+        self._sending.clear()
+
+    def send_object(self, value: object, to: int) -> None:
+        data = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8)
+        self._send(torch.tensor([data.numel()], dtype=torch.int64), to, self.objects)
+        self._send(data, to, self.objects)
+
+    def recv_object(self, source: int) -> object:
+        size = torch.zeros(1, dtype=torch.int64)
+        dist.recv(size, source, group=self.objects)
+        data = torch.empty(int(size), dtype=torch.uint8)
+        dist.recv(data, source, group=self.objects)
+        return pickle.loads(data.numpy().tobytes())
+
+    def send_tensors(self, tensors: list[torch.Tensor], to: int) -> None:
+        for tensor in tensors:
+            self._send(tensor.contiguous(), to)
+
+    def recv_tensors(
+        self, shapes: list[tuple[int, ...]], dtype: torch.dtype, source: int
+    ) -> list[torch.Tensor]:
+        tensors = [torch.empty(shape, dtype=dtype, device=self.device) for shape in shapes]
+        for tensor in tensors:
+            dist.recv(tensor, source)
+        return tensors
+
+
+def core_shares(stages: int) -> list[list[int]]:
+    """On a CPU, the cores each stage runs on: this process's cores cut into `stages` shares (shared round
+    robin where there are fewer cores than stages), so that stages working at once do not contend."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < stages:
+        return [[cores[stage % len(cores)]] for stage in range(stages)]
+    size, extra = divmod(len(cores), stages)
+    shares, start = [], 0
+    for stage in range(stages):
+        end = start + size + (stage < extra)
+        shares.append(cores[start:end])
+        start = end
+    return shares
+
+
+def use_cores(cores: list[int]) -> None:
+    """Run this process, torch's threads and the native kernels' on `cores`."""
+    os.sched_setaffinity(0, cores)
+    torch.set_num_threads(len(cores))
+    threads.cache_clear()
+
+
+def stage_device(device: str, stage: int) -> torch.device:
+    """Stage k of a split runs on the k-th GPU, or on the CPU."""
+    if device != "cuda":
+        return torch.device("cpu")
+    if stage >= torch.cuda.device_count():
+        visible = torch.cuda.device_count()
+        raise StrataError(f"--layer-split: stage {stage} needs GPU {stage}, and {visible} are visible")
+    return torch.device("cuda", stage)
+
+
+class StagePipeline:
+    """Stage 0's side of a layer split: starts the workers, sends each window down the stages, reads back
+    the final hidden states of the rows that sample."""
+
+    def __init__(self, config: EngineConfig, path: Path, parts: list[ModelPart], device: str) -> None:
+        """Spawn one worker per stage after the first and join their process group; each loads its part
+        meanwhile (`wait_loaded`)."""
+        self.parts = parts
+        self.device = stage_device(device, 0)
+        for stage in range(1, len(parts)):
+            stage_device(device, stage)
+        self._rendezvous = tempfile.TemporaryDirectory(prefix="strata-split-")
+        init = f"file://{self._rendezvous.name}/rendezvous"
+        context = multiprocessing.get_context("spawn")
+        self.workers: list[BaseProcess] = []
+        config_bytes = msgspec.msgpack.encode(msgspec.structs.replace(config, model=str(path)))
+        cores = core_shares(len(parts)) if self.device.type == "cpu" else None
+        from app.engine.stage_worker import run_stage
+
+        for stage in range(1, len(parts)):
+            worker = context.Process(
+                target=run_stage,
+                args=(stage, parts, init, config_bytes, device, cores[stage] if cores else None),
+                name=f"strata-stage-{stage}",
+                daemon=True,
+            )
+            worker.start()
+            self.workers.append(worker)
+        if cores:
+            use_cores(cores[0])
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method=init, rank=0, world_size=len(parts), timeout=TIMEOUT)
+        self.link = StageLink(self.device)
+        self.model: CausalLM | None = None
+        self._dtype = torch.float32  # of the stream, as stage 0's layers leave it
+        self._closed = False
+
+    @property
+    def part(self) -> ModelPart:
+        """Stage 0's part of the model."""
+        return self.parts[0]
+
+    def wait_loaded(self, model: CausalLM, blocks: int, checkpoints: int) -> None:
+        """Once stage 0 holds `model` (its part) and has sized the state: wait for every worker's part, then
+        give them the state's size. A worker that could not load its part is a one-line error."""
+        self.model = model
+        for stage in range(1, len(self.parts)):
+            loaded = self.link.recv_object(stage)
+            assert isinstance(loaded, StageLoaded)
+            if loaded.error is not None:
+                raise StrataError(f"stage {stage} of the layer split: {loaded.error}")
+        for stage in range(1, len(self.parts)):
+            self.link.send_object(StageSetup(blocks, checkpoints), stage)
+        layers = [f"{p.layers.start}-{p.layers.stop - 1}" for p in self.parts]
+        log.info("layer split: %d stages, layers %s", len(self.parts), ", ".join(layers))
+
+    def send(self, batch: ForwardBatch, rows: list[int], work: StageWork) -> None:
+        """Start a window down the stages: stage 0's layers here, then to the next stage with `work`; the
+        last stage answers with the final hidden states of `rows` (`receive`, in the order sent)."""
+        assert self.model is not None
+        decoder = self.model.model
+        x = decoder.embed_tokens(batch.input_ids)
+        x, pending = decoder.run_layers(batch, self.part.layers, x, None)
+        assert pending is not None  # every stage holds a layer
+        work.rows = rows
+        self._dtype = x.dtype
+        try:
+            self.link.send_object(work, 1)
+            self.link.send_tensors([x, pending], 1)
+        except RuntimeError as exc:
+            raise self._lost(exc) from exc
+
+    def receive(self, rows: int) -> torch.Tensor:
+        """The final hidden states [rows, hidden] of the oldest window sent whose rows sample."""
+        assert self.model is not None
+        hidden = self.model.config.hidden_size
+        try:
+            return self.link.recv_tensors([(rows, hidden)], self._dtype, len(self.parts) - 1)[0]
+        except RuntimeError as exc:
+            raise self._lost(exc) from exc
+
+    def _lost(self, exc: RuntimeError) -> Exception:
+        """The error to raise when talking to the stages failed: which stage ended, if one did."""
+        for stage, worker in enumerate(self.workers, start=1):
+            worker.join(timeout=1)
+            if not worker.is_alive():
+                return StrataError(f"stage {stage} of the layer split stopped (exit code {worker.exitcode})")
+        return exc
+
+    def close(self) -> None:
+        """Stop the workers and leave the process group."""
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.suppress(RuntimeError):  # a worker already gone
+            self.link.send_object(StageWork(stop=True), 1)
+            self.link.flush()
+        for worker in self.workers:
+            worker.join(timeout=10)
+            if worker.is_alive():
+                worker.terminate()
+        dist.destroy_process_group()
+        self._rendezvous.cleanup()

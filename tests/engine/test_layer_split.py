@@ -1,0 +1,125 @@
+"""The layer split on the CPU: stage workers over gloo give the tokens of the model run whole."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from engine_helpers import make_core, random_prompt, request, run
+
+from app.engine.core import EngineCore
+from app.engine.protocol import AddRequest
+from app.engine.split import split_layers, stages_for
+from app.errors import StrataError
+
+GIB = 1 << 30
+
+
+def test_a_stage_count_cuts_the_layers_evenly_the_later_stages_taking_the_odd_ones() -> None:
+    assert [p.layers for p in split_layers("2", 48)] == [range(0, 24), range(24, 48)]
+    assert [p.layers for p in split_layers("3", 4)] == [range(0, 1), range(1, 2), range(2, 4)]
+    parts = split_layers("20,28", 48)
+    assert [p.layers for p in parts] == [range(0, 20), range(20, 48)]
+    assert [(p.first, p.last) for p in parts] == [(True, False), (False, True)]
+    assert [(p.first, p.last) for p in split_layers("1", 3)] == [(True, True)]
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("5", "1 to 4 stages"),
+        ("0", "1 to 4 stages"),
+        ("2,3", "together the model's 4"),
+        ("1,0,3", "each stage"),
+        ("two", "give auto"),
+    ],
+)
+def test_a_split_that_does_not_fit_the_model_is_a_one_line_error(spec: str, message: str) -> None:
+    with pytest.raises(StrataError, match=message):
+        split_layers(spec, 4)
+
+
+def test_auto_takes_as_few_cards_as_hold_the_weights() -> None:
+    assert stages_for(10 * GIB, []) == 1  # a CPU
+    assert stages_for(10 * GIB, [24 * GIB, 24 * GIB]) == 1
+    assert stages_for(30 * GIB, [24 * GIB, 24 * GIB]) == 2
+    assert stages_for(160 * GIB, [80 * GIB] * 8) == 3
+    assert stages_for(500 * GIB, [80 * GIB] * 4) == 4  # all of them, though it does not fit
+
+
+def _workload(prompts: int, seed: int) -> list[tuple[int, AddRequest]]:
+    """`prompts` requests arriving one window apart, greedy, 12 tokens each."""
+    return [
+        (i, request(random_prompt(9 + 31 * i, seed + i), max_tokens=12, temperature=0, ignore_eos=True))
+        for i in range(prompts)
+    ]
+
+
+def _tokens(core: EngineCore, arrivals: list[tuple[int, AddRequest]]) -> list[list[int]]:
+    results, _ = run(core, arrivals)
+    return [results[add.request_id].token_ids for _, add in arrivals]
+
+
+@pytest.fixture(scope="module")
+def whole(checkpoint: Path) -> dict[int, list[list[int]]]:
+    """The tokens of the model run whole: 1, 3 and 8 concurrent requests, then a follow-up turn."""
+    core = make_core(checkpoint, parallel=8, max_batched_tokens=96, decode_share=0.01)
+    tokens = {n: _tokens(core, _workload(n, 10 * n)) for n in (1, 3, 8)}
+    tokens[0] = _follow_up(core)
+    core.close()
+    return tokens
+
+
+def _follow_up(core: EngineCore) -> list[list[int]]:
+    """A conversation, then its next turn, which continues from the prefix cache."""
+    first = random_prompt(70, 99)
+    (answer,) = _tokens(core, [(0, request(first, max_tokens=8, temperature=0, ignore_eos=True))])
+    turn = request([*first, *answer, *random_prompt(20, 98)], max_tokens=8, temperature=0, ignore_eos=True)
+    results, windows = run(core, [(0, turn)])
+    assert sum(w.prefix_cache_hits for w in windows) >= 64  # the first turn's full blocks
+    return [answer, results[turn.request_id].token_ids]
+
+
+@pytest.mark.parametrize(("stages", "groups"), [(2, None), (3, None), (2, 1)])
+def test_a_split_gives_the_tokens_of_the_whole_model(
+    checkpoint: Path, whole: dict[int, list[list[int]]], stages: int, groups: int | None
+) -> None:
+    # By default one slot group per stage, each stage running another group's window; one group runs
+    # each window down the stages before the next.
+    core = make_core(
+        checkpoint,
+        parallel=8,
+        max_batched_tokens=96,
+        decode_share=0.01,
+        layer_split=str(stages),
+        batch_groups=groups,
+    )
+    try:
+        assert core.pipeline is not None and len(core.pipeline.parts) == stages
+        assert core.groups == (groups or stages)
+        for n in (1, 3, 8):
+            assert _tokens(core, _workload(n, 10 * n)) == whole[n], f"{n} concurrent"
+        assert _follow_up(core) == whole[0]
+    finally:
+        core.close()
+
+
+def test_a_stage_that_ends_is_an_error_of_the_next_window_not_a_hang(checkpoint: Path) -> None:
+    core = make_core(checkpoint, layer_split="2")
+    try:
+        assert core.pipeline is not None
+        core.pipeline.workers[0].kill()
+        with pytest.raises(StrataError, match="stage 1 of the layer split stopped"):
+            run(core, [(0, request(random_prompt(20, 1), max_tokens=4))])
+    finally:
+        core.close()
+
+
+def test_a_split_with_an_expert_tier_is_refused(checkpoint: Path) -> None:
+    with pytest.raises(StrataError, match="expert tier"):
+        make_core(checkpoint, layer_split="2", expert_cache=2)
+
+
+def test_groups_without_a_split_are_refused(checkpoint: Path) -> None:
+    with pytest.raises(StrataError, match="--batch-groups pipelines the stages"):
+        make_core(checkpoint, batch_groups=2)
