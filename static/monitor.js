@@ -113,6 +113,20 @@ function renderGpus(gpus) {
   );
 }
 
+function renderStages(stages) {
+  $("stages-panel").hidden = stages.length === 0;
+  $("stages").replaceChildren(
+    ...stages.map((stage) => {
+      const busy = `${(100 * stage.busy_share).toFixed(0)} %`;
+      const wait = `${(100 * stage.wait_share).toFixed(0)} %`;
+      return card(`Stage ${stage.stage}`, [
+        ["Busy", busy, meter(`Stage ${stage.stage} busy`, stage.busy_share, 1, busy)],
+        ["Waiting", wait, meter(`Stage ${stage.stage} waiting`, stage.wait_share, 1, wait)],
+      ]);
+    }),
+  );
+}
+
 function renderHost(host) {
   const cpu = `${host.cpu_percent.toFixed(0)} % of ${host.cpu_count} cores`;
   const ram = `${formatBytes(host.ram_used)} / ${formatBytes(host.ram_total)}`;
@@ -149,6 +163,7 @@ function onFrame(frame) {
   $("device").textContent = engine.dead ? `stopped: ${engine.dead}` : `${engine.device} · ${engine.backends}`;
   renderSlots(metrics.slots, engine.max_model_len);
   renderGpus(frame.gpus);
+  renderStages(frame.stages);
   renderHost(frame.host);
   if ("experts" in frame) experts.update(frame.experts);
   drawChart(chart, history, frame.time, frame.history_s);

@@ -150,6 +150,7 @@ class ServerMetrics:
         self.system: SystemSampler | None = None  # host, process and card figures (webui/system.py)
         self.expert_pcie_bytes_total = 0
         self.expert_adapt_wait_seconds_total = 0.0
+        self.stage_seconds_total: list[list[float]] = []  # per stage of a layer split: [busy, wait]
         self._recent: deque[tuple[float, float, int]] = deque()  # (start, end, tokens) of recent windows
         self._ended: dict[str, None] = {}  # ids of finished requests, oldest first
         self._histograms: dict[str, Histogram] = {}
@@ -251,6 +252,11 @@ class ServerMetrics:
             self.expert_pcie_bytes_total += stats.experts.pcie_bytes
             self.expert_adapt_wait_seconds_total += stats.experts.adapt_wait_s
             self._count_served(stats.experts)
+        for stage, times in enumerate(stats.stages or []):
+            if stage == len(self.stage_seconds_total):
+                self.stage_seconds_total.append([0.0, 0.0])
+            self.stage_seconds_total[stage][0] += times.busy_s
+            self.stage_seconds_total[stage][1] += times.wait_s
         self.iteration_tokens.observe(stats.rows)
         self.window_step.observe(stats.step_s)
         self.window_host.observe(stats.host_s)
@@ -360,6 +366,10 @@ class ServerMetrics:
             "expert_swaps_total": self.expert_swaps_total,
             "expert_pcie_bytes_total": self.expert_pcie_bytes_total,
             "expert_adapt_wait_seconds_total": self.expert_adapt_wait_seconds_total,
+            "stages": [
+                {"stage": stage, "busy_seconds_total": busy, "wait_seconds_total": wait}
+                for stage, (busy, wait) in enumerate(self.stage_seconds_total)
+            ],
             "cache_config_info": {
                 "block_size": self.ready.block_size,
                 "cache_dtype": "auto",
@@ -427,6 +437,7 @@ class _ValuesCollector(Collector):
             success.add_metric([*base, reason], count)
         yield success
         yield from _expert_families(self.metrics, base)
+        yield from _stage_families(values["stages"], base)
         if self.metrics.system is not None:
             yield from _system_families(self.metrics.system.latest, base)
         config = {key: str(value) for key, value in values["cache_config_info"].items()}
@@ -441,6 +452,29 @@ class _ValuesCollector(Collector):
                 value = SLOT_STATES[slot[key]] if key == "state" else slot[key]
                 family.add_metric([*base, str(slot["slot"])], value)
             yield family
+
+
+def _stage_families(stages: list[dict[str, Any]], base: list[str]) -> Iterator[Metric]:
+    """Per stage of a layer split: seconds it worked on windows, and seconds it waited for them (stage 0:
+    for the last stage's answers); nothing without a split."""
+    if not stages:
+        return
+    busy = CounterMetricFamily(
+        "strata:stage_busy_seconds",
+        "Seconds each stage of the layer split worked on windows (its layers).",
+        labels=[*LABELS, "stage"],
+    )
+    wait = CounterMetricFamily(
+        "strata:stage_wait_seconds",
+        "Seconds each stage of the layer split waited for windows to reach it (stage 0: for the last "
+        "stage's answers).",
+        labels=[*LABELS, "stage"],
+    )
+    for stage in stages:
+        busy.add_metric([*base, str(stage["stage"])], stage["busy_seconds_total"])
+        wait.add_metric([*base, str(stage["stage"])], stage["wait_seconds_total"])
+    yield busy
+    yield wait
 
 
 def _expert_families(metrics: ServerMetrics, base: list[str]) -> Iterator[Metric]:

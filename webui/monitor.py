@@ -25,6 +25,26 @@ HISTORY_STEP_S = 1.0  # one chart point per this many seconds
 SLOT_RATE_S = 3.0  # a slot's tok/s counts the tokens of this many seconds
 
 
+def stage_shares(
+    before: list[dict[str, Any]], now: list[dict[str, Any]], seconds: float
+) -> list[dict[str, Any]]:
+    """The share of `seconds` each stage of a layer split spent busy and waiting, from two readings of its
+    totals (`ServerMetrics.values()["stages"]`); a stage first seen counts from zero."""
+    shares = []
+    for stage in now:
+        old = before[stage["stage"]] if stage["stage"] < len(before) else {}
+        busy = stage["busy_seconds_total"] - old.get("busy_seconds_total", 0.0)
+        wait = stage["wait_seconds_total"] - old.get("wait_seconds_total", 0.0)
+        shares.append(
+            {
+                "stage": stage["stage"],
+                "busy_share": min(1.0, busy / seconds) if seconds > 0 else 0.0,
+                "wait_share": min(1.0, wait / seconds) if seconds > 0 else 0.0,
+            }
+        )
+    return shares
+
+
 def slot_tok_s(token_times: list[float], now: float) -> float:
     """Tokens per second of one request over the last SLOT_RATE_S seconds.
 
@@ -58,6 +78,7 @@ class MonitorFeed:
     """Builds the Monitor's frames for every viewer of one server."""
 
     def __init__(self, link: EngineLink, metrics: ServerMetrics, system: SystemSampler) -> None:
+        self._stage_totals: tuple[float, list[dict[str, Any]]] = (time.monotonic(), [])
         self.link = link
         self.metrics = metrics
         self.heat = metrics.heat
@@ -112,4 +133,11 @@ class MonitorFeed:
             },
             "metrics": metrics,
             "history_s": HISTORY_S,
+            "stages": self._stage_shares(metrics["stages"]),
         }
+
+    def _stage_shares(self, stages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Each stage of a layer split: its busy and waiting shares since the frame before."""
+        now = time.monotonic()
+        before, self._stage_totals = self._stage_totals, (now, stages)
+        return stage_shares(before[1], stages, now - before[0])

@@ -26,6 +26,7 @@ from app.engine.protocol import (
     Ready,
     RequestOutput,
     SlotStats,
+    StageTimes,
     WindowStats,
     check_request,
 )
@@ -72,6 +73,7 @@ class _Flight:
     began: float
     started: float
     wait_s: float = 0.0  # how long reading its tokens waited for the device
+    stages: list[StageTimes] | None = None  # on a layer split: each stage's times for it
     slots: list[tuple[Request, SlotStats]] = field(default_factory=list)  # as the window left them
 
     @property
@@ -451,6 +453,7 @@ class EngineCore:
             experts=self._expert_usage(idle=not self.has_work()),
             step_s=span,
             host_s=span - done.wait_s,
+            stages=done.stages,
         )
         return outputs, stats
 
@@ -476,7 +479,7 @@ class EngineCore:
         if flight.launched is None:
             return []
         sampled = self.runner.collect(flight.launched)
-        flight.wait_s = self.runner.last_wait_s
+        flight.wait_s, flight.stages = self.runner.last_wait_s, self.runner.last_stages
         resolved = []
         for s, index in zip(sampled, flight.indices, strict=True):
             request = s.chunk.request

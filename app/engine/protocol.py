@@ -230,6 +230,15 @@ class ParkingStats(msgspec.Struct, array_like=True, frozen=True):
     copied_bytes: int
 
 
+class StageTimes(msgspec.Struct, frozen=True):
+    """One stage of a layer split in one window: seconds it worked on the window (its layers; stage 0 also
+    embeds and samples elsewhere), and seconds it waited for the window to reach it (stage 0: for the last
+    stage's answer)."""
+
+    busy_s: float
+    wait_s: float
+
+
 class WindowStats(msgspec.Struct, tag="stats", frozen=True):
     """The record every window emits: what ran, how long it took, the state of slots, queue and KV pool."""
 
@@ -251,6 +260,7 @@ class WindowStats(msgspec.Struct, tag="stats", frozen=True):
     parking: ParkingStats | None = None  # when conversations are parked
     step_s: float = 0.0  # the whole step: planning the window, running it, handing out its tokens
     host_s: float = 0.0  # of which the host was busy (not waiting for the device)
+    stages: list[StageTimes] | None = None  # on a layer split, each stage's times in this window
 
     @property
     def kv_usage(self) -> float:

@@ -18,7 +18,7 @@ import torch
 from app.engine.cuda_graphs import Fed, WindowGraphs
 from app.engine.paged_state import PagedState, StateCopies
 from app.engine.parking import ConversationPark, Parked
-from app.engine.protocol import PositionLogprobs
+from app.engine.protocol import PositionLogprobs, StageTimes
 from app.engine.sampler import DrawnTokens, RowSampling, Sampler
 from app.engine.scheduler import Chunk, Window, placeholder_row
 from app.engine.split import StagePipeline, StageWork
@@ -45,7 +45,7 @@ class Launched:
     sampling: list[Chunk]
     drawn: DrawnTokens | None
     replayed: bool
-    later: Callable[[], DrawnTokens] | None = None
+    later: Callable[[], DrawnTokens | None] | None = None
 
 
 class ModelRunner:
@@ -73,6 +73,7 @@ class ModelRunner:
         self.paged = model.backends.paged_attention is not None
         self.last_replayed = False  # whether the last window replayed a CUDA graph
         self.last_wait_s = 0.0  # how long the host waited for the device to read the last window's tokens
+        self.last_stages: list[StageTimes] | None = None  # a split's stage times for the last window read
         self._drawn: torch.Tensor | None = None  # the tokens of the last window launched, on the device
         self.device = model.model.embed_tokens.weight.device
 
@@ -146,13 +147,14 @@ class ModelRunner:
             copies=copies,
         )
         self.pipeline.send(batch, last_rows, work)
-        if not sampling:
-            return Launched([], None, False)
         rows = _row_sampling(sampling, copied=True)
         pipeline = self.pipeline
 
-        def draw() -> DrawnTokens:
-            drawn = self.sampler.sample(self.model.logits(pipeline.receive(len(rows))), rows)
+        def draw() -> DrawnTokens | None:
+            hidden, self.last_stages = pipeline.receive(len(rows))
+            if hidden is None:
+                return None
+            drawn = self.sampler.sample(self.model.logits(hidden), rows)
             drawn.to_host()
             return drawn
 
@@ -161,6 +163,7 @@ class ModelRunner:
     def collect(self, launched: Launched) -> list[Sampled]:
         """Wait for a launched window's tokens; one per chunk that samples, in launch order."""
         self.last_wait_s = 0.0
+        self.last_stages = None
         if launched.later is not None:
             launched.drawn, launched.later = launched.later(), None
         if launched.drawn is None:

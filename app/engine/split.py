@@ -17,6 +17,8 @@ import multiprocessing
 import os
 import pickle
 import tempfile
+import time
+from collections import deque
 from dataclasses import dataclass, field
 from datetime import timedelta
 from multiprocessing.process import BaseProcess
@@ -28,6 +30,7 @@ import torch.distributed as dist
 
 from app.engine.config import EngineConfig
 from app.engine.paged_state import StateCopies
+from app.engine.protocol import StageTimes
 from app.errors import StrataError
 from app.kernels.cpu_experts import threads
 from app.models.batch import ForwardBatch
@@ -92,6 +95,14 @@ class StageLoaded:
     error: str | None = None
 
 
+@dataclass(frozen=True)
+class StageAnswer:
+    """The last stage's answer to a window: each worker's (busy, wait) seconds for it, in stage order; the
+    final hidden states of the rows that sample follow when there are any."""
+
+    stages: list[tuple[float, float]]
+
+
 @dataclass
 class StageWork:
     """One window for the stages after the first: each chunk's (slot, rows, past), the checkpoints spans
@@ -104,6 +115,7 @@ class StageWork:
     copies: StateCopies = field(default_factory=StateCopies)
     rows: list[int] = field(default_factory=list)
     stop: bool = False
+    stages: list[tuple[float, float]] = field(default_factory=list)  # (busy, wait) of the workers so far
 
     @property
     def tokens(self) -> int:
@@ -129,6 +141,12 @@ class StageLink:
         work = dist.isend(tensor, to, group=group)
         assert work is not None
         self._sending.append((work, tensor))
+
+    def settled(self, began: float) -> float:
+        """Seconds since `began` (perf_counter) once this stage's work queued on its device has run."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        return time.perf_counter() - began
 
     def flush(self) -> None:
         """Wait until every message sent has been received."""
@@ -228,6 +246,7 @@ class StagePipeline:
         self.link = StageLink(self.device)
         self.model: CausalLM | None = None
         self._dtype = torch.float32  # of the stream, as stage 0's layers leave it
+        self._busy: deque[float] = deque()  # stage 0's seconds on each window sent and not yet answered
         self._closed = False
 
     @property
@@ -253,6 +272,7 @@ class StagePipeline:
         """Start a window down the stages: stage 0's layers here, then to the next stage with `work`; the
         last stage answers with the final hidden states of `rows` (`receive`, in the order sent)."""
         assert self.model is not None
+        began = time.perf_counter()
         decoder = self.model.model
         x = decoder.embed_tokens(batch.input_ids)
         x, pending = decoder.run_layers(batch, self.part.layers, x, None)
@@ -264,15 +284,25 @@ class StagePipeline:
             self.link.send_tensors([x, pending], 1)
         except RuntimeError as exc:
             raise self._lost(exc) from exc
+        self._busy.append(self.link.settled(began))
 
-    def receive(self, rows: int) -> torch.Tensor:
-        """The final hidden states [rows, hidden] of the oldest window sent whose rows sample."""
+    def receive(self, rows: int) -> tuple[torch.Tensor | None, list[StageTimes]]:
+        """The last stage's answer to the oldest window sent: the final hidden states [rows, hidden] of its
+        rows that sample (None without any), and every stage's times for it."""
         assert self.model is not None
-        hidden = self.model.config.hidden_size
+        began = time.perf_counter()
+        last = len(self.parts) - 1
         try:
-            return self.link.recv_tensors([(rows, hidden)], self._dtype, len(self.parts) - 1)[0]
+            answer = self.link.recv_object(last)
+            assert isinstance(answer, StageAnswer)
+            hidden = None
+            if rows:
+                shape = (rows, self.model.config.hidden_size)
+                hidden = self.link.recv_tensors([shape], self._dtype, last)[0]
         except RuntimeError as exc:
             raise self._lost(exc) from exc
+        times = [StageTimes(self._busy.popleft(), time.perf_counter() - began)]
+        return hidden, times + [StageTimes(busy, wait) for busy, wait in answer.stages]
 
     def _lost(self, exc: RuntimeError) -> Exception:
         """The error to raise when talking to the stages failed: which stage ended, if one did."""

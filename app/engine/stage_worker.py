@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import time
 import traceback
 
 import msgspec
@@ -20,6 +21,7 @@ from app.engine.config import EngineConfig
 from app.engine.paged_state import PagedState
 from app.engine.split import (
     TIMEOUT,
+    StageAnswer,
     StageLink,
     StageLoaded,
     StageSetup,
@@ -90,6 +92,7 @@ def _serve(
     hidden = model.config.hidden_size
     paged = model.backends.paged_attention is not None
     while True:
+        waited = time.perf_counter()
         work = link.recv_object(stage - 1)
         assert isinstance(work, StageWork)
         if work.stop:
@@ -98,6 +101,8 @@ def _serve(
             link.flush()
             return
         x, pending = link.recv_tensors([(work.tokens, hidden)] * 2, dtype, stage - 1)
+        began = time.perf_counter()
+        waited = began - waited
         work.copies.apply(state)
         for slot, blocks in work.tables.items():
             state.set_block_table(slot, blocks)
@@ -108,8 +113,13 @@ def _serve(
             batch.layout = state.layout(batch.spans)
         x, pending = model.model.run_layers(batch, part.layers, x, pending)
         if not part.last:
+            work.stages.append((link.settled(began), waited))
             link.send_object(work, stage + 1)
             link.send_tensors([x, pending], stage + 1)
-        elif work.rows:
-            rows = torch.tensor(work.rows, dtype=torch.long, device=state.device)
-            link.send_tensors([model.model.final_norm(x, pending)[rows]], 0)
+            continue
+        final = None
+        if work.rows:
+            final = model.model.final_norm(x, pending)[torch.tensor(work.rows, device=state.device)]
+        link.send_object(StageAnswer([*work.stages, (link.settled(began), waited)]), 0)
+        if final is not None:
+            link.send_tensors([final], 0)

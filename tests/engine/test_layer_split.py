@@ -98,7 +98,12 @@ def test_a_split_gives_the_tokens_of_the_whole_model(
         assert core.pipeline is not None and len(core.pipeline.parts) == stages
         assert core.groups == (groups or stages)
         for n in (1, 3, 8):
-            assert _tokens(core, _workload(n, 10 * n)) == whole[n], f"{n} concurrent"
+            arrivals = _workload(n, 10 * n)
+            results, windows = run(core, arrivals)
+            assert [results[add.request_id].token_ids for _, add in arrivals] == whole[n], f"{n} concurrent"
+            for w in windows:  # every stage's times for every window that ran
+                assert w.stages is not None and len(w.stages) == stages
+                assert all(t.busy_s > 0 and t.wait_s >= 0 for t in w.stages)
         assert _follow_up(core) == whole[0]
     finally:
         core.close()

@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 from serving import Server
 
-from app.engine.protocol import ExpertUsage, ParkingStats, Ready, SlotStats, WindowStats
+from app.engine.protocol import ExpertUsage, ParkingStats, Ready, SlotStats, StageTimes, WindowStats
 from webui.engine_link import RequestRecord
 from webui.metrics import ServerMetrics, buckets_1_2_5, http_metrics_middleware, metrics_route
 from webui.settings import ServerSettings
@@ -561,6 +561,20 @@ def test_a_tiers_own_counts_of_where_entries_ran_and_its_pcie_bytes_are_added_up
     assert value(found, "strata:expert_routed_total", layer="1", source="pcie") == 6
     assert value(found, "strata:expert_pcie_bytes_total") == 600
     assert value(found, "strata:expert_adapt_wait_seconds_total") == 0.5
+
+
+def test_each_stage_of_a_split_reports_its_busy_and_waiting_seconds() -> None:
+    metrics = ServerMetrics("tiny", READY)
+    metrics.on_window(window(1, time.time(), [decoding(0, "a")]))
+    assert not [s for s in scrape(metrics) if s.name.startswith("strata:stage_")]  # no split
+    two = [StageTimes(busy_s=0.25, wait_s=0.5), StageTimes(busy_s=0.75, wait_s=0.0)]
+    metrics.on_window(window(2, time.time(), [decoding(0, "a")], stages=two))
+    metrics.on_window(window(3, time.time(), [decoding(0, "a")], stages=two))
+    found = scrape(metrics)
+    assert value(found, "strata:stage_busy_seconds_total", stage="0") == 0.5
+    assert value(found, "strata:stage_busy_seconds_total", stage="1") == 1.5
+    assert value(found, "strata:stage_wait_seconds_total", stage="0") == 1.0
+    assert metrics.values()["stages"][1] == {"stage": 1, "busy_seconds_total": 1.5, "wait_seconds_total": 0.0}
 
 
 class _Sampled:

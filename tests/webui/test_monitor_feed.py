@@ -9,7 +9,7 @@ import pytest
 from app.engine.protocol import ExpertUsage, WindowStats
 from webui import monitor
 from webui.experts import HEAT_SPAN_S, ExpertHeat
-from webui.monitor import slot_tok_s
+from webui.monitor import slot_tok_s, stage_shares
 
 
 def _stats(routed: list[list[int]] | None, location: list[list[int]] | None = None) -> WindowStats:
@@ -89,3 +89,18 @@ def test_slot_tok_s_counts_the_last_seconds() -> None:
     assert slot_tok_s([10.0, 10.5, 11.0], 11.0) == pytest.approx(2.0)  # 2 tokens after the first in 1 s
     times = [float(t) for t in range(100)]  # one a second for 100 s
     assert slot_tok_s(times, 99.0) == pytest.approx(1.0)  # the tokens at 97, 98, 99 over the last 3 s
+
+
+def test_a_stages_shares_are_its_busy_and_waiting_seconds_since_the_frame_before() -> None:
+    def totals(*pairs: tuple[float, float]) -> list[dict]:
+        return [
+            {"stage": i, "busy_seconds_total": busy, "wait_seconds_total": wait}
+            for i, (busy, wait) in enumerate(pairs)
+        ]
+
+    before, now = totals((1.0, 0.5), (2.0, 0.0)), totals((1.5, 1.0), (2.9, 0.05))
+    shares = stage_shares(before, now, 1.0)
+    assert [s["busy_share"] for s in shares] == pytest.approx([0.5, 0.9])
+    assert [s["wait_share"] for s in shares] == pytest.approx([0.5, 0.05])
+    assert stage_shares([], totals((0.25, 0.0)), 0.5)[0]["busy_share"] == 0.5  # first seen: from zero
+    assert stage_shares([], [], 1.0) == []  # no split
