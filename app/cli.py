@@ -124,7 +124,7 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
         type=_groups,
         metavar="auto|G",
         help="with --layer-split: the slots form G groups that take turns down the stages, so that each "
-        "stage runs another group's window (auto: one group per stage)",
+        "stage runs another group's window (auto: one group per stage on GPUs, one on a CPU)",
     )
     parser.add_argument(
         "--no-overlap",

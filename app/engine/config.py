@@ -39,7 +39,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     `layer_split` cuts the decoder layers into stages, one process each (app/engine/split.py): `auto`, a
     stage count, or each stage's layer count ("20,28"); None runs the model whole in the engine process.
     `batch_groups` slot groups take turns down a split's stages, each window one group's (None: one group
-    per stage).
+    per stage on GPUs, one on a CPU).
     """
 
     model: str | None = None

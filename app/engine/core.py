@@ -228,10 +228,12 @@ class EngineCore:
         return parts
 
     def _batch_groups(self) -> int:
-        """Slot groups (`--batch-groups`): by default one per stage of a layer split, else one."""
+        """Slot groups (`--batch-groups`): by default one per stage of a layer split on GPUs, else one (on a
+        CPU, stage 0's host work for twice the windows cost more than the stages' overlap gained: the demo
+        model split in two on 2 cores, docs/PERFORMANCE.md)."""
         groups, stages = self.config.batch_groups, len(self.pipeline.parts) if self.pipeline else 1
         if groups is None:
-            return min(stages, self.config.parallel)
+            return min(stages, self.config.parallel) if self.device == "cuda" else 1
         if not 1 <= groups <= self.config.parallel:
             parallel = self.config.parallel
             raise StrataError(f"--batch-groups must be 1 to --parallel ({parallel}), not {groups}")

@@ -38,6 +38,7 @@ from app.models.qwen3 import CausalLM, ModelPart
 
 log = logging.getLogger("strata.engine")
 TIMEOUT = timedelta(minutes=30)  # how long a stage waits for its peer (a long prompt's window included)
+OBJECT_BYTES = 8192  # the first message of an object between stages: its length and its start
 CARD_SHARE = 0.85  # `auto`: the share of a card's memory the weights may take before the model is split
 
 
@@ -155,16 +156,28 @@ class StageLink:
         self._sending.clear()
 
     def send_object(self, value: object, to: int) -> None:
-        data = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8)
-        self._send(torch.tensor([data.numel()], dtype=torch.int64), to, self.objects)
-        self._send(data, to, self.objects)
+        """One message of OBJECT_BYTES: the pickled object's length and as much of it as fits; the rest, if
+        any, in a second message."""
+        data = pickle.dumps(value)
+        head = bytearray(OBJECT_BYTES)
+        head[:8] = len(data).to_bytes(8, "little")
+        first = min(len(data), OBJECT_BYTES - 8)
+        head[8 : 8 + first] = data[:first]
+        self._send(torch.frombuffer(head, dtype=torch.uint8), to, self.objects)
+        if first < len(data):
+            self._send(torch.frombuffer(bytearray(data[first:]), dtype=torch.uint8), to, self.objects)
 
     def recv_object(self, source: int) -> object:
-        size = torch.zeros(1, dtype=torch.int64)
-        dist.recv(size, source, group=self.objects)
-        data = torch.empty(int(size), dtype=torch.uint8)
-        dist.recv(data, source, group=self.objects)
-        return pickle.loads(data.numpy().tobytes())
+        head = torch.empty(OBJECT_BYTES, dtype=torch.uint8)
+        dist.recv(head, source, group=self.objects)
+        raw = head.numpy().tobytes()
+        size = int.from_bytes(raw[:8], "little")
+        data = raw[8 : 8 + size]
+        if size > OBJECT_BYTES - 8:
+            rest = torch.empty(size - (OBJECT_BYTES - 8), dtype=torch.uint8)
+            dist.recv(rest, source, group=self.objects)
+            data += rest.numpy().tobytes()
+        return pickle.loads(data)
 
     def send_tensors(self, tensors: list[torch.Tensor], to: int) -> None:
         for tensor in tensors:
@@ -179,25 +192,18 @@ class StageLink:
         return tensors
 
 
-def core_shares(stages: int) -> list[list[int]]:
-    """On a CPU, the cores each stage runs on: this process's cores cut into `stages` shares (shared round
-    robin where there are fewer cores than stages), so that stages working at once do not contend."""
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) < stages:
-        return [[cores[stage % len(cores)]] for stage in range(stages)]
-    size, extra = divmod(len(cores), stages)
-    shares, start = [], 0
-    for stage in range(stages):
-        end = start + size + (stage < extra)
-        shares.append(cores[start:end])
-        start = end
-    return shares
+def thread_shares(stages: int) -> list[int]:
+    """On a CPU, the threads each stage computes with: this process's cores shared out among the stages
+    (at least one each), so that stages working at once do not oversubscribe them. Not pinned: gloo's own
+    threads answer a message far sooner when the scheduler may run them on any core."""
+    cores = len(os.sched_getaffinity(0))
+    return [max(1, cores // stages + (stage < cores % stages)) for stage in range(stages)]
 
 
-def use_cores(cores: list[int]) -> None:
-    """Run this process, torch's threads and the native kernels' on `cores`."""
-    os.sched_setaffinity(0, cores)
-    torch.set_num_threads(len(cores))
+def use_threads(count: int) -> None:
+    """Compute with `count` threads in this process: torch's and the native kernels'."""
+    os.environ["STRATA_CPU_THREADS"] = str(count)
+    torch.set_num_threads(count)
     threads.cache_clear()
 
 
@@ -227,20 +233,20 @@ class StagePipeline:
         context = multiprocessing.get_context("spawn")
         self.workers: list[BaseProcess] = []
         config_bytes = msgspec.msgpack.encode(msgspec.structs.replace(config, model=str(path)))
-        cores = core_shares(len(parts)) if self.device.type == "cpu" else None
+        shares = thread_shares(len(parts)) if self.device.type == "cpu" else None
         from app.engine.stage_worker import run_stage
 
         for stage in range(1, len(parts)):
             worker = context.Process(
                 target=run_stage,
-                args=(stage, parts, init, config_bytes, device, cores[stage] if cores else None),
+                args=(stage, parts, init, config_bytes, device, shares[stage] if shares else None),
                 name=f"strata-stage-{stage}",
                 daemon=True,
             )
             worker.start()
             self.workers.append(worker)
-        if cores:
-            use_cores(cores[0])
+        if shares:
+            use_threads(shares[0])
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         dist.init_process_group(backend, init_method=init, rank=0, world_size=len(parts), timeout=TIMEOUT)
         self.link = StageLink(self.device)

@@ -27,7 +27,7 @@ from app.engine.split import (
     StageSetup,
     StageWork,
     stage_device,
-    use_cores,
+    use_threads,
 )
 from app.kernels.backends import select_backends
 from app.loading.loader import load_model, resolve_dtype
@@ -38,12 +38,12 @@ log = logging.getLogger("strata.engine")
 
 
 def run_stage(
-    stage: int, parts: list[ModelPart], init: str, config_bytes: bytes, device: str, cores: list[int] | None
+    stage: int, parts: list[ModelPart], init: str, config_bytes: bytes, device: str, threads: int | None
 ) -> None:
-    """Process entry point of stage `stage` (1 or more) of `parts`, on `cores` of a CPU."""
+    """Process entry point of stage `stage` (1 or more) of `parts`, with `threads` on a CPU."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine process owns the split's lifetime
-    if cores is not None:
-        use_cores(cores)
+    if threads is not None:
+        use_threads(threads)
     config = msgspec.msgpack.decode(config_bytes, type=EngineConfig)
     where = stage_device(device, stage)
     if where.type == "cuda":
