@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # One call on a fresh GPU machine: GPU tests, then the benchmark of the given shapes.
-#   bash benchmarks/gpu_check.sh [tests|bench|all|serving|tier|tier-large] [shape ...]
+#   bash benchmarks/gpu_check.sh [tests|bench|all|serving|split|tier|tier-large] [shape ...]
 # tier: the expert tier's GPU tests and benchmarks/expert_tier.py on q30-half (no expert / 96 resident on the
 # random router's routing; 32 resident on Zipf and the demo model's routing, frozen / blocking / async);
 # tier-large: the full 48-layer Qwen3-Next shape built tiered (368 experts a layer on the card).
 # serving: writes each shape as a random checkpoint on disk, starts `strata serve` on it and drives it over
 # HTTP (benchmarks/http_burst.py: 32 clients at once, a slot decoding while peers' prompts are read).
+# split (two GPUs or more): the split's GPU tests, then `strata bench` on each shape's random checkpoint at
+# 1, 8 and 32 concurrent, whole on one GPU, split in two with one slot group, and with pipelined groups.
 # Wheels the machine's image lacks can sit in .whl/ (installed to /tmp/site first).
 # Results go to $OUT (or ./gpu-results): pytest log, bench.jsonl.
 set -uo pipefail
@@ -38,6 +40,21 @@ if [[ $what == serving ]]; then
         [[ -f $dir/model.safetensors.index.json ]] || python3 benchmarks/random_checkpoint.py --shape "$s" "$dir"
         python3 benchmarks/http_burst.py --model "$dir" --long-peers 4 --out "$out/serving.jsonl" \
             --serve-arg=--parallel=32 --serve-arg=--kv-memory=24GiB 2>&1 | tee -a "$out/serving.log" || status=1
+    done
+fi
+if [[ $what == split ]]; then
+    python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_layer_split_gpu.py 2>&1 \
+        | tee "$out/gpu-tests.log" || status=1
+    for s in $shapes; do
+        dir=${CHECKPOINTS:-/tmp}/strata-$s
+        [[ -f $dir/model.safetensors.index.json ]] || python3 benchmarks/random_checkpoint.py --shape "$s" "$dir"
+        for split in "" "--layer-split 2 --batch-groups 1" "--layer-split 2 --batch-groups 2"; do
+            for c in 1 8 32; do
+                # shellcheck disable=SC2086
+                python3 -m app.cli bench --model "$dir" --parallel 32 --kv-memory 24GiB --concurrency "$c" \
+                    --prompt-len 512 --output-len 128 $split >>"$out/split.jsonl" 2>>"$out/split.log" || status=1
+            done
+        done
     done
 fi
 if [[ $what == tier ]]; then

@@ -55,12 +55,13 @@ def test_generate_json_equals_transformers_greedy(
     )
     assert by_ids["token_ids"] == expected
 
-    split = [
-        *("--model", str(path), "--prompt", prompt, "--max-tokens", "24", "--ignore-eos"),
-        "--layer-split",
-        "2",
-    ]
-    assert _generate(capsys, *split)["token_ids"] == expected  # two stages over gloo
+    if arch == "qwen3_moe":  # the split's own tests cover both architectures
+        split = [
+            *("--model", str(path), "--prompt", prompt, "--max-tokens", "24", "--ignore-eos"),
+            "--layer-split",
+            "2",
+        ]
+        assert _generate(capsys, *split)["token_ids"] == expected  # two stages over gloo
 
 
 def test_seeded_sampling_repeats_and_chat_uses_the_template(

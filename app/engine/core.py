@@ -122,7 +122,8 @@ class EngineCore:
                 self.pipeline = StagePipeline(config, Path(path), parts, self.device)
             resident = config.expert_cache
             if config.expert_vram is not None:
-                resident = experts_within(path, config.dtype, config.expert_vram, self.device)
+                part = parts[0] if parts is not None else None
+                resident = experts_within(path, config.dtype, config.expert_vram, self.device, part)
                 log.info(
                     "--expert-vram holds %s experts a layer",
                     "every one of the" if resident is None else resident,
@@ -219,13 +220,7 @@ class EngineCore:
             elements = sum(math.prod(checkpoint.shape(name)) for name in checkpoint.names())
             spec = str(stages_for(elements * item, cards))
         parts = split_layers(spec, checkpoint.config.num_hidden_layers)
-        if len(parts) == 1:
-            return None
-        if config.expert_cache is not None or config.expert_vram is not None:
-            raise StrataError(
-                "--layer-split with an expert tier (--expert-cache, --expert-vram) is not built yet"
-            )
-        return parts
+        return parts if len(parts) > 1 else None
 
     def _batch_groups(self) -> int:
         """Slot groups (`--batch-groups`): by default one per stage of a layer split on GPUs, else one (on a

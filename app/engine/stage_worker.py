@@ -30,8 +30,9 @@ from app.engine.split import (
     use_threads,
 )
 from app.kernels.backends import select_backends
-from app.loading.loader import load_model, resolve_dtype
+from app.loading.loader import experts_within, load_model, resolve_dtype
 from app.models.batch import ForwardBatch
+from app.models.expert_tier import TieredExperts, spare_slots, use_staging
 from app.models.qwen3 import CausalLM, ModelPart
 
 log = logging.getLogger("strata.engine")
@@ -55,10 +56,23 @@ def run_stage(
     try:
         backends = select_backends(config.backend, where.type, exact=config.exact)
         assert config.model is not None
+        resident = config.expert_cache
+        if config.expert_vram is not None:
+            resident = experts_within(config.model, config.dtype, config.expert_vram, where, part)
         model, checkpoint = load_model(
-            config.model, config.dtype, where, progress=False, backends=backends, part=part
+            config.model,
+            config.dtype,
+            where,
+            progress=False,
+            backends=backends,
+            resident_experts=resident,
+            spare_experts=spare_slots(resident or 0) if config.adapt_async else 0,
+            part=part,
         )
         dtype = resolve_dtype(config.dtype, checkpoint, where)
+        tiers = [m for m in model.modules() if isinstance(m, TieredExperts)]
+        if use_staging(tiers, config.pcie_frac) is not None:
+            torch.set_num_threads(1)  # as in the engine process: the CPU pool's threads do the host's work
     except Exception as exc:  # the engine process reports it, in one line
         link.send_object(StageLoaded(f"{type(exc).__name__}: {exc}"), 0)
         return
@@ -77,7 +91,7 @@ def run_stage(
     )
     try:
         with torch.inference_mode():
-            _serve(stage, part, model, state, link, dtype)
+            _serve(stage, part, model, state, link, dtype, _Tiers(tiers, config.adapt_every))
     except Exception:
         traceback.print_exc()
         raise
@@ -85,8 +99,32 @@ def run_stage(
         dist.destroy_process_group()
 
 
+class _Tiers:
+    """This stage's expert tiers, adapted on the engine core's schedule: swaps landed before each window, the
+    most routed experts made resident every `adapt_every` windows (0: frozen)."""
+
+    def __init__(self, tiers: list[TieredExperts], adapt_every: int) -> None:
+        self.tiers, self.adapt_every, self.windows = tiers, adapt_every, 0
+
+    def before(self) -> None:
+        for tier in self.tiers:
+            tier.land()
+
+    def after(self) -> None:
+        self.windows += 1
+        if self.adapt_every and self.windows % self.adapt_every == 0:
+            for tier in self.tiers:
+                tier.adapt()
+
+
 def _serve(
-    stage: int, part: ModelPart, model: CausalLM, state: PagedState, link: StageLink, dtype: torch.dtype
+    stage: int,
+    part: ModelPart,
+    model: CausalLM,
+    state: PagedState,
+    link: StageLink,
+    dtype: torch.dtype,
+    tiers: _Tiers,
 ) -> None:
     """Run windows as they come from the stage before until a `StageWork` says stop (passed on)."""
     hidden = model.config.hidden_size
@@ -111,7 +149,9 @@ def _serve(
         )
         if paged:
             batch.layout = state.layout(batch.spans)
+        tiers.before()
         x, pending = model.model.run_layers(batch, part.layers, x, pending)
+        tiers.after()
         if not part.last:
             work.stages.append((link.settled(began), waited))
             link.send_object(work, stage + 1)

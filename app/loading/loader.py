@@ -60,13 +60,20 @@ def _fits_in_fp32(checkpoint: Checkpoint) -> bool:
 
 
 def experts_within(
-    path: Path | str, dtype: str, budget: int, device: torch.device | str = "cuda"
+    path: Path | str,
+    dtype: str,
+    budget: int,
+    device: torch.device | str = "cuda",
+    part: ModelPart | None = None,
 ) -> int | None:
     """How many experts of each MoE layer (MTP layers included) fit `budget` bytes of `device` memory in the
-    weights' dtype: the `--expert-vram` form of `--expert-cache`; None when every expert fits."""
+    weights' dtype: the `--expert-vram` form of `--expert-cache`; None when every expert fits. With `part`
+    (a stage of a layer split, on its own card) only its layers count."""
     checkpoint = open_checkpoint(path)
     config = checkpoint.config
-    layers = sum(config.moe_layers) + (mtp_layer_count(checkpoint) if config.num_experts else 0)
+    held = range(config.num_hidden_layers) if part is None else part.layers
+    mtp = mtp_layer_count(checkpoint) if config.num_experts and (part is None or part.first) else 0
+    layers = sum(config.moe_layers[i] for i in held) + mtp
     if not layers:
         return None
     element = torch.empty((), dtype=resolve_dtype(dtype, checkpoint, device)).element_size()

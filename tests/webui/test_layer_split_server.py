@@ -60,11 +60,10 @@ def test_a_split_server_answers_like_the_whole_model_and_shows_its_stages(
     assert [stage["stage"] for stage in frame["stages"]] == [0, 1]
 
 
-def test_the_stage_workers_end_with_the_server(model_dir: Path) -> None:
-    running = start_server(model_dir, "--layer-split", "2")
-    workers = [p for p in psutil.Process(running.process.pid).children(recursive=True)]
+def test_the_stage_workers_end_with_the_server(split_server: Server) -> None:
+    workers = psutil.Process(split_server.process.pid).children(recursive=True)
     assert len(workers) >= 2  # the engine process and its stage worker
-    stop_server(running)
+    stop_server(split_server)
     deadline = time.monotonic() + 15
     while any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in workers):
         assert time.monotonic() < deadline, "a process of the split outlived the server"
