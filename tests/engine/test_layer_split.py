@@ -60,10 +60,15 @@ def _tokens(core: EngineCore, arrivals: list[tuple[int, AddRequest]]) -> list[li
     return [results[add.request_id].token_ids for _, add in arrivals]
 
 
+def _core(checkpoint: Path, **overrides: object) -> EngineCore:
+    """8 slots, small windows, and a small decode share that reads prompts beside decoding slots at once."""
+    return make_core(checkpoint, parallel=8, max_batched_tokens=96, decode_share=0.01, **overrides)
+
+
 @pytest.fixture(scope="module")
 def whole(checkpoint: Path) -> dict[int, list[list[int]]]:
     """The tokens of the model run whole: 1, 3 and 8 concurrent requests, then a follow-up turn."""
-    core = make_core(checkpoint, parallel=8, max_batched_tokens=96, decode_share=0.01)
+    core = _core(checkpoint)
     tokens = {n: _tokens(core, _workload(n, 10 * n)) for n in (1, 3, 8)}
     tokens[0] = _follow_up(core)
     core.close()
@@ -86,14 +91,7 @@ def test_a_split_gives_the_tokens_of_the_whole_model(
 ) -> None:
     # One slot group per stage, each stage running another group's window; or one group (a CPU's
     # default), each window down the stages before the next.
-    core = make_core(
-        checkpoint,
-        parallel=8,
-        max_batched_tokens=96,
-        decode_share=0.01,
-        layer_split=str(stages),
-        batch_groups=groups,
-    )
+    core = _core(checkpoint, layer_split=str(stages), batch_groups=groups)
     try:
         assert core.pipeline is not None and len(core.pipeline.parts) == stages
         assert core.groups == (groups or 1)
@@ -126,16 +124,7 @@ def test_a_split_with_an_adapting_expert_tier_on_every_stage_gives_the_whole_mod
 ) -> None:
     # Two experts a layer resident on each stage, the rest in host RAM, the most routed made resident every
     # two windows: each stage adapts its own layers' tiers on the engine core's schedule.
-    core = make_core(
-        checkpoint,
-        parallel=8,
-        max_batched_tokens=96,
-        decode_share=0.01,
-        layer_split="2",
-        batch_groups=2,
-        expert_cache=2,
-        adapt_every=2,
-    )
+    core = _core(checkpoint, layer_split="2", batch_groups=2, expert_cache=2, adapt_every=2)
     try:
         assert core.tiers  # stage 0's layers are tiered; stage 1 loads its own the same way
         assert _tokens(core, _workload(8, 80)) == whole[8]
