@@ -8,18 +8,17 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from app.default_model import default_model_dir
 from app.engine.config import EngineConfig
 from app.engine.cuda_graphs import WindowGraphs
+from app.engine.expert_report import ExpertReporter, joined
 from app.engine.paged_state import PagedState, kv_block_bytes, slot_state_bytes
 from app.engine.parking import ConversationPark
 from app.engine.protocol import (
     EXPERT_REPORT_S,
-    EXPERT_SOURCES,
     AddRequest,
     ExpertUsage,
     PositionLogprobs,
@@ -43,8 +42,7 @@ from app.loading.loader import experts_within, resolve_dtype
 from app.loading.model import LoadedModel, open_model
 from app.models.config import LINEAR_ATTENTION
 from app.models.expert_tier import TieredExperts, spare_slots, use_staging
-from app.models.moe import SparseMoE
-from app.models.qwen3 import DecoderLayer, ModelPart
+from app.models.qwen3 import ModelPart
 from app.text.stream import TextStream
 
 log = logging.getLogger("strata.engine")
@@ -169,7 +167,6 @@ class EngineCore:
                 costs.cpu_row_s * 1e6,
             )
         self.launched = 0  # windows launched, for the expert tier's adaptation
-        self.expert_swaps = 0
         state = self._paged_state()
         if self.pipeline is not None:
             self.pipeline.wait_loaded(model, state.blocks, len(state.checkpoint_slots))
@@ -187,12 +184,10 @@ class EngineCore:
         self._flights: deque[_Flight] = deque()
         self._in_flight = (self.groups - 1) if self.pipeline is not None else int(config.overlap)
         self._emitted_at = 0.0  # when the last window's tokens were handed out (perf_counter)
-        self.moe_layers = [
-            (i, layer.mlp)
-            for i, layer in enumerate(model.model.layers)
-            if isinstance(layer, DecoderLayer) and isinstance(layer.mlp, SparseMoE)  # this stage's layers
-        ]
+        self.experts = ExpertReporter(model, self.tiers, self.device)  # this stage's layers
         self._experts_reported = time.monotonic()
+        self._stage_reports: list[ExpertUsage] = []  # the other stages' reports not yet sent on
+        self._stage_layers: dict[int, list[int]] = {}  # the other stages' layers: where their experts live
 
     @property
     def tiered(self) -> bool:
@@ -463,7 +458,7 @@ class EngineCore:
         if launched is not None:
             self.launched += 1
             if self.config.adapt_every and self.launched % self.config.adapt_every == 0:
-                self.expert_swaps += sum(tier.adapt() for tier in self.tiers)
+                self.experts.swaps += sum(tier.adapt() for tier in self.tiers)
         indices = []
         for row, chunk in enumerate(launched.sampling if launched is not None else []):
             chunk.request.output.append(placeholder(row))
@@ -477,6 +472,7 @@ class EngineCore:
             return []
         sampled = self.runner.collect(flight.launched)
         flight.wait_s, flight.stages = self.runner.last_wait_s, self.runner.last_stages
+        self._stage_reports += self.runner.last_reports
         resolved = []
         for s, index in zip(sampled, flight.indices, strict=True):
             request = s.chunk.request
@@ -495,49 +491,23 @@ class EngineCore:
 
     def _expert_usage(self, idle: bool = False) -> ExpertUsage | None:
         """Routing counts since the last report, at most every EXPERT_REPORT_S seconds (one device sync),
-        and whenever the engine falls idle (so a burst's counts are all reported when it ends)."""
+        and whenever the engine falls idle (so a burst's counts are all reported when it ends); on a layer
+        split with the other stages' latest reports joined in (theirs come on their own period)."""
         now = time.monotonic()
-        if not self.moe_layers or (now - self._experts_reported < EXPERT_REPORT_S and not idle):
+        if not self.experts.layers or (now - self._experts_reported < EXPERT_REPORT_S and not idle):
             return None
         seconds, self._experts_reported = now - self._experts_reported, now
-        experts = self.loaded.model.config.num_experts
-        counts = [moe.take_routed() for _, moe in self.moe_layers]
-        zeros = torch.zeros(experts, dtype=torch.long)
-        routed = torch.stack([zeros if c is None else c.cpu() for c in counts]).tolist()
-        where = 0 if self.device == "cuda" else 1  # an untiered layer's experts live beside the model
-        return ExpertUsage(
-            layers=[i for i, _ in self.moe_layers],
-            routed=routed,
-            location=[
-                moe.experts.locations() if isinstance(moe.experts, TieredExperts) else [where] * experts
-                for _, moe in self.moe_layers
-            ],
-            seconds=seconds,
-            swaps=self._take_swaps(),
-            **self._served(),
-        )
+        usage = self.experts.take(seconds)
+        assert usage is not None
+        if self.pipeline is None:
+            return usage
+        others, self._stage_reports = self._stage_reports, []
+        return joined(usage, others, self._stage_layers)
 
-    def _served(self) -> dict[str, Any]:
-        """The tiers' counts since the last report: each layer's entries per source, bytes copied, adapt wait
-        (the MTP head's tiers, outside the reported layers, count in the bytes and the wait)."""
-        if not self.tiers:
-            return {}
-        counts = {id(tier): tier.take_counts() for tier in self.tiers}
-        served = []
-        for _, moe in self.moe_layers:
-            tier = counts.get(id(moe.experts))
-            served.append(tier.served if tier is not None else [0] * len(EXPERT_SOURCES))
-        return {
-            "served": served,
-            # a CPU engine's tier copies within host RAM: nothing crosses PCIe
-            "pcie_bytes": sum(c.pcie_bytes for c in counts.values()) if self.device == "cuda" else 0,
-            "adapt_wait_s": sum(c.adapt_wait_s for c in counts.values()),
-        }
-
-    def _take_swaps(self) -> int:
-        """Experts the tier moved onto the device since the last expert report."""
-        swaps, self.expert_swaps = self.expert_swaps, 0
-        return swaps
+    @property
+    def expert_swaps(self) -> int:
+        """Experts the tiers moved onto the device since the last expert report (stage 0's)."""
+        return self.experts.swaps
 
     def _emit(self, drawn: _Drawn) -> RequestOutput:
         """The output of one drawn token; ends its request when the token is its last."""

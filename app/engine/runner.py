@@ -18,7 +18,7 @@ import torch
 from app.engine.cuda_graphs import Fed, WindowGraphs
 from app.engine.paged_state import PagedState, StateCopies
 from app.engine.parking import ConversationPark, Parked
-from app.engine.protocol import PositionLogprobs, StageTimes
+from app.engine.protocol import ExpertUsage, PositionLogprobs, StageTimes
 from app.engine.sampler import DrawnTokens, RowSampling, Sampler
 from app.engine.scheduler import Chunk, Window, placeholder_row
 from app.engine.split import StagePipeline, StageWork
@@ -74,6 +74,7 @@ class ModelRunner:
         self.last_replayed = False  # whether the last window replayed a CUDA graph
         self.last_wait_s = 0.0  # how long the host waited for the device to read the last window's tokens
         self.last_stages: list[StageTimes] | None = None  # a split's stage times for the last window read
+        self.last_reports: list[ExpertUsage] = []  # and the other stages' routing reports that came with it
         self._drawn: torch.Tensor | None = None  # the tokens of the last window launched, on the device
         self.device = model.model.embed_tokens.weight.device
 
@@ -151,7 +152,7 @@ class ModelRunner:
         pipeline = self.pipeline
 
         def draw() -> DrawnTokens | None:
-            hidden, self.last_stages = pipeline.receive(len(rows))
+            hidden, self.last_stages, self.last_reports = pipeline.receive(len(rows))
             if hidden is None:
                 return None
             drawn = self.sampler.sample(self.model.logits(hidden), rows)
@@ -163,7 +164,7 @@ class ModelRunner:
     def collect(self, launched: Launched) -> list[Sampled]:
         """Wait for a launched window's tokens; one per chunk that samples, in launch order."""
         self.last_wait_s = 0.0
-        self.last_stages = None
+        self.last_stages, self.last_reports = None, []
         if launched.later is not None:
             launched.drawn, launched.later = launched.later(), None
         if launched.drawn is None:

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from app.engine.config import EngineConfig
 from app.engine.paged_state import StateCopies
-from app.engine.protocol import StageTimes
+from app.engine.protocol import ExpertUsage, StageTimes
 from app.errors import StrataError
 from app.kernels.cpu_experts import threads
 from app.models.batch import ForwardBatch
@@ -102,6 +102,7 @@ class StageAnswer:
     final hidden states of the rows that sample follow when there are any."""
 
     stages: list[tuple[float, float]]
+    experts: list[ExpertUsage] = field(default_factory=list)  # the workers' routing reports, if any are due
 
 
 @dataclass
@@ -117,6 +118,7 @@ class StageWork:
     rows: list[int] = field(default_factory=list)
     stop: bool = False
     stages: list[tuple[float, float]] = field(default_factory=list)  # (busy, wait) of the workers so far
+    experts: list[ExpertUsage] = field(default_factory=list)  # routing reports of the workers so far
 
     @property
     def tokens(self) -> int:
@@ -292,9 +294,10 @@ class StagePipeline:
             raise self._lost(exc) from exc
         self._busy.append(self.link.settled(began))
 
-    def receive(self, rows: int) -> tuple[torch.Tensor | None, list[StageTimes]]:
+    def receive(self, rows: int) -> tuple[torch.Tensor | None, list[StageTimes], list[ExpertUsage]]:
         """The last stage's answer to the oldest window sent: the final hidden states [rows, hidden] of its
-        rows that sample (None without any), and every stage's times for it."""
+        rows that sample (None without any), every stage's times for it, and the workers' routing reports
+        that came with it."""
         assert self.model is not None
         began = time.perf_counter()
         last = len(self.parts) - 1
@@ -308,7 +311,7 @@ class StagePipeline:
         except RuntimeError as exc:
             raise self._lost(exc) from exc
         times = [StageTimes(self._busy.popleft(), time.perf_counter() - began)]
-        return hidden, times + [StageTimes(busy, wait) for busy, wait in answer.stages]
+        return hidden, times + [StageTimes(busy, wait) for busy, wait in answer.stages], answer.experts
 
     def _lost(self, exc: RuntimeError) -> Exception:
         """The error to raise when talking to the stages failed: which stage ended, if one did."""

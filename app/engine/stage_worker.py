@@ -18,7 +18,9 @@ import torch
 import torch.distributed as dist
 
 from app.engine.config import EngineConfig
+from app.engine.expert_report import ExpertReporter
 from app.engine.paged_state import PagedState
+from app.engine.protocol import EXPERT_REPORT_S
 from app.engine.split import (
     TIMEOUT,
     StageAnswer,
@@ -91,7 +93,8 @@ def run_stage(
     )
     try:
         with torch.inference_mode():
-            _serve(stage, part, model, state, link, dtype, _Tiers(tiers, config.adapt_every))
+            reporter = ExpertReporter(model, tiers, where.type)
+            _serve(stage, part, model, state, link, dtype, _Tiers(tiers, config.adapt_every), reporter)
     except Exception:
         traceback.print_exc()
         raise
@@ -110,11 +113,12 @@ class _Tiers:
         for tier in self.tiers:
             tier.land()
 
-    def after(self) -> None:
+    def after(self) -> int:
+        """Experts moved onto the device after this window."""
         self.windows += 1
         if self.adapt_every and self.windows % self.adapt_every == 0:
-            for tier in self.tiers:
-                tier.adapt()
+            return sum(tier.adapt() for tier in self.tiers)
+        return 0
 
 
 def _serve(
@@ -125,9 +129,12 @@ def _serve(
     link: StageLink,
     dtype: torch.dtype,
     tiers: _Tiers,
+    reporter: ExpertReporter,
 ) -> None:
-    """Run windows as they come from the stage before until a `StageWork` says stop (passed on)."""
+    """Run windows as they come from the stage before until a `StageWork` says stop (passed on); every
+    EXPERT_REPORT_S seconds its layers' routing report goes down with a window."""
     hidden = model.config.hidden_size
+    reported = time.monotonic()
     paged = model.backends.paged_attention is not None
     while True:
         waited = time.perf_counter()
@@ -151,7 +158,11 @@ def _serve(
             batch.layout = state.layout(batch.spans)
         tiers.before()
         x, pending = model.model.run_layers(batch, part.layers, x, pending)
-        tiers.after()
+        reporter.swaps += tiers.after()
+        now = time.monotonic()
+        if reporter.layers and now - reported >= EXPERT_REPORT_S:
+            usage, reported = reporter.take(now - reported), now
+            work.experts.append(usage)  # type: ignore[arg-type]
         if not part.last:
             work.stages.append((link.settled(began), waited))
             link.send_object(work, stage + 1)
@@ -160,6 +171,6 @@ def _serve(
         final = None
         if work.rows:
             final = model.model.final_norm(x, pending)[torch.tensor(work.rows, device=state.device)]
-        link.send_object(StageAnswer([*work.stages, (link.settled(began), waited)]), 0)
+        link.send_object(StageAnswer([*work.stages, (link.settled(began), waited)], work.experts), 0)
         if final is not None:
             link.send_tensors([final], 0)

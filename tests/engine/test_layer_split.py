@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
 from engine_helpers import make_core, random_prompt, request, run
 
 from app.engine.core import EngineCore
-from app.engine.protocol import AddRequest
+from app.engine.expert_report import joined
+from app.engine.protocol import EXPERT_REPORT_S, AddRequest, ExpertUsage
 from app.engine.split import split_layers, stages_for
 from app.errors import StrataError
 
@@ -135,3 +137,32 @@ def test_a_split_with_an_adapting_expert_tier_on_every_stage_gives_the_whole_mod
 def test_groups_without_a_split_are_refused(checkpoint: Path) -> None:
     with pytest.raises(StrataError, match="--batch-groups pipelines the stages"):
         make_core(checkpoint, batch_groups=2)
+
+
+def test_the_routing_reports_of_a_split_cover_every_stages_layers(checkpoint: Path) -> None:
+    core = _core(checkpoint, layer_split="2")
+    try:
+        _, windows = run(core, _workload(3, 7))
+        time.sleep(EXPERT_REPORT_S)  # the worker reports on its own period, with its next window
+        _, more = run(core, _workload(1, 9))
+        reports = [w.experts for w in [*windows, *more] if w.experts is not None]
+        moe = [i for i, m in enumerate(core.loaded.model.config.moe_layers) if m]
+        assert reports[-1].layers == moe  # every stage's layers, in order
+        assert core.pipeline is not None
+        theirs = core.pipeline.parts[1].layers
+        pairs = [pair for r in reports for pair in zip(r.layers, r.routed, strict=True)]
+        rows = [row for layer, row in pairs if layer in theirs]
+        assert sum(map(sum, rows)) > 0
+    finally:
+        core.close()
+
+
+def test_reports_join_by_layer_and_keep_a_quiet_stages_layers() -> None:
+    zero = ExpertUsage(layers=[0], routed=[[2, 0]], location=[[0, 0]], seconds=0.5, swaps=1)
+    one = ExpertUsage(layers=[1], routed=[[0, 3]], location=[[0, 1]], seconds=0.4, swaps=2)
+    known: dict[int, list[int]] = {}
+    both = joined(zero, [one, one], known)
+    assert both.layers == [0, 1] and both.routed == [[2, 0], [0, 6]] and both.swaps == 5
+    assert both.seconds == 0.5 and known == {1: [0, 1]}
+    quiet = joined(zero, [], known)  # stage 1 sent nothing since: its layer listed, without counts
+    assert quiet.layers == [0, 1] and quiet.routed == [[2, 0], [0, 0]] and quiet.location[1] == [0, 1]
