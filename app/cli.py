@@ -39,6 +39,14 @@ def _groups(text: str) -> int | None:
     return int(text)
 
 
+def _stage_list(text: str) -> tuple[int, ...]:
+    """`--remote-stages`: stage numbers, e.g. 1 or 2,3."""
+    try:
+        return tuple(int(n) for n in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected stage numbers such as 1 or 2,3, got {text!r}") from None
+
+
 def _add_engine_options(parser: argparse.ArgumentParser) -> None:
     defaults = EngineConfig()
     parser.add_argument(
@@ -127,6 +135,20 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
         "stage runs another group's window (auto: one group per stage on GPUs, one on a CPU)",
     )
     parser.add_argument(
+        "--split-rendezvous",
+        metavar="tcp://HOST:PORT",
+        help="with --layer-split: where the stages meet (this engine listens there), so that stages of "
+        "--remote-stages can join from other hosts with `strata stage` (default: a file on this host)",
+    )
+    parser.add_argument(
+        "--remote-stages",
+        type=_stage_list,
+        default=(),
+        metavar="K,...",
+        help="with --layer-split and --split-rendezvous: the stages started elsewhere (`strata stage`), "
+        "not by this engine",
+    )
+    parser.add_argument(
         "--no-overlap",
         dest="overlap",
         action="store_false",
@@ -191,6 +213,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         adapt_async=args.adapt_async,
         layer_split=args.layer_split,
         batch_groups=args.batch_groups,
+        split_rendezvous=args.split_rendezvous,
+        remote_stages=args.remote_stages,
         prefix_cache=args.prefix_cache,
         park_memory=args.park_memory,
         park_dir=str(args.park_dir),
@@ -245,7 +269,31 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="time a follow-up turn of a --prompt-len conversation: cached, restored from disk, read again",
     )
+    stage = commands.add_parser(
+        "stage", help="run one stage of an engine's layer split on this host (--remote-stages)"
+    )
+    stage.add_argument("--rendezvous", required=True, metavar="tcp://HOST:PORT", help="the engine's address")
+    stage.add_argument("--stage", type=int, required=True, help="which stage this is (1 or more)")
+    stage.add_argument("--stages", type=int, required=True, help="how many stages the split has")
+    stage.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if _has_cuda() else "cpu")
+    stage.add_argument("--gpu", type=int, default=0, help="which GPU of this host (with --device cuda)")
+    stage.add_argument("--model", help="where this host keeps the model (default: the engine's path)")
     return parser
+
+
+def _has_cuda() -> bool:
+    """Whether this host has an NVIDIA GPU (without importing torch for --help)."""
+    return Path("/proc/driver/nvidia/gpus").exists()
+
+
+def run_stage(args: argparse.Namespace) -> None:
+    """`strata stage`: join an engine's layer split as one of its stages, until the engine stops."""
+    from app.engine.stage_worker import run_stage as serve_stage
+
+    if not 1 <= args.stage < args.stages:
+        raise StrataError(f"--stage must be 1 to {args.stages - 1} (stage 0 is the engine)")
+    gpu = args.gpu if args.device == "cuda" else None
+    serve_stage(args.stage, args.stages, args.rendezvous, gpu, args.model)
 
 
 def run_generate(args: argparse.Namespace) -> None:
@@ -355,7 +403,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `strata` console script; errors end as one line on stderr."""
     args = build_parser().parse_args(argv)
     try:
-        {"generate": run_generate, "serve": run_serve, "bench": run_bench}[args.command](args)
+        commands = {"generate": run_generate, "serve": run_serve, "bench": run_bench, "stage": run_stage}
+        commands[args.command](args)
     except StrataError as e:
         print(f"strata: error: {e}", file=sys.stderr)
         return 1

@@ -174,3 +174,9 @@ def test_serving_beyond_loopback_without_a_key_is_warned_about(
     assert (warning is not None) == warned
     if warning:
         assert host in warning and "--api-key" in warning and "\n" not in warning
+
+
+def test_a_stage_outside_the_split_is_a_one_line_error(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["stage", "--rendezvous", "tcp://127.0.0.1:1", "--stage", "2", "--stages", "2", "--device", "cpu"]
+    assert main(args) == 1
+    assert capsys.readouterr().err == "strata: error: --stage must be 1 to 1 (stage 0 is the engine)\n"

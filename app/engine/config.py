@@ -39,7 +39,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     `layer_split` cuts the decoder layers into stages, one process each (app/engine/split.py): `auto`, a
     stage count, or each stage's layer count ("20,28"); None runs the model whole in the engine process.
     `batch_groups` slot groups take turns down a split's stages, each window one group's (None: one group
-    per stage on GPUs, one on a CPU).
+    per stage on GPUs, one on a CPU). The stages of `remote_stages` are not started here: they join from
+    other hosts (`strata stage`) at `split_rendezvous` (tcp://HOST:PORT, where this engine listens).
     """
 
     model: str | None = None
@@ -67,3 +68,5 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     adapt_async: bool = False
     layer_split: str | None = None
     batch_groups: int | None = None
+    split_rendezvous: str | None = None
+    remote_stages: tuple[int, ...] = ()

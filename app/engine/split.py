@@ -82,6 +82,16 @@ def stages_for(weight_bytes: int, cards: list[int]) -> int:
 
 
 @dataclass(frozen=True)
+class StageStart:
+    """Sent to every worker once the stages have met: the engine's settings (the model path among them) and
+    the stages' parts."""
+
+    config: bytes
+    parts: list[ModelPart]
+    threads: int | None  # on a CPU: the threads this stage computes with
+
+
+@dataclass(frozen=True)
 class StageSetup:
     """Sent to every worker once stage 0 has sized the paged state: the KV blocks and checkpoint slots."""
 
@@ -209,14 +219,15 @@ def use_threads(count: int) -> None:
     threads.cache_clear()
 
 
-def stage_device(device: str, stage: int) -> torch.device:
-    """Stage k of a split runs on the k-th GPU, or on the CPU."""
+def stage_device(device: str, gpu: int) -> torch.device:
+    """A stage's device: GPU `gpu` of this host (stage k of a split on one host runs on the k-th), or the
+    CPU."""
     if device != "cuda":
         return torch.device("cpu")
-    if stage >= torch.cuda.device_count():
+    if gpu >= torch.cuda.device_count():
         visible = torch.cuda.device_count()
-        raise StrataError(f"--layer-split: stage {stage} needs GPU {stage}, and {visible} are visible")
-    return torch.device("cuda", stage)
+        raise StrataError(f"--layer-split: a stage needs GPU {gpu}, and {visible} are visible")
+    return torch.device("cuda", gpu)
 
 
 class StagePipeline:
@@ -224,34 +235,46 @@ class StagePipeline:
     the final hidden states of the rows that sample."""
 
     def __init__(self, config: EngineConfig, path: Path, parts: list[ModelPart], device: str) -> None:
-        """Spawn one worker per stage after the first and join their process group; each loads its part
-        meanwhile (`wait_loaded`)."""
+        """Spawn one worker per stage after the first (but those of `config.remote_stages`, which join from
+        elsewhere at `config.split_rendezvous`), join their process group and start them; each loads its
+        part meanwhile (`wait_loaded`)."""
         self.parts = parts
         self.device = stage_device(device, 0)
-        for stage in range(1, len(parts)):
+        remote = set(config.remote_stages)
+        if remote - set(range(1, len(parts))):
+            raise StrataError(f"--remote-stages: the stages after the first are 1 to {len(parts) - 1}")
+        if remote and config.split_rendezvous is None:
+            raise StrataError("--remote-stages join elsewhere: give --split-rendezvous tcp://HOST:PORT")
+        local = [stage for stage in range(1, len(parts)) if stage not in remote]
+        for stage in local:
             stage_device(device, stage)
         self._rendezvous = tempfile.TemporaryDirectory(prefix="strata-split-")
-        init = f"file://{self._rendezvous.name}/rendezvous"
+        init = config.split_rendezvous or f"file://{self._rendezvous.name}/rendezvous"
         context = multiprocessing.get_context("spawn")
         self.workers: list[BaseProcess] = []
-        config_bytes = msgspec.msgpack.encode(msgspec.structs.replace(config, model=str(path)))
-        shares = thread_shares(len(parts)) if self.device.type == "cpu" else None
+        shares = thread_shares(len(parts) - len(remote)) if self.device.type == "cpu" else None
         from app.engine.stage_worker import run_stage
 
-        for stage in range(1, len(parts)):
+        for stage in local:
+            gpu = stage if self.device.type == "cuda" else None
             worker = context.Process(
                 target=run_stage,
-                args=(stage, parts, init, config_bytes, device, shares[stage] if shares else None),
+                args=(stage, len(parts), init, gpu),
                 name=f"strata-stage-{stage}",
                 daemon=True,
             )
             worker.start()
             self.workers.append(worker)
-        if shares:
-            use_threads(shares[0])
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         dist.init_process_group(backend, init_method=init, rank=0, world_size=len(parts), timeout=TIMEOUT)
         self.link = StageLink(self.device)
+        config_bytes = msgspec.msgpack.encode(msgspec.structs.replace(config, model=str(path)))
+        threads = iter(shares[1:] if shares else [])
+        for stage in range(1, len(parts)):
+            share = None if stage in remote else next(threads, None)
+            self.link.send_object(StageStart(config_bytes, parts, share), stage)
+        if shares:
+            use_threads(shares[0])
         self.model: CausalLM | None = None
         self._dtype = torch.float32  # of the stream, as stage 0's layers leave it
         self._busy: deque[float] = deque()  # stage 0's seconds on each window sent and not yet answered

@@ -27,6 +27,7 @@ from app.engine.split import (
     StageLink,
     StageLoaded,
     StageSetup,
+    StageStart,
     StageWork,
     stage_device,
     use_threads,
@@ -40,21 +41,25 @@ from app.models.qwen3 import CausalLM, ModelPart
 log = logging.getLogger("strata.engine")
 
 
-def run_stage(
-    stage: int, parts: list[ModelPart], init: str, config_bytes: bytes, device: str, threads: int | None
-) -> None:
-    """Process entry point of stage `stage` (1 or more) of `parts`, with `threads` on a CPU."""
+def run_stage(stage: int, stages: int, init: str, gpu: int | None, model: str | None = None) -> None:
+    """Process entry point of stage `stage` (1 or more) of `stages`: joins the split at `init` (on GPU `gpu`
+    of this host, or the CPU), takes the engine's settings and parts from stage 0 (`StageStart`; `model`
+    names where this host keeps the model, if not where the engine's does), then serves windows."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine process owns the split's lifetime
-    if threads is not None:
-        use_threads(threads)
-    config = msgspec.msgpack.decode(config_bytes, type=EngineConfig)
-    where = stage_device(device, stage)
+    where = stage_device("cpu" if gpu is None else "cuda", gpu or 0)
     if where.type == "cuda":
         torch.cuda.set_device(where)
     backend = "nccl" if where.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=init, rank=stage, world_size=len(parts), timeout=TIMEOUT)
+    dist.init_process_group(backend, init_method=init, rank=stage, world_size=stages, timeout=TIMEOUT)
     link = StageLink(where)
-    part = parts[stage]
+    start = link.recv_object(0)
+    assert isinstance(start, StageStart)
+    if start.threads is not None:
+        use_threads(start.threads)
+    config = msgspec.msgpack.decode(start.config, type=EngineConfig)
+    if model is not None:
+        config = msgspec.structs.replace(config, model=model)
+    part = start.parts[stage]
     try:
         backends = select_backends(config.backend, where.type, exact=config.exact)
         assert config.model is not None

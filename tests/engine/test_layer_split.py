@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -166,3 +169,32 @@ def test_reports_join_by_layer_and_keep_a_quiet_stages_layers() -> None:
     assert both.seconds == 0.5 and known == {1: [0, 1]}
     quiet = joined(zero, [], known)  # stage 1 sent nothing since: its layer listed, without counts
     assert quiet.layers == [0, 1] and quiet.routed == [[2, 0], [0, 0]] and quiet.location[1] == [0, 1]
+
+
+def test_a_stage_started_elsewhere_joins_at_the_engines_address(
+    checkpoint: Path, whole: dict[int, list[list[int]]]
+) -> None:
+    # `strata stage` in its own process, as on another host, joining over TCP on loopback.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    address = f"tcp://127.0.0.1:{port}"
+    command = [sys.executable, "-m", "app.cli", "stage", "--rendezvous", address, "--stage", "1"]
+    stage = subprocess.Popen([*command, "--stages", "2", "--device", "cpu"])
+    try:
+        core = _core(checkpoint, layer_split="2", split_rendezvous=address, remote_stages=(1,))
+        try:
+            assert core.pipeline is not None and not core.pipeline.workers  # none started here
+            assert _tokens(core, _workload(3, 30)) == whole[3]
+        finally:
+            core.close()
+        assert stage.wait(timeout=30) == 0  # the engine's stop ends it
+    finally:
+        stage.kill()
+
+
+def test_remote_stages_need_an_address_and_a_stage_of_the_split(checkpoint: Path) -> None:
+    with pytest.raises(StrataError, match="give --split-rendezvous"):
+        make_core(checkpoint, layer_split="2", remote_stages=(1,))
+    with pytest.raises(StrataError, match="the stages after the first are 1 to 1"):
+        make_core(checkpoint, layer_split="2", split_rendezvous="tcp://127.0.0.1:1", remote_stages=(2,))
