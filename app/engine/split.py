@@ -1,12 +1,13 @@
 """The layer split: the model's decoder layers cut into stages, one process each, over torch.distributed.
 
 The engine process is stage 0: it holds the scheduler, the embedding, the LM head and its own first layers,
-and samples. Stage workers 1..N-1 (`stage_worker.py`, spawned here) each hold their layers and their share
-of the paged state. A window travels down the stages as one message (`StageWork`: the spans, block tables
-and state copies every stage applies to its own state) followed by the residual stream and the last layer's
-output; the last stage norms the rows that sample and sends their final hidden states back to stage 0.
-Objects go over gloo, tensors over the default group (NCCL between GPUs, gloo on a CPU), so the same code
-runs on the cards of one host or on one CPU (`--device cpu --layer-split 2`, the tests' case).
+and samples. Stage workers 1..N-1 (`stage_worker.py`, spawned here, or started on other hosts with `strata
+stage`) each hold their layers and their share of the paged state. A window travels down the stages as one
+message (`StageWork`: the spans, block tables and state copies every stage applies to its own state)
+followed by the residual stream and the last layer's output; the last stage norms the rows that sample and
+sends their final hidden states back to stage 0. Objects go over gloo, tensors over the default group (NCCL
+between GPUs, gloo on a CPU), so the same code runs on the cards of one host or on one CPU (`--device cpu
+--layer-split 2`, the tests' case).
 """
 
 from __future__ import annotations
@@ -251,7 +252,8 @@ class StagePipeline:
         self._rendezvous = tempfile.TemporaryDirectory(prefix="strata-split-")
         init = config.split_rendezvous or f"file://{self._rendezvous.name}/rendezvous"
         context = multiprocessing.get_context("spawn")
-        self.workers: list[BaseProcess] = []
+        self._local = local
+        self.workers: list[BaseProcess] = []  # the processes of the stages of `_local`, in order
         shares = thread_shares(len(parts) - len(remote)) if self.device.type == "cpu" else None
         from app.engine.stage_worker import run_stage
 
@@ -338,7 +340,7 @@ class StagePipeline:
 
     def _lost(self, exc: RuntimeError) -> Exception:
         """The error to raise when talking to the stages failed: which stage ended, if one did."""
-        for stage, worker in enumerate(self.workers, start=1):
+        for stage, worker in zip(self._local, self.workers, strict=True):
             worker.join(timeout=1)
             if not worker.is_alive():
                 return StrataError(f"stage {stage} of the layer split stopped (exit code {worker.exitcode})")

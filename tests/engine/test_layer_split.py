@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+from checkpoints import write_checkpoint
 from engine_helpers import make_core, random_prompt, request, run
 
 from app.engine.core import EngineCore
@@ -95,7 +96,7 @@ def test_a_split_gives_the_tokens_of_the_whole_model(
     checkpoint: Path, whole: dict[int, list[list[int]]], stages: int, groups: int | None
 ) -> None:
     # One slot group per stage, each stage running another group's window; or one group (a CPU's
-    # default), each window down the stages before the next.
+    # default), each window down the stages before the next, whose routing reports are checked too.
     core = _core(checkpoint, layer_split=str(stages), batch_groups=groups)
     try:
         assert core.pipeline is not None and len(core.pipeline.parts) == stages
@@ -109,8 +110,24 @@ def test_a_split_gives_the_tokens_of_the_whole_model(
                 assert all(t.busy_s > 0 and t.wait_s >= 0 for t in w.stages)
         if groups:
             assert _follow_up(core) == whole[0]
+        else:
+            _routing_reports_cover_every_stage(core)
     finally:
         core.close()
+
+
+def _routing_reports_cover_every_stage(core: EngineCore) -> None:
+    """The routing reports of a split list every stage's layers, the later stages' with their counts."""
+    _, windows = run(core, _workload(3, 7))
+    time.sleep(EXPERT_REPORT_S)  # the worker reports on its own period, with its next window
+    _, more = run(core, _workload(1, 9))
+    reports = [w.experts for w in [*windows, *more] if w.experts is not None]
+    moe = [i for i, m in enumerate(core.loaded.model.config.moe_layers) if m]
+    assert reports[-1].layers == moe  # every stage's layers, in order
+    assert core.pipeline is not None
+    theirs = core.pipeline.parts[1].layers
+    pairs = [pair for r in reports for pair in zip(r.layers, r.routed, strict=True)]
+    assert sum(sum(row) for layer, row in pairs if layer in theirs) > 0
 
 
 def test_a_stage_that_ends_is_an_error_of_the_next_window_not_a_hang(checkpoint: Path) -> None:
@@ -140,24 +157,6 @@ def test_a_split_with_an_adapting_expert_tier_on_every_stage_gives_the_whole_mod
 def test_groups_without_a_split_are_refused(checkpoint: Path) -> None:
     with pytest.raises(StrataError, match="--batch-groups pipelines the stages"):
         make_core(checkpoint, batch_groups=2)
-
-
-def test_the_routing_reports_of_a_split_cover_every_stages_layers(checkpoint: Path) -> None:
-    core = _core(checkpoint, layer_split="2")
-    try:
-        _, windows = run(core, _workload(3, 7))
-        time.sleep(EXPERT_REPORT_S)  # the worker reports on its own period, with its next window
-        _, more = run(core, _workload(1, 9))
-        reports = [w.experts for w in [*windows, *more] if w.experts is not None]
-        moe = [i for i, m in enumerate(core.loaded.model.config.moe_layers) if m]
-        assert reports[-1].layers == moe  # every stage's layers, in order
-        assert core.pipeline is not None
-        theirs = core.pipeline.parts[1].layers
-        pairs = [pair for r in reports for pair in zip(r.layers, r.routed, strict=True)]
-        rows = [row for layer, row in pairs if layer in theirs]
-        assert sum(map(sum, rows)) > 0
-    finally:
-        core.close()
 
 
 def test_reports_join_by_layer_and_keep_a_quiet_stages_layers() -> None:
@@ -198,3 +197,14 @@ def test_remote_stages_need_an_address_and_a_stage_of_the_split(checkpoint: Path
         make_core(checkpoint, layer_split="2", remote_stages=(1,))
     with pytest.raises(StrataError, match="the stages after the first are 1 to 1"):
         make_core(checkpoint, layer_split="2", split_rendezvous="tcp://127.0.0.1:1", remote_stages=(2,))
+
+
+def test_four_stages_with_four_groups_give_the_whole_models_tokens(tmp_path: Path) -> None:
+    # Four stages of one layer each (the four-GPU split's shape), one slot group per stage.
+    path = write_checkpoint(tmp_path, "qwen3_moe", num_hidden_layers=4, max_position_embeddings=4096)
+    whole = _tokens(_core(path), _workload(8, 40))
+    core = _core(path, layer_split="4", batch_groups=4)
+    try:
+        assert _tokens(core, _workload(8, 40)) == whole
+    finally:
+        core.close()
