@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -38,7 +37,7 @@ from app.kernels.backends import select_backends
 from app.kernels.interface import CHUNK, Q8_0_BLOCK, Q8_0_BYTES
 from app.loading.checkpoint import open_checkpoint
 from app.loading.identity import model_identity
-from app.loading.loader import experts_within, resolve_dtype
+from app.loading.loader import experts_within, resolve_dtype, weight_elements
 from app.loading.model import LoadedModel, open_model
 from app.models.config import LINEAR_ATTENTION
 from app.models.expert_tier import TieredExperts, spare_slots, use_staging
@@ -212,8 +211,7 @@ class EngineCore:
                 for i in range(torch.cuda.device_count() if self.device == "cuda" else 0)
             ]
             item = torch.empty((), dtype=resolve_dtype(config.dtype, checkpoint, self.device)).element_size()
-            elements = sum(math.prod(checkpoint.shape(name)) for name in checkpoint.names())
-            spec = str(stages_for(elements * item, cards))
+            spec = str(stages_for(weight_elements(checkpoint) * item, cards))
         parts = split_layers(spec, checkpoint.config.num_hidden_layers)
         return parts if len(parts) > 1 else None
 

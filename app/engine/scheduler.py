@@ -268,7 +268,7 @@ class Scheduler:
             if len(request.output) >= request.params.max_tokens:
                 continue  # its last token is still being drawn: it ends when that is read
             while not self.pool.grow(request.blocks, request.computed + 1):
-                victim = [r for r in self.running if r in ours][-1]
+                victim = next(r for r in reversed(ours) if r.phase is not Phase.WAITING)  # still running
                 self._preempt(victim)
                 window.preempted += 1
                 if victim is request:
@@ -279,7 +279,7 @@ class Scheduler:
         share = _Share(
             self, len(window.chunks), budget, paced=max(len(window.chunks), self._decoding_beside(group))
         )
-        for request in [r for r in self.running if r in ours and r.phase is Phase.PROMPT]:
+        for request in [r for r in ours if r.phase is Phase.PROMPT]:
             take = share.take(request.pending, request.computed)
             if take <= 0:
                 break
@@ -326,8 +326,8 @@ class Scheduler:
         for group in ((self._turn + i) % groups for i in range(groups)):
             if group in busy:
                 continue
-            has_running = any(self.group_of(r.slot) == group for r in self.running)  # type: ignore[arg-type]
-            if groups == 1 or has_running or (self.waiting and self._free_slot(group) is not None):
+            waiting = bool(self.waiting) and self._free_slot(group) is not None
+            if groups == 1 or waiting or any(self.group_of(r.slot) == group for r in self.running):  # type: ignore[arg-type]
                 self._turn = (group + 1) % groups
                 return group
         return None
@@ -335,6 +335,8 @@ class Scheduler:
     def _decoding_beside(self, group: int) -> int:
         """The most requests decoding in one of the other slot groups: a window of this group holds up
         theirs in the stages, so its prompt rows are paced by them too."""
+        if self.config.groups == 1:
+            return 0
         counts = [0] * self.config.groups
         for r in self.running:
             if r.phase is Phase.DECODE and r.slot is not None and self.group_of(r.slot) != group:

@@ -156,12 +156,6 @@ class StageLink:
         assert work is not None
         self._sending.append((work, tensor))
 
-    def settled(self, began: float) -> float:
-        """Seconds since `began` (perf_counter) once this stage's work queued on its device has run."""
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
-        return time.perf_counter() - began
-
     def flush(self) -> None:
         """Wait until every message sent has been received."""
         for work, _ in self._sending:
@@ -203,6 +197,45 @@ class StageLink:
         for tensor in tensors:
             dist.recv(tensor, source)
         return tensors
+
+
+class BusyClock:
+    """The seconds a stage worked on each window, oldest first: host time on a CPU; on a GPU the time
+    between two CUDA events queued around the window's work, read once they have completed, so that timing a
+    window never waits for the device (a window whose events are not done yet counts with a later one)."""
+
+    Mark = float | torch.cuda.Event
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._spans: deque[tuple[BusyClock.Mark, BusyClock.Mark]] = deque()
+        self._unread: list[tuple[BusyClock.Mark, BusyClock.Mark]] = []
+
+    def mark(self) -> Mark:
+        if self.device.type != "cuda":
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def span(self, start: Mark) -> None:
+        """A window's work from `start` to now."""
+        self._spans.append((start, self.mark()))
+
+    def oldest(self) -> float:
+        """The seconds of the oldest window not yet read, with those of earlier ones that have completed
+        since."""
+        self._unread.append(self._spans.popleft())
+        seconds, still = 0.0, []
+        for start, end in self._unread:
+            if isinstance(start, float) and isinstance(end, float):
+                seconds += end - start
+            elif isinstance(end, torch.cuda.Event) and end.query():
+                seconds += start.elapsed_time(end) / 1000  # type: ignore[union-attr]
+            else:
+                still.append((start, end))
+        self._unread = still
+        return seconds
 
 
 def thread_shares(stages: int) -> list[int]:
@@ -279,7 +312,7 @@ class StagePipeline:
             use_threads(shares[0])
         self.model: CausalLM | None = None
         self._dtype = torch.float32  # of the stream, as stage 0's layers leave it
-        self._busy: deque[float] = deque()  # stage 0's seconds on each window sent and not yet answered
+        self._busy = BusyClock(self.device)  # stage 0's work on each window sent
         self._closed = False
 
     @property
@@ -305,7 +338,7 @@ class StagePipeline:
         """Start a window down the stages: stage 0's layers here, then to the next stage with `work`; the
         last stage answers with the final hidden states of `rows` (`receive`, in the order sent)."""
         assert self.model is not None
-        began = time.perf_counter()
+        began = self._busy.mark()
         decoder = self.model.model
         x = decoder.embed_tokens(batch.input_ids)
         x, pending = decoder.run_layers(batch, self.part.layers, x, None)
@@ -317,7 +350,7 @@ class StagePipeline:
             self.link.send_tensors([x, pending], 1)
         except RuntimeError as exc:
             raise self._lost(exc) from exc
-        self._busy.append(self.link.settled(began))
+        self._busy.span(began)
 
     def receive(self, rows: int) -> tuple[torch.Tensor | None, list[StageTimes], list[ExpertUsage]]:
         """The last stage's answer to the oldest window sent: the final hidden states [rows, hidden] of its
@@ -335,7 +368,7 @@ class StagePipeline:
                 hidden = self.link.recv_tensors([shape], self._dtype, last)[0]
         except RuntimeError as exc:
             raise self._lost(exc) from exc
-        times = [StageTimes(self._busy.popleft(), time.perf_counter() - began)]
+        times = [StageTimes(self._busy.oldest(), time.perf_counter() - began)]
         return hidden, times + [StageTimes(busy, wait) for busy, wait in answer.stages], answer.experts
 
     def _lost(self, exc: RuntimeError) -> Exception:

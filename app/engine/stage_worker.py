@@ -23,6 +23,7 @@ from app.engine.paged_state import PagedState
 from app.engine.protocol import EXPERT_REPORT_S
 from app.engine.split import (
     TIMEOUT,
+    BusyClock,
     StageAnswer,
     StageLink,
     StageLoaded,
@@ -140,6 +141,7 @@ def _serve(
     EXPERT_REPORT_S seconds its layers' routing report goes down with a window."""
     hidden = model.config.hidden_size
     reported = time.monotonic()
+    clock = BusyClock(state.device)
     paged = model.backends.paged_attention is not None
     while True:
         waited = time.perf_counter()
@@ -151,8 +153,8 @@ def _serve(
             link.flush()
             return
         x, pending = link.recv_tensors([(work.tokens, hidden)] * 2, dtype, stage - 1)
-        began = time.perf_counter()
-        waited = began - waited
+        waited = time.perf_counter() - waited
+        began = clock.mark()
         work.copies.apply(state)
         for slot, blocks in work.tables.items():
             state.set_block_table(slot, blocks)
@@ -169,13 +171,15 @@ def _serve(
             usage, reported = reporter.take(now - reported), now
             work.experts.append(usage)  # type: ignore[arg-type]
         if not part.last:
-            work.stages.append((link.settled(began), waited))
+            clock.span(began)
+            work.stages.append((clock.oldest(), waited))
             link.send_object(work, stage + 1)
             link.send_tensors([x, pending], stage + 1)
             continue
         final = None
         if work.rows:
             final = model.model.final_norm(x, pending)[torch.tensor(work.rows, device=state.device)]
-        link.send_object(StageAnswer([*work.stages, (link.settled(began), waited)], work.experts), 0)
+        clock.span(began)
+        link.send_object(StageAnswer([*work.stages, (clock.oldest(), waited)], work.experts), 0)
         if final is not None:
             link.send_tensors([final], 0)

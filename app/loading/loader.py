@@ -52,9 +52,14 @@ def resolve_dtype(name: str, checkpoint: Checkpoint, device: torch.device | str 
     return DTYPES[name]
 
 
+def weight_elements(checkpoint: Checkpoint) -> int:
+    """How many weights the checkpoint's tensors hold."""
+    return sum(math.prod(checkpoint.shape(name)) for name in checkpoint.names())
+
+
 def _fits_in_fp32(checkpoint: Checkpoint) -> bool:
     """Whether the checkpoint's tensors in fp32 take at most CPU_FP32_RAM_SHARE of the host's RAM."""
-    elements = sum(math.prod(checkpoint.shape(name)) for name in checkpoint.names())
+    elements = weight_elements(checkpoint)
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return 4 * elements <= CPU_FP32_RAM_SHARE * ram
 
