@@ -101,7 +101,7 @@ def candidates(n: int, k: int, rows: int) -> dict[str, Call]:
                 cells[f"resident {chunk_k}-pieces w{warps}"] = lambda x, w, c=chunk_k, nw=warps: (
                     resident_tile_linear(x, w, None, c, nw)
                 )
-    for elements, warps in ROW_PROGRAMS if rows == 1 else []:
+    for elements, warps in ROW_PROGRAMS if rows <= TILE else []:
         block_n = max(1, elements // block_k)
         if block_n * block_k <= MAX_PROGRAM_ELEMENTS and block_n * block_k // (32 * warps) >= 8:
             label = f"row {block_n}r w{warps}"

@@ -27,7 +27,7 @@ UNCALIBRATED_CHUNK = 256
 HOLD_S = 1.0  # the longest a request whose prompt was read waits for others' prompts before it decodes
 # Windows are planned for a share this much above the one asked: their costs are predictions, and the
 # overrun of a read's last window is never paid back (the credit is dropped once no prompt waits).
-SHARE_MARGIN = 0.03
+SHARE_MARGIN = 0.06
 PARK_MIN_GAIN = 256  # tokens a parked conversation must reach beyond the device's prefix cache to be restored
 
 

@@ -6,14 +6,15 @@ program's whole slice of it first and only then wait for the kernel before them 
 (`triton_launch`): with dependent launches the weight is read while the previous kernel (a norm, the
 attention merge) still runs, and only the rows wait for it.
 
-- `resident_tile_linear` (small weights, up to 16 rows): a program holds 16 weight rows, all of k, and
-  multiplies the window's rows (padded to 16) by them in one `tl.dot`: the same sequence of tensor-core steps
-  as the fixed 16 x 16 x 512 tiles of `tiled_linear`, so a row gets the tiles' bits in any window. With
-  `chunk_k` k is cut into pieces, one dot each (independent chains of tensor-core steps, several warps at
-  once), their sums added in a fixed order: other bits than the tiles', the same in any window of up to 16
-  rows (a candidate of `benchmarks/tune_linear.py`; the engine does not pick it).
-- `row_linear` (a lone row, mid-sized weights): a program holds a few weight rows and sums their products
-  with the row in fp32 on the CUDA cores.
+- `row_linear` (small weights up to 16 rows, a mid-sized weight's lone row): a program holds a few weight
+  rows and sums their products with each row of the window by itself, in fp32 on the CUDA cores, so a row
+  gets the same bits in any window of up to 16 rows. A small weight's window of rows reads it once: the
+  router's lone row in 1.3-1.5 us where a tensor-core tile takes 4.5-4.9 (q30's router on an H200).
+- `resident_tile_linear` (small weights of k up to 128, the tiny models'): a program holds 16 weight rows,
+  all of k, and multiplies the window's rows (padded to 16) by them in one `tl.dot`: the same sequence of
+  tensor-core steps as the fixed 16 x 16 x 512 tiles of `tiled_linear`, and at such k cuBLAS's bits, which
+  the rows of larger windows get. With `chunk_k` k is cut into pieces, one dot each, their sums added in a
+  fixed order (a candidate of `benchmarks/tune_linear.py`; the engine does not pick it).
 - the grouped matmul of `triton_moe` with one group and fixed tiles (`tiled_linear`) for the rest of few
   rows, cuBLAS beyond.
 
@@ -22,6 +23,8 @@ docs/KERNELS.md).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import triton
@@ -94,14 +97,18 @@ def _row_kernel(
     x_ptr,
     w_ptr,
     out_ptr,
+    rows,
     n,
+    stride_xm,
     stride_wn,
+    stride_om,
     K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """out[cols] = x @ w[cols].T for one row x, BLOCK_N weight rows held whole, summed in fp32."""
+    """out[:rows, cols] = x[:rows] @ w[cols].T for BLOCK_N weight rows held whole, each row summed in fp32 by
+    itself (so its bits do not depend on the others)."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < n
     ks = tl.arange(0, BLOCK_K)
@@ -110,11 +117,12 @@ def _row_kernel(
         w_ptr + cols.to(tl.int64)[:, None] * stride_wn + ks[None, :],
         mask=col_ok[:, None] & k_ok[None, :],
         other=0.0,
-    )  # [BLOCK_N, BLOCK_K], read before the kernel this one follows has finished
+    ).to(tl.float32)  # [BLOCK_N, BLOCK_K], read before the kernel this one follows has finished
     follow_previous(PDL)
-    x = tl.load(x_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
-    acc = tl.sum(w.to(tl.float32) * x[None, :], 1)
-    tl.store(out_ptr + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
+    for row in range(rows):
+        x = tl.load(x_ptr + row * stride_xm + ks, mask=k_ok, other=0.0).to(tl.float32)
+        acc = tl.sum(w * x[None, :], 1)
+        tl.store(out_ptr + row * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
 def _checked(x: torch.Tensor, weight: torch.Tensor, weight_rows: int) -> tuple[torch.Tensor, int]:
@@ -128,25 +136,26 @@ def _checked(x: torch.Tensor, weight: torch.Tensor, weight_rows: int) -> tuple[t
     return (x if x.stride(-1) == 1 else x.contiguous()), block_k
 
 
-def resident_tile_linear(
+def _whole_weight_rows(
+    kernel: triton.JITFunction,
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
-    chunk_k: int | None = None,
-    num_warps: int = 4,
+    weight_rows: int,
+    num_warps: int,
+    meta: Callable[[int], dict[str, object]],
 ) -> torch.Tensor:
-    """x [rows <= 16, k] @ weight [n, k].T (+ bias), 16 whole weight rows a program: one dot over k, or with
-    `chunk_k` (a power of two) one dot over each piece of that many of k and the pieces' sums added."""
+    """x [rows <= 16, k] @ weight [n, k].T (+ bias) by `kernel`, `weight_rows` whole weight rows a program;
+    `meta` gives its compile-time arguments from the power-of-two k a program covers."""
     rows, k = x.shape
     if rows > TILE:
-        raise ValueError(f"resident tiles take at most {TILE} rows, got {rows}")
-    x, block_k = _checked(x, weight, TILE)
-    chunk_k = block_k if chunk_k is None else min(chunk_k, block_k)
+        raise ValueError(f"these programs take at most {TILE} rows, got {rows}")
+    x, block_k = _checked(x, weight, weight_rows)
     n = weight.shape[0]
     out = x.new_empty(rows, n)
     if rows:
-        grid = (triton.cdiv(n, TILE),)
-        _resident_tile_kernel[grid](
+        grid = (triton.cdiv(n, weight_rows),)
+        kernel[grid](
             x,
             weight,
             out,
@@ -156,40 +165,41 @@ def resident_tile_linear(
             weight.stride(0),
             out.stride(0),
             K=k,
-            CHUNKS=block_k // chunk_k,
-            CHUNK_K=chunk_k,
-            TILE_N=TILE,
-            PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
             num_warps=num_warps,
+            **meta(block_k),
             **pdl(x.device, grid),
         )
     return out if bias is None else out + bias
 
 
+def resident_tile_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    chunk_k: int | None = None,
+    num_warps: int = 4,
+) -> torch.Tensor:
+    """x [rows <= 16, k] @ weight [n, k].T (+ bias), 16 whole weight rows a program: one dot over k, or with
+    `chunk_k` (a power of two) one dot over each piece of that many of k and the pieces' sums added."""
+
+    def meta(block_k: int) -> dict[str, object]:
+        piece = block_k if chunk_k is None else min(chunk_k, block_k)
+        precision = "ieee" if x.dtype == torch.float32 else "tf32"
+        return {"CHUNKS": block_k // piece, "CHUNK_K": piece, "TILE_N": TILE, "PRECISION": precision}
+
+    return _whole_weight_rows(_resident_tile_kernel, x, weight, bias, TILE, num_warps, meta)
+
+
 def row_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, block_n: int, num_warps: int = 4
 ) -> torch.Tensor:
-    """x [1, k] @ weight [n, k].T (+ bias), `block_n` whole weight rows a program."""
-    if x.shape[0] != 1:
-        raise ValueError(f"row_linear takes one row, got {x.shape[0]}")
-    k = x.shape[1]
-    x, block_k = _checked(x, weight, block_n)
-    n = weight.shape[0]
-    out = x.new_empty(1, n)
-    grid = (triton.cdiv(n, block_n),)
-    _row_kernel[grid](
-        x,
-        weight,
-        out,
-        n,
-        weight.stride(0),
-        K=k,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        num_warps=num_warps,
-        **pdl(x.device, grid),
-    )
-    return out if bias is None else out + bias
+    """x [rows <= 16, k] @ weight [n, k].T (+ bias), `block_n` whole weight rows a program, each row of x
+    summed by itself: a row gets the same bits in any window of up to 16 rows."""
+
+    def meta(block_k: int) -> dict[str, object]:
+        return {"BLOCK_N": block_n, "BLOCK_K": block_k}
+
+    return _whole_weight_rows(_row_kernel, x, weight, bias, block_n, num_warps, meta)
 
 
 # From benchmarks/tune_linear.py on an H200 (docs/KERNELS.md).
@@ -197,14 +207,15 @@ ROW_ELEMENTS = 4096  # weight elements a `row_linear` program holds (32 a thread
 SMALL_WEIGHT_TILES = MoeTiles(block_m=16, block_n=16, block_k=512, num_warps=4, num_stages=3)
 WIDE_WEIGHT_TILES = MoeTiles(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4)
 SMALL_WEIGHT, WIDE_WEIGHT = 1 << 21, 12288  # elements of a small weight; rows of a wide one
+ONE_DOT_K = 128  # up to this k a small weight's tiles give cuBLAS's bits, which windows beyond 16 rows get
 
 
 def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [rows, k] @ weight [n, k].T (+ bias): a window of few rows by the kernel the weight's shape and the
     row count pick, everything else by cuBLAS.
 
-    A small weight's row gets the same bits in every window of up to 16 rows (resident tiles, or the fixed
-    tiles where 16 weight rows do not fit a program), so does a wide weight's (fixed tiles); a mid-sized
+    A small weight's row gets the same bits in every window of up to 16 rows (each row summed by itself, or
+    where k is at most ONE_DOT_K the resident tiles), so does a wide weight's (fixed tiles); a mid-sized
     weight's lone row is read by `row_linear` and more rows by cuBLAS, which picks its algorithm, and so its
     bits, by the row count.
     """
@@ -216,6 +227,8 @@ def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         return torch.nn.functional.linear(x, weight, bias)
     block_k = triton.next_power_of_2(k)
     if weight.numel() <= SMALL_WEIGHT:
+        if ONE_DOT_K < block_k <= MAX_PROGRAM_ELEMENTS:
+            return row_linear(x, weight, bias, max(1, ROW_ELEMENTS // block_k))
         if TILE * block_k <= MAX_PROGRAM_ELEMENTS:
             return resident_tile_linear(x, weight, bias)
         return tiled_linear(x, weight, bias, SMALL_WEIGHT_TILES)

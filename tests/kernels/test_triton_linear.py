@@ -13,7 +13,7 @@ from app.kernels.triton_linear import TILE, few_rows_linear, resident_tile_linea
 def test_few_rows_linear_matches_torch_and_a_row_never_depends_on_the_batch(
     dtype: torch.dtype, n: int, k: int
 ) -> None:
-    # A small weight: resident tiles up to 16 rows, cuBLAS beyond.
+    # A small weight up to 16 rows: its rows one by one (k of 300), resident tiles (k of 64); cuBLAS beyond.
     g = torch.Generator().manual_seed(6)
     weight = (torch.randn(n, k, generator=g) * 0.1).to(dtype)
     x = torch.randn(TILE, k, generator=g).to(dtype)
@@ -28,13 +28,14 @@ def test_few_rows_linear_matches_torch_and_a_row_never_depends_on_the_batch(
 
 
 @pytest.mark.parametrize("block_n", [1, 4, 16])
-def test_a_lone_row_over_whole_weight_rows_matches_torch(block_n: int) -> None:
+def test_rows_over_whole_weight_rows_match_torch_and_keep_their_bits(block_n: int) -> None:
     g = torch.Generator().manual_seed(7)
-    x = torch.randn(1, 100, generator=g)
+    x = torch.randn(5, 100, generator=g)
     weight = torch.randn(37, 100, generator=g)
     bias = torch.randn(37, generator=g)
     got = row_linear(x, weight, bias, block_n)
     torch.testing.assert_close(got, torch.nn.functional.linear(x, weight, bias), atol=1e-5, rtol=1e-5)
+    assert torch.equal(row_linear(x[3:4], weight, bias, block_n), got[3:4])
 
 
 @pytest.mark.parametrize("chunk_k", [None, 32])
@@ -54,5 +55,5 @@ def test_what_does_not_fit_a_program_is_refused() -> None:
         resident_tile_linear(torch.zeros(1, 4096), torch.zeros(16, 4096), None)
     with pytest.raises(ValueError, match="at most"):
         resident_tile_linear(torch.zeros(TILE + 1, 64), torch.zeros(16, 64), None)
-    with pytest.raises(ValueError, match="one row"):
-        row_linear(torch.zeros(2, 64), torch.zeros(16, 64), None, 1)
+    with pytest.raises(ValueError, match="at most"):
+        row_linear(torch.zeros(TILE + 1, 64), torch.zeros(16, 64), None, 1)
