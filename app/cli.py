@@ -6,7 +6,7 @@ import argparse
 import json
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from app.engine.config import PARK_DISK, PARK_MEMORY, EngineConfig, default_park_dir
@@ -39,12 +39,19 @@ def _groups(text: str) -> int | None:
     return int(text)
 
 
-def _stage_list(text: str) -> tuple[int, ...]:
-    """`--remote-stages`: stage numbers, e.g. 1 or 2,3."""
-    try:
-        return tuple(int(n) for n in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected stage numbers such as 1 or 2,3, got {text!r}") from None
+def _numbers(what: str) -> Callable[[str], tuple[int, ...]]:
+    """A comma-separated list of `what` (`--remote-stages` 1 or 2,3; `--stage-gpus` 0,1 or 0,0)."""
+
+    def parse(text: str) -> tuple[int, ...]:
+        try:
+            numbers = tuple(int(n) for n in text.split(","))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what} such as 1 or 2,3, got {text!r}") from None
+        if any(n < 0 for n in numbers):
+            raise argparse.ArgumentTypeError(f"expected {what} of 0 or more, got {text!r}")
+        return numbers
+
+    return parse
 
 
 def _add_engine_options(parser: argparse.ArgumentParser) -> None:
@@ -142,11 +149,19 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--remote-stages",
-        type=_stage_list,
+        type=_numbers("stage numbers"),
         default=(),
         metavar="K,...",
         help="with --layer-split and --split-rendezvous: the stages started elsewhere (`strata stage`), "
         "not by this engine",
+    )
+    parser.add_argument(
+        "--stage-gpus",
+        type=_numbers("GPU numbers"),
+        default=(),
+        metavar="G,...",
+        help="with --layer-split on GPUs: each stage's GPU, stage 0's first and GPU 0 (default: stage k on "
+        "GPU k); stages may share a card, e.g. 0,0, their tensors then going through host memory",
     )
     parser.add_argument(
         "--no-overlap",
@@ -215,6 +230,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         batch_groups=args.batch_groups,
         split_rendezvous=args.split_rendezvous,
         remote_stages=args.remote_stages,
+        stage_gpus=args.stage_gpus,
         prefix_cache=args.prefix_cache,
         park_memory=args.park_memory,
         park_dir=str(args.park_dir),

@@ -6,8 +6,9 @@
 # tier-large: the full 48-layer Qwen3-Next shape built tiered (368 experts a layer on the card).
 # serving: writes each shape as a random checkpoint on disk, starts `strata serve` on it and drives it over
 # HTTP (benchmarks/http_burst.py: 32 clients at once, a slot decoding while peers' prompts are read).
-# split (two GPUs or more): the split's GPU tests, then `strata bench` on each shape's random checkpoint at
-# 1, 8 and 32 concurrent, whole on one GPU, split in two with one slot group, and with pipelined groups.
+# split: the split's GPU tests, then `strata bench` on each shape's random checkpoint at 1, 8 and 32
+# concurrent, whole on one GPU, split in two with one slot group, and with pipelined groups (on a machine of
+# one GPU both stages share it: --stage-gpus 0,0).
 # Wheels the machine's image lacks can sit in .whl/ (installed to /tmp/site first).
 # Results go to $OUT (or ./gpu-results): pytest log, bench.jsonl.
 set -uo pipefail
@@ -48,7 +49,9 @@ if [[ $what == split ]]; then
     for s in $shapes; do
         dir=${CHECKPOINTS:-/tmp}/strata-$s
         [[ -f $dir/model.safetensors.index.json ]] || python3 benchmarks/random_checkpoint.py --shape "$s" "$dir"
-        for split in "" "--layer-split 2 --batch-groups 1" "--layer-split 2 --batch-groups 2"; do
+        cards=$(python3 -c "import torch; print('0,1' if torch.cuda.device_count() > 1 else '0,0')")
+        for split in "" "--layer-split 2 --stage-gpus $cards --batch-groups 1" \
+            "--layer-split 2 --stage-gpus $cards --batch-groups 2"; do
             for c in 1 8 32; do
                 # shellcheck disable=SC2086
                 python3 -m app.cli bench --model "$dir" --parallel 32 --kv-memory 24GiB --concurrency "$c" \

@@ -41,6 +41,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     `batch_groups` slot groups take turns down a split's stages, each window one group's (None: one group
     per stage on GPUs, one on a CPU). The stages of `remote_stages` are not started here: they join from
     other hosts (`strata stage`) at `split_rendezvous` (tcp://HOST:PORT, where this engine listens).
+    `stage_gpus` names each stage's GPU on this host (empty: stage k on GPU k); stage 0 runs on GPU 0, and
+    stages may share a card (their tensors then travel through host memory).
     """
 
     model: str | None = None
@@ -70,3 +72,4 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     batch_groups: int | None = None
     split_rendezvous: str | None = None
     remote_stages: tuple[int, ...] = ()
+    stage_gpus: tuple[int, ...] = ()

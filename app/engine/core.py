@@ -110,6 +110,8 @@ class EngineCore:
         if config.expert_vram is not None and config.expert_vram < 0:
             raise StrataError(f"--expert-vram must be 0 or more bytes, not {config.expert_vram}")
         self.pipeline: StagePipeline | None = None
+        if config.stage_gpus and config.layer_split is None:
+            raise StrataError("--stage-gpus places the stages of a --layer-split")
         if config.layer_split is not None and loaded is not None:
             raise StrataError("--layer-split loads the model's parts in its stages: give a model path")
         if loaded is None:

@@ -9,7 +9,6 @@ imports never do.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -23,6 +22,7 @@ from app.engine.sampler import DrawnTokens, RowSampling, Sampler
 from app.engine.scheduler import Chunk, Window, placeholder_row
 from app.engine.split import StagePipeline, StageWork
 from app.engine.transfer import device_tensor
+from app.engine.warm_up import warm_up_kernels
 from app.models.batch import ForwardBatch
 from app.models.qwen3 import CausalLM
 
@@ -78,25 +78,11 @@ class ModelRunner:
         self._drawn: torch.Tensor | None = None  # the tokens of the last window launched, on the device
         self.device = model.model.embed_tokens.weight.device
 
-    @torch.inference_mode()
     def warm_up(self) -> None:
-        """Compile the kernel variants of eager windows on a GPU before the first request arrives.
-
-        Triton compiles a kernel on first use for each specialisation (tile sizes, whether sizes are multiples
-        of 16); without this, the first windows that read a prompt would stall every decoding slot while they
-        compile. Runs prompt chunks beside decode rows on the scratch block and slot; nothing is counted.
-        """
-        if not self.paged or self.device.type != "cuda" or self.pipeline is not None:
-            return
-        scratch, size = self.state.scratch_slot, self.state.block_size
-        self.state.set_block_table(scratch, [self.state.scratch_block] * (-(-160 // size)))
-        for lengths in ((97, 1, 1, 1), (96, 1, 1), (160,), (1, 1)):
-            batch = ForwardBatch.build([(scratch, [0] * n, 0) for n in lengths], self.state, self.device)
-            layout = self.state.layout(batch.spans)
-            batch.layout = dataclasses.replace(layout, live_rows=torch.zeros_like(layout.slot_mapping))
-            self.model.logits(self.model(batch)[-1:])
-        self.state.reset_slot(scratch)
-        torch.cuda.synchronize()
+        """Compile the kernel variants of eager windows on a GPU before the first request arrives
+        (`warm_up_kernels`; on a layer split, stage 0's part, as every stage does its own)."""
+        if self.paged and self.device.type == "cuda":
+            warm_up_kernels(self.model, self.state, self.pipeline.part if self.pipeline else None)
 
     @torch.inference_mode()
     def launch(self, window: Window) -> Launched:

@@ -137,7 +137,8 @@ class StageWork:
 
 
 class StageLink:
-    """Messages between the stages: pickled objects over gloo, tensors over the default group.
+    """Messages between the stages: pickled objects over gloo, tensors over the default group (NCCL between
+    GPUs; with `through_host`, where stages share a card, gloo from host memory).
 
     Sends do not wait for their receiver (a gloo send of a tensor waits until the peer posts its receive):
     stage 0 sends the next group's window while the last stage sends it the answer of the one before, and
@@ -145,9 +146,11 @@ class StageLink:
     it has completed.
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, through_host: bool = False) -> None:
         self.device = device
-        self.objects = dist.new_group(backend="gloo") if device.type == "cuda" else None
+        self.through_host = through_host and device.type == "cuda"
+        nccl = device.type == "cuda" and not self.through_host
+        self.objects = dist.new_group(backend="gloo") if nccl else None
         self._sending: list[tuple[dist.Work, torch.Tensor]] = []
 
     def _send(self, tensor: torch.Tensor, to: int, group: dist.ProcessGroup | None = None) -> None:
@@ -188,15 +191,16 @@ class StageLink:
 
     def send_tensors(self, tensors: list[torch.Tensor], to: int) -> None:
         for tensor in tensors:
-            self._send(tensor.contiguous(), to)
+            self._send(tensor.cpu() if self.through_host else tensor.contiguous(), to)
 
     def recv_tensors(
         self, shapes: list[tuple[int, ...]], dtype: torch.dtype, source: int
     ) -> list[torch.Tensor]:
-        tensors = [torch.empty(shape, dtype=dtype, device=self.device) for shape in shapes]
+        where = "cpu" if self.through_host else self.device
+        tensors = [torch.empty(shape, dtype=dtype, device=where) for shape in shapes]
         for tensor in tensors:
             dist.recv(tensor, source)
-        return tensors
+        return [tensor.to(self.device) for tensor in tensors] if self.through_host else tensors
 
 
 class BusyClock:
@@ -253,6 +257,22 @@ def use_threads(count: int) -> None:
     threads.cache_clear()
 
 
+def default_backend(device: torch.device, through_host: bool) -> str:
+    """The split's default process group: NCCL between GPUs, gloo on a CPU or where stages share a card
+    (NCCL takes one rank a GPU)."""
+    return "nccl" if device.type == "cuda" and not through_host else "gloo"
+
+
+def stage_gpus(config: EngineConfig, stages: int) -> tuple[int, ...]:
+    """Each stage's GPU on this host (`--stage-gpus`, by default stage k on GPU k), checked."""
+    gpus = config.stage_gpus or tuple(range(stages))
+    if len(gpus) != stages:
+        raise StrataError(f"--stage-gpus names {len(gpus)} GPUs for {stages} stages")
+    if gpus[0] != 0:
+        raise StrataError("--stage-gpus: stage 0 runs on GPU 0 (choose the cards with CUDA_VISIBLE_DEVICES)")
+    return gpus
+
+
 def stage_device(device: str, gpu: int) -> torch.device:
     """A stage's device: GPU `gpu` of this host (stage k of a split on one host runs on the k-th), or the
     CPU."""
@@ -280,8 +300,14 @@ class StagePipeline:
         if remote and config.split_rendezvous is None:
             raise StrataError("--remote-stages join elsewhere: give --split-rendezvous tcp://HOST:PORT")
         local = [stage for stage in range(1, len(parts)) if stage not in remote]
+        if config.stage_gpus and self.device.type != "cuda":
+            raise StrataError("--stage-gpus places the stages on GPUs; this engine runs on the CPU")
+        gpus = stage_gpus(config, len(parts)) if self.device.type == "cuda" else None
+        through_host = gpus is not None and len(set(gpus)) < len(gpus)
+        if through_host and remote:
+            raise StrataError("stages sharing a card (--stage-gpus) cannot be joined by --remote-stages")
         for stage in local:
-            stage_device(device, stage)
+            stage_device(device, gpus[stage] if gpus else stage)
         self._rendezvous = tempfile.TemporaryDirectory(prefix="strata-split-")
         init = config.split_rendezvous or f"file://{self._rendezvous.name}/rendezvous"
         context = multiprocessing.get_context("spawn")
@@ -291,18 +317,17 @@ class StagePipeline:
         from app.engine.stage_worker import run_stage
 
         for stage in local:
-            gpu = stage if self.device.type == "cuda" else None
             worker = context.Process(
                 target=run_stage,
-                args=(stage, len(parts), init, gpu),
+                args=(stage, len(parts), init, gpus[stage] if gpus else None, None, through_host),
                 name=f"strata-stage-{stage}",
                 daemon=True,
             )
             worker.start()
             self.workers.append(worker)
-        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        backend = default_backend(self.device, through_host)
         dist.init_process_group(backend, init_method=init, rank=0, world_size=len(parts), timeout=TIMEOUT)
-        self.link = StageLink(self.device)
+        self.link = StageLink(self.device, through_host)
         config_bytes = msgspec.msgpack.encode(msgspec.structs.replace(config, model=str(path)))
         threads = iter(shares[1:] if shares else [])
         for stage in range(1, len(parts)):

@@ -30,9 +30,11 @@ from app.engine.split import (
     StageSetup,
     StageStart,
     StageWork,
+    default_backend,
     stage_device,
     use_threads,
 )
+from app.engine.warm_up import warm_up_kernels
 from app.kernels.backends import select_backends
 from app.loading.loader import experts_within, load_model, resolve_dtype
 from app.models.batch import ForwardBatch
@@ -42,17 +44,25 @@ from app.models.qwen3 import CausalLM, ModelPart
 log = logging.getLogger("strata.engine")
 
 
-def run_stage(stage: int, stages: int, init: str, gpu: int | None, model: str | None = None) -> None:
+def run_stage(
+    stage: int,
+    stages: int,
+    init: str,
+    gpu: int | None,
+    model: str | None = None,
+    through_host: bool = False,
+) -> None:
     """Process entry point of stage `stage` (1 or more) of `stages`: joins the split at `init` (on GPU `gpu`
     of this host, or the CPU), takes the engine's settings and parts from stage 0 (`StageStart`; `model`
-    names where this host keeps the model, if not where the engine's does), then serves windows."""
+    names where this host keeps the model, if not where the engine's does), then serves windows.
+    `through_host`: stages share a card, and tensors between them go through host memory over gloo."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine process owns the split's lifetime
     where = stage_device("cpu" if gpu is None else "cuda", gpu or 0)
     if where.type == "cuda":
         torch.cuda.set_device(where)
-    backend = "nccl" if where.type == "cuda" else "gloo"
+    backend = default_backend(where, through_host)
     dist.init_process_group(backend, init_method=init, rank=stage, world_size=stages, timeout=TIMEOUT)
-    link = StageLink(where)
+    link = StageLink(where, through_host)
     start = link.recv_object(0)
     assert isinstance(start, StageStart)
     if start.threads is not None:
@@ -97,6 +107,8 @@ def run_stage(stage: int, stages: int, init: str, gpu: int | None, model: str | 
         checkpoints=setup.checkpoints,
         layers=part.layers,
     )
+    if where.type == "cuda" and model.backends.paged_attention is not None:
+        warm_up_kernels(model, state, part, dtype)
     try:
         with torch.inference_mode():
             reporter = ExpertReporter(model, tiers, where.type)

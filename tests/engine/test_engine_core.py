@@ -10,6 +10,8 @@ from engine_helpers import Completion, complete, make_core, random_prompt, reque
 
 from app.engine.core import EngineCore
 from app.engine.paged_state import kv_block_bytes, slot_state_bytes
+from app.engine.warm_up import warm_up_kernels
+from app.models.qwen3 import ModelPart
 from app.text.tokenizer import Tokenizer
 
 
@@ -263,3 +265,18 @@ def test_no_prefix_cache_reads_everything_and_counts_no_queries(checkpoint: Path
     _, windows = run(core, [(0, request(prompt, max_tokens=2, temperature=0))])
     assert sum(w.prompt_tokens for w in windows) == 100
     assert sum(w.prefix_cache_queries + w.prefix_cache_hits for w in windows) == 0
+
+
+def test_a_kernel_warm_up_of_the_model_or_a_stages_part_leaves_conversations_alone(checkpoint: Path) -> None:
+    # On a GPU each stage warms its kernels up on the scratch block and slot; here it runs on the CPU.
+    core = make_core(checkpoint, parallel=2)
+    if not core.runner.paged:
+        pytest.skip("the torch reference keeps no paged state")
+    prompt = random_prompt(40, 5)
+    first = complete(core, prompt, max_tokens=12, temperature=0, ignore_eos=True)
+    model, state = core.runner.model, core.runner.state
+    layers = model.config.num_hidden_layers
+    for part in (None, ModelPart(range(0, 1), True, False), ModelPart(range(1, layers), False, True)):
+        warm_up_kernels(model, state, part, torch.float32)
+    again = complete(core, prompt, max_tokens=12, temperature=0, ignore_eos=True)
+    assert again.token_ids == first.token_ids  # read again from the cached blocks, which survived

@@ -12,10 +12,11 @@ import pytest
 from checkpoints import write_checkpoint
 from engine_helpers import make_core, random_prompt, request, run
 
+from app.engine.config import EngineConfig
 from app.engine.core import EngineCore
 from app.engine.expert_report import joined
 from app.engine.protocol import EXPERT_REPORT_S, AddRequest, ExpertUsage
-from app.engine.split import split_layers, stages_for
+from app.engine.split import split_layers, stage_gpus, stages_for
 from app.errors import StrataError
 
 GIB = 1 << 30
@@ -154,9 +155,24 @@ def test_a_split_with_an_adapting_expert_tier_on_every_stage_gives_the_whole_mod
         core.close()
 
 
-def test_groups_without_a_split_are_refused(checkpoint: Path) -> None:
+def test_groups_and_stage_gpus_without_a_split_or_gpus_are_refused(checkpoint: Path) -> None:
     with pytest.raises(StrataError, match="--batch-groups pipelines the stages"):
         make_core(checkpoint, batch_groups=2)
+    with pytest.raises(StrataError, match="--stage-gpus places the stages of a --layer-split"):
+        make_core(checkpoint, stage_gpus=(0, 0))
+    with pytest.raises(StrataError, match="this engine runs on the CPU"):
+        make_core(checkpoint, layer_split="2", stage_gpus=(0, 0))
+
+
+@pytest.mark.parametrize(
+    ("gpus", "message"),
+    [((0,), "names 1 GPUs for 2 stages"), ((1, 0), "stage 0 runs on GPU 0")],
+)
+def test_stage_gpus_name_a_card_a_stage_and_stage_zero_first(gpus: tuple[int, ...], message: str) -> None:
+    assert stage_gpus(EngineConfig(), 3) == (0, 1, 2)
+    assert stage_gpus(EngineConfig(stage_gpus=(0, 0, 1)), 3) == (0, 0, 1)
+    with pytest.raises(StrataError, match=message):
+        stage_gpus(EngineConfig(stage_gpus=gpus), 2)
 
 
 def test_reports_join_by_layer_and_keep_a_quiet_stages_layers() -> None:
