@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from app.engine.config import PARK_DISK, PARK_MEMORY, EngineConfig, default_park_dir
+from app.engine.protocol import MAX_SPEC_TOKENS
 from app.errors import StrataError
 
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -164,6 +165,20 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
         "GPU k); stages may share a card, e.g. 0,0, their tensors then going through host memory",
     )
     parser.add_argument(
+        "--spec",
+        choices=("off", "ngram"),
+        default=defaults.spec,
+        help="draft tokens for decoding requests, verified in their window: ngram guesses them from the "
+        "conversation's own earlier tokens (greedy and seeded outputs stay the same; docs/BATCHING.md)",
+    )
+    parser.add_argument(
+        "--spec-tokens",
+        type=int,
+        default=defaults.spec_tokens,
+        metavar="K",
+        help="with --spec: the most draft tokens a request adds to a window",
+    )
+    parser.add_argument(
         "--no-overlap",
         dest="overlap",
         action="store_false",
@@ -203,6 +218,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         (args.block_size >= 1, "--block-size must be at least 1"),
         (0 < args.decode_share <= 1, "--decode-share must be in (0, 1]"),
         (args.max_model_len is None or args.max_model_len >= 1, "--max-model-len must be at least 1"),
+        (1 <= args.spec_tokens <= MAX_SPEC_TOKENS, f"--spec-tokens must be 1 to {MAX_SPEC_TOKENS}"),
     ]
     for ok, message in checks:
         if not ok:
@@ -231,6 +247,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         split_rendezvous=args.split_rendezvous,
         remote_stages=args.remote_stages,
         stage_gpus=args.stage_gpus,
+        spec=args.spec,
+        spec_tokens=args.spec_tokens,
         prefix_cache=args.prefix_cache,
         park_memory=args.park_memory,
         park_dir=str(args.park_dir),

@@ -60,6 +60,9 @@ SCALARS = (
     ("vllm:num_preemptions_total", "counter", "Cumulative number of preemptions from the engine."),
     ("vllm:prompt_tokens_total", "counter", "Number of prefill tokens processed."),
     ("vllm:generation_tokens_total", "counter", "Number of generation tokens processed."),
+    ("vllm:spec_decode_num_drafts_total", "counter", "Number of spec decoding drafts."),
+    ("vllm:spec_decode_num_draft_tokens_total", "counter", "Number of draft tokens."),
+    ("vllm:spec_decode_num_accepted_tokens_total", "counter", "Number of accepted tokens."),
     ("strata:live_tok_s", "gauge", "Tokens generated per second over the last 5 s of windows."),
     ("strata:live_slots", "gauge", "Busy slots."),
     ("strata:parallel", "gauge", "Slots: the most requests the engine runs at once."),
@@ -110,8 +113,10 @@ def buckets_1_2_5(max_value: int) -> list[int]:
 
 
 def _generated(stats: WindowStats) -> int:
-    """Tokens sampled in a window: one per slot that ran and decodes, one per request it finished."""
-    return sum(slot.phase == "decode" and slot.window_tokens > 0 for slot in stats.slots) + stats.finished
+    """Tokens sampled in a window: one per slot that ran and decodes and each draft token it accepted, one
+    per request it finished."""
+    decoded = sum(slot.phase == "decode" and slot.window_tokens > 0 for slot in stats.slots)
+    return decoded + sum(taken for _, taken in stats.drafts) + stats.finished
 
 
 class ServerMetrics:
@@ -151,6 +156,10 @@ class ServerMetrics:
         self.expert_pcie_bytes_total = 0
         self.expert_adapt_wait_seconds_total = 0.0
         self.stage_seconds_total: list[list[float]] = []  # per stage of a layer split: [busy, wait]
+        self.spec_decode_num_drafts_total = 0
+        self.spec_decode_num_draft_tokens_total = 0
+        self.spec_decode_num_accepted_tokens_total = 0
+        self.spec_decode_accepted_per_pos: list[int] = []  # accepted draft tokens at each position
         self._recent: deque[tuple[float, float, int]] = deque()  # (start, end, tokens) of recent windows
         self._ended: dict[str, None] = {}  # ids of finished requests, oldest first
         self._histograms: dict[str, Histogram] = {}
@@ -252,6 +261,14 @@ class ServerMetrics:
             self.expert_pcie_bytes_total += stats.experts.pcie_bytes
             self.expert_adapt_wait_seconds_total += stats.experts.adapt_wait_s
             self._count_served(stats.experts)
+        for proposed, taken in stats.drafts:
+            self.spec_decode_num_drafts_total += 1
+            self.spec_decode_num_draft_tokens_total += proposed
+            self.spec_decode_num_accepted_tokens_total += taken
+            positions = self.spec_decode_accepted_per_pos
+            positions += [0] * (proposed - len(positions))
+            for position in range(taken):
+                positions[position] += 1
         for stage, times in enumerate(stats.stages or []):
             if stage == len(self.stage_seconds_total):
                 self.stage_seconds_total.append([0.0, 0.0])
@@ -366,6 +383,10 @@ class ServerMetrics:
             "expert_swaps_total": self.expert_swaps_total,
             "expert_pcie_bytes_total": self.expert_pcie_bytes_total,
             "expert_adapt_wait_seconds_total": self.expert_adapt_wait_seconds_total,
+            "spec_decode_num_drafts_total": self.spec_decode_num_drafts_total,
+            "spec_decode_num_draft_tokens_total": self.spec_decode_num_draft_tokens_total,
+            "spec_decode_num_accepted_tokens_total": self.spec_decode_num_accepted_tokens_total,
+            "spec_decode_num_accepted_tokens_per_pos_total": list(self.spec_decode_accepted_per_pos),
             "stages": [
                 {"stage": stage, "busy_seconds_total": busy, "wait_seconds_total": wait}
                 for stage, (busy, wait) in enumerate(self.stage_seconds_total)
@@ -436,6 +457,14 @@ class _ValuesCollector(Collector):
         for reason, count in values["request_success_total"].items():
             success.add_metric([*base, reason], count)
         yield success
+        per_position = CounterMetricFamily(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted tokens per draft position.",
+            labels=[*LABELS, "position"],
+        )
+        for position, count in enumerate(values["spec_decode_num_accepted_tokens_per_pos_total"]):
+            per_position.add_metric([*base, str(position)], count)
+        yield per_position
         yield from _expert_families(self.metrics, base)
         yield from _stage_families(values["stages"], base)
         if self.metrics.system is not None:

@@ -309,6 +309,7 @@ def _sampling_params(
             logprobs=logprobs,
             skip_special_tokens=request.skip_special_tokens,
             include_stop_str_in_output=request.include_stop_str_in_output,
+            spec_tokens=request.spec_tokens,
         )
     except InvalidRequest as exc:
         if exc.param == "prompt" or (exc.param == "max_tokens" and max_tokens is None):

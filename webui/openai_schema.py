@@ -45,7 +45,8 @@ class SamplingRequest(_Body, kw_only=True):
 
     `max_tokens` defaults to what is left of the context after the prompt. top_k, min_p,
     repetition_penalty, stop_token_ids, ignore_eos, skip_special_tokens and include_stop_str_in_output
-    are vLLM's extensions; top_k -1 or 0 turns it off. Only n=1 is supported.
+    are vLLM's extensions; top_k -1 or 0 turns it off. `spec_tokens` is Strata's: the most draft tokens
+    a window verifies for this request (0: none; absent: the server's `--spec`). Only n=1 is supported.
     """
 
     model: str | None = None
@@ -63,6 +64,7 @@ class SamplingRequest(_Body, kw_only=True):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    spec_tokens: int | None = None
     n: int | None = 1
     stream: bool | None = False
     stream_options: StreamOptions | None = None

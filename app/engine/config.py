@@ -41,6 +41,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     `batch_groups` slot groups take turns down a split's stages, each window one group's (None: one group
     per stage on GPUs, one on a CPU). The stages of `remote_stages` are not started here: they join from
     other hosts (`strata stage`) at `split_rendezvous` (tcp://HOST:PORT, where this engine listens).
+    `spec` drafts tokens for decoding requests (`ngram`: prompt lookup in the conversation;
+    app/engine/drafts.py), up to `spec_tokens` a window, verified in the window beside every other row;
+    "off" drafts none (a request may still ask for drafts with its own `spec_tokens`).
     `stage_gpus` names each stage's GPU on this host (empty: stage k on GPU k); stage 0 runs on GPU 0, and
     stages may share a card (their tensors then travel through host memory).
     """
@@ -73,3 +76,5 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     split_rendezvous: str | None = None
     remote_stages: tuple[int, ...] = ()
     stage_gpus: tuple[int, ...] = ()
+    spec: str = "off"
+    spec_tokens: int = 3

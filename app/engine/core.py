@@ -13,6 +13,7 @@ import torch
 from app.default_model import default_model_dir
 from app.engine.config import EngineConfig
 from app.engine.cuda_graphs import WindowGraphs
+from app.engine.drafts import accepted
 from app.engine.expert_report import ExpertReporter, joined
 from app.engine.paged_state import PagedState, kv_block_bytes, slot_state_bytes
 from app.engine.parking import ConversationPark
@@ -59,6 +60,10 @@ def resolve_device(name: str) -> str:
     return name
 
 
+# Verifying drafts on Gated DeltaNet layers needs their state after each verified row, not built yet.
+NO_RECURRENT_DRAFTS = "drafts are not verified on models with Gated DeltaNet layers yet"
+
+
 @dataclass
 class _Flight:
     """A window launched on the device: the output index of each placeholder it fills (in the order of its
@@ -72,6 +77,7 @@ class _Flight:
     wait_s: float = 0.0  # how long reading its tokens waited for the device
     stages: list[StageTimes] | None = None  # on a layer split: each stage's times for it
     slots: list[tuple[Request, SlotStats]] = field(default_factory=list)  # as the window left them
+    drafts: list[tuple[int, int]] = field(default_factory=list)  # each drafting chunk's guesses, accepted
 
     @property
     def replayed(self) -> bool:
@@ -156,6 +162,8 @@ class EngineCore:
             config.max_model_len or model.config.max_position_embeddings, model.config.max_position_embeddings
         )
         self.recurrent = LINEAR_ATTENTION in model.config.layer_types
+        if config.spec != "off" and self.recurrent:
+            raise StrataError(f"--spec: {NO_RECURRENT_DRAFTS}")
         self.tiers = [m for m in model.modules() if isinstance(m, TieredExperts)]
         costs = use_staging(self.tiers, config.pcie_frac)
         if costs is not None:
@@ -310,6 +318,8 @@ class EngineCore:
             recurrent=self.recurrent,
             window_rows=graphs.mixed_rows if graphs is not None else (),
             groups=self.groups,
+            spec_tokens=config.spec_tokens if config.spec != "off" else 0,
+            max_length=self.max_model_len,
         )
 
     def close(self) -> None:
@@ -365,6 +375,8 @@ class EngineCore:
             )
         if add.request_id in self.streams:
             raise StrataError(f"request id {add.request_id} is already in use")
+        if add.params.spec_tokens and self.recurrent:
+            raise StrataError(NO_RECURRENT_DRAFTS)
 
     def abort_request(self, request_id: str) -> list[RequestOutput]:
         """End a request now (what it read and generated is parked); its slot and blocks are free."""
@@ -398,10 +410,13 @@ class EngineCore:
         """
         began = time.perf_counter()
         flights = self._flights
-        window = self.scheduler.schedule(self._busy_groups())
         done: _Flight | None = None
         resolved: list[_Drawn] = []
-        if flights and self._needs_history(window):
+        if flights and self._drafting():  # drafts are guessed from a request's tokens: all of them read
+            done = flights.popleft()
+            resolved = self._resolve(done)
+        window = self.scheduler.schedule(self._busy_groups())
+        if done is None and flights and self._needs_history(window):
             done = flights.popleft()
             resolved = self._resolve(done)  # its penalties read them
         if not window.chunks and done is None and not flights and self.park is not None:
@@ -417,7 +432,7 @@ class EngineCore:
         self.scheduler.advance(window)
         fed = {c.request.request_id: len(c.tokens) for c in window.chunks}
         flight.slots = [(r, self._slot_stats(r, fed.get(r.request_id, 0))) for r in self.scheduler.running]
-        outputs = [self._emit(d) for d in resolved]
+        outputs = [self._emit(d) for d in resolved if d.request.phase is not Phase.FINISHED]
         if done is None:
             return outputs, None
         now = time.perf_counter()
@@ -446,6 +461,7 @@ class EngineCore:
             step_s=span,
             host_s=span - done.wait_s,
             stages=done.stages,
+            drafts=done.drafts,
         )
         return outputs, stats
 
@@ -474,13 +490,34 @@ class EngineCore:
         flight.wait_s, flight.stages = self.runner.last_wait_s, self.runner.last_stages
         self._stage_reports += self.runner.last_reports
         resolved = []
-        for s, index in zip(sampled, flight.indices, strict=True):
-            request = s.chunk.request
+        row = 0
+        while row < len(sampled):
+            chunk = sampled[row].chunk
+            rows = list(zip(sampled[row : row + chunk.sampled_rows], flight.indices[row:], strict=False))
+            row += chunk.sampled_rows
+            request = chunk.request
             if request.phase is Phase.FINISHED:
                 continue
-            request.output[index] = s.token_id
-            resolved.append(_Drawn(request, index, s.logprobs))
+            if chunk.drafts:
+                guesses = chunk.tokens[len(chunk.tokens) - chunk.drafts :]
+                taken = accepted(guesses, [s.token_id for s, _ in rows])
+                self.scheduler.accept(request, taken)
+                flight.drafts.append((chunk.drafts, taken))
+                del request.output[rows[taken][1] + 1 :]  # rows after a miss drew for guesses now void
+                rows = rows[: taken + 1]
+            for s, index in rows:
+                request.output[index] = s.token_id
+                resolved.append(_Drawn(request, index, s.logprobs))
         return resolved
+
+    def _drafting(self) -> bool:
+        """Whether a decoding request drafts (`--spec`, or its own `spec_tokens`)."""
+        default = self.scheduler.config.spec_tokens
+        return any(
+            (default if r.params.spec_tokens is None else r.params.spec_tokens) > 0
+            for r in self.scheduler.running
+            if r.phase is Phase.DECODE
+        )
 
     def _needs_history(self, window: Window) -> bool:
         """Whether a row the window samples for applies penalties to a generated token not yet read."""

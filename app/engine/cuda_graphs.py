@@ -143,8 +143,9 @@ class WindowGraphs:
         return tuple(sorted({b.tokens for b in self.buckets if not b.decode}))
 
     def bucket(self, chunks: Sequence[Chunk]) -> Bucket | None:
-        """The smallest bucket that holds the window's chunks, or None when it must run eagerly."""
-        if not chunks or len(chunks) > self.slots:
+        """The smallest bucket that holds the window's chunks, or None when it must run eagerly (as windows
+        that verify draft tokens do: their graphs would score only each chunk's last row)."""
+        if not chunks or len(chunks) > self.slots or any(c.drafts for c in chunks):
             return None
         rows = sum(len(c.tokens) for c in chunks)
         if all(c.decode for c in chunks):

@@ -11,6 +11,7 @@ from app.errors import StrataError
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 MAX_LOGPROBS = 20
+MAX_SPEC_TOKENS = 16  # draft tokens a request may ask to verify a window
 MAX_STOP_STRINGS = 64  # a request's stop strings: each is matched against every token's text
 MAX_STOP_CHARS = 1024  # characters of one stop string
 MAX_STOP_TOKEN_IDS = 1024
@@ -32,7 +33,8 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     temperature 0 is greedy; top_k 0 and top_p 1 and min_p 0 are off; a seed makes sampling reproducible
     alone or in any batch. Penalties follow OpenAI (presence, frequency: over generated tokens) and HF
     (repetition: over prompt and generated tokens). `logprobs` asks for the chosen token's log-probability
-    and that many alternatives.
+    and that many alternatives. `spec_tokens` drafts up to that many tokens a window for this request (0:
+    none; None: the engine's `--spec-tokens` where `--spec` is on).
     """
 
     max_tokens: int = 16
@@ -50,6 +52,7 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    spec_tokens: int | None = None
 
     def validate(self) -> None:
         """Raise InvalidRequest naming the first field out of range."""
@@ -78,6 +81,11 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
                 self.seed is None or SEEDS[0] <= self.seed < SEEDS[1],
                 "seed",
                 "must be a 64-bit integer",
+            ),
+            (
+                self.spec_tokens is None or 0 <= self.spec_tokens <= MAX_SPEC_TOKENS,
+                "spec_tokens",
+                f"must be in [0, {MAX_SPEC_TOKENS}]",
             ),
             (
                 self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
@@ -261,6 +269,7 @@ class WindowStats(msgspec.Struct, tag="stats", frozen=True):
     step_s: float = 0.0  # the whole step: planning the window, running it, handing out its tokens
     host_s: float = 0.0  # of which the host was busy (not waiting for the device)
     stages: list[StageTimes] | None = None  # on a layer split, each stage's times in this window
+    drafts: list[tuple[int, int]] = []  # each drafting request's (draft tokens, of which accepted)
 
     @property
     def kv_usage(self) -> float:

@@ -38,9 +38,10 @@ class Sampled:
 
 @dataclass
 class Launched:
-    """A window queued on the device: the chunks that sample, in the order of the tokens drawn for them
-    (still on the device, their copy to the host queued), and whether it replayed a CUDA graph. On a layer
-    split the window is still going down the stages: `later` draws its tokens once the last one answers."""
+    """A window queued on the device: the chunks that sample, one entry a row they sample at, in the order
+    of the tokens drawn for them (still on the device, their copy to the host queued), and whether it
+    replayed a CUDA graph. On a layer split the window is still going down the stages: `later` draws its
+    tokens once the last one answers."""
 
     sampling: list[Chunk]
     drawn: DrawnTokens | None
@@ -176,9 +177,10 @@ class ModelRunner:
         return index[: len(rows)], self._drawn[index[len(rows) :]]
 
     def _batch(self, chunks: list[Chunk], fed: Fed | None) -> tuple[ForwardBatch, list[Chunk], list[int]]:
-        """The window's flat batch (its rows' block tables set), the chunks that sample and their last rows.
+        """The window's flat batch (its rows' block tables set), the chunks that sample, one entry a row they
+        sample at (a chunk with drafts at its last 1 + drafts rows), and those rows.
 
-        Replayed windows read their rows' block tables themselves; eager ones go through the state's.
+            Replayed windows read their rows' block tables themselves; eager ones go through the state's.
         """
         for chunk in chunks:
             self.state.set_block_table(chunk.slot, chunk.request.blocks)
@@ -192,9 +194,9 @@ class ModelRunner:
             batch.input_ids[fed[0]] = fed[1]
         if self.paged:
             batch.layout = self.state.layout(batch.spans)
-        sampling = [(span, chunk) for span, chunk in zip(batch.spans, chunks, strict=True) if chunk.samples]
-        last_rows = [span.start + span.length - 1 for span, _ in sampling]
-        return batch, [chunk for _, chunk in sampling], last_rows
+        ends = [(span.start + span.length, chunk) for span, chunk in zip(batch.spans, chunks, strict=True)]
+        last_rows = [end - chunk.sampled_rows + j for end, chunk in ends for j in range(chunk.sampled_rows)]
+        return batch, [chunk for _, chunk in ends for _ in range(chunk.sampled_rows)], last_rows
 
     def _eager(self, chunks: list[Chunk], fed: Fed | None) -> tuple[list[Chunk], torch.Tensor]:
         """One forward over the flat batch; the chunks that sample and their logits."""
@@ -206,11 +208,17 @@ class ModelRunner:
 
 
 def _row_sampling(sampling: list[Chunk], copied: bool = False) -> list[RowSampling]:
-    """How each sampling chunk's row draws its token; with `copied`, over copies of what its request holds."""
+    """How each sampled row draws its token; with `copied`, over copies of what its request holds. Row j of
+    a chunk with drafts draws as if its first j drafts had been generated (they have, if it is read)."""
     rows = []
+    previous, j = None, 0
     for chunk in sampling:
+        j = j + 1 if chunk is previous else 0
+        previous = chunk
         r = chunk.request
         output = list(r.output) if copied else r.output
+        if j:
+            output = output + chunk.tokens[len(chunk.tokens) - chunk.drafts :][:j]
         rows.append(
             RowSampling(
                 params=r.params,

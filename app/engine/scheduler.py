@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from app.engine.blocks import ROOT, BlockPool
+from app.engine.drafts import NgramDrafter
 from app.engine.prefix_cache import PrefixHit, StateCheckpoints
 from app.engine.protocol import SamplingParams
 from app.engine.window_cost import DecodeWindowCost, WindowCost
@@ -76,6 +77,7 @@ class Request:
     chain_key: bytes = ROOT
     park_missed: bool = False  # no parked conversation continued it when it was first looked up
     held_since: float | None = None  # its prompt was read while others' waited: it decodes after them
+    drafter: NgramDrafter | None = None  # its draft source, while it drafts
 
     @property
     def length(self) -> int:
@@ -109,7 +111,8 @@ class Chunk:
     `samples` is True when the chunk ends at the request's newest token, so its last row yields the next
     token; `fresh` when the slot's recurrent state must start empty; `decode` for a decode row (a token the
     request just generated), as opposed to prompt (or re-read context) tokens; `save` (position, checkpoint
-    slot) when the recurrent state inside the chunk is checkpointed on the way.
+    slot) when the recurrent state inside the chunk is checkpointed on the way. A decode chunk's last
+    `drafts` tokens are guesses (app/engine/drafts.py): it samples at its last 1 + `drafts` rows.
     """
 
     request: Request
@@ -120,6 +123,12 @@ class Chunk:
     fresh: bool
     decode: bool
     save: tuple[int, int] | None = None
+    drafts: int = 0
+
+    @property
+    def sampled_rows(self) -> int:
+        """Rows the chunk samples at: its last 1 + `drafts`, or none."""
+        return 1 + self.drafts if self.samples else 0
 
 
 @dataclass
@@ -168,6 +177,8 @@ class SchedulerConfig:
     captured graph; such a window costs what its padded rows cost, so prompt chunks fill the padding.
     `groups`: the slots form this many groups (slot s in group s % groups) and a window holds the rows of
     one group only, so that the stages of a layer split each run another group's window (pipelined groups).
+    `spec_tokens`: draft tokens a decoding request adds to its row (a request's `spec_tokens` overrides
+    it), up to what `max_length` (tokens a request may hold) and its max_tokens leave.
     """
 
     parallel: int
@@ -181,6 +192,8 @@ class SchedulerConfig:
     recurrent: bool = False
     window_rows: tuple[int, ...] = ()
     groups: int = 1
+    spec_tokens: int = 0
+    max_length: int = 1 << 62
 
 
 class ParkedStore(Protocol):
@@ -274,8 +287,9 @@ class Scheduler:
                 if victim is request:
                     break
             if request.phase is Phase.DECODE:
-                window.chunks.append(self._chunk(request, 1))
-                budget -= 1
+                chunk = self._with_drafts(self._chunk(request, 1))
+                window.chunks.append(chunk)
+                budget -= len(chunk.tokens)
         share = _Share(
             self, len(window.chunks), budget, paced=max(len(window.chunks), self._decoding_beside(group))
         )
@@ -445,6 +459,29 @@ class Scheduler:
             decode=request.phase is Phase.DECODE,
         )
 
+    def _with_drafts(self, chunk: Chunk) -> Chunk:
+        """A decode chunk with the draft tokens its request's drafter guesses, where it drafts, knows its
+        newest token (not a placeholder) and has room left, and the KV blocks they need."""
+        request = chunk.request
+        params = request.params
+        k = self.config.spec_tokens if params.spec_tokens is None else params.spec_tokens
+        k = min(k, params.max_tokens - len(request.output) - 1, self.config.max_length - request.length - 1)
+        if k <= 0 or not request.output or request.output[-1] < 0:
+            return chunk
+        if request.drafter is None:
+            request.drafter = NgramDrafter()
+        drafts = request.drafter.draft(request.tokens, k)
+        if not drafts or not self.pool.grow(request.blocks, request.computed + 1 + len(drafts)):
+            return chunk
+        return replace(chunk, tokens=chunk.tokens + drafts, drafts=len(drafts))
+
+    def accept(self, request: Request, drafts: int) -> None:
+        """A window verified `drafts` of a request's draft tokens as its next tokens: they are in the model
+        state (the rows of the others hold what no later window reads)."""
+        request.computed += drafts
+        if self.pool.caching:
+            self._commit(request)
+
     def _admit(self, request: Request, group: int) -> None:
         slot = self._free_slot(group)
         assert slot is not None
@@ -477,7 +514,7 @@ class Scheduler:
         read: list[Request] = []
         for chunk in window.chunks:
             request = chunk.request
-            request.computed += len(chunk.tokens)
+            request.computed += len(chunk.tokens) - chunk.drafts  # drafts count once verified (`accept`)
             if chunk.samples:
                 if request.phase is Phase.PROMPT:
                     read.append(request)

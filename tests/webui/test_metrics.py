@@ -43,7 +43,6 @@ LENGTHS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000]  # 1-2-5 up to max_mo
 ITERATION = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 WINDOW = [0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1, 0.25, 1]
 
-# The reference table, less the spec_decode counters (vLLM exports those only with speculative decoding on).
 VLLM_SCALARS = [
     "vllm:num_requests_running",
     "vllm:num_requests_waiting",
@@ -53,6 +52,9 @@ VLLM_SCALARS = [
     "vllm:num_preemptions_total",
     "vllm:prompt_tokens_total",
     "vllm:generation_tokens_total",
+    "vllm:spec_decode_num_drafts_total",
+    "vllm:spec_decode_num_draft_tokens_total",
+    "vllm:spec_decode_num_accepted_tokens_total",
 ]
 COUNTERS = [name for name in VLLM_SCALARS if name.endswith("_total")] + ["vllm:request_success_total"]
 HISTOGRAMS = {
@@ -645,3 +647,17 @@ def test_each_moe_layer_reports_its_resident_experts_and_busiest_share_and_per_e
     assert value(found, "strata:expert_on_device", layer="2", expert="2") == 0
     assert value(found, "strata:expert_heat_share", layer="0", expert="1") == 0.25
     assert len([s for s in found if s.name == "strata:expert_heat_share"]) == 8
+
+
+def test_drafts_count_by_window_and_position_and_their_tokens_in_the_live_speed() -> None:
+    metrics = ServerMetrics("tiny", READY)
+    now = time.time()
+    metrics.on_window(window(1, now, [decoding(0, "a"), decoding(1, "b")], drafts=[(3, 2), (4, 0)]))
+    metrics.on_window(window(2, now + 0.5, [decoding(0, "a")], drafts=[(2, 1)]))
+    found = scrape(metrics)
+    assert value(found, "vllm:spec_decode_num_drafts_total") == 3
+    assert value(found, "vllm:spec_decode_num_draft_tokens_total") == 9
+    assert value(found, "vllm:spec_decode_num_accepted_tokens_total") == 3
+    per_position = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+    assert [value(found, per_position, position=str(p)) for p in range(4)] == [2, 1, 0, 0]
+    assert metrics.live_tok_s == (2 + 2 + 1 + 1) / 1.0  # a token a decoding slot and each accepted draft

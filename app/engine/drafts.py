@@ -1,0 +1,56 @@
+"""Draft tokens for speculative decoding: guesses of a request's next tokens that one window verifies.
+
+A drafting request's decode row becomes 1 + K rows: its newest token and K guessed ones. The window samples
+every row as it would sample that position (docs/BATCHING.md, "Drafts"), and the guesses are accepted while
+each equals the token drawn before it: the tokens handed out are exactly the tokens drawn, so greedy and
+seeded outputs are those of decoding one token a window, and any other request's tokens are drawn from the
+model's distribution as before (a fixed guess accepted with the probability the model gives it, and on a
+miss the token drawn from the rest of the distribution: rejection sampling of a one-token proposal).
+
+`NgramDrafter` (`--spec ngram`) guesses from the conversation itself: the tokens that followed the last
+time its newest few tokens occurred (prompt lookup). It is pure Python, in the scheduler's process.
+"""
+
+from __future__ import annotations
+
+NGRAM_MAX, NGRAM_MIN = 4, 1  # the longest and shortest suffixes looked up
+
+
+class NgramDrafter:
+    """Prompt-lookup drafts for one request: an index from each n-gram (NGRAM_MIN..NGRAM_MAX tokens) to
+    where the tokens after its latest occurrence start, extended as the request's tokens grow."""
+
+    def __init__(self) -> None:
+        self._follows: dict[tuple[int, ...], int] = {}
+        self._indexed = 0  # tokens whose n-grams ending just before them are indexed
+
+    def draft(self, tokens: list[int], k: int) -> list[int]:
+        """Up to `k` tokens guessed to follow `tokens` (the request's prompt and output, all known): those
+        after the latest earlier occurrence of its longest suffix that occurred before; none if none did."""
+        self._index(tokens)
+        end = len(tokens)
+        for n in range(min(NGRAM_MAX, end - 1), NGRAM_MIN - 1, -1):
+            start = self._follows.get(tuple(tokens[end - n :]))
+            if start is not None:
+                return tokens[start : start + k]
+        return []
+
+    def _index(self, tokens: list[int]) -> None:
+        """Index the n-grams that gained a follower since the last call (those ending before each new
+        token); a later occurrence replaces an earlier one."""
+        for position in range(max(self._indexed, 1), len(tokens)):
+            for n in range(NGRAM_MIN, min(NGRAM_MAX, position) + 1):
+                self._follows[tuple(tokens[position - n : position])] = position
+        self._indexed = max(self._indexed, len(tokens))
+
+
+def accepted(drafts: list[int], drawn: list[int]) -> int:
+    """How many of `drafts` a window accepts, given the tokens `drawn` at its 1 + len(drafts) rows (row j
+    after the request's newest token and the first j drafts): draft j stands while it equals the token drawn
+    at row j. The request then gains drawn[: accepted + 1]."""
+    if len(drawn) != len(drafts) + 1:
+        raise ValueError(f"{len(drafts)} drafts are verified by {len(drafts) + 1} rows, got {len(drawn)}")
+    count = 0
+    while count < len(drafts) and drawn[count] == drafts[count]:
+        count += 1
+    return count
