@@ -60,8 +60,9 @@ def resolve_device(name: str) -> str:
     return name
 
 
-# Verifying drafts on Gated DeltaNet layers needs their state after each verified row, not built yet.
-NO_RECURRENT_DRAFTS = "drafts are not verified on models with Gated DeltaNet layers yet"
+NO_DRAFT_SLOTS = (
+    "this model's recurrent state needs room to roll drafts back: start the engine with --spec to draft"
+)
 
 
 @dataclass
@@ -162,8 +163,6 @@ class EngineCore:
             config.max_model_len or model.config.max_position_embeddings, model.config.max_position_embeddings
         )
         self.recurrent = LINEAR_ATTENTION in model.config.layer_types
-        if config.spec != "off" and self.recurrent:
-            raise StrataError(f"--spec: {NO_RECURRENT_DRAFTS}")
         self.tiers = [m for m in model.modules() if isinstance(m, TieredExperts)]
         costs = use_staging(self.tiers, config.pcie_frac)
         if costs is not None:
@@ -239,12 +238,24 @@ class EngineCore:
             raise StrataError("--batch-groups pipelines the stages of a --layer-split; without one it is 1")
         return groups
 
+    @property
+    def _prefix_checkpoints(self) -> int:
+        """State slots where the prefix cache keeps checkpoints (a model with recurrent state)."""
+        config = self.config
+        return CHECKPOINTS_PER_SLOT * config.parallel if self.recurrent and config.prefix_cache else 0
+
+    @property
+    def _draft_slots(self) -> int:
+        """State slots where drafting slots keep their state while drafts are verified (one a slot, with
+        `--spec` on a model with recurrent state), after the prefix cache's."""
+        return self.config.parallel if self.recurrent and self.config.spec != "off" else 0
+
     def _paged_state(self) -> PagedState:
         """The KV pool and slot state sized from `--kv-memory` (on each stage of a layer split, for its own
         layers): the recurrent state of every slot and checkpoint first, KV blocks with the rest (no more
         than every slot filled to the context uses, nor than the fullest stage holds)."""
         config, model_config, dtype = self.config, self.loaded.model.config, self._dtype
-        checkpoints = CHECKPOINTS_PER_SLOT * config.parallel if self.recurrent and config.prefix_cache else 0
+        checkpoints = self._prefix_checkpoints + self._draft_slots
         blocks = config.parallel * -(-self.max_model_len // config.block_size)
         parts = self.pipeline.parts if self.pipeline is not None else [None]
         for part in parts:
@@ -314,7 +325,8 @@ class EngineCore:
             decode_share=config.decode_share,
             prompt_align=CHUNK if self.recurrent else 1,
             prefix_cache=config.prefix_cache,
-            checkpoint_slots=state.checkpoint_slots,
+            checkpoint_slots=state.checkpoint_slots[: self._prefix_checkpoints],
+            draft_slots=state.checkpoint_slots[self._prefix_checkpoints :],
             recurrent=self.recurrent,
             window_rows=graphs.mixed_rows if graphs is not None else (),
             groups=self.groups,
@@ -375,8 +387,8 @@ class EngineCore:
             )
         if add.request_id in self.streams:
             raise StrataError(f"request id {add.request_id} is already in use")
-        if add.params.spec_tokens and self.recurrent:
-            raise StrataError(NO_RECURRENT_DRAFTS)
+        if add.params.spec_tokens and self.recurrent and not self.scheduler.config.draft_slots:
+            raise StrataError(NO_DRAFT_SLOTS)
 
     def abort_request(self, request_id: str) -> list[RequestOutput]:
         """End a request now (what it read and generated is parked); its slot and blocks are free."""
@@ -501,7 +513,7 @@ class EngineCore:
             if chunk.drafts:
                 guesses = chunk.tokens[len(chunk.tokens) - chunk.drafts :]
                 taken = accepted(guesses, [s.token_id for s, _ in rows])
-                self.scheduler.accept(request, taken)
+                self.scheduler.accept(chunk, taken)
                 flight.drafts.append((chunk.drafts, taken))
                 del request.output[rows[taken][1] + 1 :]  # rows after a miss drew for guesses now void
                 rows = rows[: taken + 1]
@@ -559,7 +571,10 @@ class EngineCore:
             return output
         if not stream.stopped:
             output.text += stream.finish()
-        del request.output[index + 1 :]  # a token a later window is drawing is never read
+        del request.output[
+            index + 1 :
+        ]  # a token a later window is drawing (or drew as a draft) is never read
+        self.scheduler.cut(request)
         self._park(request)
         self.scheduler.finish(request, reason)
         del self.streams[request.request_id]
@@ -578,8 +593,9 @@ class EngineCore:
 
     def _park(self, request: Request) -> None:
         """Park what a request that is ending holds (the state of its first `computed` tokens)."""
-        if self.park is not None and request.slot is not None and request.computed > 0:
-            self.park.park(request.tokens[: request.computed], request.blocks, request.slot)
+        slot = self.scheduler.state_slot(request)
+        if self.park is not None and slot is not None and request.computed > 0:
+            self.park.park(request.tokens[: request.computed], request.blocks, slot)
 
     @staticmethod
     def _final(request: Request, output: RequestOutput) -> RequestOutput:

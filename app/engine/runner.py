@@ -24,6 +24,7 @@ from app.engine.split import StagePipeline, StageWork
 from app.engine.transfer import device_tensor
 from app.engine.warm_up import warm_up_kernels
 from app.models.batch import ForwardBatch
+from app.models.config import LINEAR_ATTENTION
 from app.models.qwen3 import CausalLM
 
 
@@ -72,6 +73,7 @@ class ModelRunner:
         self.sampler = sampler
         self.graphs = graphs
         self.paged = model.backends.paged_attention is not None
+        self.recurrent = LINEAR_ATTENTION in model.config.layer_types
         self.last_replayed = False  # whether the last window replayed a CUDA graph
         self.last_wait_s = 0.0  # how long the host waited for the device to read the last window's tokens
         self.last_stages: list[StageTimes] | None = None  # a split's stage times for the last window read
@@ -133,6 +135,7 @@ class ModelRunner:
             saves={c.slot: c.save for c in chunks if c.save is not None},
             tables={c.slot: c.request.blocks for c in chunks},
             copies=copies,
+            stepwise=stepwise_slots(chunks) if self.recurrent else set(),
         )
         self.pipeline.send(batch, last_rows, work)
         rows = _row_sampling(sampling, copied=True)
@@ -194,6 +197,8 @@ class ModelRunner:
             batch.input_ids[fed[0]] = fed[1]
         if self.paged:
             batch.layout = self.state.layout(batch.spans)
+        if self.recurrent:
+            batch.in_steps(stepwise_slots(chunks), self.state.layout if self.paged else None)
         ends = [(span.start + span.length, chunk) for span, chunk in zip(batch.spans, chunks, strict=True)]
         last_rows = [end - chunk.sampled_rows + j for end, chunk in ends for j in range(chunk.sampled_rows)]
         return batch, [chunk for _, chunk in ends for _ in range(chunk.sampled_rows)], last_rows
@@ -205,6 +210,12 @@ class ModelRunner:
         if not sampling:
             return [], hidden[:0]
         return sampling, self.model.logits(hidden[device_tensor(last_rows, torch.long, self.device)])
+
+
+def stepwise_slots(chunks: list[Chunk]) -> set[int]:
+    """The slots of the decode chunks of more than one row (draft tokens, or tokens re-read after drafts
+    were rolled back), whose rows recurrent layers take one at a time, as one token a window would be."""
+    return {c.slot for c in chunks if c.decode and len(c.tokens) > 1}
 
 
 def _row_sampling(sampling: list[Chunk], copied: bool = False) -> list[RowSampling]:

@@ -78,6 +78,7 @@ class Request:
     park_missed: bool = False  # no parked conversation continued it when it was first looked up
     held_since: float | None = None  # its prompt was read while others' waited: it decodes after them
     drafter: NgramDrafter | None = None  # its draft source, while it drafts
+    rollback: bool = False  # its slot's recurrent state went past `computed`; its draft slot holds it
 
     @property
     def length(self) -> int:
@@ -178,7 +179,9 @@ class SchedulerConfig:
     `groups`: the slots form this many groups (slot s in group s % groups) and a window holds the rows of
     one group only, so that the stages of a layer split each run another group's window (pipelined groups).
     `spec_tokens`: draft tokens a decoding request adds to its row (a request's `spec_tokens` overrides
-    it), up to what `max_length` (tokens a request may hold) and its max_tokens leave.
+    it), up to what `max_length` (tokens a request may hold) and its max_tokens leave. With `recurrent`
+    state, slot s drafts only with a `draft_slots[s]`: the state slot its state is saved in before a window
+    verifies its drafts, and restored from when some were wrong (the window's later rows moved it on).
     """
 
     parallel: int
@@ -194,6 +197,7 @@ class SchedulerConfig:
     groups: int = 1
     spec_tokens: int = 0
     max_length: int = 1 << 62
+    draft_slots: tuple[int, ...] = ()
 
 
 class ParkedStore(Protocol):
@@ -280,14 +284,20 @@ class Scheduler:
                 continue
             if len(request.output) >= request.params.max_tokens:
                 continue  # its last token is still being drawn: it ends when that is read
-            while not self.pool.grow(request.blocks, request.computed + 1):
+            take = request.pending  # 1, or the tokens after a rollback
+            while not self.pool.grow(request.blocks, request.computed + take):
                 victim = next(r for r in reversed(ours) if r.phase is not Phase.WAITING)  # still running
                 self._preempt(victim)
                 window.preempted += 1
                 if victim is request:
                     break
             if request.phase is Phase.DECODE:
-                chunk = self._with_drafts(self._chunk(request, 1))
+                restored = request.rollback
+                if restored:
+                    assert request.slot is not None
+                    window.restores.append((self.config.draft_slots[request.slot], request.slot))
+                    request.rollback = False
+                chunk = self._with_drafts(self._chunk(request, take), snapshot=not restored)
                 window.chunks.append(chunk)
                 budget -= len(chunk.tokens)
         share = _Share(
@@ -440,11 +450,12 @@ class Scheduler:
 
         Called where the request can be continued: a prompt piece ending on a chunk multiple, or its end.
         """
-        if self.checkpoints is None or request.slot is None or request.computed == 0:
+        source = self.state_slot(request)
+        if self.checkpoints is None or source is None or request.computed == 0:
             return
         checkpoint = self.checkpoints.save(request.tokens, request.computed, request.blocks)
         if checkpoint is not None:
-            self._saves.append((request.slot, checkpoint.slot))
+            self._saves.append((source, checkpoint.slot))
 
     def _chunk(self, request: Request, take: int) -> Chunk:
         start = request.computed
@@ -459,28 +470,56 @@ class Scheduler:
             decode=request.phase is Phase.DECODE,
         )
 
-    def _with_drafts(self, chunk: Chunk) -> Chunk:
+    def _with_drafts(self, chunk: Chunk, snapshot: bool) -> Chunk:
         """A decode chunk with the draft tokens its request's drafter guesses, where it drafts, knows its
-        newest token (not a placeholder) and has room left, and the KV blocks they need."""
+        newest token (not a placeholder) and has room left, and the KV blocks they need. With recurrent
+        state and `snapshot`, the slot's state is saved in its draft slot before the window (without, the
+        draft slot already holds the state the chunk starts from: it was just restored from there)."""
         request = chunk.request
         params = request.params
         k = self.config.spec_tokens if params.spec_tokens is None else params.spec_tokens
         k = min(k, params.max_tokens - len(request.output) - 1, self.config.max_length - request.length - 1)
         if k <= 0 or not request.output or request.output[-1] < 0:
             return chunk
+        if self.config.recurrent and not self.config.draft_slots:
+            return chunk
         if request.drafter is None:
             request.drafter = NgramDrafter()
         drafts = request.drafter.draft(request.tokens, k)
-        if not drafts or not self.pool.grow(request.blocks, request.computed + 1 + len(drafts)):
+        if not drafts or not self.pool.grow(request.blocks, chunk.past + len(chunk.tokens) + len(drafts)):
             return chunk
+        if self.config.recurrent and snapshot:
+            assert request.slot is not None
+            self._saves.append((request.slot, self.config.draft_slots[request.slot]))
         return replace(chunk, tokens=chunk.tokens + drafts, drafts=len(drafts))
 
-    def accept(self, request: Request, drafts: int) -> None:
-        """A window verified `drafts` of a request's draft tokens as its next tokens: they are in the model
-        state (the rows of the others hold what no later window reads)."""
-        request.computed += drafts
+    def accept(self, chunk: Chunk, taken: int) -> None:
+        """A window verified `taken` of a decode chunk's draft tokens as its request's next tokens. Without
+        recurrent state they are in the model state (the rows after them hold what no later window reads);
+        with it, unless all were right, the state went past them: the request goes back to where the chunk
+        began, to be restored from its draft slot and read again with the tokens gained."""
+        request = chunk.request
+        if self.config.recurrent and taken < chunk.drafts:
+            request.computed -= len(chunk.tokens) - chunk.drafts
+            request.rollback = True
+            return
+        request.computed += taken
         if self.pool.caching:
             self._commit(request)
+
+    def cut(self, request: Request) -> None:
+        """A request ends at its newest token though its state may hold more (draft tokens accepted after
+        it): without recurrent state the keys and values past its end are simply not used; with it the
+        state cannot be taken back, so nothing of it is kept for a follow-up."""
+        if request.computed > request.length:
+            request.computed = 0 if self.config.recurrent else request.length
+
+    def state_slot(self, request: Request) -> int | None:
+        """The state slot holding a request's recurrent state at `computed` (its draft slot after a
+        rollback), or None without a slot."""
+        if request.slot is None:
+            return None
+        return self.config.draft_slots[request.slot] if request.rollback else request.slot
 
     def _admit(self, request: Request, group: int) -> None:
         slot = self._free_slot(group)
@@ -496,6 +535,7 @@ class Scheduler:
         """Free a running request's slot and blocks; it waits at the head of the queue to be read again."""
         self._release(request)
         request.computed = 0
+        request.rollback = False
         request.cached_blocks, request.chain_key = 0, ROOT
         request.phase = Phase.WAITING
         self.waiting.appendleft(request)

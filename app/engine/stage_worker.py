@@ -175,6 +175,7 @@ def _serve(
         )
         if paged:
             batch.layout = state.layout(batch.spans)
+        batch.in_steps(work.stepwise, state.layout if paged else None)
         tiers.before()
         x, pending = model.model.run_layers(batch, part.layers, x, pending)
         reporter.swaps += tiers.after()

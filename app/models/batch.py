@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
@@ -94,7 +95,8 @@ class PagedStatePools(SequenceState, Protocol):
 class ForwardBatch:
     """Inputs of one forward pass: token ids and positions [tokens], the spans, and the state to use.
 
-    `layout` is set when the state is paged and the backends read it in whole-batch kernels.
+    `layout` is set when the state is paged and the backends read it in whole-batch kernels. `steps` (see
+    `in_steps`), when set, is how the recurrent layers take the batch: in order, each the rows of its index.
     """
 
     input_ids: torch.Tensor
@@ -102,6 +104,7 @@ class ForwardBatch:
     spans: list[SequenceSpan]
     state: SequenceState
     layout: PagedLayout | None = None
+    steps: list[tuple[torch.Tensor, ForwardBatch]] | None = None
 
     @classmethod
     def build(
@@ -139,6 +142,36 @@ class ForwardBatch:
             spans=spans,
             state=state,
         )
+
+    def in_steps(
+        self, stepwise: set[int], layout: Callable[[list[SequenceSpan]], PagedLayout] | None = None
+    ) -> None:
+        """Let the recurrent layers take the spans of the seqs in `stepwise` one row at a time, as generated
+        tokens are read (draft tokens being verified, or re-read after a rollback): step 0 holds every other
+        span whole and their first rows, step j their row j, each a batch of its own (with `layout`'s
+        layout of its spans). Each step's rows are then computed as in a window of single decode rows."""
+        longest = max((s.length for s in self.spans if s.seq in stepwise), default=0)
+        if longest <= 1:
+            return
+        steps = []
+        for j in range(longest):
+            rows: list[int] = []
+            spans = []
+            for span in self.spans:
+                if span.seq in stepwise and j < span.length:
+                    taken, past = [span.start + j], span.past + j
+                elif span.seq not in stepwise and j == 0:
+                    taken, past = list(range(span.start, span.start + span.length)), span.past
+                else:
+                    continue
+                spans.append(replace(span, start=len(rows), length=len(taken), past=past))
+                rows += taken
+            index = torch.tensor(rows, dtype=torch.long, device=self.input_ids.device)
+            step = ForwardBatch(self.input_ids[index], self.positions[index], spans, self.state)
+            if layout is not None:
+                step.layout = layout(spans)
+            steps.append((index, step))
+        self.steps = steps
 
     def last_rows(self) -> torch.Tensor:
         """Index of each span's last row: where its next-token logits come from."""

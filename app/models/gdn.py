@@ -115,6 +115,15 @@ class GatedDeltaNet(nn.Module):
         )
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        if batch.steps is None:
+            return self._window(x, batch)
+        out = torch.empty_like(x)
+        for rows, step in batch.steps:  # in order: each step continues the state the one before left
+            out[rows] = self._window(x[rows], step)
+        return out
+
+    def _window(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """The layer over a batch's rows at once (its spans in parallel, each continuing its state)."""
         layout = batch.layout
         decoding = layout is not None and layout.max_query_len == 1 and layout.save_slots is None
         if self.decode_step is not None and decoding:
