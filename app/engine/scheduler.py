@@ -26,9 +26,10 @@ from app.engine.window_cost import DecodeWindowCost, WindowCost
 
 UNCALIBRATED_CHUNK = 256
 HOLD_S = 1.0  # the longest a request whose prompt was read waits for others' prompts before it decodes
-# Windows are planned for a share this much above the one asked: their costs are predictions, and the
-# overrun of a read's last window is never paid back (the credit is dropped once no prompt waits).
-SHARE_MARGIN = 0.06
+# Windows are planned for the share asked raised by this fraction of itself (0.5: 0.56): their costs are
+# predictions, and the overrun of a read's last window is never paid back (the credit is dropped once no
+# prompt waits). Relative, so that a tiny share asked (prompts read nearly at once) stays tiny.
+SHARE_MARGIN = 0.12
 PARK_MIN_GAIN = 256  # tokens a parked conversation must reach beyond the device's prefix cache to be restored
 
 
@@ -253,7 +254,7 @@ class Scheduler:
     def planned_share(self) -> float:
         """The share windows are planned for: `decode_share` and SHARE_MARGIN (1 when not sharing)."""
         share = self.config.decode_share
-        return share if share >= 1 else min(1.0, share + SHARE_MARGIN)
+        return share if share >= 1 else min(1.0, share * (1 + SHARE_MARGIN))
 
     def has_work(self) -> bool:
         """Any request waiting or running."""

@@ -151,10 +151,10 @@ def test_decode_share_limits_prompt_chunks_once_window_cost_is_known() -> None:
     scheduler.add(_request("long", 3000))
     scheduler.add(_request("next", 3000))
     window = scheduler.schedule()
-    # A decode-only window takes 11.1 ms; planned at share 0.5 + SHARE_MARGIN the window may take 19.8 ms: one
-    # prompt sequence (1 ms) and ~77 rows (0.1 ms each); no room is left for a second prompt sequence.
+    # A decode-only window takes 11.1 ms; planned at share 0.5 * (1 + SHARE_MARGIN) the window may take
+    # 19.8 ms: one prompt sequence (1 ms) and ~77 rows (0.1 ms each); no room is left for a second one.
     prompt = [(c.request.request_id, len(c.tokens)) for c in window.chunks if not c.decode]
-    rows = (0.0111 / (0.5 + SHARE_MARGIN) - 0.0121) / 0.0001
+    rows = (0.0111 / (0.5 * (1 + SHARE_MARGIN)) - 0.0121) / 0.0001
     assert len(prompt) == 1 and prompt[0][0] == "long" and rows - 8 <= prompt[0][1] <= rows
 
 
