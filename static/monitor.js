@@ -25,6 +25,7 @@ function slotView(index) {
   const progressText = el("span", { class: "small-text" });
   const output = el("dd");
   const speed = el("dd");
+  const perWindow = el("dd");
   const contextText = el("span", { class: "small-text" });
   const context = bar(`Slot ${index} context used`);
   const item = el(
@@ -37,10 +38,11 @@ function slotView(index) {
       { class: "slot-figures" },
       el("div", {}, el("dt", { text: "Generated" }), output),
       el("div", {}, el("dt", { text: "tok/s" }), speed),
+      el("div", {}, el("dt", { text: "tok/window" }), perWindow),
     ),
     el("div", { class: "context" }, el("span", { class: "label", text: "Context" }), context, contextText),
   );
-  return { item, state, progress, progressText, output, speed, context, contextText };
+  return { item, state, progress, progressText, output, speed, perWindow, context, contextText };
 }
 
 function renderSlots(slots, maxModelLen) {
@@ -64,6 +66,7 @@ function renderSlots(slots, maxModelLen) {
     }
     view.output.textContent = slot.state === "idle" ? "–" : String(slot.output_tokens);
     view.speed.textContent = slot.state === "idle" ? "–" : slot.tok_s.toFixed(1);
+    view.perWindow.textContent = slot.tokens_per_window ? slot.tokens_per_window.toFixed(2) : "–";
     const contextText = `${slot.context_tokens} / ${maxModelLen}`;
     setBar(view.context, slot.context_tokens, maxModelLen, `${contextText} tokens`);
     view.contextText.textContent = contextText;

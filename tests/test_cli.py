@@ -54,6 +54,8 @@ def test_generate_json_equals_transformers_greedy(
         "--ignore-eos",
     )
     assert by_ids["token_ids"] == expected
+    drafted = [*("--model", str(path), "--prompt", prompt, "--max-tokens", "24", "--ignore-eos")]
+    assert _generate(capsys, *drafted, "--spec", "ngram", "--spec-tokens", "5")["token_ids"] == expected
 
     if arch == "qwen3_moe":  # the split's own tests cover both architectures
         split = [
@@ -174,6 +176,11 @@ def test_serving_beyond_loopback_without_a_key_is_warned_about(
     assert (warning is not None) == warned
     if warning:
         assert host in warning and "--api-key" in warning and "\n" not in warning
+
+
+def test_spec_tokens_out_of_range_are_a_one_line_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["generate", "--prompt", "x", "--spec", "ngram", "--spec-tokens", "0"]) != 0
+    assert "--spec-tokens must be 1 to 16" in capsys.readouterr().err
 
 
 def test_a_stage_outside_the_split_is_a_one_line_error(capsys: pytest.CaptureFixture[str]) -> None:

@@ -116,7 +116,7 @@ def _generated(stats: WindowStats) -> int:
     """Tokens sampled in a window: one per slot that ran and decodes and each draft token it accepted, one
     per request it finished."""
     decoded = sum(slot.phase == "decode" and slot.window_tokens > 0 for slot in stats.slots)
-    return decoded + sum(taken for _, taken in stats.drafts) + stats.finished
+    return decoded + sum(taken for _, _, taken in stats.drafts) + stats.finished
 
 
 class ServerMetrics:
@@ -160,6 +160,7 @@ class ServerMetrics:
         self.spec_decode_num_draft_tokens_total = 0
         self.spec_decode_num_accepted_tokens_total = 0
         self.spec_decode_accepted_per_pos: list[int] = []  # accepted draft tokens at each position
+        self.slot_windows: dict[int, tuple[str, int, int]] = {}  # slot: (request, decode windows, tokens)
         self._recent: deque[tuple[float, float, int]] = deque()  # (start, end, tokens) of recent windows
         self._ended: dict[str, None] = {}  # ids of finished requests, oldest first
         self._histograms: dict[str, Histogram] = {}
@@ -261,7 +262,7 @@ class ServerMetrics:
             self.expert_pcie_bytes_total += stats.experts.pcie_bytes
             self.expert_adapt_wait_seconds_total += stats.experts.adapt_wait_s
             self._count_served(stats.experts)
-        for proposed, taken in stats.drafts:
+        for _, proposed, taken in stats.drafts:
             self.spec_decode_num_drafts_total += 1
             self.spec_decode_num_draft_tokens_total += proposed
             self.spec_decode_num_accepted_tokens_total += taken
@@ -269,6 +270,7 @@ class ServerMetrics:
             positions += [0] * (proposed - len(positions))
             for position in range(taken):
                 positions[position] += 1
+        self._count_slot_windows(stats)
         for stage, times in enumerate(stats.stages or []):
             if stage == len(self.stage_seconds_total):
                 self.stage_seconds_total.append([0.0, 0.0])
@@ -285,6 +287,23 @@ class ServerMetrics:
         self.live_tok_s = sum(tokens for *_, tokens in self._recent) / span if span > 0 else 0.0
         if not self.slots:
             self._idle()
+
+    def _count_slot_windows(self, stats: WindowStats) -> None:
+        """Each decoding slot's windows and the tokens they gave its request (1, and the drafts accepted)."""
+        accepted = {slot: taken for slot, _, taken in stats.drafts}
+        for slot in stats.slots:
+            if slot.phase != "decode" or slot.window_tokens == 0:
+                continue
+            request, windows, tokens = self.slot_windows.get(slot.slot, (slot.request_id, 0, 0))
+            if request != slot.request_id:
+                windows, tokens = 0, 0
+            gained = 1 + accepted.get(slot.slot, 0)
+            self.slot_windows[slot.slot] = (slot.request_id, windows + 1, tokens + gained)
+
+    def _tokens_per_window(self, slot: SlotStats) -> float:
+        """The tokens a decode window gave the slot's request, on average so far (0 before its first)."""
+        request, windows, tokens = self.slot_windows.get(slot.slot, ("", 0, 0))
+        return tokens / windows if request == slot.request_id and windows else 0.0
 
     def _count_served(self, experts: ExpertUsage) -> None:
         """Routed entries of each layer by where they were served: as the tier counted them, else where the
@@ -411,6 +430,7 @@ class ServerMetrics:
                 "output_tokens": 0,
                 "prompt_tokens": 0,
                 "prompt_total": 0,
+                "tokens_per_window": 0.0,
             }
         return {
             "slot": index,
@@ -420,6 +440,7 @@ class ServerMetrics:
             "output_tokens": slot.output_tokens,
             "prompt_tokens": slot.prompt_tokens,
             "prompt_total": slot.prompt_total,
+            "tokens_per_window": self._tokens_per_window(slot),
         }
 
     def snapshot(self) -> dict[str, Any]:

@@ -78,7 +78,7 @@ class _Flight:
     wait_s: float = 0.0  # how long reading its tokens waited for the device
     stages: list[StageTimes] | None = None  # on a layer split: each stage's times for it
     slots: list[tuple[Request, SlotStats]] = field(default_factory=list)  # as the window left them
-    drafts: list[tuple[int, int]] = field(default_factory=list)  # each drafting chunk's guesses, accepted
+    drafts: list[tuple[int, int, int]] = field(default_factory=list)  # (slot, guesses, accepted) a chunk
 
     @property
     def replayed(self) -> bool:
@@ -514,7 +514,7 @@ class EngineCore:
                 guesses = chunk.tokens[len(chunk.tokens) - chunk.drafts :]
                 taken = accepted(guesses, [s.token_id for s, _ in rows])
                 self.scheduler.accept(chunk, taken)
-                flight.drafts.append((chunk.drafts, taken))
+                flight.drafts.append((chunk.slot, chunk.drafts, taken))
                 del request.output[rows[taken][1] + 1 :]  # rows after a miss drew for guesses now void
                 rows = rows[: taken + 1]
             for s, index in rows:

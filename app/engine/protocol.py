@@ -269,7 +269,7 @@ class WindowStats(msgspec.Struct, tag="stats", frozen=True):
     step_s: float = 0.0  # the whole step: planning the window, running it, handing out its tokens
     host_s: float = 0.0  # of which the host was busy (not waiting for the device)
     stages: list[StageTimes] | None = None  # on a layer split, each stage's times in this window
-    drafts: list[tuple[int, int]] = []  # each drafting request's (draft tokens, of which accepted)
+    drafts: list[tuple[int, int, int]] = []  # each drafting request's (slot, draft tokens, of them accepted)
 
     @property
     def kv_usage(self) -> float:

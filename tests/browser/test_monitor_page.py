@@ -25,6 +25,8 @@ def test_monitor_shows_busy_slots_then_idle(page: Page, live_server: Server) -> 
         expect(page.locator("#waiting")).to_have_text("0")
         expect(page.locator("#slots li.slot[data-state='decode']")).to_have_count(3, timeout=BUSY_TIMEOUT_MS)
         expect(busy.first.locator(".badge")).to_have_text("decoding")
+        decoding = page.locator("#slots li.slot[data-state='decode']").first
+        expect(decoding.locator(".slot-figures dd").nth(2)).to_have_text("1.00")  # tok/window, no drafts
 
         grid = page.locator("#experts")
         expect(grid).to_be_visible(timeout=BUSY_TIMEOUT_MS)

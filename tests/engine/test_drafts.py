@@ -138,7 +138,7 @@ def test_drafts_give_the_tokens_of_decoding_one_at_a_time(
     _oracle(monkeypatch, {tuple(p): answer for p, answer in zip(prompts, plain, strict=True)})
     drafted, windows = _tokens(make_core(model, spec="ngram", spec_tokens=4, **settings), params, count)
     assert drafted == plain
-    outcomes = [(k, n) for w in windows for k, n in w.drafts]
+    outcomes = [(k, n) for w in windows for _, k, n in w.drafts]
     assert any(n == k for k, n in outcomes) and any(0 < n < k for k, n in outcomes)  # all, and some
     assert any(n == 0 for k, n in outcomes)
     assert len(windows) < len(one_at_a_time)  # accepted drafts saved windows
@@ -149,14 +149,14 @@ def test_ngram_drafts_guess_a_repeated_phrase(tmp_path: Path) -> None:
     settings = {"parallel": 8, "max_batched_tokens": 128, "decode_share": 0.01}
     plain, _ = _tokens(make_core(attention, **settings), {"temperature": 0}, 3)
     drafted, windows = _tokens(make_core(attention, spec="ngram", **settings), {"temperature": 0}, 3)
-    assert drafted == plain and sum(n for w in windows for _, n in w.drafts) > 0
+    assert drafted == plain and sum(n for w in windows for _, _, n in w.drafts) > 0
 
 
 def test_a_requests_own_spec_tokens_turn_drafts_on_or_off(model: Path) -> None:
     core = make_core(model, parallel=2, spec="ngram")
     plain, _ = _tokens(core, {"temperature": 0, "spec_tokens": 0}, 2)
     asked, windows = _tokens(core, {"temperature": 0, "spec_tokens": 2}, 2)
-    assert asked == plain and max(k for w in windows for k, _ in w.drafts) == 2
+    assert asked == plain and max(k for w in windows for _, k, _ in w.drafts) == 2
     _, none = _tokens(core, {"temperature": 0, "spec_tokens": 0}, 1)
     assert not any(w.drafts for w in none)
 
@@ -183,7 +183,7 @@ def test_drafts_on_a_two_stage_split_give_the_tokens_of_the_whole_model(
         split, windows = _tokens(core, {"temperature": 0}, 4)
     finally:
         core.close()
-    outcomes = [(k, n) for w in windows for k, n in w.drafts]
+    outcomes = [(k, n) for w in windows for _, k, n in w.drafts]
     assert split == whole and any(n == k for k, n in outcomes) and any(n < k for k, n in outcomes)
 
 

@@ -272,7 +272,9 @@ def test_windows_set_slots_queue_kv_and_live_rate() -> None:
         "output_tokens": 0,
         "prompt_tokens": 4,
         "prompt_total": 8,
+        "tokens_per_window": 0.0,
     }
+    assert snap["slots"][0]["tokens_per_window"] == 1.0  # decoding, one token a window
     metrics.on_window(window(3, 20.0, slots))  # the windows before 15.5 drop out of the rate
     assert metrics.snapshot()["live_tok_s"] == 1 / 0.5
 
@@ -652,12 +654,14 @@ def test_each_moe_layer_reports_its_resident_experts_and_busiest_share_and_per_e
 def test_drafts_count_by_window_and_position_and_their_tokens_in_the_live_speed() -> None:
     metrics = ServerMetrics("tiny", READY)
     now = time.time()
-    metrics.on_window(window(1, now, [decoding(0, "a"), decoding(1, "b")], drafts=[(3, 2), (4, 0)]))
-    metrics.on_window(window(2, now + 0.5, [decoding(0, "a")], drafts=[(2, 1)]))
+    metrics.on_window(window(1, now, [decoding(0, "a"), decoding(1, "b")], drafts=[(0, 3, 2), (1, 4, 0)]))
+    metrics.on_window(window(2, now + 0.5, [decoding(0, "a"), decoding(1, "b")], drafts=[(0, 2, 1)]))
     found = scrape(metrics)
     assert value(found, "vllm:spec_decode_num_drafts_total") == 3
     assert value(found, "vllm:spec_decode_num_draft_tokens_total") == 9
     assert value(found, "vllm:spec_decode_num_accepted_tokens_total") == 3
     per_position = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
     assert [value(found, per_position, position=str(p)) for p in range(4)] == [2, 1, 0, 0]
-    assert metrics.live_tok_s == (2 + 2 + 1 + 1) / 1.0  # a token a decoding slot and each accepted draft
+    assert metrics.live_tok_s == (2 + 2 + 2 + 1) / 1.0  # a token a decoding slot and each accepted draft
+    slots = metrics.values()["slots"]
+    assert [slots[i]["tokens_per_window"] for i in range(3)] == [2.5, 1.0, 0.0]  # (3 + 2) / 2, 1, none
