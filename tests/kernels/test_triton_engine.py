@@ -12,11 +12,21 @@ from engine_helpers import complete, make_core, request, run
 from app.engine.core import EngineCore
 from app.engine.cuda_graphs import Bucket, WindowGraphs
 
+# The interpreter runs every program of every kernel in Python: two layers a model, the hybrid one of each
+# kind (a Gated DeltaNet layer, then an attention layer), which covers every kernel the engine runs.
+TWO_LAYERS = {
+    "qwen3_moe": {"num_hidden_layers": 2},
+    "qwen3_next": {"num_hidden_layers": 2, "full_attention_interval": 2},
+}
+
 
 @pytest.fixture(scope="module", params=["qwen3_moe", "qwen3_next"])
 def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_checkpoint(
-        tmp_path_factory.mktemp(request.param), request.param, max_position_embeddings=1024
+        tmp_path_factory.mktemp(request.param),
+        request.param,
+        max_position_embeddings=1024,
+        **TWO_LAYERS[request.param],
     )
 
 
@@ -24,7 +34,12 @@ def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
 def hybrid(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The hybrid model alone, for the long tests: its attention and Gated DeltaNet layers cover every kernel
     the engine runs (the attention-only model's differences are covered by the tests over both)."""
-    return write_checkpoint(tmp_path_factory.mktemp("hybrid"), "qwen3_next", max_position_embeddings=1024)
+    return write_checkpoint(
+        tmp_path_factory.mktemp("hybrid"),
+        "qwen3_next",
+        max_position_embeddings=1024,
+        **TWO_LAYERS["qwen3_next"],
+    )
 
 
 def _prompt(length: int, seed: int) -> list[int]:
@@ -66,13 +81,13 @@ def test_long_prompts_cut_into_other_pieces_beside_others_equal_each_alone(hybri
 
 
 def test_a_shared_prompt_start_is_continued_from_the_cache(hybrid: Path) -> None:
-    """The first prompt leaves full blocks (and on hybrid models a checkpoint) up to 128: the others go on."""
+    """The first prompt leaves full blocks (and on hybrid models a checkpoint) up to 64: the others go on."""
     core = make_core(hybrid, backend="triton", max_batched_tokens=256)
-    shared = _prompt(136, 7)
+    shared = _prompt(72, 7)
     params = {"max_tokens": 2, "temperature": 0, "ignore_eos": True}
     adds = [request([*shared, *_prompt(20, 20 + i)], **params) for i in range(3)]
     results, windows = run(core, [(0, adds[0]), (3, adds[1]), (3, adds[2])])
-    assert sum(w.prefix_cache_hits for w in windows) == 2 * 128
+    assert sum(w.prefix_cache_hits for w in windows) == 2 * 64
     fresh = make_core(hybrid, backend="triton", prefix_cache=False)
     last = adds[-1]  # both followers continued from the same blocks and checkpoint
     assert results[last.request_id].token_ids == complete(fresh, last.prompt_token_ids, **params).token_ids
