@@ -10,7 +10,14 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from app.engine.client import AsyncEngineClient, EngineError
-from app.engine.protocol import Ready, RequestOutput, SamplingParams, WindowStats, check_request
+from app.engine.protocol import (
+    InvalidRequest,
+    Ready,
+    RequestOutput,
+    SamplingParams,
+    WindowStats,
+    check_request,
+)
 from app.text.tokenizer import Tokenizer
 
 log = logging.getLogger("strata.server")
@@ -187,4 +194,6 @@ def sampling_params(
     limit = max_tokens if max_tokens is not None else max(1, context - len(prompt))
     params = SamplingParams(max_tokens=limit, **fields)
     check_request(prompt, params, link.ready.vocab_size, context)
+    if params.spec_tokens and link.ready.drafts is not None:
+        raise InvalidRequest(f"spec_tokens: {link.ready.drafts}", "spec_tokens")
     return params

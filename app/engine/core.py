@@ -356,6 +356,7 @@ class EngineCore:
             device=self.device,
             dtype=str(self._dtype).removeprefix("torch."),
             prefix_cache=self.config.prefix_cache,
+            drafts=NO_DRAFT_SLOTS if self.recurrent and not self.scheduler.config.draft_slots else None,
         )
 
     def add_request(self, add: AddRequest) -> list[RequestOutput]:

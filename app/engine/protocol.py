@@ -292,6 +292,7 @@ class Ready(msgspec.Struct, tag="ready", frozen=True):
     device: str = ""
     dtype: str = ""  # the weights' dtype (`--dtype auto` chooses by device)
     prefix_cache: bool = False
+    drafts: str | None = None  # why a request may not ask for drafts (`spec_tokens`), or None: it may
 
 
 class EngineFailed(msgspec.Struct, tag="failed", frozen=True):

@@ -172,8 +172,10 @@ def test_drafts_need_room_to_roll_back_on_a_recurrent_model(tmp_path: Path) -> N
 
 
 def test_drafts_on_a_two_stage_split_give_the_tokens_of_the_whole_model(
-    model: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # The hybrid model: its stage 1 holds recurrent layers whose state a wrong guess rolls back.
+    model = write_checkpoint(tmp_path, "qwen3_next", max_position_embeddings=4096)
     settings = {"parallel": 4, "max_batched_tokens": 128, "decode_share": 0.01}
     whole, _ = _tokens(make_core(model, **settings), {"temperature": 0}, 4)
     prompts = [_repetitive(20 + 9 * i, i) for i in range(4)]

@@ -72,7 +72,7 @@ def test_long_prompts_cut_into_other_pieces_beside_others_equal_each_alone(hybri
     vector, so bits can differ with the batch (tests/gpu checks the bits on a GPU).
     """
     core = make_core(hybrid, backend="triton", parallel=2, max_batched_tokens=72, decode_share=0.01)
-    params = {"max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    params = {"max_tokens": 2, "temperature": 0, "ignore_eos": True}
     arrivals = [(at, request(_prompt(length, at), **params)) for at, length in [(0, 80), (1, 90)]]
     together, windows = run(core, arrivals)
     assert any(w.prompt_tokens and w.decode_tokens for w in windows)

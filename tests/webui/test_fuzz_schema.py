@@ -2,7 +2,7 @@
 that break it, generated for every operation against a real server and engine. None gets a 5xx; every refusal
 is an OpenAI-style error; afterwards the engine still answers as before.
 
-`STRATA_FUZZ_EXAMPLES` (default 25 an operation and mode) sets how many; the long run uses 1,000."""
+`STRATA_FUZZ_EXAMPLES` (default 15 an operation and mode) sets how many; the long run uses 1,000."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import schemathesis
 from schemathesis.checks import not_a_server_error
 from serving import Server
 
-EXAMPLES = int(os.environ.get("STRATA_FUZZ_EXAMPLES", "25"))
+EXAMPLES = int(os.environ.get("STRATA_FUZZ_EXAMPLES", "15"))
 
 
 GREEDY = {"prompt": "after the storm", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
