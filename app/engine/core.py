@@ -250,6 +250,11 @@ class EngineCore:
         `--spec` on a model with recurrent state), after the prefix cache's."""
         return self.config.parallel if self.recurrent and self.config.spec != "off" else 0
 
+    @property
+    def _drafts_refused(self) -> str | None:
+        """Why a request may not ask for drafts (a recurrent model without draft slots), or None."""
+        return NO_DRAFT_SLOTS if self.recurrent and not self._draft_slots else None
+
     def _paged_state(self) -> PagedState:
         """The KV pool and slot state sized from `--kv-memory` (on each stage of a layer split, for its own
         layers): the recurrent state of every slot and checkpoint first, KV blocks with the rest (no more
@@ -356,7 +361,7 @@ class EngineCore:
             device=self.device,
             dtype=str(self._dtype).removeprefix("torch."),
             prefix_cache=self.config.prefix_cache,
-            drafts=NO_DRAFT_SLOTS if self.recurrent and not self.scheduler.config.draft_slots else None,
+            drafts=self._drafts_refused,
         )
 
     def add_request(self, add: AddRequest) -> list[RequestOutput]:
@@ -388,8 +393,8 @@ class EngineCore:
             )
         if add.request_id in self.streams:
             raise StrataError(f"request id {add.request_id} is already in use")
-        if add.params.spec_tokens and self.recurrent and not self.scheduler.config.draft_slots:
-            raise StrataError(NO_DRAFT_SLOTS)
+        if add.params.spec_tokens and self._drafts_refused is not None:
+            raise StrataError(self._drafts_refused)
 
     def abort_request(self, request_id: str) -> list[RequestOutput]:
         """End a request now (what it read and generated is parked); its slot and blocks are free."""
@@ -572,9 +577,8 @@ class EngineCore:
             return output
         if not stream.stopped:
             output.text += stream.finish()
-        del request.output[
-            index + 1 :
-        ]  # a token a later window is drawing (or drew as a draft) is never read
+        # a token a later window is drawing (or drew as a draft) is never read
+        del request.output[index + 1 :]
         self.scheduler.cut(request)
         self._park(request)
         self.scheduler.finish(request, reason)

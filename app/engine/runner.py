@@ -183,7 +183,7 @@ class ModelRunner:
         """The window's flat batch (its rows' block tables set), the chunks that sample, one entry a row they
         sample at (a chunk with drafts at its last 1 + drafts rows), and those rows.
 
-            Replayed windows read their rows' block tables themselves; eager ones go through the state's.
+        Replayed windows read their rows' block tables themselves; eager ones go through the state's.
         """
         for chunk in chunks:
             self.state.set_block_table(chunk.slot, chunk.request.blocks)

@@ -151,7 +151,7 @@ class StageLink:
     def __init__(self, device: torch.device, through_host: bool = False) -> None:
         self.device = device
         self.through_host = through_host and device.type == "cuda"
-        nccl = device.type == "cuda" and not self.through_host
+        nccl = default_backend(device, through_host) == "nccl"
         self.objects = dist.new_group(backend="gloo") if nccl else None
         self._sending: list[tuple[dist.Work, torch.Tensor]] = []
 
