@@ -12,6 +12,7 @@ from pathlib import Path
 from app.engine.config import PARK_DISK, PARK_MEMORY, EngineConfig, default_park_dir
 from app.engine.protocol import MAX_SPEC_TOKENS
 from app.errors import StrataError
+from app.models.placement import PLACEMENTS
 
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
@@ -107,6 +108,14 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
         metavar="SIZE",
         help="instead of --expert-cache: as many experts of each MoE layer on the device as SIZE "
         "(e.g. 10GiB) holds in the weights' dtype",
+    )
+    parser.add_argument(
+        "--expert-placement",
+        choices=PLACEMENTS,
+        default=defaults.expert_placement,
+        help="with --expert-cache or --expert-vram: spread keeps the same number of experts on the device "
+        "in every layer (best where routing favours some experts); layers fills whole layers with that "
+        "budget and leaves the others in host RAM (best where routing is even: fewer layers stop for misses)",
     )
     parser.add_argument(
         "--adapt-async",
@@ -239,6 +248,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         overlap=args.overlap,
         expert_cache=args.expert_cache,
         expert_vram=args.expert_vram,
+        expert_placement=args.expert_placement,
         adapt_every=args.adapt_every,
         pcie_frac=args.pcie_frac,
         adapt_async=args.adapt_async,

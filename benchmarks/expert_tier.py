@@ -58,6 +58,7 @@ from app.models.config import ModelConfig
 from app.models.expert_tier import HostLink, TieredExperts, spare_slots, use_expert_tier
 from app.models.moe import RoutedExperts, SparseMoE
 from app.models.pieces import Pieces
+from app.models.placement import PLACEMENTS, layer_residency
 from app.models.qwen3 import CausalLM
 from app.text.tokenizer import Tokenizer
 from benchmarks.gpu_bench import WEIGHT_BUDGET, build_model, write_model_dir
@@ -158,18 +159,23 @@ class Tiering:
         for moe, routed in self.layers:
             moe.experts = routed
 
-    def tiered(self, resident: int, asynchronous: bool) -> list[TieredExperts]:
-        """Fresh tiers with `resident` experts a layer on the GPU, the others in pinned host RAM."""
+    def tiered(self, resident: int, asynchronous: bool, placement: str = "spread") -> list[TieredExperts]:
+        """Fresh tiers with `resident` experts a layer on the GPU (laid over the layers by `placement`: a
+        layer given all of them stays untiered), the others in pinned host RAM."""
         self.all_resident()
         gc.collect()  # the last configuration's tiers, and their pinned host memory
         if hasattr(torch._C, "_host_emptyCache"):
             torch._C._host_emptyCache()
         tiers = []
-        for moe, routed in self.layers:
-            experts, _, hidden = routed.gate_up.shape
+        experts = self.layers[0][1].gate_up.shape[0]
+        counts = layer_residency(resident * len(self.layers), len(self.layers), experts, placement)
+        for (moe, routed), count in zip(self.layers, counts, strict=True):
+            if count >= experts:
+                continue
+            _, _, hidden = routed.gate_up.shape
             spare = spare_slots(resident) if asynchronous else 0
             tier = TieredExperts(
-                experts, hidden, routed.intermediate, routed.kernel, resident, experts_swiglu_sum, spare
+                experts, hidden, routed.intermediate, routed.kernel, count, experts_swiglu_sum, spare
             )
             tier.fill(routed.gate_up, routed.down, torch.device("cuda"))
             moe.experts = tier
@@ -207,7 +213,9 @@ class BuiltTiers(Tiering):
     def all_resident(self) -> None:
         raise SystemExit("a shape larger than the card has no all-resident form")
 
-    def tiered(self, resident: int, asynchronous: bool) -> list[TieredExperts]:
+    def tiered(self, resident: int, asynchronous: bool, placement: str = "spread") -> list[TieredExperts]:
+        if placement != "spread":
+            raise SystemExit("a shape larger than the card is built with every layer tiered alike")
         tiers = [tier for _, tier in self.layers]
         if resident != tiers[0].resident or asynchronous != bool(tiers[0].spare):
             raise SystemExit("a shape larger than the card is built once: one --resident and one --adapt")
@@ -362,6 +370,20 @@ def read_prompt(
     }
 
 
+def pinned_copy_rate(gigabytes: int = 1) -> float:
+    """Bytes per second of a large pinned host-to-device copy (the best of three): the link's limit."""
+    source = torch.empty(gigabytes << 30, dtype=torch.uint8, pin_memory=True)
+    target = torch.empty_like(source, device="cuda")
+    best = float("inf")
+    for _ in range(3):
+        torch.cuda.synchronize()
+        began = time.perf_counter()
+        target.copy_(source, non_blocking=True)
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - began)
+    return source.nbytes / best
+
+
 def measure(core: EngineCore, tiers: list[TieredExperts], vocab: int, warm: int) -> dict[str, Any]:
     line: dict[str, Any] = {}
     read_prompt(core, tiers, PROMPTS[0], vocab, 1)  # kernels compiled for prompt-sized windows
@@ -370,7 +392,7 @@ def measure(core: EngineCore, tiers: list[TieredExperts], vocab: int, warm: int)
         tok_s, served = decode(core, tiers, batch, vocab, warm)
         line[f"decode_bs{batch}_tok_s"] = round(tok_s, 1)
         totals = [a + b for a, b in zip(totals, served, strict=True)]
-    pcie = tiers[0].costs.pcie_bytes_s if tiers and tiers[0].costs is not None else None
+    pcie = pinned_copy_rate() if tiers else None
     for length in PROMPTS:
         read = read_prompt(core, tiers, length, vocab, 100 + length)
         line[f"prompt_{length}_tok_s"] = round(read["tok_s"], 1)
@@ -381,7 +403,8 @@ def measure(core: EngineCore, tiers: list[TieredExperts], vocab: int, warm: int)
             layer_bytes = len(tiers) * tiers[0].expert_bytes()
             line[f"prompt_{length}_experts_copied_per_layer"] = round(read["pcie_gb"] * 1e9 / layer_bytes, 1)
             line[f"prompt_{length}_pcie_gb_s"] = round(read["pcie_gb"] / read["wall_s"], 1)
-            if pcie is not None and read["pcie_gb"] * 1e9 / read["wall_s"] > 1.1 * pcie:
+            line["link_gb_s"] = round(pcie / 1e9, 1) if pcie is not None else None
+            if pcie is not None and read["pcie_gb"] * 1e9 / read["wall_s"] > 1.05 * pcie:
                 raise SystemExit(f"more bytes over PCIe than the link carries: {json.dumps(line)}")
     total = sum(totals)
     if total:
@@ -471,6 +494,7 @@ def main() -> None:
         "--adapt", nargs="+", default=["frozen", "blocking"], choices=["frozen", "blocking", "async"]
     )
     parser.add_argument("--adapt-every", type=int, default=16)
+    parser.add_argument("--placement", default="spread", choices=PLACEMENTS)
     parser.add_argument("--pcie-frac", type=float, nargs="+", default=[None])
     parser.add_argument("--phases", action="store_true", help="batch-1 decode only, host time by phase")
     parser.add_argument("--out", help="also append the JSON lines to this file")
@@ -513,10 +537,11 @@ def main() -> None:
                 tiering.all_resident()
                 tiers: list[TieredExperts] = []
             else:
-                tiers = tiering.tiered(resident, adapt == "async")
+                tiers = tiering.tiered(resident, adapt == "async", args.placement)
             every = 0 if adapt == "frozen" else args.adapt_every
             core = open_core(loaded, every, adapt == "async", frac)
             line = {**base, "routing": routing, "resident": resident, "adapt": adapt, "adapt_every": every}
+            line["placement"] = args.placement
             line["pcie_frac"] = frac
             costs = tiers[0].costs if tiers else None
             if costs is not None:

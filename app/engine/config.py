@@ -31,11 +31,12 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     requests continue from cached KV blocks and saved recurrent states (docs/BATCHING.md); `park_memory`
     bytes of host RAM hold finished turns for their follow-ups, and with `park_dir` up to `park_disk` bytes
     of files (surviving restarts); `expert_cache` experts of each MoE layer live on the device (or as many as
-    `expert_vram` bytes hold), the rest in
-    host RAM (None: every expert on the device; app/models/expert_tier.py), each window's misses computed on
-    the CPU or copied over PCIe as the measured costs say (`pcie_frac` forces that share over PCIe), and every
-    `adapt_every` windows the most routed experts become the resident ones (0: the tier stays frozen), their
-    copies queued before the next window or, with `adapt_async`, made on a side stream while windows run.
+    `expert_vram` bytes hold; `expert_placement` "layers" gathers that budget into whole layers instead), the
+    rest in host RAM (None: every expert on the device; app/models/expert_tier.py), each window's misses
+    computed on the CPU or copied over PCIe as the measured costs say (`pcie_frac` forces that share over
+    PCIe), and every `adapt_every` windows the most routed experts become the resident ones (0: the tier stays
+    frozen), their copies queued before the next window or, with `adapt_async`, made on a side stream while
+    windows run.
     `layer_split` cuts the decoder layers into stages, one process each (app/engine/split.py): `auto`, a
     stage count, or each stage's layer count ("20,28"); None runs the model whole in the engine process.
     `batch_groups` slot groups take turns down a split's stages, each window one group's (None: one group
@@ -68,6 +69,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     seed: int = 0
     expert_cache: int | None = None
     expert_vram: int | None = None
+    expert_placement: str = "spread"
     adapt_every: int = 32
     pcie_frac: float | None = None
     adapt_async: bool = False

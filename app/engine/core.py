@@ -41,7 +41,8 @@ from app.loading.identity import model_identity
 from app.loading.loader import experts_within, resolve_dtype, weight_elements
 from app.loading.model import LoadedModel, open_model
 from app.models.config import LINEAR_ATTENTION
-from app.models.expert_tier import TieredExperts, spare_slots, use_staging
+from app.models.expert_tier import RoutedBefore, TieredExperts, decoder_tiers, spare_slots, use_staging
+from app.models.placement import PLACEMENTS
 from app.models.qwen3 import ModelPart
 from app.text.stream import TextStream
 
@@ -112,6 +113,8 @@ class EngineCore:
             raise StrataError(
                 f"--expert-cache must be 0 or more experts per layer, not {config.expert_cache}"
             )
+        if config.expert_placement not in PLACEMENTS:
+            raise StrataError(f"--expert-placement must be one of {', '.join(PLACEMENTS)}")
         if config.expert_cache is not None and config.expert_vram is not None:
             raise StrataError("give --expert-cache (experts a layer) or --expert-vram (bytes), not both")
         if config.expert_vram is not None and config.expert_vram < 0:
@@ -143,6 +146,7 @@ class EngineCore:
                 resident_experts=resident,
                 spare_experts=spare_slots(resident or 0) if config.adapt_async else 0,
                 part=parts[0] if parts is not None else None,
+                placement=config.expert_placement,
             )
         self.loaded = loaded
         self.groups = self._batch_groups()
@@ -164,7 +168,7 @@ class EngineCore:
         )
         self.recurrent = LINEAR_ATTENTION in model.config.layer_types
         self.tiers = [m for m in model.modules() if isinstance(m, TieredExperts)]
-        costs = use_staging(self.tiers, config.pcie_frac)
+        costs = use_staging(self.tiers, config.pcie_frac, decoder_tiers(model))
         if costs is not None:
             # the host's torch work is small beside the CPU pool's; torch's own threads would only contend
             torch.set_num_threads(1)
@@ -178,8 +182,11 @@ class EngineCore:
         state = self._paged_state()
         if self.pipeline is not None:
             self.pipeline.wait_loaded(model, state.blocks, len(state.checkpoint_slots))
-        graphs = self._window_graphs(state)
         self.park = self._conversation_park(state)
+        if self.park is not None:  # before the graphs are captured, which then count routing per slot too
+            for tier in self.tiers:
+                tier.keep_slot_heat(config.parallel + 1)
+        graphs = self._window_graphs(state)
         self.runner = ModelRunner(model, state, Sampler(config.seed), graphs, self.park, self.pipeline)
         self.runner.warm_up()
         self.scheduler = Scheduler(self._scheduler_config(state, graphs), parked=self.park)
@@ -488,6 +495,9 @@ class EngineCore:
         started = time.time()
         for tier in self.tiers:
             tier.land()
+        if self.config.adapt_every:  # a resumed conversation brings back the experts it routed to
+            for parked, _, _ in window.unparks:
+                self._bring_back(getattr(parked, "routed", None))
         launched = self.runner.launch(window) if window.chunks else None
         if launched is not None:
             self.launched += 1
@@ -597,10 +607,22 @@ class EngineCore:
         return None
 
     def _park(self, request: Request) -> None:
-        """Park what a request that is ending holds (the state of its first `computed` tokens)."""
+        """Park what a request that is ending holds (the state of its first `computed` tokens) and, with an
+        expert tier, the experts it routed to (its slot's counts, cleared for the next request)."""
         slot = self.scheduler.state_slot(request)
+        routed = None
+        if self.tiers and self.tiers[0].slot_heat is not None and request.slot is not None:
+            routed = RoutedBefore.take(self.tiers, request.slot)
         if self.park is not None and slot is not None and request.computed > 0:
-            self.park.park(request.tokens[: request.computed], request.blocks, slot)
+            self.park.park(request.tokens[: request.computed], request.blocks, slot, routed)
+
+    def _bring_back(self, routed: object) -> None:
+        """Make the experts a parked conversation routed to most resident again before its first window (an
+        adapting tier only: a frozen one stays as it is)."""
+        if not isinstance(routed, RoutedBefore):
+            return
+        for tier, hot in zip(self.tiers, routed.hot(), strict=True):
+            self.experts.swaps += tier.bring(hot)
 
     @staticmethod
     def _final(request: Request, output: RequestOutput) -> RequestOutput:

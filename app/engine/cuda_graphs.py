@@ -106,7 +106,7 @@ class WindowGraphs:
         tokens, seqs = self.max_tokens, self.max_seqs
         device = state.device
         # Static inputs: int64 ones in one tensor, int32 ones in another, each filled by one copy per window.
-        self._long_sizes = [tokens] * 4 + [seqs] * 3
+        self._long_sizes = [tokens] * 5 + [seqs] * 3
         self._int_sizes = [seqs + 1, seqs, seqs, seqs * self.width]
         self._long = torch.zeros(sum(self._long_sizes), dtype=torch.int64, device=device)
         self._int = torch.zeros(sum(self._int_sizes), dtype=torch.int32, device=device)
@@ -123,6 +123,7 @@ class WindowGraphs:
             self.positions,
             self.slot_mapping,
             self.live,
+            self.row_slots,
             self.state_slots,
             self.save_slots,
             self.sample_rows,
@@ -173,7 +174,7 @@ class WindowGraphs:
             lengths[n:] = 1
         elif n < bucket.seqs:
             lengths[n] = bucket.tokens - real  # one padding sequence (the rest stay empty)
-        ids, positions, mapping, live, state_slots, save_slots, sample_rows = self._long_views
+        ids, positions, mapping, live, row_slots, state_slots, save_slots, sample_rows = self._long_views
         query_start, seq_lens, save_at, table = self._int_views
         table = table.reshape(self.max_seqs, self.width)
         starts = np.zeros(bucket.seqs + 1, np.int64)
@@ -197,6 +198,7 @@ class WindowGraphs:
         live[: bucket.tokens] = rows < real
         state_slots[: bucket.seqs] = self.state.scratch_slot
         state_slots[:n] = np.fromiter((c.slot for c in chunks), np.int64, n)
+        row_slots[: bucket.tokens] = state_slots[seq]
         save_at[: bucket.seqs] = 0
         save_slots[: bucket.seqs] = -1
         for i, chunk in enumerate(chunks):
@@ -223,6 +225,7 @@ class WindowGraphs:
             state_slots=self.state_slots[:seqs],
             max_query_len=bucket.longest,
             live_rows=self.live[:tokens],
+            row_slots=self.row_slots[:tokens],
             save_at=None if bucket.decode else self.save_at[:seqs],
             save_slots=None if bucket.decode else self.save_slots[:seqs],
         )

@@ -30,6 +30,7 @@ class ExpertReporter:
         self.device = device
         self.experts = model.config.num_experts
         self.swaps = 0  # experts the tiers moved onto the device since the last report
+        self._routed: list[list[int]] = []  # the last report's routed entries per layer and expert
 
     def take(self, seconds: float) -> ExpertUsage | None:
         """The routing counts since the last report (one device sync), None without MoE layers."""
@@ -38,7 +39,10 @@ class ExpertReporter:
         counts = [moe.take_routed() for _, moe in self.layers]
         zeros = torch.zeros(self.experts, dtype=torch.long)
         routed = torch.stack([zeros if c is None else c.cpu() for c in counts]).tolist()
-        where = 0 if self.device == "cuda" else 1  # an untiered layer's experts live beside the model
+        self._routed = routed
+        # an untiered layer's experts live beside the model: on the device with a GPU or beside a tier's
+        # resident ones (whose place the CPU device also is), in host RAM on a CPU without a tier
+        where = 0 if self.device == "cuda" or self.tiers else 1
         swaps, self.swaps = self.swaps, 0
         return ExpertUsage(
             layers=[i for i, _ in self.layers],
@@ -59,9 +63,11 @@ class ExpertReporter:
             return {}
         counts = {id(tier): tier.take_counts() for tier in self.tiers}
         served = []
-        for _, moe in self.layers:
+        for (_, moe), routed in zip(self.layers, self._routed, strict=True):
             tier = counts.get(id(moe.experts))
-            served.append(tier.served if tier is not None else [0] * len(EXPERT_SOURCES))
+            # a layer without a tier (a placement that keeps whole layers on the device) serves from VRAM
+            untiered = [sum(routed)] + [0] * (len(EXPERT_SOURCES) - 1)
+            served.append(tier.served if tier is not None else untiered)
         return {
             "served": served,
             # a CPU engine's tier copies within host RAM: nothing crosses PCIe

@@ -125,9 +125,20 @@ class PagedState:
             ],
             dtype=torch.int64,
         )
-        packed = torch.cat((small, tables.flatten(), *slot_mapping)).to(self.device, non_blocking=True)
-        query_start, seq_lens, state_slots, save_at, save_slots, table, mapping = packed.split(
-            [seqs + 1, seqs, seqs, seqs if saving else 0, seqs if saving else 0, seqs * width, starts[-1]]
+        row_slots = torch.tensor([s.seq for s in spans for _ in range(s.length)], dtype=torch.int64)
+        packed = torch.cat((small, tables.flatten(), *slot_mapping, row_slots))
+        packed = packed.to(self.device, non_blocking=True)
+        query_start, seq_lens, state_slots, save_at, save_slots, table, mapping, rows = packed.split(
+            [
+                seqs + 1,
+                seqs,
+                seqs,
+                seqs if saving else 0,
+                seqs if saving else 0,
+                seqs * width,
+                starts[-1],
+                starts[-1],
+            ]
         )
         return PagedLayout(
             query_start=query_start.to(torch.int32),
@@ -136,6 +147,7 @@ class PagedState:
             slot_mapping=mapping,
             state_slots=state_slots,
             max_query_len=max(s.length for s in spans),
+            row_slots=rows,
             save_at=save_at.to(torch.int32) if saving else None,
             save_slots=save_slots if saving else None,
         )

@@ -57,6 +57,7 @@ class Parked:
     conv: torch.Tensor | None
     recurrent: torch.Tensor | None
     own_bytes: int
+    routed: object | None = None  # what the engine kept of its routing (`RoutedBefore`), for its follow-up
 
 
 @dataclass
@@ -120,8 +121,9 @@ class ConversationPark:
 
     # Parking -------------------------------------------------------------------------------------------
 
-    def park(self, tokens: list[int], blocks: list[int], slot: int) -> None:
-        """Park the state of `slot` holding `tokens`, whose keys and values are in `blocks` (device ids)."""
+    def park(self, tokens: list[int], blocks: list[int], slot: int, routed: object | None = None) -> None:
+        """Park the state of `slot` holding `tokens`, whose keys and values are in `blocks` (device ids), and
+        `routed` (kept in RAM only, for the follow-up; a conversation parked again keeps the latest)."""
         if not tokens:
             return
         size = self.state.block_size
@@ -129,6 +131,8 @@ class ConversationPark:
         block_keys = prefix_keys(tokens, full, size)
         key = ParkKey.of(tokens, size, block_keys)
         if key in self._ram or key in self._disk:
+            if routed is not None and key in self._ram:
+                self._ram[key].routed = routed
             self._touch(key)
             return
         new = [i for i, k in enumerate(block_keys) if k not in self._blocks]
@@ -160,7 +164,7 @@ class ConversationPark:
             conv.nbytes + recurrent.nbytes if conv is not None and recurrent is not None else 0
         )
         self.copied_bytes += own
-        parked = Parked(list(tokens), block_keys, tail, conv, recurrent, own)
+        parked = Parked(list(tokens), block_keys, tail, conv, recurrent, own, routed)
         self._ram.add(key, parked)
         self._ram_total += own
         path = self._add_file(key, parked) if self.directory is not None else None

@@ -18,9 +18,10 @@ from app.loading.checkpoint import Checkpoint, open_checkpoint
 from app.loading.progress import Progress
 from app.loading.safetensors import CheckpointError
 from app.models.attention import Attention
-from app.models.expert_tier import TieredExperts, use_expert_tier
+from app.models.expert_tier import TieredExperts, moe_layers, use_expert_tier
 from app.models.layers import Linear
 from app.models.moe import RoutedExperts
+from app.models.placement import layer_residency
 from app.models.qwen3 import CausalLM, ModelPart
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -121,13 +122,15 @@ def load_model(
     resident_experts: int | None = None,
     spare_experts: int = 0,
     part: ModelPart | None = None,
+    placement: str = "spread",
 ) -> tuple[CausalLM, Checkpoint]:
     """Load an HF directory into a CausalLM on `device`, checking every tensor's presence, name and shape.
 
     With `resident_experts` below the model's experts per layer, every MoE layer gets an expert tier: its
     experts load to host memory, and only the resident ones are copied to `device` (models/expert_tier.py),
-    beside `spare_experts` free slots a layer for asynchronous swaps. With `part` (a stage of a layer split)
-    only that part's tensors are read; the rest of the model is `Absent`.
+    beside `spare_experts` free slots a layer for asynchronous swaps; `placement` lays that budget (so many
+    experts a layer) over the layers (`layer_residency`). With `part` (a stage of a layer split) only that
+    part's tensors are read; the rest of the model is `Absent`.
     """
     checkpoint = open_checkpoint(path)
     target = resolve_dtype(dtype, checkpoint, device)
@@ -138,7 +141,10 @@ def load_model(
         if part is not None:
             model.keep_part(part)
         if tiered:
-            use_expert_tier(model, resident_experts, experts_swiglu_sum, spare_experts)
+            assert resident_experts is not None
+            layers, experts = moe_layers(model), checkpoint.config.num_experts
+            counts = layer_residency(resident_experts * layers, layers, experts, placement)
+            use_expert_tier(model, counts, experts_swiglu_sum, spare_experts)
     sources = tensor_sources(model)
     packed = set()
     if backends.q8_0_experts and torch.device(device).type == "cpu" and not tiered:

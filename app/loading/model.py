@@ -42,6 +42,7 @@ def open_model(
     resident_experts: int | None = None,
     spare_experts: int = 0,
     part: ModelPart | None = None,
+    placement: str = "spread",
 ) -> LoadedModel:
     """Load weights and tokenizer of an HF directory; eos ids from the configs, else the tokenizer's eos."""
     model, checkpoint = load_model(
@@ -53,6 +54,7 @@ def open_model(
         resident_experts=resident_experts,
         spare_experts=spare_experts,
         part=part,
+        placement=placement,
     )
     tokenizer = Tokenizer.load(checkpoint.path)
     eos = checkpoint.eos_token_ids()

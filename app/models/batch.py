@@ -64,6 +64,7 @@ class PagedLayout:
     max_query_len: the longest span (host int, sizes kernel grids);
     live_rows [tokens] int64 or None: 1 for real rows, 0 for padding rows (a CUDA graph's bucket), so that
     padding is not counted as routed tokens;
+    row_slots [tokens] int64 or None: each row's state slot (its sequence's), for counts kept per slot;
     save_at [seqs] int32 and save_slots [seqs] int64, or None when no span saves: each span's `save_at` (0:
     none) and `save_slot`.
     """
@@ -75,6 +76,7 @@ class PagedLayout:
     state_slots: torch.Tensor
     max_query_len: int
     live_rows: torch.Tensor | None = None
+    row_slots: torch.Tensor | None = None
     save_at: torch.Tensor | None = None
     save_slots: torch.Tensor | None = None
 

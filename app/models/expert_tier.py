@@ -30,6 +30,8 @@ from app.models.pieces import Pieces
 ADAPT_DECAY = 0.5  # how much of the earlier routing counts when the tier adapts again
 VRAM, CPU, PCIE = range(3)  # where a routed entry was served (the order of protocol.EXPERT_SOURCES)
 HOST_READ_ENTRIES = 1024  # up to so many routed entries a window's routing is read whole to the host
+STREAM_COVERAGE = 0.5  # a large window streams whole layers when its first layer misses this share of hosts
+STREAM_HEADROOM = 2 << 30  # device bytes left free beside the second staging area a stream needs
 
 
 @dataclass
@@ -50,6 +52,42 @@ class SwapRound:
     swaps: list[tuple[int, int]]
     targets: list[int]
     event: torch.cuda.Event | None
+
+
+@dataclass
+class RoutedBefore:
+    """A conversation's routed entries per tier (in the engine's order) and expert, copied off the device
+    when it was parked (`counts` [tiers, experts], on the host once `copied` has passed), so that its
+    follow-up can bring its hot experts back (`TieredExperts.bring`)."""
+
+    counts: torch.Tensor
+    copied: torch.cuda.Event | None
+
+    @classmethod
+    def take(cls, tiers: list[TieredExperts], slot: int) -> RoutedBefore:
+        """The counts of `slot` in every tier, queued off the device; each tier's row is then cleared for the
+        slot's next request (after the windows queued so far)."""
+        rows = []
+        for tier in tiers:
+            assert tier.slot_heat is not None
+            rows.append(tier.slot_heat[slot].clone())
+            tier.slot_heat[slot].zero_()
+        counts = torch.stack(rows)
+        copied = None
+        if counts.device.type == "cuda":
+            counts = counts.to("cpu", non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+        return cls(counts, copied)
+
+    def hot(self) -> list[list[int]]:
+        """Each tier's experts the conversation routed to, most entries first (ties in expert order)."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        hot = []
+        for row in self.counts.tolist():
+            hot.append(sorted((e for e, n in enumerate(row) if n > 0), key=lambda e: (-row[e], e)))
+        return hot
 
 
 class ExpertStaging:
@@ -147,6 +185,56 @@ class HostLink:
         return up[: self.experts].long(), up[self.experts :].view(rows, self.hidden)
 
 
+class LayerStream:
+    """The host parts of a model's tiered layers copied to the device a layer ahead of their compute, for
+    windows so large that they miss most host experts of every layer (long prompts): each layer's copy runs
+    on a side stream into one of two buffers in turn while the device computes the layer before, so the
+    link never waits for a layer's routing. A window streams when its first tiered layer misses at least
+    STREAM_COVERAGE of that layer's host experts (`begin`); every later layer of the window then computes
+    each missed entry from the copy of its host part (`take`)."""
+
+    def __init__(self, tiers: list[TieredExperts], first: tuple[torch.Tensor, torch.Tensor]) -> None:
+        self.tiers = tiers
+        self.buffers = [first, (torch.empty_like(first[0]), torch.empty_like(first[1]))]
+        self.copies = torch.cuda.Stream(first[0].device)
+        self.ready: dict[int, torch.cuda.Event] = {}
+        self.active = False
+
+    def begin(self, coverage: float) -> None:
+        """The first tiered layer of a large window missed `coverage` of its host experts: stream the window
+        from the next layer on if that is at least STREAM_COVERAGE."""
+        self.ready.clear()
+        self.active = coverage >= STREAM_COVERAGE
+        if self.active:
+            self.prefetch(1)
+
+    def prefetch(self, position: int) -> None:
+        """Queue the copy of tier `position`'s host part (every host slot up to the last expert held) into
+        its buffer, on the side stream, after the device work queued so far (which includes every read of
+        that buffer by the layer two before)."""
+        if position >= len(self.tiers):
+            return
+        tier = self.tiers[position]
+        slots = max(tier.host_of) + 1
+        gate_up, down = self.buffers[position % 2]
+        queued = torch.cuda.Event()
+        queued.record()
+        self.copies.wait_event(queued)
+        with torch.cuda.stream(self.copies):
+            gate_up[:slots].copy_(tier.host_gate_up[:slots], non_blocking=True)
+            down[:slots].copy_(tier.host_down[:slots], non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        self.ready[position] = done
+        tier.pcie_bytes += slots * tier.expert_bytes()
+
+    def take(self, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tier `position`'s host part on the device (gate_up, down by host slot), once its copy is done:
+        the current stream waits for it, the host does not."""
+        torch.cuda.current_stream().wait_event(self.ready.pop(position))
+        return self.buffers[position % 2]
+
+
 class TieredExperts(nn.Module):
     """Routed experts of one layer, `resident` of them on the device.
 
@@ -195,7 +283,12 @@ class TieredExperts(nn.Module):
             self.host_of, dtype=torch.long, device="cpu"
         )  # `host_of` as a tensor (host)
         self.heat: torch.Tensor | None = None  # routed entries per expert since the last adaptation, decayed
+        self.slot_heat: torch.Tensor | None = None  # [slots, experts]: routed entries per state slot
         self.staging: ExpertStaging | None = None  # with `costs`: misses may go over PCIe (`use_staging`)
+        self.stream: LayerStream | None = None  # large windows' layer-ahead copies (`use_staging`)
+        self.position = 0  # this tier's place among the stream's layers
+        self.host_slot_of: torch.Tensor | None = None  # [experts + 1] on the device: host slot, -1 for none
+        self._streamed: torch.Tensor | None = None  # streamed layers' entries from VRAM / PCIe, not yet read
         self.link: HostLink | None = None  # pinned buffers small captured windows' host steps use
         self.costs: MissCosts | None = None
         self.pcie_frac: float | None = None  # forces this share of a window's missed experts over PCIe
@@ -257,11 +350,17 @@ class TieredExperts(nn.Module):
         self._round, self._freed = None, None
         self.slot_of = torch.tensor(self.slots, dtype=torch.long).to(device)
         self._host_of = torch.tensor(self.host_of, dtype=torch.long, device="cpu")
+        self.host_slot_of = torch.tensor([*self.host_of, -1], dtype=torch.long).to(device)
         self.heat = torch.zeros(self.experts, dtype=torch.float32, device=device)
 
     def take_counts(self) -> TierCounts:
         """What the tier did since the last call (`TierCounts`); swaps whose copies are still queued count
         their wait at a later call."""
+        if self._streamed is not None:
+            vram, pcie = self._streamed.tolist()
+            self.served[VRAM] += vram
+            self.served[PCIE] += pcie
+            self._streamed = None
         waited, timings = self.adapt_wait_s, []
         for begin, end in self._swap_timings:
             if end.query():
@@ -309,6 +408,36 @@ class TieredExperts(nn.Module):
         outgoing = sorted((e for e in resident if e not in wanted), key=lambda e: heat[e])
         if self.spare:
             return self._begin(list(zip(incoming, outgoing, strict=True))[: len(self.spare_slots)])
+        return self._exchange(incoming, outgoing)
+
+    def keep_slot_heat(self, slots: int) -> None:
+        """Count the routing per state slot too (of `slots`, the scratch slot included), so that a parked
+        conversation's follow-up can bring back the experts it used (`RoutedBefore`, `bring`)."""
+        assert self.heat is not None
+        self.slot_heat = torch.zeros(slots, self.experts, dtype=torch.float32, device=self.heat.device)
+
+    @torch.no_grad()
+    def bring(self, hot: list[int]) -> int:
+        """Make the first of the experts `hot` (most wanted first; a resumed conversation's) resident, as
+        many as the device holds, in place of the resident ones routed least since the last adaptation
+        (not among them); the copies are queued before the next window, which waits for them. Returns how
+        many experts moved in (none while asynchronous swaps are under way). Reads the heat: waits for the
+        windows queued so far."""
+        if not self.resident or self._round is not None or self.heat is None:
+            return 0
+        wanted = hot[: self.resident]
+        incoming = [e for e in wanted if self.slots[e] < 0]
+        if not incoming:
+            return 0
+        heat = self.heat.tolist()
+        keep = set(wanted)
+        resident = [e for e, slot in enumerate(self.slots) if slot >= 0 and e not in keep]
+        outgoing = sorted(resident, key=lambda e: (heat[e], e))[: len(incoming)]
+        return self._exchange(incoming, outgoing)
+
+    def _exchange(self, incoming: list[int], outgoing: list[int]) -> int:
+        """Queue the exchanges of each incoming expert (host RAM) with its outgoing one (on the device)."""
+        assert self.gate_up is not None and self.down is not None
         if not incoming:
             return 0
         self.pcie_bytes += self.expert_bytes() * len(incoming)
@@ -336,9 +465,10 @@ class TieredExperts(nn.Module):
 
     def _moved(self) -> None:
         """Experts changed places: the device's map and the host's tensor of host slots follow the lists."""
-        assert self.slot_of is not None
+        assert self.slot_of is not None and self.host_slot_of is not None
         self.slot_of.copy_(torch.tensor(self.slots, dtype=torch.long))
         self._host_of = torch.tensor(self.host_of, dtype=torch.long, device="cpu")
+        self.host_slot_of.copy_(torch.tensor([*self.host_of, -1], dtype=torch.long))
 
     def _evict(self, slot: int, host_slot: int) -> None:
         """Queue the copy of the expert in device `slot` back to `host_slot` (after the windows queued so
@@ -404,12 +534,18 @@ class TieredExperts(nn.Module):
         top_ids: torch.Tensor,
         top_weights: torch.Tensor,
         live: torch.Tensor | None = None,
+        row_slots: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x [tokens, hidden], top_ids / top_weights [tokens, k] -> the weighted sum of expert outputs;
-        `live` [tokens] is 0 on padding rows (whose misses are not computed)."""
+        `live` [tokens] is 0 on padding rows (whose misses are not computed); `row_slots` [tokens], each row's
+        state slot, counts the routing per slot where the tier keeps that (`keep_slot_heat`)."""
         if self.slot_of is None or self.heat is None:
             raise RuntimeError("TieredExperts.place() must run before the first forward")
         self.heat.index_add_(0, top_ids.flatten(), torch.ones_like(top_ids, dtype=torch.float32).flatten())
+        if self.slot_heat is not None and row_slots is not None:
+            picks = row_slots[:, None] * self.experts + top_ids
+            counted = torch.ones_like(top_ids, dtype=torch.float32) if live is None else live[:, None].float()
+            self.slot_heat.view(-1).index_add_(0, picks.flatten(), counted.expand_as(top_ids).flatten())
         if x.device.type == "cpu":
             missed = int((self.slot_of[top_ids] < 0).sum())
             self.served[VRAM] += top_ids.numel() - missed
@@ -446,6 +582,9 @@ class TieredExperts(nn.Module):
         read whole to the host (`_serve_small`), a large one's counted per expert on the device
         (`_serve_large`)."""
         ids = self._masked(top_ids, live)
+        stream = self.stream
+        if stream is not None and stream.active and self.position > 0 and ids.numel() > HOST_READ_ENTRIES:
+            return self._from_stream(stream, x, ids, top_ids, top_weights)
         host: tuple[torch.Tensor | None, torch.Tensor] | None = None
         if ids.numel() <= HOST_READ_ENTRIES:
             read_ids, read_x, read_weights = self._to_host(ids, x.float(), top_weights.float())
@@ -455,7 +594,8 @@ class TieredExperts(nn.Module):
             )
             host = (None, sums) if pooled else None
         else:
-            staged, host = self._serve_large(x, ids, top_ids, top_weights)
+            first = stream if self.position == 0 else None
+            staged, host = self._serve_large(x, ids, top_ids, top_weights, first)
         out = self._resident(x, top_ids, top_weights)
         if staged:
             stage_of = torch.full((len(self.slots),), -1, dtype=torch.long)
@@ -466,6 +606,28 @@ class TieredExperts(nn.Module):
             sums = sums.to(x.device, dtype=x.dtype, non_blocking=True)
             out = out + sums if rows is None else out.index_add(0, rows, sums)
         return out
+
+    def _from_stream(
+        self,
+        stream: LayerStream,
+        x: torch.Tensor,
+        ids: torch.Tensor,
+        top_ids: torch.Tensor,
+        top_weights: torch.Tensor,
+    ) -> torch.Tensor:
+        """A streamed window's layer (`LayerStream`): the next layer's copy queued, then every missed entry
+        computed from this layer's whole host part on the device; the host reads nothing (the counts of
+        entries served stay on the device until `take_counts`)."""
+        assert self.host_slot_of is not None
+        stream.prefetch(self.position + 1)
+        gate_up, down = stream.take(self.position)
+        slots = self.host_slot_of[ids]
+        missed = slots >= 0
+        misses = missed.sum()
+        counted = torch.stack([(ids < self.experts).sum() - misses, misses])
+        self._streamed = counted if self._streamed is None else self._streamed + counted
+        out = self._resident(x, top_ids, top_weights)
+        return out + self.kernel(x, slots.clamp_min(0), top_weights * missed, gate_up, down)
 
     def _masked(self, top_ids: torch.Tensor, live: torch.Tensor | None) -> torch.Tensor:
         """The routing with padding rows' entries (`live` 0) pointing past the experts."""
@@ -620,13 +782,19 @@ class TieredExperts(nn.Module):
         return self.staging.load(missed[:copied], hosts, self.host_gate_up, self.host_down)
 
     def _serve_large(
-        self, x: torch.Tensor, ids: torch.Tensor, top_ids: torch.Tensor, top_weights: torch.Tensor
+        self,
+        x: torch.Tensor,
+        ids: torch.Tensor,
+        top_ids: torch.Tensor,
+        top_weights: torch.Tensor,
+        stream: LayerStream | None = None,
     ) -> tuple[dict[int, int], tuple[torch.Tensor, torch.Tensor] | None]:
         """A large window's misses (`ids`: its routing, padding rows' entries pointing past the experts): its
         entries per expert are counted on the device and only those counts read, then the rows and entries
         the CPU pool computes (its routing is far larger than what the host needs). Split as in
         `_serve_small`; returns the staged experts' slots and the rows the CPU pool computed (on the device)
-        with their sums (fp32, on the host), None where the pool had nothing."""
+        with their sums (fp32, on the host), None where the pool had nothing. With `stream` (the first tiered
+        layer of an eager window) the stream learns, before any copy, how many host experts missed."""
         experts = len(self.slots)
         counts = torch.zeros(experts + 1, dtype=torch.int64, device=x.device)
         counts.index_add_(0, ids.flatten(), torch.ones_like(ids).flatten())
@@ -637,6 +805,8 @@ class TieredExperts(nn.Module):
             elif count:
                 by_rows.append((count, expert))
         self.served[VRAM] += on_device
+        if stream is not None:
+            stream.begin(len(by_rows) / (experts - self.resident))
         if not by_rows:
             return {}, None
         by_rows.sort(key=lambda pair: -pair[0])  # most rows first; stable, so ties in expert order
@@ -684,32 +854,63 @@ def spare_slots(resident: int) -> int:
     return max(1, min(8, resident // 4)) if resident else 0
 
 
-def use_expert_tier(model: nn.Module, resident: int, host_kernel: HostExpertsFn, spare: int = 0) -> None:
-    """Give every MoE layer of a model built on the meta device (not loaded yet) an expert tier with the
-    first `resident` experts on the device, `spare` device slots for asynchronous swaps, and `host_kernel`
-    for the others. Call it under the meta device."""
-    for module in model.modules():
-        if isinstance(module, SparseMoE) and isinstance(module.experts, RoutedExperts):
-            routed = module.experts
-            experts, _, hidden = routed.gate_up.shape
+def use_expert_tier(
+    model: nn.Module, resident: int | list[int], host_kernel: HostExpertsFn, spare: int = 0
+) -> None:
+    """Give the MoE layers of a model built on the meta device (not loaded yet) expert tiers with the first
+    `resident` experts on the device (one count for every layer, or one per MoE layer in model order: a
+    layer given all its experts keeps them all on the device, untiered), `spare` device slots for
+    asynchronous swaps, and `host_kernel` for the others. Call it under the meta device."""
+    layers = [m for m in model.modules() if isinstance(m, SparseMoE) and isinstance(m.experts, RoutedExperts)]
+    counts = resident if isinstance(resident, list) else [resident] * len(layers)
+    if len(counts) != len(layers):
+        raise ValueError(f"{len(counts)} resident counts for {len(layers)} MoE layers")
+    for module, count in zip(layers, counts, strict=True):
+        routed = module.experts
+        experts, _, hidden = routed.gate_up.shape
+        if count < experts:
             module.experts = TieredExperts(
-                experts, hidden, routed.intermediate, routed.kernel, resident, host_kernel, spare
+                experts, hidden, routed.intermediate, routed.kernel, count, host_kernel, spare
             )
 
 
-def use_staging(tiers: list[TieredExperts], pcie_frac: float | None = None) -> MissCosts | None:
-    """On a GPU: one staging area for the tiers' missed experts (as many slots as a layer can miss) and this
-    machine's costs (measured now) to split each window's misses between it and the CPU pool. `pcie_frac`
-    forces that share of the missed experts over PCIe. Returns the costs (None on a CPU: misses run there)."""
+def moe_layers(model: nn.Module) -> int:
+    """How many MoE layers (of routed experts) a model has, MTP layers included."""
+    return sum(isinstance(m, SparseMoE) and isinstance(m.experts, RoutedExperts) for m in model.modules())
+
+
+def decoder_tiers(model: nn.Module) -> list[TieredExperts]:
+    """The tiers of a CausalLM's decoder layers, in the order a forward runs them (the MTP head's apart)."""
+    return [m for m in model.model.modules() if isinstance(m, TieredExperts)]
+
+
+def use_staging(
+    tiers: list[TieredExperts],
+    pcie_frac: float | None = None,
+    layers: list[TieredExperts] | None = None,
+) -> MissCosts | None:
+    """On a GPU: one staging area for the tiers' missed experts (as many slots as a layer has host slots)
+    and this machine's costs (measured now) to split each window's misses between it and the CPU pool.
+    `pcie_frac` forces that share of the missed experts over PCIe. `layers`: the tiers of the decoder's
+    layers in the order a forward runs them (default: `tiers`); where the device has room for a second
+    staging area beside the first, large windows stream through them (`LayerStream`). Returns the costs
+    (None on a CPU: misses run there)."""
     if not tiers or tiers[0].slot_of is None or tiers[0].slot_of.device.type != "cuda":
         return None
-    first = tiers[0]
+    first = min(tiers, key=lambda t: t.resident)  # the one with most experts in host RAM
     device = first.slot_of.device
-    staging = ExpertStaging(first.experts - min(t.resident for t in tiers))
+    staging = ExpertStaging(first.host_gate_up.shape[0])
     staging.allocate(first.host_gate_up, first.host_down, device)
     held = first.experts - first.resident  # host slots with an expert in them (the last one is free)
     costs = measure(first.host_kernel, first.host_gate_up[:held], first.host_down[:held], device)
     link = HostLink(HOST_READ_ENTRIES, first.host_gate_up.shape[2], first.experts)
     for tier in tiers:
         tier.staging, tier.costs, tier.pcie_frac, tier.link = staging, costs, pcie_frac, link
+    layers = tiers if layers is None else layers
+    assert staging.gate_up is not None and staging.down is not None
+    area = staging.gate_up.nbytes + staging.down.nbytes
+    if len(layers) > 1 and torch.cuda.mem_get_info(device)[0] > 2 * area + STREAM_HEADROOM:
+        stream = LayerStream(layers, (staging.gate_up, staging.down))
+        for position, tier in enumerate(layers):
+            tier.stream, tier.position = stream, position
     return costs

@@ -66,9 +66,11 @@ class RoutedExperts(nn.Module):
         top_ids: torch.Tensor,
         top_weights: torch.Tensor,
         live: torch.Tensor | None = None,
+        row_slots: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x [tokens, hidden], top_ids / top_weights [tokens, k] -> the weighted sum of expert outputs
-        (`live`, which marks padding rows, matters only to an expert tier)."""
+        (`live`, which marks padding rows, and `row_slots`, each row's state slot, matter only to an expert
+        tier)."""
         return self.kernel(x, top_ids, top_weights, self.gate_up, self.down)
 
 
@@ -136,7 +138,9 @@ class SparseMoE(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return ids, weights.to(logits.dtype)
 
-    def forward(self, x: torch.Tensor, live: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, live: torch.Tensor | None = None, row_slots: torch.Tensor | None = None
+    ) -> torch.Tensor:
         if self.block_kernel is not None and type(self.experts) is RoutedExperts:
             shared = None
             if self.shared_expert is not None and self.shared_expert_gate is not None:
@@ -161,7 +165,7 @@ class SparseMoE(nn.Module):
         else:
             ids, weights = self.route(logits)
             self.count_routes(ids, live)
-        out = self.experts(x, ids, weights, live)
+        out = self.experts(x, ids, weights, live, row_slots)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out

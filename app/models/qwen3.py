@@ -76,7 +76,10 @@ class DecoderLayer(nn.Module):
         h = self.linear_attn(h, batch) if self.linear_attn is not None else self.self_attn(h, batch, cos_sin)
         h, x = self.post_attention_layernorm.add_forward(h, x)
         if isinstance(self.mlp, SparseMoE):
-            return x, self.mlp(h, batch.layout.live_rows if batch.layout is not None else None)
+            layout = batch.layout
+            if layout is None:
+                return x, self.mlp(h)
+            return x, self.mlp(h, layout.live_rows, layout.row_slots)
         return x, self.mlp(h)
 
 

@@ -63,6 +63,7 @@ def test_decode_rows_fill_the_static_inputs_and_padding_goes_to_scratch(graphs: 
     assert graphs.positions[:4].tolist() == [5, 0, 0, 0]
     assert graphs.slot_mapping[:4].tolist() == [2 * 4 + 1, 4 * 4, 20 * 4, 20 * 4]  # scratch block 20
     assert graphs.state_slots[:4].tolist() == [3, 1, 6, 6]  # scratch slot 6
+    assert graphs.row_slots[:4].tolist() == [3, 1, 6, 6]
     assert graphs.live[:4].tolist() == [1, 1, 0, 0]
     assert graphs.query_start[:5].tolist() == [0, 1, 2, 3, 4]
     assert graphs.seq_lens[:4].tolist() == [6, 1, 1, 1]
@@ -88,6 +89,7 @@ def test_prompt_chunks_fill_the_static_inputs_with_one_padding_sequence(graphs: 
         *[20 * 4, 20 * 4 + 1, 20 * 4 + 2, 20 * 4 + 3, 20 * 4],  # the padding sequence on scratch
     ]
     assert graphs.live[:12].tolist() == [1] * 7 + [0] * 5
+    assert graphs.row_slots[:12].tolist() == [3] + [0] * 6 + [6] * 5  # each row's sequence's slot
     assert graphs.query_start[:8].tolist() == [0, 1, 7, 12, 12, 12, 12, 12]  # then empty sequences
     assert graphs.seq_lens[:7].tolist() == [6, 8, 5, 0, 0, 0, 0]
     assert graphs.state_slots[:7].tolist() == [3, 0, 6, 6, 6, 6, 6]

@@ -11,6 +11,7 @@ from engine_helpers import make_core, random_prompt, request, run
 from app.errors import StrataError
 from app.models.expert_tier import TieredExperts
 from app.models.moe import SparseMoE
+from app.models.placement import layer_residency
 
 
 def test_a_frozen_tier_with_two_experts_resident_gives_the_all_resident_tokens(
@@ -74,3 +75,36 @@ def test_expert_vram_keeps_as_many_experts_a_layer_as_the_bytes_hold(checkpoint:
     assert not make_core(checkpoint, dtype="float32", expert_vram=layers * expert * config.num_experts).tiers
     with pytest.raises(StrataError, match="not both"):
         make_core(checkpoint, expert_cache=2, expert_vram=1 << 30)
+
+
+def test_whole_layers_placement_keeps_some_layers_untiered_and_gives_the_all_resident_tokens(
+    checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--expert-placement layers`: the same budget gathered into whole layers (no tier there, served from
+    the device), one layer in part, the rest with no expert resident; the tokens are the all-resident ones."""
+    monkeypatch.setattr("app.engine.core.EXPERT_REPORT_S", 0.0)
+    greedy = {"max_tokens": 10, "temperature": 0, "ignore_eos": True}
+    arrivals = [(0, request(random_prompt(28, 85), **greedy)), (1, request(random_prompt(9, 86), **greedy))]
+    everything, _ = run(make_core(checkpoint), arrivals)
+    core = make_core(checkpoint, expert_cache=3, expert_placement="layers")
+    model = core.loaded.model
+    layers = [m for m in model.modules() if isinstance(m, SparseMoE)]
+    experts = model.config.num_experts
+    expected = layer_residency(3 * len(layers), len(layers), experts, "layers")
+    assert [t.resident for t in core.tiers] == [n for n in expected if n < experts]
+    assert len(core.tiers) < len(layers)
+    placed, windows = run(core, arrivals)
+    for _, add in arrivals:
+        assert placed[add.request_id].token_ids == everything[add.request_id].token_ids
+    reports = [w.experts for w in windows if w.experts is not None and w.experts.served]
+    untiered = [i for i, moe in enumerate(layers) if not isinstance(moe.experts, TieredExperts)]
+    for report in reports:
+        for i in untiered:  # a whole layer on the device serves every entry from VRAM
+            assert report.served[i] == [sum(report.routed[i]), 0, 0]
+            assert report.location[i] == [0] * experts
+    assert any(sum(r.served[i][1] for i in range(len(layers))) for r in reports)  # the others miss
+
+
+def test_an_unknown_expert_placement_is_refused(checkpoint: Path) -> None:
+    with pytest.raises(StrataError, match="--expert-placement"):
+        make_core(checkpoint, expert_cache=2, expert_placement="rows")

@@ -252,3 +252,41 @@ def test_a_parked_file_is_read_off_the_engine_thread_while_the_request_waits(
     waited = [w for w in windows if w.waiting and not w.prompt_tokens and w.slots]
     assert waited and all(w.decode_tokens == 1 for w in waited)  # the busy slot ran while the file was read
     assert results[add.request_id].token_ids == _expected(checkpoint, follow_up)
+
+
+@pytest.mark.parametrize("adapt_every", [1000, 0], ids=["adapting", "frozen"])
+def test_a_resumed_conversation_brings_back_the_experts_it_routed_to(
+    checkpoint: Path, adapt_every: int
+) -> None:
+    """With an expert tier (2 experts a layer on the device) that adapts, a follow-up restored from the park
+    first makes the experts its conversation routed to most resident again; a frozen tier stays as it is.
+    Either way the follow-up continues as if it never left."""
+    config = make_core(checkpoint).loaded.model.config
+    memory = 80 * kv_block_bytes(config, 16, torch.float32) + 16 * slot_state_bytes(config, torch.float32)
+    tier = {"expert_cache": 2, "adapt_every": adapt_every}
+    core = make_core(checkpoint, kv_memory=memory, park_memory=64 << 20, **tier)
+    _, follow_up = _conversation(core)
+    complete(core, random_prompt(1200, 3), max_tokens=5, temperature=0, ignore_eos=True)
+    before = [[e for e, slot in enumerate(t.slots) if slot >= 0] for t in core.tiers]
+    wanted: list[list[int]] = []
+    bring_back = core._bring_back
+
+    def watched(routed: object) -> None:
+        bring_back(routed)
+        wanted.extend(hot[:2] for hot in routed.hot())  # type: ignore[attr-defined]
+        after = [[e for e, slot in enumerate(t.slots) if slot >= 0] for t in core.tiers]
+        assert [set(a) for a in after] == [set(hot) for hot in wanted]
+
+    core._bring_back = watched  # type: ignore[method-assign]
+    swaps = core.expert_swaps
+    add = request(follow_up, **GREEDY)
+    results, windows = run(core, [(0, add)])
+    swaps += sum(w.experts.swaps for w in windows if w.experts is not None) + core.expert_swaps
+    assert core.park is not None and core.park.stats().restores == 1
+    if adapt_every:
+        assert len(wanted) == len(core.tiers) and all(len(hot) == 2 for hot in wanted)
+        assert (swaps > 0) == ([set(h) for h in wanted] != [set(b) for b in before])
+    else:  # nothing moves on a frozen tier
+        assert not wanted and swaps == 0
+        assert [[e for e, slot in enumerate(t.slots) if slot >= 0] for t in core.tiers] == before
+    assert results[add.request_id].token_ids == _expected(checkpoint, follow_up)

@@ -10,6 +10,8 @@ from checkpoints import write_checkpoint
 from engine_helpers import complete, make_core, request, run
 
 from app.kernels import triton_launch
+from app.models.expert_tier import STREAM_COVERAGE
+from app.models.moe import SparseMoE
 
 pytestmark = [
     pytest.mark.gpu,
@@ -241,3 +243,45 @@ def test_an_adapting_expert_tier_on_the_gpu_gives_the_all_resident_tokens(
     for _, add in arrivals:
         assert results[add.request_id].token_ids == everything[add.request_id].token_ids
     assert sum(s.experts.swaps for s in stats if s.experts is not None) + tiered.expert_swaps > 0
+
+
+def test_long_prompts_stream_whole_layers_ahead_and_give_the_all_resident_tokens(
+    checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Windows of more routed entries than a small window's (made small here) whose first tiered layer misses
+    most host experts copy each later layer's host part a layer ahead on a side stream: the greedy tokens of
+    the all-resident model, and the streamed layers' entries counted as served over PCIe."""
+    monkeypatch.setattr("app.models.expert_tier.HOST_READ_ENTRIES", 64)
+    settings = {"device": "cuda", "dtype": "float32", "parallel": 2}
+    params = {"max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    arrivals = [(0, request(_prompt(200, 94), **params)), (2, request(_prompt(150, 95), **params))]
+    everything, _ = run(make_core(checkpoint, **settings), arrivals)
+    tiered = make_core(checkpoint, expert_cache=2, adapt_every=0, **settings)
+    stream = tiered.tiers[0].stream
+    assert stream is not None and len(stream.tiers) == len(tiered.tiers) > 1
+    coverages: list[float] = []
+    begin = stream.begin
+    monkeypatch.setattr(stream, "begin", lambda coverage: (coverages.append(coverage), begin(coverage))[1])
+    results, stats = run(tiered, arrivals)
+    for _, add in arrivals:
+        assert results[add.request_id].token_ids == everything[add.request_id].token_ids
+    assert coverages and max(coverages) >= STREAM_COVERAGE
+    reported = [s.experts.served_total() for s in stats if s.experts is not None]
+    reported += [t.take_counts().served for t in tiered.tiers]
+    vram, _, pcie = (sum(c) for c in zip(*reported, strict=True))
+    assert vram > 0 and pcie > 0
+
+
+def test_whole_layers_placement_on_the_gpu_gives_the_all_resident_tokens(checkpoint: Path) -> None:
+    """`--expert-placement layers`: whole layers untiered inside the decode graphs, the others tiered (the
+    graphs cut only there): the greedy tokens of the all-resident model."""
+    settings = {"device": "cuda", "dtype": "float32", "parallel": 2}
+    params = {"max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    arrivals = [(0, request(_prompt(30, 96), **params)), (1, request(_prompt(12, 97), **params))]
+    everything, _ = run(make_core(checkpoint, **settings), arrivals)
+    placed = make_core(checkpoint, expert_cache=3, adapt_every=0, expert_placement="layers", **settings)
+    moe_layers = sum(isinstance(m, SparseMoE) for m in placed.loaded.model.modules())
+    assert 0 < len(placed.tiers) < moe_layers
+    results, _ = run(placed, arrivals)
+    for _, add in arrivals:
+        assert results[add.request_id].token_ids == everything[add.request_id].token_ids

@@ -87,3 +87,26 @@ def test_parking_within_the_ram_budget_pins_no_memory_beside_the_windows(checkpo
     assert core.park.stats().conversations_ram == 4
     # 40 full blocks were parked; what was pinned meanwhile is their tails, states and the windows' tokens
     assert torch.cuda.host_memory_stats()["num_host_alloc"] - before < 30
+
+
+def test_a_resumed_conversation_brings_its_experts_back_on_the_gpu(checkpoint: Path) -> None:
+    """An adapting expert tier with parking: decode graphs count routing per slot, the parked turn's counts
+    come off the device, and its follow-up makes those experts resident before its first window; the
+    follow-up's tokens are those of an engine without a tier."""
+    tiered = _core(checkpoint, park_memory=64 << 20, expert_cache=2, adapt_every=1000, dtype="float32")
+    assert tiered.runner.graphs is not None and all(t.slot_heat is not None for t in tiered.tiers)
+    brought: list[list[int]] = []
+    bring_back = tiered._bring_back
+
+    def watched(routed: object) -> None:
+        bring_back(routed)
+        brought.extend(hot[:2] for hot in routed.hot())  # type: ignore[attr-defined]
+
+    tiered._bring_back = watched  # type: ignore[method-assign]
+    tokens, follow_up, _ = _follow_up_after_eviction(tiered, flush=True)
+    assert tiered.park is not None and tiered.park.stats().restores == 1
+    assert len(brought) == len(tiered.tiers) and all(len(hot) == 2 for hot in brought)
+    resident = [{e for e, slot in enumerate(t.slots) if slot >= 0} for t in tiered.tiers]
+    assert resident == [set(hot) for hot in brought]  # no adaptation ran: only the follow-up moved them
+    plain = make_core(checkpoint, device="cuda", dtype="float32", park_memory=0)
+    assert tokens == complete(plain, follow_up, **GREEDY).token_ids
