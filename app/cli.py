@@ -313,6 +313,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="time a follow-up turn of a --prompt-len conversation: cached, restored from disk, read again",
     )
+    auto = commands.add_parser(
+        "autoconfig", help="print the settings this machine suits for a model, and why (app/autoconfig.py)"
+    )
+    auto.add_argument("--model", help="an HF model directory or a .gguf file (default: the demo model)")
+    auto.add_argument(
+        "--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="the weights' dtype (bfloat16)"
+    )
     stage = commands.add_parser(
         "stage", help="run one stage of an engine's layer split on this host (--remote-stages)"
     )
@@ -323,6 +330,21 @@ def build_parser() -> argparse.ArgumentParser:
     stage.add_argument("--gpu", type=int, default=0, help="which GPU of this host (with --device cuda)")
     stage.add_argument("--model", help="where this host keeps the model (default: the engine's path)")
     return parser
+
+
+def run_autoconfig(args: argparse.Namespace) -> None:
+    """Print the machine, the settings `app.autoconfig.choose` picks for the model with the reason for each,
+    and the `strata serve` command that uses them."""
+    from app.autoconfig import choose, detect_machine, facts_of
+    from app.default_model import default_model_dir
+
+    model = args.model or str(default_model_dir())
+    machine = detect_machine()
+    settings = choose(machine, facts_of(model, args.dtype))
+    print(f"machine: {machine.describe()}")
+    for reason in settings.reasons:
+        print(f"- {reason}")
+    print(" ".join(["strata serve --model", model, *settings.flags()]))
 
 
 def _has_cuda() -> bool:
@@ -447,7 +469,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `strata` console script; errors end as one line on stderr."""
     args = build_parser().parse_args(argv)
     try:
-        commands = {"generate": run_generate, "serve": run_serve, "bench": run_bench, "stage": run_stage}
+        commands = {
+            "generate": run_generate,
+            "serve": run_serve,
+            "bench": run_bench,
+            "stage": run_stage,
+            "autoconfig": run_autoconfig,
+        }
         commands[args.command](args)
     except StrataError as e:
         print(f"strata: error: {e}", file=sys.stderr)

@@ -1,0 +1,327 @@
+"""Settings chosen from the machine and the model: slots, layer split and groups, expert budget, KV memory.
+
+`choose` is pure: a described `Machine` (its cards' memory, host RAM, cores) and the model's `ModelFacts`
+(weight bytes apart from the routed experts, one expert's bytes, the KV bytes a token adds, a slot's
+recurrent state) give `Settings`, each with the reason it was chosen. The rules, in order:
+
+1. A card's usable memory is CARD_USE of it less RESERVE (CUDA's context, the window graphs, activations).
+2. The model runs whole on the first card when its weights leave room there for MIN_SLOTS conversations of
+   MIN_CONTEXT tokens; else on the fewest cards whose usable memory together holds the weights and that much
+   KV on each (a layer split, one stage a card, one slot group a stage so that every card stays busy).
+3. When even every card together does not hold the weights, the routed experts that do not fit stay in host
+   RAM (the expert tier): every card is a stage, and each MoE layer keeps as many experts on its card as the
+   room left after the other weights, a staging area for one layer's misses and the minimum KV allows
+   (spread over the layers alike: trained routers favour some experts in each, which the tier follows).
+   Host RAM must hold the rest with HOST_SHARE of it; else the model does not fit the machine.
+4. The KV memory of a stage is what its card has left (the smallest such among the stages); slots are as
+   many conversations of MIN_CONTEXT tokens as that holds, 1 to MAX_SLOTS (the pool is shared, so one
+   conversation reaches much further while the others are short).
+   On a machine without a GPU the model runs in host RAM, with CPU_SLOTS_PER_CORE slots a core.
+5. Cards a model does not need stay free: a split's windows run eagerly today, slower than one card's
+   captured graphs, so a split is chosen only where the weights need it.
+
+`detect_machine` reads the machine this runs on; `facts_of` reads a model directory or GGUF file's sizes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from app.errors import StrataError
+
+if TYPE_CHECKING:
+    import torch
+
+    from app.models.qwen3 import CausalLM
+
+GIB = 1 << 30
+CARD_USE = 0.92  # the share of a card's memory the engine plans with
+RESERVE = 3 * GIB // 2  # of that, bytes left to CUDA's context, the window graphs and activations
+MIN_SLOTS = 4  # conversations the KV memory must hold at least ...
+MIN_CONTEXT = 8192  # ... of so many tokens each
+MAX_SLOTS = 32  # slots at most (the engine's windows are tuned up to 32 decoding rows)
+HOST_SHARE = 0.8  # the share of host RAM the experts beyond the cards may take
+CPU_SLOTS_PER_CORE = 2  # on a CPU the windows are compute-bound: so many slots a core (MIN_SLOTS at least)
+
+
+@dataclass(frozen=True)
+class Card:
+    """One GPU: its memory in bytes and name."""
+
+    memory: int
+    name: str = "GPU"
+
+
+@dataclass(frozen=True)
+class Machine:
+    """The cards (in order; none: a CPU machine), host RAM in bytes and the cores."""
+
+    cards: tuple[Card, ...]
+    ram: int
+    cores: int
+
+    def describe(self) -> str:
+        """One line: the cards, RAM and cores."""
+        cards = ", ".join(f"{c.name} {c.memory / GIB:.0f} GiB" for c in self.cards) or "no GPU"
+        return f"{cards}; {self.ram / GIB:.0f} GiB RAM; {self.cores} cores"
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the rules need of a model, in the dtype it will run in: `dense_bytes` every weight but the
+    routed experts', `expert_bytes` one routed expert's, `moe_layers` × `experts` of them (MTP layers
+    included), `layers` decoder layers, `kv_token_bytes` the KV a token adds on every attention layer,
+    `slot_state_bytes` one slot's recurrent state, `max_len` the model's context, `ends_bytes` the part of
+    `dense_bytes` outside the decoder layers (the embedding and LM head, on a split's first stage)."""
+
+    dense_bytes: int
+    expert_bytes: int
+    experts: int
+    moe_layers: int
+    layers: int
+    kv_token_bytes: int
+    slot_state_bytes: int
+    max_len: int
+    ends_bytes: int = 0  # of `dense_bytes`, the embedding and LM head's (outside the decoder layers)
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.dense_bytes + self.expert_bytes * self.experts * self.moe_layers
+
+
+@dataclass
+class Settings:
+    """What `choose` picked (names as `strata serve`'s flags) and why, a line each."""
+
+    parallel: int
+    kv_memory: int
+    layer_split: str | None = None
+    batch_groups: int | None = None
+    expert_cache: int | None = None
+    adapt_async: bool = False
+    reasons: list[str] = field(default_factory=list)
+
+    def flags(self) -> list[str]:
+        """These settings as `strata serve` flags."""
+        flags = ["--parallel", str(self.parallel), "--kv-memory", f"{self.kv_memory // (1 << 20)}MiB"]
+        if self.layer_split is not None:
+            flags += ["--layer-split", self.layer_split]
+        if self.batch_groups is not None:
+            flags += ["--batch-groups", str(self.batch_groups)]
+        if self.expert_cache is not None:
+            flags += ["--expert-cache", str(self.expert_cache)]
+        if self.adapt_async:
+            flags.append("--adapt-async")
+        return flags
+
+
+def usable(card: Card) -> int:
+    """Bytes of a card the engine plans with (rule 1)."""
+    return max(int(card.memory * CARD_USE) - RESERVE, 0)
+
+
+def kv_bytes(facts: ModelFacts, slots: int, context: int) -> int:
+    """KV memory for `slots` conversations of `context` tokens (their recurrent state included)."""
+    return slots * (context * facts.kv_token_bytes + facts.slot_state_bytes)
+
+
+def choose(machine: Machine, facts: ModelFacts) -> Settings:
+    """The settings for `facts` on `machine` (module docstring); a StrataError where it cannot hold them."""
+    minimum = kv_bytes(facts, MIN_SLOTS, min(MIN_CONTEXT, facts.max_len))
+    if not machine.cards:
+        room = int(machine.ram * HOST_SHARE) - facts.weight_bytes
+        if room < minimum:
+            raise StrataError(
+                f"the model's {facts.weight_bytes / GIB:.1f} GiB of weights leave no room for "
+                f"{MIN_SLOTS} conversations in {machine.ram / GIB:.0f} GiB of RAM"
+            )
+        reasons = ["no GPU: the model runs on the CPU, in host RAM"]
+        slots = min(MAX_SLOTS, max(MIN_SLOTS, CPU_SLOTS_PER_CORE * machine.cores))
+        return _sized(facts, room, reasons, slots, "host RAM")
+    rooms = [usable(c) for c in machine.cards]
+    for stages in range(1, len(rooms) + 1):
+        per_stage = _stage_shares(facts, facts.weight_bytes, stages)
+        if all(w + minimum <= r for w, r in zip(per_stage, rooms[:stages], strict=True)):
+            return _split(facts, stages, rooms, per_stage, machine)
+    return _tiered(facts, rooms, minimum, machine)
+
+
+def _stage_shares(facts: ModelFacts, weights: int, stages: int) -> list[int]:
+    """The bytes of `weights` (the model's, or its dense part) each of `stages` stages holds: the layers as
+    even as they go (the later stages the odd ones, as `--layer-split N` cuts them), the embedding and LM
+    head on the first."""
+    ends = facts.ends_bytes
+    per_layer = (weights - ends) / facts.layers
+    base, odd = divmod(facts.layers, stages)
+    counts = [base + (i >= stages - odd) for i in range(stages)]
+    return [int(n * per_layer) + (ends if i == 0 else 0) for i, n in enumerate(counts)]
+
+
+def _split(
+    facts: ModelFacts, stages: int, rooms: list[int], per_stage: list[int], machine: Machine
+) -> Settings:
+    weights = facts.weight_bytes / GIB
+    if stages == 1:
+        reasons = [f"the weights ({weights:.1f} GiB) fit the first card with room for the KV memory"]
+        if len(machine.cards) > 1:
+            reasons.append(_idle(len(machine.cards) - 1))
+        return _sized(facts, rooms[0] - per_stage[0], reasons)
+    reasons = [
+        f"the weights ({weights:.1f} GiB) need {stages} of the {len(machine.cards)} cards: a layer split, "
+        f"one stage a card, and {stages} slot groups taking turns down the stages so that every card stays "
+        "busy"
+    ]
+    if stages < len(machine.cards):
+        reasons.append(_idle(len(machine.cards) - stages))
+    free = min(r - w for r, w in zip(rooms[:stages], per_stage, strict=True))
+    settings = _sized(facts, free, reasons)
+    settings.layer_split, settings.batch_groups = str(stages), min(stages, settings.parallel)
+    return settings
+
+
+def _idle(cards: int) -> str:
+    """Why `cards` cards are left free (rule 5)."""
+    return (
+        f"{cards} card{'s' if cards > 1 else ''} left free: a layer split's windows run eagerly today, "
+        "slower than one card's captured graphs, so the model takes only the cards its weights need"
+    )
+
+
+def _tiered(facts: ModelFacts, rooms: list[int], minimum: int, machine: Machine) -> Settings:
+    stages = len(rooms)
+    moe_layers = facts.moe_layers / stages  # each stage holds its share of the MoE layers
+    dense = _stage_shares(facts, facts.dense_bytes, stages)
+
+    def used(resident: int) -> list[int]:
+        """Each stage's bytes with `resident` experts a layer: its other weights, those experts and the
+        asynchronous swaps' spare slots, and the staging area for one layer's host slots."""
+        spare = _spare(resident)
+        experts = (resident + spare) * moe_layers + (facts.experts - resident + 1)
+        return [d + int(experts * facts.expert_bytes) for d in dense]
+
+    resident = min(
+        facts.experts - 1, max(0, (min(rooms) - max(dense)) // int(moe_layers * facts.expert_bytes))
+    )
+    while resident and any(u + minimum > r for u, r in zip(used(resident), rooms, strict=True)):
+        resident -= 1
+    free = min(r - u for r, u in zip(rooms, used(resident), strict=True))
+    host = (facts.experts - resident) * facts.moe_layers * facts.expert_bytes
+    weights = facts.weight_bytes / GIB
+    if free < minimum or host > machine.ram * HOST_SHARE:
+        raise StrataError(
+            f"the model's {weights:.1f} GiB of weights do not fit this machine: {host / GIB:.1f} GiB of "
+            f"experts would stay in host RAM ({machine.ram / GIB:.0f} GiB) beside what the cards hold"
+        )
+    if resident:
+        reasons = [
+            f"the weights ({weights:.1f} GiB) exceed the cards: the expert tier keeps {resident} of each MoE "
+            f"layer's {facts.experts} experts on the card ({resident / facts.experts:.0%}) and "
+            f"{host / GIB:.1f} GiB of experts in host RAM, following the routing (asynchronous swaps into "
+            f"{_spare(resident)} spare slots a layer)"
+        ]
+    else:
+        reasons = [
+            f"the weights ({weights:.1f} GiB) exceed the cards: every routed expert stays in host RAM "
+            f"({host / GIB:.1f} GiB), each window's misses computed on the CPU or copied over PCIe"
+        ]
+    if stages > 1:
+        reasons.append(f"the other weights are split over the {stages} cards, one stage and slot group each")
+    settings = _sized(facts, free, reasons)
+    settings.expert_cache, settings.adapt_async = resident, resident > 0
+    if stages > 1:
+        settings.layer_split, settings.batch_groups = str(stages), min(stages, settings.parallel)
+    return settings
+
+
+def _spare(resident: int) -> int:
+    """The spare slots a layer an asynchronously adapting tier of `resident` experts keeps (as the engine
+    does: a quarter of them, 1 to 8)."""
+    return max(1, min(8, resident // 4)) if resident else 0
+
+
+def _sized(
+    facts: ModelFacts, room: int, reasons: list[str], most: int = MAX_SLOTS, where: str = "the card"
+) -> Settings:
+    """Slots and KV memory from `room` bytes (rule 4): as many slots as conversations of MIN_CONTEXT tokens
+    the room holds, 1 to `most` (the KV pool is shared: a slot reaches further while others are short), and
+    no more KV memory than every slot at the model's full context takes."""
+    context = min(MIN_CONTEXT, facts.max_len)
+    per_slot = kv_bytes(facts, 1, context)
+    parallel = max(1, min(most, room // per_slot if per_slot else most))
+    kv_memory = min(room, kv_bytes(facts, parallel, facts.max_len))
+    reach = (kv_memory - parallel * facts.slot_state_bytes) // max(facts.kv_token_bytes, 1)
+    reasons.append(
+        f"{parallel} slots: the KV memory holds {parallel} conversations of {context} tokens"
+        + (" (the most slots here)" if parallel == most else "")
+        + f", {min(reach, facts.max_len)} tokens for one alone"
+    )
+    full = " (every slot at the model's full context)" if kv_memory < room else ""
+    reasons.append(f"KV memory {_size(kv_memory)}: what {where} has left after the weights{full}")
+    return Settings(parallel=parallel, kv_memory=kv_memory, reasons=reasons)
+
+
+def _size(count: int) -> str:
+    """Bytes as GiB, or MiB below one GiB."""
+    return f"{count / GIB:.1f} GiB" if count >= GIB else f"{count >> 20} MiB"
+
+
+def facts_of(path: Path | str, dtype: str = "bfloat16") -> ModelFacts:
+    """A model's `ModelFacts` from its checkpoint's config, its weights in `dtype`: the model is built on the
+    meta device and its parameters counted, the routed experts apart."""
+    import torch
+
+    from app.kernels.reference import REFERENCE
+    from app.loading.checkpoint import open_checkpoint
+    from app.loading.loader import mtp_layer_count
+    from app.models.qwen3 import CausalLM
+
+    checkpoint = open_checkpoint(path)
+    with torch.device("meta"):
+        model = CausalLM(checkpoint.config, mtp_layers=mtp_layer_count(checkpoint), backends=REFERENCE)
+    return facts_of_model(model, getattr(torch, dtype))
+
+
+def facts_of_model(model: CausalLM, dtype: torch.dtype) -> ModelFacts:
+    """`ModelFacts` of a CausalLM (built on the meta device, or loaded) whose weights are in `dtype`."""
+    import torch
+
+    from app.engine.paged_state import kv_block_bytes, slot_state_bytes
+    from app.models.moe import RoutedExperts
+
+    config = model.config
+    item = torch.empty((), dtype=dtype).element_size()
+    routed = [m for m in model.modules() if isinstance(m, RoutedExperts)]
+    expert_values = sum(m.gate_up.numel() + m.down.numel() for m in routed)
+    total = sum(p.numel() for p in model.parameters())
+    ends = model.model.embed_tokens.weight.numel()
+    if model.lm_head is not None:
+        ends += model.lm_head.weight.numel()
+    return ModelFacts(
+        dense_bytes=(total - expert_values) * item,
+        expert_bytes=expert_values // (len(routed) * config.num_experts) * item if routed else 0,
+        experts=config.num_experts if routed else 0,
+        moe_layers=len(routed),
+        layers=config.num_hidden_layers,
+        kv_token_bytes=kv_block_bytes(config, 1, dtype),
+        slot_state_bytes=slot_state_bytes(config, dtype),
+        max_len=config.max_position_embeddings,
+        ends_bytes=ends * item,
+    )
+
+
+def detect_machine() -> Machine:
+    """The machine this runs on: each visible GPU's memory and name, host RAM, the cores this process may
+    use."""
+    import os
+
+    import psutil
+    import torch
+
+    cards = []
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            props = torch.cuda.get_device_properties(i)
+            cards.append(Card(props.total_memory, props.name))
+    return Machine(tuple(cards), psutil.virtual_memory().total, len(os.sched_getaffinity(0)))

@@ -1,0 +1,123 @@
+"""The settings autoconfig picks for described machines (docs/AUTOCONFIG.md's table), the model facts it
+reads, and `strata autoconfig` on this machine."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from checkpoints import write_checkpoint
+
+from app.autoconfig import (
+    GIB,
+    MIN_SLOTS,
+    Card,
+    Machine,
+    ModelFacts,
+    choose,
+    facts_of,
+    facts_of_model,
+    kv_bytes,
+    usable,
+)
+from app.cli import build_parser, main
+from app.errors import StrataError
+from app.kernels.reference import REFERENCE
+from app.models.config import ModelConfig
+from app.models.qwen3 import CausalLM
+from benchmarks.shapes import shape
+
+# (cards' GiB, RAM GiB) -> the flags chosen for Qwen3-30B-A3B and Qwen3-Next-80B-A3B in bf16 (None: refused)
+MACHINES: dict[tuple[tuple[int, ...], int], tuple[str | None, str | None]] = {
+    ((11,), 64): (None, None),
+    ((11, 11), 128): ("--parallel 4 --layer-split 2 --batch-groups 2 --expert-cache 10 --adapt-async", None),
+    ((16,) * 4, 256): (
+        "--parallel 4 --layer-split 4 --batch-groups 4 --expert-cache 68 --adapt-async",
+        "--parallel 4 --layer-split 4 --batch-groups 4 --expert-cache 103 --adapt-async",
+    ),
+    ((24,), 128): ("--parallel 4 --expert-cache 26 --adapt-async", None),
+    ((24, 24), 256): (
+        "--parallel 4 --layer-split 2 --batch-groups 2 --expert-cache 63 --adapt-async",
+        "--parallel 4 --layer-split 2 --batch-groups 2 --expert-cache 93 --adapt-async",
+    ),
+    ((141,), 128): ("--parallel 32", "--parallel 4 --expert-cache 426 --adapt-async"),
+    ((80,) * 8, 1024): ("--parallel 20", "--parallel 32 --layer-split 3 --batch-groups 3"),
+}
+
+
+@pytest.fixture(scope="module")
+def models() -> tuple[ModelFacts, ModelFacts]:
+    facts = []
+    for name in ("q30", "qnext"):
+        with torch.device("meta"):
+            model = CausalLM(ModelConfig.from_dict(shape(name)), backends=REFERENCE)
+        facts.append(facts_of_model(model, torch.bfloat16))
+    return facts[0], facts[1]
+
+
+def _without_kv(flags: list[str]) -> str:
+    """The flags but --kv-memory (checked apart: it follows the memory arithmetic to the byte)."""
+    at = flags.index("--kv-memory")
+    return " ".join(flags[:at] + flags[at + 2 :])
+
+
+@pytest.mark.parametrize(("cards", "ram"), list(MACHINES))
+def test_each_described_machine_gets_the_documented_settings(
+    models: tuple[ModelFacts, ModelFacts], cards: tuple[int, ...], ram: int
+) -> None:
+    machine = Machine(tuple(Card(size * GIB) for size in cards), ram * GIB, 16)
+    for facts, expected in zip(models, MACHINES[(cards, ram)], strict=True):
+        if expected is None:
+            with pytest.raises(StrataError, match="do not fit this machine"):
+                choose(machine, facts)
+            continue
+        settings = choose(machine, facts)
+        assert _without_kv(settings.flags()) == expected
+        assert settings.parallel >= MIN_SLOTS and settings.reasons
+        # what every stage then holds fits the memory the engine plans with on its card
+        stages = int(settings.layer_split or 1)
+        resident = facts.experts if settings.expert_cache is None else settings.expert_cache
+        share = (facts.dense_bytes + resident * facts.moe_layers * facts.expert_bytes) / stages
+        assert share + settings.kv_memory <= usable(machine.cards[0])
+        assert settings.kv_memory >= kv_bytes(facts, settings.parallel, 8192)
+        build_parser().parse_args(["serve", *settings.flags()])  # flags `strata serve` takes
+
+
+def test_a_cpu_machine_runs_the_model_in_host_ram_with_slots_by_its_cores(
+    models: tuple[ModelFacts, ModelFacts],
+) -> None:
+    q30 = models[0]
+    settings = choose(Machine((), 256 * GIB, 16), q30)
+    assert settings.parallel == 32 and settings.layer_split is None and settings.expert_cache is None
+    assert "CPU" in settings.reasons[0]
+    assert choose(Machine((), 256 * GIB, 2), q30).parallel == MIN_SLOTS
+    with pytest.raises(StrataError, match="no room"):
+        choose(Machine((), 32 * GIB, 16), q30)
+
+
+def test_the_facts_are_the_models_own_parameter_counts(tmp_path: Path) -> None:
+    path = write_checkpoint(tmp_path / "m", "qwen3_next")
+    facts = facts_of(path, "float32")
+    config = ModelConfig.from_dict(json.loads((path / "config.json").read_text()))
+    with torch.device("meta"):
+        model = CausalLM(config, backends=REFERENCE)
+    total = sum(p.numel() for p in model.parameters()) * 4
+    assert facts.weight_bytes == total
+    assert facts.expert_bytes == 3 * config.hidden_size * config.moe_intermediate_size * 4
+    assert facts.moe_layers == sum(config.moe_layers) and facts.slot_state_bytes > 0
+    attention = sum(t == "full_attention" for t in config.layer_types)
+    assert facts.kv_token_bytes == 2 * attention * config.num_key_value_heads * config.head_dim * 4
+
+
+def test_strata_autoconfig_prints_the_reasons_and_a_serve_command(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = write_checkpoint(tmp_path / "m", "qwen3_moe")
+    assert main(["autoconfig", "--model", str(path), "--dtype", "float32"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("machine: ") and all(line.startswith("- ") for line in out[1:-1])
+    command = out[-1].split()
+    assert command[:4] == ["strata", "serve", "--model", str(path)]
+    build_parser().parse_args(command[1:])
