@@ -1,15 +1,38 @@
-"""The native CPU kernels (native/), built at install time for this machine's CPU.
+"""The native CPU kernels (native/), built at install time for this machine's CPU, and the pages' templates
+and static files, copied into the webui package of a build.
 
-Optional: where no C++ compiler or OpenMP exists the install goes on without it: the CPU expert pool runs its
-torch fallback (app/kernels/cpu_experts.py says so once) and the CPU backend set is the torch reference.
-Everything else is in pyproject.toml.
+The native kernels are optional: where no C++ compiler or OpenMP exists the install goes on without them (and
+STRATA_NO_NATIVE=1 skips them): the CPU expert pool runs its torch fallback (app/kernels/cpu_experts.py says
+so once) and the CPU backend set is the torch reference. Everything else is in pyproject.toml.
 """
 
-import pybind11
-from setuptools import Extension, setup
+import os
+import shutil
+from pathlib import Path
 
-setup(
-    ext_modules=[
+from setuptools import Extension, setup
+from setuptools.command.build_py import build_py
+
+PAGE_FILES = ("templates", "static")  # the repository's top-level directories the pages read
+
+
+class BuildWithPages(build_py):
+    """build_py that also copies templates/ and static/ into the built webui package."""
+
+    def run(self) -> None:
+        super().run()
+        for name in PAGE_FILES:
+            target = Path(self.build_lib) / "webui" / name
+            shutil.rmtree(target, ignore_errors=True)
+            shutil.copytree(Path(__file__).parent / name, target)
+
+
+def native_kernels() -> list[Extension]:
+    if os.environ.get("STRATA_NO_NATIVE") == "1":
+        return []
+    import pybind11
+
+    return [
         Extension(
             "app.kernels._native",
             ["native/module.cpp", "native/cpu_experts.cpp", "native/cpu_sequence.cpp"],
@@ -20,4 +43,6 @@ setup(
             optional=True,
         )
     ]
-)
+
+
+setup(ext_modules=native_kernels(), cmdclass={"build_py": BuildWithPages})

@@ -39,8 +39,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model_dir: Path | None, *extra: str, api_key: str | None = None) -> Server:
-    """Start `strata serve` (None: the default model) and wait until /health answers 200 (or fail)."""
+def start_server(
+    model_dir: Path | None,
+    *extra: str,
+    api_key: str | None = None,
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
+) -> Server:
+    """Start `strata serve` (None: the default model; `env` and `cwd` for its process where given) and wait
+    until /health answers 200 (or fail)."""
     port = _free_port()
     command = [sys.executable, "-m", "app.cli", "serve", "--port", str(port)]
     if model_dir is not None:
@@ -48,7 +55,9 @@ def start_server(model_dir: Path | None, *extra: str, api_key: str | None = None
     command += ["--dtype", "float32", "--kv-memory", "64MiB", *extra]
     if api_key:
         command += ["--api-key", api_key]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:

@@ -1,7 +1,8 @@
 """The browser pages: chat at `/`, the Monitor at `/monitor`, their CSS and JS modules under `/static`.
 
 The pages are open (they hold no data); what they show comes over the WebSockets of `webui/live.py`,
-which check the API key. Templates and static files live in the repository's `templates/` and `static/`.
+which check the API key. Templates and static files live in the repository's `templates/` and `static/`; an
+installed package carries copies of them inside `webui/` (setup.py puts them there when it builds).
 """
 
 from __future__ import annotations
@@ -16,9 +17,15 @@ from litestar.response import Template
 from litestar.static_files import create_static_files_router
 from litestar.template.config import TemplateConfig
 
-ROOT = Path(__file__).resolve().parent.parent
-TEMPLATES_DIR = ROOT / "templates"
-STATIC_DIR = ROOT / "static"
+
+def _files(name: str) -> Path:
+    """The directory of the pages' `name` files: inside the installed package, else the source tree's."""
+    here = Path(__file__).resolve().parent
+    return here / name if (here / name).is_dir() else here.parent / name
+
+
+TEMPLATES_DIR = _files("templates")
+STATIC_DIR = _files("static")
 
 # Everything comes from this server: no inline scripts, no other origin (WebSockets included).
 PAGE_HEADERS = {
