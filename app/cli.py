@@ -1,9 +1,11 @@
-"""The `strata` command line: `generate`, `serve` and `bench`, all through the engine process."""
+"""The `strata` command line: `generate`, `serve`, `bench`, `autoconfig`, `stage`, and alone (`launch`) the
+server with the settings saved for this machine."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 from collections.abc import Callable, Sequence
@@ -313,6 +315,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="time a follow-up turn of a --prompt-len conversation: cached, restored from disk, read again",
     )
+    launch = commands.add_parser(
+        "launch",
+        help="what `strata` alone runs: serve with the settings saved for this machine (chosen by autoconfig "
+        "and saved on the first launch), then open the chat in the browser; later flags override them",
+    )
+    launch.add_argument("flags", nargs="*", help="`strata serve` flags over the saved ones")
     auto = commands.add_parser(
         "autoconfig", help="print the settings this machine suits for a model, and why (app/autoconfig.py)"
     )
@@ -345,6 +353,19 @@ def run_autoconfig(args: argparse.Namespace) -> None:
     for reason in settings.reasons:
         print(f"- {reason}")
     print(" ".join(["strata serve --model", model, *settings.flags()]))
+
+
+def run_launch(args: argparse.Namespace) -> None:
+    """`strata` alone: the settings saved for this machine (autoconfig's for the default model on the first
+    launch, written to the settings file then), any flags given over them, `strata serve` with them, and the
+    chat opened in the browser once the server answers (not with STRATA_NO_BROWSER=1)."""
+    from app.launch import browser_when_ready, saved_flags
+
+    flags = saved_flags()
+    serve = build_parser().parse_args(["serve", *flags, *args.flags])
+    if os.environ.get("STRATA_NO_BROWSER") != "1":
+        browser_when_ready(serve.host, serve.port)
+    run_serve(serve)
 
 
 def _has_cuda() -> bool:
@@ -467,7 +488,11 @@ def run_bench(args: argparse.Namespace) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `strata` console script; errors end as one line on stderr."""
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or (argv[0] == "launch" and not {"-h", "--help"} & set(argv)):
+        args = argparse.Namespace(command="launch", flags=argv[1:])  # the flags are `strata serve`'s
+    else:
+        args = build_parser().parse_args(argv)
     try:
         commands = {
             "generate": run_generate,
@@ -475,6 +500,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "bench": run_bench,
             "stage": run_stage,
             "autoconfig": run_autoconfig,
+            "launch": run_launch,
         }
         commands[args.command](args)
     except StrataError as e:
