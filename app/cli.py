@@ -321,6 +321,9 @@ def build_parser() -> argparse.ArgumentParser:
         "and saved on the first launch), then open the chat in the browser; later flags override them",
     )
     launch.add_argument("flags", nargs="*", help="`strata serve` flags over the saved ones")
+    commands.add_parser(
+        "install-launcher", help="put `strata` (alone: serve and open the chat) in the desktop's menu (Linux)"
+    )
     auto = commands.add_parser(
         "autoconfig", help="print the settings this machine suits for a model, and why (app/autoconfig.py)"
     )
@@ -366,6 +369,13 @@ def run_launch(args: argparse.Namespace) -> None:
     if os.environ.get("STRATA_NO_BROWSER") != "1":
         browser_when_ready(serve.host, serve.port)
     run_serve(serve)
+
+
+def run_install_launcher(args: argparse.Namespace) -> None:
+    """`strata install-launcher`: write the desktop entry and say where."""
+    from app.launch import install_launcher
+
+    print(f"strata: the desktop's menu now has Strata ({install_launcher()})")
 
 
 def _has_cuda() -> bool:
@@ -501,6 +511,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "stage": run_stage,
             "autoconfig": run_autoconfig,
             "launch": run_launch,
+            "install-launcher": run_install_launcher,
         }
         commands[args.command](args)
     except StrataError as e:

@@ -4,11 +4,14 @@ The first launch asks autoconfig (app/autoconfig.py) for the default model's set
 why it chose each, and writes them to `settings.toml` in the user's config directory (platformdirs:
 ~/.config/strata on Linux), as `strata serve` flags under `[serve]`, with the reasons as comments. Later
 launches read that file (edit it to change them; delete it to choose again); flags given to `strata launch`
-override it.
+override it. `strata install-launcher` puts `strata` alone in the desktop's menu.
 """
 
 from __future__ import annotations
 
+import os
+import shlex
+import sys
 import threading
 import time
 import tomllib
@@ -84,6 +87,28 @@ def _toml(value: str) -> str:
     if value.isdigit():
         return value
     return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def install_launcher() -> Path:
+    """Write a desktop entry (Linux: `$XDG_DATA_HOME/applications/strata.desktop`) that runs `strata` alone
+    in a terminal, so the desktop's menu starts the server and opens the chat; returns its path."""
+    if not sys.platform.startswith("linux"):
+        raise StrataError("install-launcher writes a Linux desktop entry; here, run `strata` instead")
+    data = Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share")
+    path = data / "applications" / "strata.desktop"
+    command = shlex.join([sys.executable, "-m", "app.cli", "launch"])
+    entry = [
+        "[Desktop Entry]",
+        "Type=Application",
+        "Name=Strata",
+        "Comment=Serve a Mixture-of-Experts model on this machine and chat with it in the browser",
+        f"Exec={command}",
+        "Terminal=true",
+        "Categories=Development;",
+    ]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(entry) + "\n", encoding="utf-8")
+    return path
 
 
 def browser_when_ready(host: str, port: int) -> threading.Thread:

@@ -3,7 +3,9 @@ real server started from them."""
 
 from __future__ import annotations
 
+import configparser
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -14,6 +16,7 @@ import httpx
 import pytest
 from serving import _free_port
 
+from app.cli import main
 from app.default_model import default_model_dir
 from app.errors import StrataError
 from app.launch import saved_flags, settings_path
@@ -68,3 +71,18 @@ def test_strata_alone_serves_with_the_saved_settings(config_home: Path) -> None:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+def test_the_launcher_is_a_desktop_entry_that_runs_strata_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
+    assert main(["install-launcher"]) == 0
+    path = tmp_path / "applications" / "strata.desktop"
+    assert str(path) in capsys.readouterr().out
+    entry = configparser.ConfigParser(interpolation=None)
+    entry.read(path)
+    desktop = entry["Desktop Entry"]
+    assert desktop["Type"] == "Application" and desktop["Terminal"] == "true"
+    command = shlex.split(desktop["Exec"])
+    assert Path(command[0]).exists() and command[1:] == ["-m", "app.cli", "launch"]
