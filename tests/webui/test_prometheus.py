@@ -57,6 +57,7 @@ def test_prometheus_scrapes_the_server_and_answers_every_dashboard_query(tmp_pat
     server = start_server(model, *options, api_key=API_KEY)
     prometheus_process = None
     stop = threading.Event()
+    workers: list[threading.Thread] = []
     try:
         (tmp_path / "key").write_text(API_KEY + "\n")
         config = yaml.safe_load((KIT / "prometheus.yml").read_text())
@@ -82,14 +83,17 @@ def test_prometheus_scrapes_the_server_and_answers_every_dashboard_query(tmp_pat
         def traffic() -> None:  # requests going on all along, so that every rate has something to count
             body = {"model": name, "messages": [{"role": "user", "content": "count: 1 2 3 1 2 3 1 2"}]}
             while not stop.is_set():
-                httpx.post(
-                    f"{server.url}/v1/chat/completions",
-                    headers=server.headers(),
-                    json={**body, "max_tokens": 12},
-                    timeout=60,
-                )
+                try:
+                    httpx.post(
+                        f"{server.url}/v1/chat/completions",
+                        headers=server.headers(),
+                        json={**body, "max_tokens": 12},
+                        timeout=60,
+                    )
+                except httpx.HTTPError:
+                    return  # the server is going away at the end of the test
 
-        workers = [threading.Thread(target=traffic, daemon=True) for _ in range(2)]
+        workers += [threading.Thread(target=traffic, daemon=True) for _ in range(2)]
         for worker in workers:
             worker.start()
         missing = _expressions()
@@ -105,6 +109,8 @@ def test_prometheus_scrapes_the_server_and_answers_every_dashboard_query(tmp_pat
         assert [t["health"] for t in targets] == ["up"]
     finally:
         stop.set()
+        for worker in workers:
+            worker.join(timeout=60)
         if prometheus_process is not None:
             prometheus_process.terminate()
             prometheus_process.wait(timeout=30)
