@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from app.errors import StrataError
+from app.models.placement import spare_slots
 
 if TYPE_CHECKING:
     import torch
@@ -103,17 +104,28 @@ class Settings:
     adapt_async: bool = False
     reasons: list[str] = field(default_factory=list)
 
+    def options(self) -> dict[str, str | bool]:
+        """These settings as `strata serve` options: flag name (without the dashes) -> its value, True for a
+        flag that takes none."""
+        options: dict[str, str | bool] = {
+            "parallel": str(self.parallel),
+            "kv-memory": f"{self.kv_memory // (1 << 20)}MiB",
+        }
+        if self.layer_split is not None:
+            options["layer-split"] = self.layer_split
+        if self.batch_groups is not None:
+            options["batch-groups"] = str(self.batch_groups)
+        if self.expert_cache is not None:
+            options["expert-cache"] = str(self.expert_cache)
+        if self.adapt_async:
+            options["adapt-async"] = True
+        return options
+
     def flags(self) -> list[str]:
         """These settings as `strata serve` flags."""
-        flags = ["--parallel", str(self.parallel), "--kv-memory", f"{self.kv_memory // (1 << 20)}MiB"]
-        if self.layer_split is not None:
-            flags += ["--layer-split", self.layer_split]
-        if self.batch_groups is not None:
-            flags += ["--batch-groups", str(self.batch_groups)]
-        if self.expert_cache is not None:
-            flags += ["--expert-cache", str(self.expert_cache)]
-        if self.adapt_async:
-            flags.append("--adapt-async")
+        flags = []
+        for name, value in self.options().items():
+            flags += [f"--{name}"] if value is True else [f"--{name}", str(value)]
         return flags
 
 
@@ -197,7 +209,7 @@ def _tiered(facts: ModelFacts, rooms: list[int], minimum: int, machine: Machine)
     def used(resident: int) -> list[int]:
         """Each stage's bytes with `resident` experts a layer: its other weights, those experts and the
         asynchronous swaps' spare slots, and the staging area for one layer's host slots."""
-        spare = _spare(resident)
+        spare = spare_slots(resident)
         experts = (resident + spare) * moe_layers + (facts.experts - resident + 1)
         return [d + int(experts * facts.expert_bytes) for d in dense]
 
@@ -219,7 +231,7 @@ def _tiered(facts: ModelFacts, rooms: list[int], minimum: int, machine: Machine)
             f"the weights ({weights:.1f} GiB) exceed the cards: the expert tier keeps {resident} of each MoE "
             f"layer's {facts.experts} experts on the card ({resident / facts.experts:.0%}) and "
             f"{host / GIB:.1f} GiB of experts in host RAM, following the routing (asynchronous swaps into "
-            f"{_spare(resident)} spare slots a layer)"
+            f"{spare_slots(resident)} spare slots a layer)"
         ]
     else:
         reasons = [
@@ -233,12 +245,6 @@ def _tiered(facts: ModelFacts, rooms: list[int], minimum: int, machine: Machine)
     if stages > 1:
         settings.layer_split, settings.batch_groups = str(stages), min(stages, settings.parallel)
     return settings
-
-
-def _spare(resident: int) -> int:
-    """The spare slots a layer an asynchronously adapting tier of `resident` experts keeps (as the engine
-    does: a quarter of them, 1 to 8)."""
-    return max(1, min(8, resident // 4)) if resident else 0
 
 
 def _sized(
@@ -309,6 +315,12 @@ def facts_of_model(model: CausalLM, dtype: torch.dtype) -> ModelFacts:
         max_len=config.max_position_embeddings,
         ends_bytes=ends * item,
     )
+
+
+def for_model(model: Path | str, dtype: str = "bfloat16") -> tuple[Machine, Settings]:
+    """This machine and the settings `choose` picks on it for the model at `model` in `dtype`."""
+    machine = detect_machine()
+    return machine, choose(machine, facts_of(model, dtype))
 
 
 def detect_machine() -> Machine:

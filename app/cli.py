@@ -346,12 +346,11 @@ def build_parser() -> argparse.ArgumentParser:
 def run_autoconfig(args: argparse.Namespace) -> None:
     """Print the machine, the settings `app.autoconfig.choose` picks for the model with the reason for each,
     and the `strata serve` command that uses them."""
-    from app.autoconfig import choose, detect_machine, facts_of
+    from app.autoconfig import for_model
     from app.default_model import default_model_dir
 
     model = args.model or str(default_model_dir())
-    machine = detect_machine()
-    settings = choose(machine, facts_of(model, args.dtype))
+    machine, settings = for_model(model, args.dtype)
     print(f"machine: {machine.describe()}")
     for reason in settings.reasons:
         print(f"- {reason}")

@@ -52,31 +52,22 @@ def saved_flags() -> list[str]:
 def _write_autoconfig(path: Path) -> None:
     """Autoconfig's settings for the default model on this machine, printed with their reasons and written
     to `path`."""
-    from app.autoconfig import choose, detect_machine, facts_of
+    from app.autoconfig import for_model
     from app.default_model import default_model_dir
 
     model = str(default_model_dir())
-    machine = detect_machine()
-    settings = choose(machine, facts_of(model))
+    machine, settings = for_model(model)
     print(f"strata: first launch on this machine ({machine.describe()}):")
     for reason in settings.reasons:
         print(f"  - {reason}")
-    flags = settings.flags()
     lines = [
         "# strata's settings on this machine, as `strata serve` flags (chosen by `strata autoconfig`):",
         *(f"# - {reason}" for reason in settings.reasons),
         "[serve]",
         f"model = {_toml(model)}",
     ]
-    i = 0
-    while i < len(flags):
-        key = flags[i].removeprefix("--").replace("-", "_")
-        if i + 1 < len(flags) and not flags[i + 1].startswith("--"):
-            lines.append(f"{key} = {_toml(flags[i + 1])}")
-            i += 2
-        else:
-            lines.append(f"{key} = true")
-            i += 1
+    for name, value in settings.options().items():
+        lines.append(f"{name.replace('-', '_')} = {'true' if value is True else _toml(str(value))}")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     print(f"strata: saved to {path} (edit it to change them, delete it to choose again)")

@@ -55,10 +55,10 @@ from app.kernels.interface import Backends
 from app.loading.checkpoint import CheckpointDir
 from app.loading.model import LoadedModel
 from app.models.config import ModelConfig
-from app.models.expert_tier import HostLink, TieredExperts, spare_slots, use_expert_tier
+from app.models.expert_tier import HostLink, TieredExperts, use_expert_tier
 from app.models.moe import RoutedExperts, SparseMoE
 from app.models.pieces import Pieces
-from app.models.placement import PLACEMENTS, layer_residency
+from app.models.placement import PLACEMENTS, layer_residency, spare_slots
 from app.models.qwen3 import CausalLM
 from app.text.tokenizer import Tokenizer
 from benchmarks.gpu_bench import WEIGHT_BUDGET, build_model, write_model_dir

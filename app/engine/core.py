@@ -41,8 +41,8 @@ from app.loading.identity import model_identity
 from app.loading.loader import experts_within, resolve_dtype, weight_elements
 from app.loading.model import LoadedModel, open_model
 from app.models.config import LINEAR_ATTENTION
-from app.models.expert_tier import RoutedBefore, TieredExperts, decoder_tiers, spare_slots, use_staging
-from app.models.placement import PLACEMENTS
+from app.models.expert_tier import RoutedBefore, TieredExperts, decoder_tiers, use_staging
+from app.models.placement import PLACEMENTS, spare_slots
 from app.models.qwen3 import ModelPart
 from app.text.stream import TextStream
 
@@ -168,7 +168,7 @@ class EngineCore:
         )
         self.recurrent = LINEAR_ATTENTION in model.config.layer_types
         self.tiers = [m for m in model.modules() if isinstance(m, TieredExperts)]
-        costs = use_staging(self.tiers, config.pcie_frac, decoder_tiers(model))
+        costs = use_staging(self.tiers, config.pcie_frac, decoder_tiers(model), keep_free=config.kv_memory)
         if costs is not None:
             # the host's torch work is small beside the CPU pool's; torch's own threads would only contend
             torch.set_num_threads(1)

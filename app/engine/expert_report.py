@@ -30,7 +30,6 @@ class ExpertReporter:
         self.device = device
         self.experts = model.config.num_experts
         self.swaps = 0  # experts the tiers moved onto the device since the last report
-        self._routed: list[list[int]] = []  # the last report's routed entries per layer and expert
 
     def take(self, seconds: float) -> ExpertUsage | None:
         """The routing counts since the last report (one device sync), None without MoE layers."""
@@ -39,7 +38,6 @@ class ExpertReporter:
         counts = [moe.take_routed() for _, moe in self.layers]
         zeros = torch.zeros(self.experts, dtype=torch.long)
         routed = torch.stack([zeros if c is None else c.cpu() for c in counts]).tolist()
-        self._routed = routed
         # an untiered layer's experts live beside the model: on the device with a GPU or beside a tier's
         # resident ones (whose place the CPU device also is), in host RAM on a CPU without a tier
         where = 0 if self.device == "cuda" or self.tiers else 1
@@ -53,20 +51,21 @@ class ExpertReporter:
             ],
             seconds=seconds,
             swaps=swaps,
-            **self._served(),
+            **self._served(routed),
         )
 
-    def _served(self) -> dict[str, Any]:
-        """The tiers' counts since the last report: each layer's entries per source, bytes copied, adapt wait
-        (the MTP head's tiers, outside the reported layers, count in the bytes and the wait)."""
+    def _served(self, routed: list[list[int]]) -> dict[str, Any]:
+        """The tiers' counts since the last report: each layer's entries per source (a layer with no tier: its
+        `routed` entries, all from VRAM), bytes copied, adapt wait (the MTP head's tiers, outside the reported
+        layers, count in the bytes and the wait)."""
         if not self.tiers:
             return {}
         counts = {id(tier): tier.take_counts() for tier in self.tiers}
         served = []
-        for (_, moe), routed in zip(self.layers, self._routed, strict=True):
+        for (_, moe), layer_routed in zip(self.layers, routed, strict=True):
             tier = counts.get(id(moe.experts))
             # a layer without a tier (a placement that keeps whole layers on the device) serves from VRAM
-            untiered = [sum(routed)] + [0] * (len(EXPERT_SOURCES) - 1)
+            untiered = [sum(layer_routed)] + [0] * (len(EXPERT_SOURCES) - 1)
             served.append(tier.served if tier is not None else untiered)
         return {
             "served": served,

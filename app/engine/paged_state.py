@@ -125,7 +125,9 @@ class PagedState:
             ],
             dtype=torch.int64,
         )
-        row_slots = torch.tensor([s.seq for s in spans for _ in range(s.length)], dtype=torch.int64)
+        row_slots = torch.tensor([s.seq for s in spans], dtype=torch.int64).repeat_interleave(
+            torch.tensor([s.length for s in spans])
+        )
         packed = torch.cat((small, tables.flatten(), *slot_mapping, row_slots))
         packed = packed.to(self.device, non_blocking=True)
         query_start, seq_lens, state_slots, save_at, save_slots, table, mapping, rows = packed.split(

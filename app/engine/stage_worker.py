@@ -38,7 +38,8 @@ from app.engine.warm_up import warm_up_kernels
 from app.kernels.backends import select_backends
 from app.loading.loader import experts_within, load_model, resolve_dtype
 from app.models.batch import ForwardBatch
-from app.models.expert_tier import TieredExperts, decoder_tiers, spare_slots, use_staging
+from app.models.expert_tier import TieredExperts, decoder_tiers, use_staging
+from app.models.placement import spare_slots
 from app.models.qwen3 import CausalLM, ModelPart
 
 log = logging.getLogger("strata.engine")
@@ -90,7 +91,8 @@ def run_stage(
         )
         dtype = resolve_dtype(config.dtype, checkpoint, where)
         tiers = [m for m in model.modules() if isinstance(m, TieredExperts)]
-        if use_staging(tiers, config.pcie_frac, decoder_tiers(model)) is not None:
+        staged = use_staging(tiers, config.pcie_frac, decoder_tiers(model), keep_free=config.kv_memory)
+        if staged is not None:
             torch.set_num_threads(1)  # as in the engine process: the CPU pool's threads do the host's work
     except Exception as exc:  # the engine process reports it, in one line
         link.send_object(StageLoaded(f"{type(exc).__name__}: {exc}"), 0)

@@ -31,7 +31,7 @@ ADAPT_DECAY = 0.5  # how much of the earlier routing counts when the tier adapts
 VRAM, CPU, PCIE = range(3)  # where a routed entry was served (the order of protocol.EXPERT_SOURCES)
 HOST_READ_ENTRIES = 1024  # up to so many routed entries a window's routing is read whole to the host
 STREAM_COVERAGE = 0.5  # a large window streams whole layers when its first layer misses this share of hosts
-STREAM_HEADROOM = 2 << 30  # device bytes left free beside the second staging area a stream needs
+STREAM_HEADROOM = 2 << 30  # device bytes left free beside a stream's second staging area and the KV pool
 
 
 @dataclass
@@ -848,12 +848,6 @@ class TieredExperts(nn.Module):
         )
 
 
-def spare_slots(resident: int) -> int:
-    """Device slots an asynchronously adapting tier keeps free for the experts being copied in: a quarter of
-    its resident ones, 1 to 8 (so many swaps land per round)."""
-    return max(1, min(8, resident // 4)) if resident else 0
-
-
 def use_expert_tier(
     model: nn.Module, resident: int | list[int], host_kernel: HostExpertsFn, spare: int = 0
 ) -> None:
@@ -861,7 +855,7 @@ def use_expert_tier(
     `resident` experts on the device (one count for every layer, or one per MoE layer in model order: a
     layer given all its experts keeps them all on the device, untiered), `spare` device slots for
     asynchronous swaps, and `host_kernel` for the others. Call it under the meta device."""
-    layers = [m for m in model.modules() if isinstance(m, SparseMoE) and isinstance(m.experts, RoutedExperts)]
+    layers = _routed_layers(model)
     counts = resident if isinstance(resident, list) else [resident] * len(layers)
     if len(counts) != len(layers):
         raise ValueError(f"{len(counts)} resident counts for {len(layers)} MoE layers")
@@ -874,9 +868,14 @@ def use_expert_tier(
             )
 
 
+def _routed_layers(model: nn.Module) -> list[SparseMoE]:
+    """The MoE layers whose routed experts have no tier yet, MTP layers included, in model order."""
+    return [m for m in model.modules() if isinstance(m, SparseMoE) and isinstance(m.experts, RoutedExperts)]
+
+
 def moe_layers(model: nn.Module) -> int:
     """How many MoE layers (of routed experts) a model has, MTP layers included."""
-    return sum(isinstance(m, SparseMoE) and isinstance(m.experts, RoutedExperts) for m in model.modules())
+    return len(_routed_layers(model))
 
 
 def decoder_tiers(model: nn.Module) -> list[TieredExperts]:
@@ -888,13 +887,14 @@ def use_staging(
     tiers: list[TieredExperts],
     pcie_frac: float | None = None,
     layers: list[TieredExperts] | None = None,
+    keep_free: int = 0,
 ) -> MissCosts | None:
     """On a GPU: one staging area for the tiers' missed experts (as many slots as a layer has host slots)
     and this machine's costs (measured now) to split each window's misses between it and the CPU pool.
     `pcie_frac` forces that share of the missed experts over PCIe. `layers`: the tiers of the decoder's
     layers in the order a forward runs them (default: `tiers`); where the device has room for a second
-    staging area beside the first, large windows stream through them (`LayerStream`). Returns the costs
-    (None on a CPU: misses run there)."""
+    staging area beside the first and `keep_free` bytes still to be allocated (the KV pool), large windows
+    stream through them (`LayerStream`). Returns the costs (None on a CPU: misses run there)."""
     if not tiers or tiers[0].slot_of is None or tiers[0].slot_of.device.type != "cuda":
         return None
     first = min(tiers, key=lambda t: t.resident)  # the one with most experts in host RAM
@@ -909,7 +909,7 @@ def use_staging(
     layers = tiers if layers is None else layers
     assert staging.gate_up is not None and staging.down is not None
     area = staging.gate_up.nbytes + staging.down.nbytes
-    if len(layers) > 1 and torch.cuda.mem_get_info(device)[0] > 2 * area + STREAM_HEADROOM:
+    if len(layers) > 1 and torch.cuda.mem_get_info(device)[0] > area + STREAM_HEADROOM + keep_free:
         stream = LayerStream(layers, (staging.gate_up, staging.down))
         for position, tier in enumerate(layers):
             tier.stream, tier.position = stream, position

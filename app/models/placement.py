@@ -21,3 +21,9 @@ def layer_residency(budget: int, layers: int, experts: int, placement: str) -> l
         return [budget // layers] * layers
     full, rest = divmod(budget, experts)
     return [experts] * full + ([rest] if full < layers else []) + [0] * max(layers - full - 1, 0)
+
+
+def spare_slots(resident: int) -> int:
+    """Device slots an asynchronously adapting tier keeps free for the experts being copied in: a quarter of
+    its resident ones, 1 to 8 (so many swaps land per round)."""
+    return max(1, min(8, resident // 4)) if resident else 0
