@@ -31,6 +31,7 @@ ADAPT_DECAY = 0.5  # how much of the earlier routing counts when the tier adapts
 VRAM, CPU, PCIE = range(3)  # where a routed entry was served (the order of protocol.EXPERT_SOURCES)
 HOST_READ_ENTRIES = 1024  # up to so many routed entries a window's routing is read whole to the host
 STREAM_COVERAGE = 0.5  # a large window streams whole layers when its first layer misses this share of hosts
+STREAM_AT_ONCE = 8  # a window of this many routed entries an expert streams from its first tiered layer on
 STREAM_HEADROOM = 2 << 30  # device bytes left free beside a stream's second staging area and the KV pool
 
 
@@ -189,9 +190,11 @@ class LayerStream:
     """The host parts of a model's tiered layers copied to the device a layer ahead of their compute, for
     windows so large that they miss most host experts of every layer (long prompts): each layer's copy runs
     on a side stream into one of two buffers in turn while the device computes the layer before, so the
-    link never waits for a layer's routing. A window streams when its first tiered layer misses at least
-    STREAM_COVERAGE of that layer's host experts (`begin`); every later layer of the window then computes
-    each missed entry from the copy of its host part (`take`)."""
+    link never waits for a layer's routing. A window of at least STREAM_AT_ONCE routed entries an expert
+    (a long prompt's chunk, which misses nearly every host expert of every layer) streams from its first
+    tiered layer on, without reading its routing (`start`); a smaller one when its first tiered layer misses
+    at least STREAM_COVERAGE of that layer's host experts (`begin`), from the next layer on. Every streamed
+    layer computes each missed entry from the copy of its host part (`take`)."""
 
     def __init__(self, tiers: list[TieredExperts], first: tuple[torch.Tensor, torch.Tensor]) -> None:
         self.tiers = tiers
@@ -199,6 +202,12 @@ class LayerStream:
         self.copies = torch.cuda.Stream(first[0].device)
         self.ready: dict[int, torch.cuda.Event] = {}
         self.active = False
+
+    def start(self) -> None:
+        """Stream this window from the first tiered layer on: its copy is queued now."""
+        self.ready.clear()
+        self.active = True
+        self.prefetch(0)
 
     def begin(self, coverage: float) -> None:
         """The first tiered layer of a large window missed `coverage` of its host experts: stream the window
@@ -583,6 +592,10 @@ class TieredExperts(nn.Module):
         (`_serve_large`)."""
         ids = self._masked(top_ids, live)
         stream = self.stream
+        at_once = max(STREAM_AT_ONCE * self.experts, HOST_READ_ENTRIES + 1)
+        if stream is not None and self.position == 0 and ids.numel() >= at_once:
+            stream.start()
+            return self._from_stream(stream, x, ids, top_ids, top_weights)
         if stream is not None and stream.active and self.position > 0 and ids.numel() > HOST_READ_ENTRIES:
             return self._from_stream(stream, x, ids, top_ids, top_weights)
         host: tuple[torch.Tensor | None, torch.Tensor] | None = None
@@ -894,7 +907,8 @@ def use_staging(
     `pcie_frac` forces that share of the missed experts over PCIe. `layers`: the tiers of the decoder's
     layers in the order a forward runs them (default: `tiers`); where the device has room for a second
     staging area beside the first and `keep_free` bytes still to be allocated (the KV pool), large windows
-    stream through them (`LayerStream`). Returns the costs (None on a CPU: misses run there)."""
+    stream through them (`LayerStream`), unless `pcie_frac` forces a share below 1. Returns the costs (None on
+    a CPU: misses run there)."""
     if not tiers or tiers[0].slot_of is None or tiers[0].slot_of.device.type != "cuda":
         return None
     first = min(tiers, key=lambda t: t.resident)  # the one with most experts in host RAM
@@ -909,7 +923,8 @@ def use_staging(
     layers = tiers if layers is None else layers
     assert staging.gate_up is not None and staging.down is not None
     area = staging.gate_up.nbytes + staging.down.nbytes
-    if len(layers) > 1 and torch.cuda.mem_get_info(device)[0] > area + STREAM_HEADROOM + keep_free:
+    room = torch.cuda.mem_get_info(device)[0] > area + STREAM_HEADROOM + keep_free
+    if (pcie_frac is None or pcie_frac >= 1.0) and len(layers) > 1 and room:
         stream = LayerStream(layers, (staging.gate_up, staging.down))
         for position, tier in enumerate(layers):
             tier.stream, tier.position = stream, position

@@ -249,7 +249,8 @@ def test_long_prompts_stream_whole_layers_ahead_and_give_the_all_resident_tokens
     checkpoint: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Windows of more routed entries than a small window's (made small here) whose first tiered layer misses
-    most host experts copy each later layer's host part a layer ahead on a side stream: the greedy tokens of
+    most host experts copy each later layer's host part a layer ahead on a side stream, and windows of
+    STREAM_AT_ONCE entries an expert (made large here) every layer's from the first: the greedy tokens of
     the all-resident model, and the streamed layers' entries counted as served over PCIe."""
     monkeypatch.setattr("app.models.expert_tier.HOST_READ_ENTRIES", 64)
     settings = {"device": "cuda", "dtype": "float32", "parallel": 2}
@@ -257,15 +258,21 @@ def test_long_prompts_stream_whole_layers_ahead_and_give_the_all_resident_tokens
     arrivals = [(0, request(_prompt(200, 94), **params)), (2, request(_prompt(150, 95), **params))]
     everything, _ = run(make_core(checkpoint, **settings), arrivals)
     tiered = make_core(checkpoint, expert_cache=2, adapt_every=0, **settings)
+    experts = tiered.tiers[0].experts
     stream = tiered.tiers[0].stream
     assert stream is not None and len(stream.tiers) == len(tiered.tiers) > 1
     coverages: list[float] = []
-    begin = stream.begin
+    prefetched: list[int] = []
+    begin, prefetch = stream.begin, stream.prefetch
     monkeypatch.setattr(stream, "begin", lambda coverage: (coverages.append(coverage), begin(coverage))[1])
+    monkeypatch.setattr(stream, "prefetch", lambda at: (prefetched.append(at), prefetch(at))[1])
+    # From its first layer: the 200-token prompt's window (400 entries), not the 150-token one's (302).
+    monkeypatch.setattr("app.models.expert_tier.STREAM_AT_ONCE", 350 // experts)
     results, stats = run(tiered, arrivals)
     for _, add in arrivals:
         assert results[add.request_id].token_ids == everything[add.request_id].token_ids
-    assert coverages and max(coverages) >= STREAM_COVERAGE
+    assert coverages and max(coverages) >= STREAM_COVERAGE  # the 150-token prompt, after its first layer
+    assert prefetched.count(0) == 1 and prefetched.count(1) == 2  # the 200-token prompt from its first
     reported = [s.experts.served_total() for s in stats if s.experts is not None]
     reported += [t.take_counts().served for t in tiered.tiers]
     vram, _, pcie = (sum(c) for c in zip(*reported, strict=True))
