@@ -25,6 +25,7 @@ recurrent state) give `Settings`, each with the reason it was chosen. The rules,
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -47,26 +48,49 @@ HOST_SHARE = 0.8  # the share of host RAM the experts beyond the cards may take
 CPU_SLOTS_PER_CORE = 2  # on a CPU the windows are compute-bound: so many slots a core (MIN_SLOTS at least)
 
 
+PCIE_LANE_GB_S = {1: 0.25, 2: 0.5, 3: 0.985, 4: 1.969, 5: 3.938, 6: 7.563}  # one lane's rate, each way
+PCIE_EFFICIENCY = 0.85  # of that, what pinned copies reach (an H200's 5.0 x16: 55 GB/s measured of 63)
+SLOW_LINK_GB_S = 12.0  # below this a card's link makes misses copied over it slower than the CPU pool
+
+
 @dataclass(frozen=True)
 class Card:
-    """One GPU: its memory in bytes and name."""
+    """One GPU: its memory in bytes and name, and its PCIe link's generation and lanes (the most the card and
+    its slot agree on; None where unknown)."""
 
     memory: int
     name: str = "GPU"
+    pcie_gen: int | None = None
+    pcie_width: int | None = None
+
+    @property
+    def link_gb_s(self) -> float | None:
+        """What a pinned host-to-card copy reaches over the link, estimated; None where it is unknown."""
+        if self.pcie_gen is None or self.pcie_width is None or self.pcie_gen not in PCIE_LANE_GB_S:
+            return None
+        return PCIE_LANE_GB_S[self.pcie_gen] * self.pcie_width * PCIE_EFFICIENCY
+
+    def describe(self) -> str:
+        """`NVIDIA H200 139 GiB (PCIe 5.0 x16)`."""
+        link = f" (PCIe {self.pcie_gen}.0 x{self.pcie_width})" if self.link_gb_s is not None else ""
+        return f"{self.name} {self.memory / GIB:.0f} GiB{link}"
 
 
 @dataclass(frozen=True)
 class Machine:
-    """The cards (in order; none: a CPU machine), host RAM in bytes and the cores."""
+    """The cards (in order; none: a CPU machine), host RAM in bytes, the cores, and whether NVLink joins
+    the cards (None where unknown or only one)."""
 
     cards: tuple[Card, ...]
     ram: int
     cores: int
+    nvlink: bool | None = None
 
     def describe(self) -> str:
-        """One line: the cards, RAM and cores."""
-        cards = ", ".join(f"{c.name} {c.memory / GIB:.0f} GiB" for c in self.cards) or "no GPU"
-        return f"{cards}; {self.ram / GIB:.0f} GiB RAM; {self.cores} cores"
+        """One line: the cards, their links, RAM and cores."""
+        cards = ", ".join(c.describe() for c in self.cards) or "no GPU"
+        joined = {True: "; NVLink between the cards", False: "; no NVLink between the cards", None: ""}
+        return f"{cards}{joined[self.nvlink]}; {self.ram / GIB:.0f} GiB RAM; {self.cores} cores"
 
 
 @dataclass(frozen=True)
@@ -102,6 +126,7 @@ class Settings:
     batch_groups: int | None = None
     expert_cache: int | None = None
     adapt_async: bool = False
+    expert_placement: str = "spread"
     reasons: list[str] = field(default_factory=list)
 
     def options(self) -> dict[str, str | bool]:
@@ -109,7 +134,7 @@ class Settings:
         flag that takes none."""
         options: dict[str, str | bool] = {
             "parallel": str(self.parallel),
-            "kv-memory": f"{self.kv_memory // (1 << 20)}MiB",
+            "kv-memory": f"{max(1, self.kv_memory >> 20)}MiB",  # a tiny model's pool: 1 MiB at least
         }
         if self.layer_split is not None:
             options["layer-split"] = self.layer_split
@@ -119,6 +144,8 @@ class Settings:
             options["expert-cache"] = str(self.expert_cache)
         if self.adapt_async:
             options["adapt-async"] = True
+        if self.expert_placement != "spread":
+            options["expert-placement"] = self.expert_placement
         return options
 
     def flags(self) -> list[str]:
@@ -185,12 +212,38 @@ def _split(
         f"one stage a card, and {stages} slot groups taking turns down the stages so that every card stays "
         "busy"
     ]
+    reasons += _handoff_reasons(machine)
     if stages < len(machine.cards):
         reasons.append(_idle(len(machine.cards) - stages))
     free = min(r - w for r, w in zip(rooms[:stages], per_stage, strict=True))
     settings = _sized(facts, free, reasons)
     settings.layer_split, settings.batch_groups = str(stages), min(stages, settings.parallel)
     return settings
+
+
+def _handoff_reasons(machine: Machine) -> list[str]:
+    """How a split's stages hand windows on, where the machine says whether NVLink joins its cards."""
+    if machine.nvlink is None:
+        return []
+    if machine.nvlink:
+        return ["the stages hand each window's activations on over NVLink"]
+    return ["the stages hand each window's activations on over PCIe (no NVLink): a few MB a window"]
+
+
+def _link_reason(cards: tuple[Card, ...]) -> str:
+    """What the cards' PCIe links mean for the tier's misses (the engine measures them again at start)."""
+    rates = [c.link_gb_s for c in cards]
+    if any(rate is None for rate in rates):
+        return "misses go to the CPU pool or over PCIe as the link and the CPU measure at start"
+    slowest = min(r for r in rates if r is not None)
+    card = cards[rates.index(slowest)]
+    link = f"PCIe {card.pcie_gen}.0 x{card.pcie_width}, about {slowest:.0f} GB/s"
+    if slowest < SLOW_LINK_GB_S:
+        return (
+            f"the cards' link is slow ({link}): most misses run on the CPU pool, and long prompts copy "
+            "experts at that rate"
+        )
+    return f"misses are copied over {link}, or computed on the CPU pool where that is quicker"
 
 
 def _idle(cards: int) -> str:
@@ -238,8 +291,10 @@ def _tiered(facts: ModelFacts, rooms: list[int], minimum: int, machine: Machine)
             f"the weights ({weights:.1f} GiB) exceed the cards: every routed expert stays in host RAM "
             f"({host / GIB:.1f} GiB), each window's misses computed on the CPU or copied over PCIe"
         ]
+    reasons.append(_link_reason(machine.cards))
     if stages > 1:
         reasons.append(f"the other weights are split over the {stages} cards, one stage and slot group each")
+        reasons += _handoff_reasons(machine)
     settings = _sized(facts, free, reasons)
     settings.expert_cache, settings.adapt_async = resident, resident > 0
     if stages > 1:
@@ -324,8 +379,8 @@ def for_model(model: Path | str, dtype: str = "bfloat16") -> tuple[Machine, Sett
 
 
 def detect_machine() -> Machine:
-    """The machine this runs on: each visible GPU's memory and name, host RAM, the cores this process may
-    use."""
+    """The machine this runs on: each visible GPU's memory, name and PCIe link, whether NVLink joins them
+    (from nvidia-smi, where it answers), host RAM, the cores this process may use."""
     import os
 
     import psutil
@@ -333,7 +388,42 @@ def detect_machine() -> Machine:
 
     cards = []
     if torch.cuda.is_available():
+        links = pcie_links(_nvidia_smi("--query-gpu=pcie.link.gen.max,pcie.link.width.max", "--format=csv"))
         for i in range(torch.cuda.device_count()):
             props = torch.cuda.get_device_properties(i)
-            cards.append(Card(props.total_memory, props.name))
-    return Machine(tuple(cards), psutil.virtual_memory().total, len(os.sched_getaffinity(0)))
+            gen, width = links[i] if i < len(links) else (None, None)
+            cards.append(Card(props.total_memory, props.name, gen, width))
+    nvlink = nvlink_joined(_nvidia_smi("topo", "-m")) if len(cards) > 1 else None
+    return Machine(tuple(cards), psutil.virtual_memory().total, len(os.sched_getaffinity(0)), nvlink)
+
+
+def _nvidia_smi(*args: str) -> str:
+    """nvidia-smi's output for `args`; empty where it is missing or fails."""
+    import subprocess
+
+    try:
+        done = subprocess.run(["nvidia-smi", *args], capture_output=True, text=True, timeout=10, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return done.stdout if done.returncode == 0 else ""
+
+
+def pcie_links(csv: str) -> list[tuple[int | None, int | None]]:
+    """(generation, lanes) of each card from nvidia-smi's `pcie.link.gen.max,pcie.link.width.max` CSV."""
+    links: list[tuple[int | None, int | None]] = []
+    for line in csv.strip().splitlines()[1:]:
+        fields = [f.strip() for f in line.split(",")]
+        gen, width = ([int(f) if f.isdigit() else None for f in fields[:2]] + [None, None])[:2]
+        links.append((gen, width))
+    return links
+
+
+def nvlink_joined(topology: str) -> bool | None:
+    """Whether `nvidia-smi topo -m` shows every pair of GPUs joined by NVLink (`NV#`); None without a
+    matrix."""
+    rows = [line.split() for line in topology.splitlines() if re.match(r"GPU\d+\s", line)]
+    if len(rows) < 2:
+        return None
+    gpus = len(rows)
+    pairs = [row[1 + j] for i, row in enumerate(rows) for j in range(gpus) if j != i and len(row) > gpus]
+    return bool(pairs) and all(re.fullmatch(r"NV\d+", pair) for pair in pairs)

@@ -331,6 +331,15 @@ def build_parser() -> argparse.ArgumentParser:
     auto.add_argument(
         "--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="the weights' dtype (bfloat16)"
     )
+    auto.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="time the choice and its neighbours with every slot busy (an engine started for each) and keep "
+        "the fastest",
+    )
+    auto.add_argument(
+        "--save", action="store_true", help="write the settings to the file `strata` alone reads"
+    )
     stage = commands.add_parser(
         "stage", help="run one stage of an engine's layer split on this host (--remote-stages)"
     )
@@ -345,16 +354,26 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run_autoconfig(args: argparse.Namespace) -> None:
     """Print the machine, the settings `app.autoconfig.choose` picks for the model with the reason for each,
-    and the `strata serve` command that uses them."""
+    and the `strata serve` command that uses them; with --calibrate the fastest of the candidates timed on
+    this machine (app/calibrate.py); with --save also write them to the settings file."""
     from app.autoconfig import for_model
     from app.default_model import default_model_dir
 
     model = args.model or str(default_model_dir())
     machine, settings = for_model(model, args.dtype)
     print(f"machine: {machine.describe()}")
+    if args.calibrate:
+        from app.calibrate import bench_measure, calibrate
+
+        print("timing the candidates with every slot busy:", flush=True)
+        settings = calibrate(settings, bench_measure(model))
     for reason in settings.reasons:
         print(f"- {reason}")
     print(" ".join(["strata serve --model", model, *settings.flags()]))
+    if args.save:
+        from app.launch import settings_path, write_settings
+
+        write_settings(settings_path(), model, settings)
 
 
 def run_launch(args: argparse.Namespace) -> None:

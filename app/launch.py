@@ -17,10 +17,14 @@ import time
 import tomllib
 import webbrowser
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import platformdirs
 
 from app.errors import StrataError
+
+if TYPE_CHECKING:
+    from app.autoconfig import Settings
 
 READY_WAIT_S = 600  # how long the browser waits for the server (a large model loads for minutes)
 
@@ -60,6 +64,11 @@ def _write_autoconfig(path: Path) -> None:
     print(f"strata: first launch on this machine ({machine.describe()}):")
     for reason in settings.reasons:
         print(f"  - {reason}")
+    write_settings(path, model, settings)
+
+
+def write_settings(path: Path, model: str, settings: Settings) -> None:
+    """Write `settings` for `model` to the settings file at `path`, their reasons as comments."""
     lines = [
         "# strata's settings on this machine, as `strata serve` flags (chosen by `strata autoconfig`):",
         *(f"# - {reason}" for reason in settings.reasons),

@@ -20,6 +20,8 @@ from app.autoconfig import (
     facts_of,
     facts_of_model,
     kv_bytes,
+    nvlink_joined,
+    pcie_links,
     usable,
 )
 from app.cli import build_parser, main
@@ -121,3 +123,42 @@ def test_strata_autoconfig_prints_the_reasons_and_a_serve_command(
     command = out[-1].split()
     assert command[:4] == ["strata", "serve", "--model", str(path)]
     build_parser().parse_args(command[1:])
+
+
+SMI_LINKS = "pcie.link.gen.max, pcie.link.width.max\n5, 16\n4, 8\n[N/A], [N/A]\n"
+TOPOLOGY = (
+    "\tGPU0\tGPU1\tCPU Affinity\tNUMA Affinity\n"
+    "GPU0\t X \t{link}\t0-15\t0\n"
+    "GPU1\t{link}\t X \t0-15\t0\n\nLegend:\n  X    = Self\n"
+    "  NV#  = Connection traversing a bonded set of # NVLinks\n"
+)
+
+
+def test_the_cards_links_are_read_from_nvidia_smi() -> None:
+    assert pcie_links(SMI_LINKS) == [(5, 16), (4, 8), (None, None)]
+    assert pcie_links("") == []
+    assert nvlink_joined(TOPOLOGY.format(link="NV18")) is True
+    assert nvlink_joined(TOPOLOGY.format(link="PHB")) is False
+    assert nvlink_joined("GPU0\t X \t0-15\t0\n") is None  # one card: nothing to join
+
+
+def test_the_links_are_described_and_give_their_reasons(models: tuple[ModelFacts, ModelFacts]) -> None:
+    """A tier names its cards' link (a slow one sends misses to the CPU pool); a split says how its stages
+    hand activations on."""
+    h200 = Card(141 * GIB, "NVIDIA H200", 5, 16)
+    assert h200.describe() == "NVIDIA H200 141 GiB (PCIe 5.0 x16)" and round(h200.link_gb_s) == 54
+    q30, qnext = models
+    fast = choose(Machine((Card(24 * GIB, "GPU", 4, 16),), 256 * GIB, 16), qnext)
+    assert "misses are copied over PCIe 4.0 x16, about 27 GB/s" in " ".join(fast.reasons)
+    slow = choose(Machine((Card(24 * GIB, "GPU", 3, 4),), 256 * GIB, 16), qnext)
+    assert "the cards' link is slow (PCIe 3.0 x4, about 3 GB/s)" in " ".join(slow.reasons)
+    unknown = choose(Machine((Card(24 * GIB),), 256 * GIB, 16), qnext)
+    assert "as the link and the CPU measure at start" in " ".join(unknown.reasons)
+    pair = (Card(24 * GIB), Card(24 * GIB))
+    joined = choose(Machine(pair, 128 * GIB, 16, nvlink=True), q30)
+    apart = choose(Machine(pair, 128 * GIB, 16, nvlink=False), q30)
+    assert joined.layer_split == apart.layer_split == "2"
+    assert "over NVLink" in " ".join(joined.reasons) and "(no NVLink)" in " ".join(apart.reasons)
+    assert (
+        Machine(pair, 128 * GIB, 16, nvlink=False).describe().startswith("GPU 24 GiB, GPU 24 GiB; no NVLink")
+    )
