@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from app.jsonfile import read_json_object
+from app.loading.fill import Extent
 from app.loading.gguf_file import GGUFCheckpoint, is_gguf
 from app.loading.safetensors import CheckpointError, SafetensorsFile
 from app.models.config import ConfigError, ModelConfig
@@ -65,6 +66,11 @@ class CheckpointDir:
         """A tensor as a memory-mapped CPU view."""
         self.shape(name)
         return self._open(self._where[name]).tensor(name)
+
+    def extent(self, name: str) -> Extent:
+        """Where a tensor's bytes lie in its shard, for reading them in parallel (app/loading/fill.py)."""
+        self.shape(name)
+        return self._open(self._where[name]).extent(name)
 
     def eos_token_ids(self) -> tuple[int, ...]:
         """End-of-sequence ids from generation_config.json, then config.json, without repeats."""

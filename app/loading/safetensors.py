@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import math
 import struct
 from pathlib import Path
 
 import torch
 
 from app.errors import StrataError
+from app.loading.fill import Extent
 
 DTYPES = {
     "F64": torch.float64,
@@ -47,6 +49,7 @@ class SafetensorsFile:
         header.pop("__metadata__", None)
         self.entries: dict[str, dict] = header
         self._data_start = 8 + header_len
+        self._size = size
         self._storage = torch.UntypedStorage.from_file(str(path), shared=False, nbytes=size) if size else None
 
     def names(self) -> list[str]:
@@ -57,24 +60,27 @@ class SafetensorsFile:
         """Shape of a tensor without touching its data."""
         return tuple(self.entries[name]["shape"])
 
-    def tensor(self, name: str) -> torch.Tensor:
-        """The named tensor as a view of the mapped file."""
+    def extent(self, name: str) -> Extent:
+        """Where the named tensor's bytes lie in the file (checked against its dtype and shape)."""
         entry = self.entries[name]
         dtype = DTYPES.get(entry["dtype"])
         if dtype is None:
             raise CheckpointError(f"unsupported dtype {entry['dtype']} of tensor {name} in {self.path}")
         begin, end = entry["data_offsets"]
-        shape = entry["shape"]
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        numel = 1
-        for dim in shape:
-            numel *= dim
-        if end - begin != numel * itemsize:
-            raise CheckpointError(f"tensor {name} in {self.path} has {end - begin} bytes for shape {shape}")
-        offset = self._data_start + begin
-        if numel == 0:
+        shape = tuple(entry["shape"])
+        if end - begin != math.prod(shape) * dtype.itemsize or end > self._size - self._data_start:
+            raise CheckpointError(
+                f"tensor {name} in {self.path} has {end - begin} bytes for shape {list(shape)}"
+            )
+        return Extent(self.path, self._data_start + begin, end - begin, dtype, shape)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """The named tensor as a view of the mapped file."""
+        extent = self.extent(name)
+        dtype, shape, offset = extent.dtype, extent.shape, extent.offset
+        if not extent.nbytes:
             return torch.empty(shape, dtype=dtype)
-        if offset % itemsize:
-            raw = torch.empty(0, dtype=torch.uint8).set_(self._storage, offset, (end - begin,))
+        if offset % dtype.itemsize:
+            raw = torch.empty(0, dtype=torch.uint8).set_(self._storage, offset, (extent.nbytes,))
             return raw.clone().view(dtype).reshape(shape)
-        return torch.empty(0, dtype=dtype).set_(self._storage, offset // itemsize, shape)
+        return torch.empty(0, dtype=dtype).set_(self._storage, offset // dtype.itemsize, shape)
