@@ -493,9 +493,17 @@ def run_serve(args: argparse.Namespace) -> None:
         model_name=args.served_model_name,
         metrics_per_expert=args.metrics_per_expert,
     )
-    app = create_app(settings, announce=True)
+    failures: list[str] = []
+
+    def failed(message: str) -> None:
+        failures.append(message)
+        server.should_exit = True
+
+    app = create_app(settings, announce=True, on_failed=failed)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
     server.run()
+    if failures:
+        raise StrataError(failures[0])
     if not server.started:
         raise StrataError(f"the server did not start on {args.host}:{args.port} (see the messages above)")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
@@ -9,12 +10,17 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+
+from app.engine.client import AsyncEngineClient, EngineError
+from app.engine.config import EngineConfig
+from app.engine.protocol import Loading
+from webui.settings import ServerSettings
 
 API_KEY = "test-key-123"
 
@@ -33,7 +39,7 @@ class Server:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -48,7 +54,7 @@ def start_server(
 ) -> Server:
     """Start `strata serve` (None: the default model; `env` and `cwd` for its process where given) and wait
     until /health answers 200 (or fail)."""
-    port = _free_port()
+    port = free_port()
     command = [sys.executable, "-m", "app.cli", "serve", "--port", str(port)]
     if model_dir is not None:
         command += ["--model", str(model_dir)]
@@ -122,3 +128,29 @@ def streaming_requests(url: str, count: int, headers: dict[str, str] | None = No
 
 
 os.environ.setdefault("NO_PROXY", "127.0.0.1,localhost")  # requests to the local server never go via a proxy
+
+
+GB = 10**9
+
+
+def gated_start(gate: threading.Event, fail: str | None = None) -> Callable[..., object]:
+    """A stand-in for `AsyncEngineClient.start` (monkeypatched in) that reports 3 of 8 GB loaded, waits for
+    `gate`, then starts the real engine, or fails with `fail`: a load the test can hold and watch."""
+    real = AsyncEngineClient.start
+
+    async def start(config: EngineConfig, **kwargs: object) -> AsyncEngineClient:
+        on_loading = kwargs["on_loading"]
+        assert callable(on_loading)
+        on_loading(Loading(3 * GB, 8 * GB))
+        await asyncio.to_thread(gate.wait)
+        if fail is not None:
+            raise EngineError(fail)
+        return await real(config, **kwargs)  # type: ignore[arg-type]
+
+    return start
+
+
+def loading_settings(model_dir: Path, port: int = 8000) -> ServerSettings:
+    """Settings of an in-process server on `model_dir` (CPU, fp32, two slots)."""
+    engine = EngineConfig(model=str(model_dir), device="cpu", dtype="float32", kv_memory=64 << 20, parallel=2)
+    return ServerSettings(engine=engine, port=port)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from serving import _free_port
+from serving import free_port
 
 from app.cli import main
 from app.default_model import default_model_dir
@@ -47,7 +47,7 @@ def test_the_first_launch_saves_autoconfigs_settings_and_later_ones_read_them(
 
 
 def test_strata_alone_serves_with_the_saved_settings(config_home: Path) -> None:
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "XDG_CONFIG_HOME": str(config_home), "STRATA_NO_BROWSER": "1"}
     command = [sys.executable, "-m", "app.cli", "launch", "--port", str(port), "--kv-memory", "64MiB"]
     process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -38,6 +38,7 @@ logger = logging.getLogger(__name__)
 SUBPROTOCOL = "strata"
 BEARER_PREFIX = "bearer."
 MONITOR_PUSH_S = 0.33  # about three frames a second
+TRY_AGAIN_LATER = 1013  # the close code of a socket opened before the engine serves
 
 
 def same_origin(socket: WebSocket) -> bool:
@@ -279,10 +280,19 @@ def _loose_id(raw: str) -> str | None:
     return answer_id if isinstance(answer_id, str) else None
 
 
+async def _loaded(socket: WebSocket) -> bool:
+    """Whether the engine serves; if not (it still loads), the socket is closed with 1013 (try again
+    later), as the pages' sockets do by themselves."""
+    if getattr(socket.app.state, "link", None) is not None:
+        return True
+    await socket.close(code=TRY_AGAIN_LATER, reason=socket.app.state.loading.describe()[:120])
+    return False
+
+
 @websocket("/ws/chat")
 async def chat_socket(socket: WebSocket) -> None:
     """Chat: `{type: chat, id, messages, params}` and `{type: stop, id}` in; `delta`, `done`, `error` out."""
-    if not await admit(socket):
+    if not await admit(socket) or not await _loaded(socket):
         return
     session = ChatSession(socket, socket.app.state.link)
     writer = asyncio.create_task(session.write())
@@ -300,7 +310,7 @@ async def chat_socket(socket: WebSocket) -> None:
 @websocket("/ws/monitor")
 async def monitor_socket(socket: WebSocket) -> None:
     """Monitor: a JSON frame about three times a second until the client leaves (its messages are ignored)."""
-    if not await admit(socket):
+    if not await admit(socket) or not await _loaded(socket):
         return
     feed: MonitorFeed = socket.app.state.monitor
     viewer = Viewer()

@@ -29,6 +29,7 @@ from app.engine.protocol import (
 from webui.auth import require_api_key
 from webui.engine_link import RequestRecord
 from webui.experts import ExpertHeat
+from webui.loading import not_loaded
 from webui.system import SystemSampler
 
 ENGINE = "0"
@@ -636,7 +637,9 @@ async def metrics_route(
 ) -> Response:
     """Prometheus exposition or JSON snapshot of the server's metrics. With a series per expert the text
     (tens of thousands of lines) is rendered in a worker thread, so a scrape does not hold the event loop."""
-    metrics: ServerMetrics = request.app.state.metrics
+    metrics: ServerMetrics | None = getattr(request.app.state, "metrics", None)
+    if metrics is None:
+        raise not_loaded(request.app.state.loading)
     if _wants_prometheus(output, request.headers.get("accept", "")):
         if metrics.per_expert:
             return Response(

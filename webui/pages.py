@@ -44,12 +44,21 @@ def template_config() -> TemplateConfig:
 
 
 def _page(request: Request, template: str, page: str) -> Template:
+    """The page, or while the engine loads the loading page, which becomes it once the engine serves."""
     state = request.app.state
-    context: dict[str, Any] = {
-        "page": page,
-        "model_name": state.link.model_name,
-        "auth_required": state.settings.api_key is not None,
-    }
+    link = getattr(state, "link", None)
+    context: dict[str, Any] = {"page": page, "auth_required": state.settings.api_key is not None}
+    if link is None:
+        loading = state.loading
+        context |= {
+            "page": "loading",
+            "wanted": page,
+            "model_name": loading.model,
+            "message": loading.describe(),
+            "percent": round(100 * loading.share),
+        }
+        return Template("loading.html", context=context, headers=PAGE_HEADERS)
+    context["model_name"] = link.model_name
     return Template(template, context=context, headers=PAGE_HEADERS)
 
 

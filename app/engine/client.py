@@ -35,6 +35,7 @@ from app.engine.protocol import (
     EngineFailed,
     EngineMessage,
     InvalidRequest,
+    Loading,
     PositionLogprobs,
     Ready,
     RequestOutput,
@@ -47,6 +48,7 @@ from app.engine.transport import Connection
 from app.errors import StrataError
 
 logger = logging.getLogger(__name__)
+CANCEL_POLL_S = 0.25  # how often a start that waits for the engine looks whether it was cancelled
 
 EOF_GRACE_S = 1.0  # after the process exits, how long its last messages may take to arrive
 EXIT_GRACE_S = 3.0  # after the connection ends, how long the process may take to exit before it is killed
@@ -151,8 +153,17 @@ StreamT = TypeVar("StreamT", RequestStream, AsyncRequestStream)
 class _BaseClient:
     """Starts the engine process and routes its messages; the process and socket machinery of both clients."""
 
-    def __init__(self, config: EngineConfig, core_factory: str, startup_timeout: float) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        core_factory: str,
+        startup_timeout: float,
+        on_loading: Callable[[Loading], None] | None = None,
+        cancel: threading.Event | None = None,
+    ) -> None:
         self.last_stats: WindowStats | None = None
+        self._on_loading = on_loading
+        self._cancel = cancel or threading.Event()
         self._lock = threading.Lock()
         self._streams: dict[str, Callable[[Item], None]] = {}
         self._listeners: list[Callable[[WindowStats], None]] = []
@@ -224,6 +235,12 @@ class _BaseClient:
         self._conn = Connection(listener.accept()[0], EngineMessage)
         self._await(self._conn.sock, deadline, timeout)
         message = self._conn.receive()
+        while isinstance(message, Loading):
+            if self._on_loading is not None:
+                self._on_loading(message)
+            if not self._conn.buffered:
+                self._await(self._conn.sock, deadline, timeout)
+            message = self._conn.receive()
         if isinstance(message, Ready):
             return message
         if isinstance(message, EngineFailed):
@@ -232,14 +249,20 @@ class _BaseClient:
         raise EngineError(self._exit_message())
 
     def _await(self, source: socket.socket, deadline: float, timeout: float) -> None:
-        """Wait until `source` is readable; raise EngineError if the engine exits first or time runs out."""
-        ready = multiprocessing.connection.wait(
-            [source, self._process.sentinel], max(0.0, deadline - time.monotonic())
-        )
-        if source in ready:
-            return
-        if not ready:
-            raise EngineError(f"the engine did not start within {timeout:g} s")
+        """Wait until `source` is readable; raise EngineError if the engine exits first, time runs out or
+        the start is cancelled."""
+        while True:
+            left = deadline - time.monotonic()
+            waited = max(0.0, min(left, CANCEL_POLL_S))
+            ready = multiprocessing.connection.wait([source, self._process.sentinel], waited)
+            if source in ready:
+                return
+            if ready:
+                break
+            if self._cancel.is_set():
+                raise EngineError("the engine's start was cancelled")
+            if left <= 0:
+                raise EngineError(f"the engine did not start within {timeout:g} s")
         self._exited.wait()
         raise EngineError(self._exit_message())
 
@@ -348,10 +371,15 @@ class EngineClient(_BaseClient):
 
     @classmethod
     def start(
-        cls, config: EngineConfig, core_factory: str = DEFAULT_CORE, startup_timeout: float = 600.0
+        cls,
+        config: EngineConfig,
+        core_factory: str = DEFAULT_CORE,
+        startup_timeout: float = 600.0,
+        on_loading: Callable[[Loading], None] | None = None,
     ) -> EngineClient:
-        """Spawn the engine, wait for Ready (`client.ready`); raises EngineError if it fails to start."""
-        return cls(config, core_factory, startup_timeout)
+        """Spawn the engine, wait for Ready (`client.ready`; `on_loading` is called with each Loading
+        message before it); raises EngineError if it fails to start."""
+        return cls(config, core_factory, startup_timeout, on_loading)
 
     def submit(
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
@@ -387,10 +415,17 @@ class AsyncEngineClient(_BaseClient):
 
     @classmethod
     async def start(
-        cls, config: EngineConfig, core_factory: str = DEFAULT_CORE, startup_timeout: float = 600.0
+        cls,
+        config: EngineConfig,
+        core_factory: str = DEFAULT_CORE,
+        startup_timeout: float = 600.0,
+        on_loading: Callable[[Loading], None] | None = None,
+        cancel: threading.Event | None = None,
     ) -> AsyncEngineClient:
-        """Spawn the engine in a worker thread and wait for Ready; raises EngineError if it fails to start."""
-        client = await asyncio.to_thread(cls, config, core_factory, startup_timeout)
+        """Spawn the engine in a worker thread and wait for Ready (`on_loading` is called in that thread
+        with each Loading message before it); raises EngineError if it fails to start or `cancel` is set
+        first (the engine is then stopped)."""
+        client = await asyncio.to_thread(cls, config, core_factory, startup_timeout, on_loading, cancel)
         client._loop = asyncio.get_running_loop()
         return client
 

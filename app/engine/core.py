@@ -36,6 +36,7 @@ from app.engine.split import StagePipeline, split_layers, stages_for
 from app.errors import StrataError
 from app.kernels.backends import select_backends
 from app.kernels.interface import CHUNK, Q8_0_BLOCK, Q8_0_BYTES
+from app.loading import progress
 from app.loading.checkpoint import open_checkpoint
 from app.loading.identity import model_identity
 from app.loading.loader import experts_within, resolve_dtype, weight_elements
@@ -141,7 +142,7 @@ class EngineCore:
                 path,
                 config.dtype,
                 self.device,
-                progress=False,
+                progress=True,
                 backends=self.backends,
                 resident_experts=resident,
                 spare_experts=spare_slots(resident or 0) if config.adapt_async else 0,
@@ -179,6 +180,7 @@ class EngineCore:
                 costs.cpu_row_s * 1e6,
             )
         self.launched = 0  # windows launched, for the expert tier's adaptation
+        progress.stage("warming up: the KV pool, kernels and decode graphs")
         state = self._paged_state()
         if self.pipeline is not None:
             self.pipeline.wait_loaded(model, state.blocks, len(state.checkpoint_slots))

@@ -20,11 +20,13 @@ from typing import NoReturn, Protocol
 import msgspec
 
 from app.engine.config import EngineConfig
+from app.engine.pinned import pin_by_registering
 from app.engine.protocol import (
     AbortRequest,
     AddRequest,
     ClientMessage,
     EngineFailed,
+    Loading,
     Ready,
     RequestOutput,
     Shutdown,
@@ -32,6 +34,7 @@ from app.engine.protocol import (
 )
 from app.engine.transport import Connection
 from app.errors import StrataError
+from app.loading import progress
 
 DEFAULT_CORE = "app.engine.core:EngineCore"
 
@@ -58,15 +61,18 @@ class Core(Protocol):
 def run_engine(core_factory: str, config_bytes: bytes, address: str) -> None:
     """Process entry point: connect to the client at `address`, build the core, send Ready, then serve.
 
-    `core_factory` is "module:callable", called with the decoded EngineConfig. When the core cannot be built
+    `core_factory` is "module:callable", called with the decoded EngineConfig; while it loads, the loader's
+    progress goes to the client as Loading messages. When the core cannot be built
     or fails later, the client gets EngineFailed and the process exits with status 1; it exits with status 0
     after Shutdown or when the client's connection closes. SIGINT is left to the client, which owns the
     engine's lifetime.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    pin_by_registering()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.connect(address)
     conn = Connection(sock, ClientMessage)
+    progress.listen(lambda done, total, label: conn.send(Loading(done, total, label)))
     try:
         core = _load_factory(core_factory)(msgspec.msgpack.decode(config_bytes, type=EngineConfig))
         conn.send(core.ready())

@@ -295,6 +295,14 @@ class Ready(msgspec.Struct, tag="ready", frozen=True):
     drafts: str | None = None  # why a request may not ask for drafts (`spec_tokens`), or None: it may
 
 
+class Loading(msgspec.Struct, tag="loading", frozen=True):
+    """Sent while the engine loads its model, before Ready: `done` of `total` (bytes, or steps)."""
+
+    done: int
+    total: int
+    label: str = "loading"
+
+
 class EngineFailed(msgspec.Struct, tag="failed", frozen=True):
     """The engine could not start or hit an error it cannot continue from."""
 
@@ -302,4 +310,4 @@ class EngineFailed(msgspec.Struct, tag="failed", frozen=True):
 
 
 ClientMessage = AddRequest | AbortRequest | Shutdown
-EngineMessage = RequestOutput | WindowStats | Ready | EngineFailed
+EngineMessage = RequestOutput | WindowStats | Ready | Loading | EngineFailed

@@ -43,15 +43,21 @@ class Connection:
                 HEADER.pack_into(data, start, len(data) - start - HEADER.size)
             self.sock.sendall(data)
 
+    @property
+    def buffered(self) -> bool:
+        """Whether a whole message is already read from the socket (`receive` returns it without waiting)."""
+        if len(self._buffer) < HEADER.size:
+            return False
+        return len(self._buffer) >= HEADER.size + HEADER.unpack_from(self._buffer)[0]
+
     def receive(self) -> Any:
         """The next message, or None once the connection has ended (peer closed, reset, or closed here)."""
         while True:
-            if len(self._buffer) >= HEADER.size:
+            if self.buffered:
                 end = HEADER.size + HEADER.unpack_from(self._buffer)[0]
-                if len(self._buffer) >= end:
-                    message = self._decoder.decode(self._buffer[HEADER.size : end])
-                    del self._buffer[:end]
-                    return message
+                message = self._decoder.decode(self._buffer[HEADER.size : end])
+                del self._buffer[:end]
+                return message
             try:
                 chunk = self.sock.recv(_RECV_BYTES)
             except OSError:

@@ -12,6 +12,7 @@ import time
 from app.engine.config import EngineConfig
 from app.engine.protocol import AddRequest, Ready, RequestOutput, SlotStats, WindowStats
 from app.errors import StrataError
+from app.loading.progress import Progress
 
 MAX_MODEL_LEN = 64
 VOCAB_SIZE = 1000
@@ -120,3 +121,24 @@ def make(config: EngineConfig) -> FakeCore:
 def make_failing(config: EngineConfig) -> FakeCore:
     """A factory that cannot load its model."""
     raise StrataError("cannot load model X")
+
+
+LOAD_STEPS = 4
+LOAD_STEP_S = 0.12  # longer than the bar's 0.1 s between reports: every step is reported
+
+
+def slow_load(config: EngineConfig) -> FakeCore:
+    """A FakeCore that first reports a load of LOAD_STEPS steps, LOAD_STEP_S apart (the loader's bar)."""
+    bar = Progress(LOAD_STEPS, "loading", enabled=True)
+    for _ in range(LOAD_STEPS):
+        time.sleep(LOAD_STEP_S)
+        bar.advance()
+    bar.close()
+    return FakeCore(config)
+
+
+def endless_load(config: EngineConfig) -> FakeCore:
+    """A core whose load reports a first step and then never ends (a start that must be cancelled)."""
+    Progress(2, "loading", enabled=True).advance()
+    time.sleep(3600)
+    return FakeCore(config)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import re
 import threading
 import time
@@ -10,11 +11,11 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from fake_core import CRASH, MAX_MODEL_LEN, RAISE, REJECT, VOCAB_SIZE
+from fake_core import CRASH, LOAD_STEPS, MAX_MODEL_LEN, RAISE, REJECT, VOCAB_SIZE
 
 from app.engine.client import AsyncEngineClient, EngineClient, EngineError
 from app.engine.config import EngineConfig
-from app.engine.protocol import InvalidRequest, SamplingParams, WindowStats
+from app.engine.protocol import InvalidRequest, Loading, SamplingParams, WindowStats
 
 CONFIG = EngineConfig(parallel=4)
 FAKE = "fake_core:make"
@@ -206,3 +207,34 @@ def test_async_client() -> None:
             assert time.monotonic() - began < DEADLINE_S
 
     asyncio.run(main())
+
+
+def test_the_loads_progress_comes_before_ready() -> None:
+    reports: list[Loading] = []
+    with EngineClient.start(
+        CONFIG, "fake_core:slow_load", startup_timeout=30, on_loading=reports.append
+    ) as c:
+        assert c.ready.model == "fake"
+    assert [r.done for r in reports] == list(range(1, LOAD_STEPS + 1))
+    assert {(r.total, r.label) for r in reports} == {(LOAD_STEPS, "loading")}
+
+
+def test_a_start_cancelled_while_the_engine_loads_stops_it() -> None:
+    cancel = threading.Event()
+    reports: list[Loading] = []
+
+    def reported(message: Loading) -> None:
+        reports.append(message)
+        cancel.set()
+
+    async def main() -> None:
+        await AsyncEngineClient.start(
+            CONFIG, "fake_core:endless_load", startup_timeout=60, on_loading=reported, cancel=cancel
+        )
+
+    before = {p.pid for p in multiprocessing.active_children()}
+    began = time.monotonic()
+    with pytest.raises(EngineError, match="cancelled"):
+        asyncio.run(main())
+    assert reports and time.monotonic() - began < 20
+    assert {p.pid for p in multiprocessing.active_children()} <= before  # the loading engine is gone
