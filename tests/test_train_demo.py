@@ -41,6 +41,7 @@ def test_a_short_run_writes_a_loadable_model_and_its_record(tmp_path: Path) -> N
         limit_bytes=200_000,
         curve_every=2,
         finish_seconds=2,
+        min_steps=2,  # a busy machine may not fit two steps in the time
     )
     saved = json.loads((tmp_path / "training.json").read_text())
     assert saved["steps"] == record["steps"] >= 2

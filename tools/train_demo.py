@@ -449,10 +449,11 @@ def train(
     packages: tuple[str, ...] = PACKAGES,
     curve_every: int = CURVE_EVERY,
     finish_seconds: float = FINISH_SECONDS,
+    min_steps: int = 1,
 ) -> dict:
     """Train within `minutes` (all of it: data, tokenizer, steps, `finish_seconds` for measuring and writing)
     and write the model directory and training.json to `out`; the curve has a point every `curve_every`
-    steps."""
+    steps. At least `min_steps` steps run, however long they take."""
     began = time.monotonic()
     size = SIZES[size_name]
     torch.manual_seed(seed)
@@ -476,8 +477,8 @@ def train(
     length = size["seq"] + 1
     curve, step, trained = [], 0, time.monotonic()
     running = torch.zeros(3, device=device)
-    while time.monotonic() - trained < budget:
-        progress = (time.monotonic() - trained) / budget
+    while step < min_steps or time.monotonic() - trained < budget:
+        progress = min(1.0, (time.monotonic() - trained) / max(budget, 1e-9))
         cosine = HYPER["min_lr"] + (HYPER["lr"] - HYPER["min_lr"]) * 0.5 * (1 + math.cos(math.pi * progress))
         lr = cosine * min(1.0, (step + 1) / HYPER["warmup_steps"])
         for group in optimizer.param_groups:
