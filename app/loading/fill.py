@@ -156,10 +156,11 @@ class _Worker:
     def _staging(self, device: torch.device) -> torch.Tensor:
         """This turn's staging buffer, once its last copy has landed (pinned for a GPU, allocated at first
         use)."""
+        if device.type == "cuda" and self.stream is None:  # pinned from the first chunk bound for a GPU
+            self.stream = torch.cuda.Stream(device)
+            self.staging = []
         if not self.staging:
-            pin = device.type == "cuda"
-            if pin:
-                self.stream = torch.cuda.Stream(device)
+            pin = self.stream is not None
             self.staging = [
                 torch.empty(self.chunk_bytes, dtype=torch.uint8, pin_memory=pin) for _ in range(2)
             ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from app.kernels.interface import Backends, q8_0_bytes
 from app.kernels.reference import REFERENCE
 from app.loading.checkpoint import Checkpoint, open_checkpoint
 from app.loading.fill import ParallelFill
+from app.loading.host_pages import HostPages, pin_all
 from app.loading.progress import Progress
 from app.loading.safetensors import CheckpointError
 from app.models.attention import Attention
@@ -245,9 +247,17 @@ def _fill(
 ) -> dict[str, torch.Tensor]:
     """Materialise every parameter: a mapped view where no conversion is needed on the host, else a filled
     tensor, read in parallel from the files where the checkpoint says where its bytes lie (ParallelFill);
-    the parameters named in `host` in host memory whatever `device` is (pinned for a GPU); those in `narrow`
-    in bf16; those in `packed` from the checkpoint's Q8_0 blocks."""
+    the parameters named in `host` in host memory whatever `device` is (for a GPU pinned once filled,
+    `HostPages`); those in `narrow` in bf16; those in `packed` from the checkpoint's Q8_0 blocks."""
     state: dict[str, torch.Tensor] = {}
+    to_pin: list[HostPages] = []
+
+    def allocate(shape: Sequence[int], kind: torch.dtype, where: torch.device, pin: bool) -> torch.Tensor:
+        if not pin:
+            return torch.empty(shape, dtype=kind, device=where)
+        to_pin.append(HostPages(shape, kind))
+        return to_pin[-1].tensor
+
     cpu = torch.device("cpu")
     extent_of = getattr(checkpoint, "extent", None)
     fill = ParallelFill()
@@ -263,12 +273,12 @@ def _fill(
             if extent is None or mapped or not extent.nbytes:
                 one_by_one.append((name, source, where, kind))
                 continue
-            state[source.param] = torch.empty(extent.shape, dtype=kind, device=where, pin_memory=pin)
+            state[source.param] = allocate(extent.shape, kind, where, pin)
             fill.add(extent, state[source.param])
             continue
         if source.param not in state:
             shape = params[source.param].shape
-            state[source.param] = torch.empty(shape, dtype=kind, device=where, pin_memory=pin)
+            state[source.param] = allocate(shape, kind, where, pin)
         place = state[source.param][source.index]
         if extent is not None and extent.nbytes and place.is_contiguous():
             fill.add(extent, place)
@@ -287,6 +297,7 @@ def _fill(
         else:
             state[source.param][source.index].copy_(tensor)
         bar.advance(_stored_bytes(checkpoint, name, kind, held))
+    pin_all(to_pin)
     bar.close()
     return state
 

@@ -11,6 +11,7 @@ from checkpoints import write_checkpoint
 
 from app.loading.checkpoint import CheckpointDir
 from app.loading.fill import Extent, ParallelFill
+from app.loading.host_pages import HostPages
 from app.loading.loader import load_model
 
 
@@ -61,3 +62,19 @@ def test_a_tiered_model_loads_its_host_and_device_experts_through_the_filler(tmp
     assert torch.equal(tier.gate_up[:1], experts.gate_up[:1]) and torch.equal(tier.down[:1], experts.down[:1])
     assert torch.equal(tier.host_gate_up[:-1], experts.gate_up[1:])
     assert torch.equal(tier.host_down[:-1], experts.down[1:])
+
+
+def test_host_pages_take_a_fill_and_outlive_their_holder(tmp_path: Path) -> None:
+    """The expert tier's RAM on a GPU machine: untouched mapped pages that the threads fill (pinned after,
+    on a GPU: tests/gpu/test_loading_gpu.py); the tensor keeps its mapping once the holder is gone."""
+    checkpoint = CheckpointDir(write_checkpoint(tmp_path, "qwen3_moe"))
+    name = next(n for n in checkpoint.names() if n.endswith("experts.0.down_proj.weight"))
+    extent = checkpoint.extent(name)
+    pages = HostPages(extent.shape, extent.dtype)
+    fill = ParallelFill(workers=2, chunk_bytes=256)
+    fill.add(extent, pages.tensor)
+    fill.run()
+    tensor = pages.tensor
+    del pages
+    assert torch.equal(tensor, checkpoint.tensor(name)) and not tensor.is_pinned()
+    assert HostPages((0, 4), torch.bfloat16).tensor.shape == (0, 4)
