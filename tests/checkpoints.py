@@ -142,3 +142,57 @@ def per_expert_layout(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
         else:
             out[name] = value
     return out
+
+
+# A ChatML template that renders tools, the calls an assistant made and the tools' answers, and opens a think
+# block with `enable_thinking` (the shape of Qwen3's templates, written for the tests).
+TOOLS_TEMPLATE = """
+{%- if tools %}
+{{- '<|im_start|>system\\n' }}
+{%- if messages[0].role == 'system' %}{{ messages[0].content + '\\n\\n' }}{% endif %}
+{{- 'Tools you may call, one <tool_call> block each:' }}
+{%- for tool in tools %}{{ '\\n' + (tool | tojson) }}{% endfor %}
+{{- '<|im_end|>\\n' }}
+{%- endif %}
+{%- for message in messages %}
+{%- if message.role == 'system' and tools %}
+{%- elif message.role == 'assistant' %}
+{{- '<|im_start|>assistant\\n' + message.content }}
+{%- for call in message.tool_calls or [] %}
+{{- '\\n<tool_call>\\n' + ({'name': call.function.name, 'arguments': call.function.arguments} | tojson) }}
+{{- '\\n</tool_call>' }}
+{%- endfor %}
+{{- '<|im_end|>\\n' }}
+{%- elif message.role == 'tool' %}
+{{- '<|im_start|>user\\n<tool_response>\\n' + message.content + '\\n</tool_response><|im_end|>\\n' }}
+{%- else %}
+{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+{{- '<|im_start|>assistant\\n' }}
+{%- if enable_thinking %}{{ '<think>\\n' }}{% endif %}
+{%- endif %}
+"""
+
+
+def use_tools_template(path: Path) -> Path:
+    """Give the checkpoint at `path` TOOLS_TEMPLATE as its chat template."""
+    config_file = path / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config["chat_template"] = TOOLS_TEMPLATE
+    config_file.write_text(json.dumps(config))
+    return path
+
+
+# The structured-output tests' JSON schema: short strings, bounded numbers, a small array, no other keys.
+PERSON_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 10},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "pets": {"type": "array", "items": {"enum": ["cat", "dog"]}, "maxItems": 2},
+    },
+    "required": ["name", "age", "pets"],
+    "additionalProperties": False,
+}

@@ -15,6 +15,7 @@ from app.engine.config import EngineConfig
 from app.engine.cuda_graphs import WindowGraphs
 from app.engine.drafts import accepted
 from app.engine.expert_report import ExpertReporter, joined
+from app.engine.grammar import Grammars
 from app.engine.paged_state import PagedState, kv_block_bytes, slot_state_bytes
 from app.engine.parking import ConversationPark
 from app.engine.protocol import (
@@ -380,7 +381,13 @@ class EngineCore:
         except StrataError as e:
             return [RequestOutput(add.request_id, finished=True, finish_reason="error", error=str(e))]
         params = add.params
-        self.scheduler.add(Request(add.request_id, list(add.prompt_token_ids), params, add.arrival_time))
+        request = Request(add.request_id, list(add.prompt_token_ids), params, add.arrival_time)
+        if params.grammar is not None:
+            try:
+                request.matcher = self._grammars().matcher(params.grammar)
+            except StrataError as e:
+                return [RequestOutput(add.request_id, finished=True, finish_reason="error", error=str(e))]
+        self.scheduler.add(request)
         self.streams[add.request_id] = TextStream(
             self.loaded.tokenizer,
             add.prompt_token_ids,
@@ -404,6 +411,16 @@ class EngineCore:
             raise StrataError(f"request id {add.request_id} is already in use")
         if add.params.spec_tokens and self._drafts_refused is not None:
             raise StrataError(self._drafts_refused)
+
+    def _grammars(self) -> Grammars:
+        """The engine's grammar tokenizer (built at the first request with a grammar)."""
+        if self.runner.grammars is None:
+            self.runner.grammars = Grammars(
+                self.loaded.tokenizer.to_json(),
+                self.loaded.model.config.vocab_size,
+                self.loaded.eos_token_ids,
+            )
+        return self.runner.grammars
 
     def abort_request(self, request_id: str) -> list[RequestOutput]:
         """End a request now (what it read and generated is parked); its slot and blocks are free."""
@@ -451,6 +468,11 @@ class EngineCore:
         flight = self._launch(window, began)
         if window.chunks:
             flights.append(flight)
+        if flight.launched is not None and flight.launched.pending is not None:
+            if done is None and len(flights) > 1:  # the masks follow the tokens the window before draws
+                done = flights.popleft()
+                resolved = self._resolve(done)
+            self.runner.sample_pending(flight.launched)
         if done is None and (len(flights) > self._in_flight or (flights and not window.chunks)):
             done = flights.popleft()
             resolved = self._resolve(done)
@@ -537,6 +559,8 @@ class EngineCore:
                 rows = rows[: taken + 1]
             for s, index in rows:
                 request.output[index] = s.token_id
+                if request.matcher is not None:
+                    Grammars.advance(request.matcher, s.token_id)
                 resolved.append(_Drawn(request, index, s.logprobs))
         return resolved
 
@@ -546,13 +570,19 @@ class EngineCore:
         return any(
             (default if r.params.spec_tokens is None else r.params.spec_tokens) > 0
             for r in self.scheduler.running
-            if r.phase is Phase.DECODE
+            if r.phase is Phase.DECODE and r.params.grammar is None
         )
 
     def _needs_history(self, window: Window) -> bool:
-        """Whether a row the window samples for applies penalties to a generated token not yet read."""
+        """Whether a row the window samples for applies penalties to a generated token not yet read, or (on
+        a layer split, whose windows draw their tokens as they come back) follows a grammar that has not
+        seen it; elsewhere a grammar's row waits for its masks after its forward pass is queued."""
+        grammar_waits = self.pipeline is not None
         return any(
-            c.samples and c.request.params.penalised and c.request.output and c.request.output[-1] < 0
+            c.samples
+            and (c.request.params.penalised or (grammar_waits and c.request.matcher is not None))
+            and c.request.output
+            and c.request.output[-1] < 0
             for c in window.chunks
         )
 
@@ -602,6 +632,8 @@ class EngineCore:
         params = request.params
         if stream.stopped or token in params.stop_token_ids:
             return "stop"
+        if request.matcher is not None and Grammars.complete(request.matcher):
+            return "stop"  # the grammar's output is whole
         if token in self.loaded.eos_token_ids and not params.ignore_eos:
             return "stop"
         if index + 1 >= params.max_tokens or len(request.prompt) + index + 1 >= self.max_model_len:
@@ -645,4 +677,5 @@ class EngineCore:
             output_tokens=len(request.output),
             context_tokens=request.computed,
             window_tokens=fed,
+            grammar=request.params.grammar is not None,
         )

@@ -27,6 +27,30 @@ class InvalidRequest(StrataError):
         self.param = param
 
 
+GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "choice", "lark")
+
+
+class Grammar(msgspec.Struct, frozen=True, omit_defaults=True):
+    """What a request's output must match (structured output, app/engine/grammar.py): `kind` one of
+    GRAMMAR_KINDS; `source` the JSON schema as JSON text, the regular expression, the choices as a JSON list
+    of strings, or the Lark grammar (nothing for json_object); `param` the request field it came from, for
+    errors."""
+
+    kind: str
+    source: str = ""
+    param: str = "response_format"
+
+    def describe(self) -> str:
+        """What the grammar is, in words."""
+        return {
+            "json_schema": "JSON schema",
+            "json_object": "JSON object grammar",
+            "regex": "regular expression",
+            "choice": "choice list",
+            "lark": "grammar",
+        }.get(self.kind, "grammar")
+
+
 class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     """How one request picks its tokens and when it stops.
 
@@ -34,7 +58,8 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     alone or in any batch. Penalties follow OpenAI (presence, frequency: over generated tokens) and HF
     (repetition: over prompt and generated tokens). `logprobs` asks for the chosen token's log-probability
     and that many alternatives. `spec_tokens` drafts up to that many tokens a window for this request (0:
-    none; None: the engine's `--spec-tokens` where `--spec` is on).
+    none; None: the engine's `--spec-tokens` where `--spec` is on). `grammar` constrains every token to keep
+    the output inside it (such a request drafts nothing).
     """
 
     max_tokens: int = 16
@@ -53,6 +78,7 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     spec_tokens: int | None = None
+    grammar: Grammar | None = None
 
     def validate(self) -> None:
         """Raise InvalidRequest naming the first field out of range."""
@@ -96,6 +122,10 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
         for ok, field, message in checks:
             if not ok:
                 raise InvalidRequest(f"{field} {message}", field)
+        if self.grammar is not None and self.grammar.kind not in GRAMMAR_KINDS:
+            raise InvalidRequest(
+                f"grammar kind must be one of {', '.join(GRAMMAR_KINDS)}", self.grammar.param
+            )
 
     @property
     def greedy(self) -> bool:
@@ -197,6 +227,7 @@ class SlotStats(msgspec.Struct, array_like=True, frozen=True):
     output_tokens: int
     context_tokens: int  # tokens held in state
     window_tokens: int  # tokens this slot fed in this window
+    grammar: bool = False  # its request's output follows a grammar (structured output, tool choice)
 
 
 EXPERT_SOURCES = ("vram", "cpu", "pcie")  # what each `ExpertUsage.location` code means for a routed entry

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from app.engine.cuda_graphs import Fed, WindowGraphs
+from app.engine.grammar import Grammars, TokenMask
 from app.engine.paged_state import PagedState, StateCopies
 from app.engine.parking import ConversationPark, Parked
 from app.engine.protocol import ExpertUsage, PositionLogprobs, StageTimes
@@ -42,12 +43,14 @@ class Launched:
     """A window queued on the device: the chunks that sample, one entry a row they sample at, in the order
     of the tokens drawn for them (still on the device, their copy to the host queued), and whether it
     replayed a CUDA graph. On a layer split the window is still going down the stages: `later` draws its
-    tokens once the last one answers."""
+    tokens once the last one answers. A window with rows under a grammar is `pending` until
+    `ModelRunner.sample_pending` draws its tokens, once the tokens before them are read."""
 
     sampling: list[Chunk]
     drawn: DrawnTokens | None
     replayed: bool
     later: Callable[[], DrawnTokens | None] | None = None
+    pending: tuple[torch.Tensor, list[RowSampling]] | None = None  # logits whose sampling waits for masks
 
 
 class ModelRunner:
@@ -79,6 +82,7 @@ class ModelRunner:
         self.last_stages: list[StageTimes] | None = None  # a split's stage times for the last window read
         self.last_reports: list[ExpertUsage] = []  # and the other stages' routing reports that came with it
         self._drawn: torch.Tensor | None = None  # the tokens of the last window launched, on the device
+        self.grammars: Grammars | None = None  # set by the engine once a request has a grammar
         self.device = model.model.embed_tokens.weight.device
 
     def warm_up(self) -> None:
@@ -118,10 +122,43 @@ class ModelRunner:
         self._drawn = None
         if not sampling:
             return Launched([], None, self.last_replayed)
+        if any(c.request.matcher is not None for c in sampling):  # its masks wait for the tokens before
+            return Launched(
+                sampling, None, self.last_replayed, pending=(logits, _row_sampling(sampling, True))
+            )
         drawn = self.sampler.sample(logits, _row_sampling(sampling))
         drawn.to_host()
         self._drawn = drawn.tokens
         return Launched(sampling, drawn, self.last_replayed)
+
+    def sample_pending(self, launched: Launched) -> None:
+        """Draw a pending window's tokens under its rows' grammar masks (queued behind its forward pass,
+        which may still be running); the next window can then feed them."""
+        assert launched.pending is not None
+        logits, rows = launched.pending
+        launched.pending = None
+        launched.drawn = self.sampler.sample(logits, rows, self._token_mask(launched.sampling, launched=True))
+        launched.drawn.to_host()
+        self._drawn = launched.drawn.tokens
+
+    def _token_mask(self, sampling: list[Chunk], launched: bool = False) -> TokenMask | None:
+        """The masks of the sampled rows whose requests follow a grammar that is not yet whole, or None
+        where no row has one. Their matchers must have seen every token before the rows' own (`launched`:
+        the newest token is the row's own placeholder, already appended)."""
+        constrained = [
+            (i, c.request)
+            for i, c in enumerate(sampling)
+            if c.request.matcher is not None and not Grammars.complete(c.request.matcher)
+        ]
+        if not constrained:
+            return None
+        assert self.grammars is not None
+        before = slice(None, -1) if launched else slice(None)
+        assert all(t >= 0 for _, r in constrained for t in r.output[before][-1:]), (
+            "a grammar row's token unread"
+        )
+        words = self.grammars.bitmask([r.matcher for _, r in constrained], pin=self.device.type == "cuda")
+        return TokenMask([i for i, _ in constrained], words)
 
     def _down_the_stages(self, chunks: list[Chunk], fed: Fed | None, copies: StateCopies) -> Launched:
         """Send the window down a layer split's stages (stage 0's layers run here now); its tokens are drawn
@@ -139,13 +176,14 @@ class ModelRunner:
         )
         self.pipeline.send(batch, last_rows, work)
         rows = _row_sampling(sampling, copied=True)
+        mask = self._token_mask(sampling)
         pipeline = self.pipeline
 
         def draw() -> DrawnTokens | None:
             hidden, self.last_stages, self.last_reports = pipeline.receive(len(rows))
             if hidden is None:
                 return None
-            drawn = self.sampler.sample(self.model.logits(hidden), rows)
+            drawn = self.sampler.sample(self.model.logits(hidden), rows, mask)
             drawn.to_host()
             return drawn
 

@@ -1,6 +1,7 @@
 """The per-row sampler: penalties, temperature, top-k/top-p/min-p, seeded draws and logprobs, in pure torch.
 
-Order (as vLLM): logprobs from the raw logits; then repetition, presence and frequency penalties; then greedy
+Order (as vLLM): logprobs from the raw logits; then repetition, presence and frequency penalties; then a
+grammar's mask (app/engine/grammar.py) on the rows that have one; then greedy
 argmax for temperature 0, or softmax(logits / temperature) filtered by top_k, top_p and min_p, renormalised,
 and drawn with the exponential race argmax(probs / E), E ~ Exp(1). A seeded row takes E from its own CPU
 generator seeded with `mix_seed(seed, position)`, so its token depends only on (seed, position, its logits),
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from app.engine.grammar import TokenMask
 from app.engine.protocol import PositionLogprobs, SamplingParams, TokenLogprob
 from app.engine.transfer import device_tensor, to_device
 
@@ -234,17 +236,24 @@ class Sampler:
             noise[_index(seeded, device)] = to_device(draws, device).to(probs.dtype)
         return (probs / noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax(-1)
 
-    def __call__(self, logits: torch.Tensor, rows: Sequence[RowSampling]) -> SampleResult:
+    def __call__(
+        self, logits: torch.Tensor, rows: Sequence[RowSampling], mask: TokenMask | None = None
+    ) -> SampleResult:
         """Sample one token for each row of `logits` ([rows, vocab]) under that row's parameters."""
-        return self.sample(logits, rows).read()
+        return self.sample(logits, rows, mask).read()
 
-    def sample(self, logits: torch.Tensor, rows: Sequence[RowSampling]) -> DrawnTokens:
-        """Draw one token for each row of `logits` ([rows, vocab]) on their device, without waiting for it."""
+    def sample(
+        self, logits: torch.Tensor, rows: Sequence[RowSampling], mask: TokenMask | None = None
+    ) -> DrawnTokens:
+        """Draw one token for each row of `logits` ([rows, vocab]) on their device, without waiting for it;
+        rows under a grammar (`mask`) draw only tokens it allows (their logprobs stay the model's)."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits of shape {tuple(logits.shape)} for {len(rows)} rows")
         logits = logits.float()
         device = logits.device
         processed = apply_penalties(logits, rows)
+        if mask is not None:
+            processed = mask.apply(processed)
         greedy = [i for i, row in enumerate(rows) if row.params.greedy]
         if len(greedy) == len(rows):
             return _drawn(logits, processed.argmax(-1), rows)

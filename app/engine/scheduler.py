@@ -80,6 +80,7 @@ class Request:
     held_since: float | None = None  # its prompt was read while others' waited: it decodes after them
     drafter: NgramDrafter | None = None  # its draft source, while it drafts
     rollback: bool = False  # its slot's recurrent state went past `computed`; its draft slot holds it
+    matcher: object | None = None  # with a grammar: where its output is in it (app/engine/grammar.py)
 
     @property
     def length(self) -> int:
@@ -480,7 +481,7 @@ class Scheduler:
         params = request.params
         k = self.config.spec_tokens if params.spec_tokens is None else params.spec_tokens
         k = min(k, params.max_tokens - len(request.output) - 1, self.config.max_length - request.length - 1)
-        if k <= 0 or not request.output or request.output[-1] < 0:
+        if k <= 0 or not request.output or request.output[-1] < 0 or params.grammar is not None:
             return chunk
         if self.config.recurrent and not self.config.draft_slots:
             return chunk

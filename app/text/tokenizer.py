@@ -164,6 +164,10 @@ class Tokenizer:
         """Text of `ids`, leaving out special tokens unless `skip_special_tokens` is False."""
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def to_json(self) -> str:
+        """The tokenizer as `tokenizer.json` text (what llguidance reads)."""
+        return self._backend.to_str()
+
     def token_to_id(self, token: str) -> int | None:
         """The id of `token`, or None when it is not in the vocabulary."""
         return self._backend.token_to_id(token)
