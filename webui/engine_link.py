@@ -58,6 +58,9 @@ class RequestObserver(Protocol):
     def on_request_finished(self, record: RequestRecord) -> None:
         """A request ended (finished, aborted, failed, or its client went away)."""
 
+    def count_features(self, features: list[str]) -> None:
+        """A request asked for these features (tools, structured output, thinking)."""
+
 
 class EngineLink:
     """Owns the engine client and the tokenizer; every request goes through `stream`, so each is counted.
@@ -115,6 +118,10 @@ class EngineLink:
         return await asyncio.to_thread(
             self.tokenizer.encode_chat, messages, add_generation_prompt, **template_kwargs
         )
+
+    def decode_special(self, token_ids: list[int]) -> str:
+        """The text of token ids, special tokens kept."""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=False)
 
     @property
     def dead(self) -> str | None:

@@ -237,7 +237,19 @@ class ServerMetrics:
             buckets=HTTP_DURATION_BUCKETS,
             registry=self.registry,
         )
+        self.requests_by_feature = Counter(
+            "strata:requests_by_feature",
+            "Chat and completion requests by what they asked for: tools, tool_choice required or named, "
+            "response_format json_object or json_schema, a regex, choice or Lark grammar, thinking.",
+            [*LABELS, "feature"],
+            registry=self.registry,
+        )
         self.registry.register(_ValuesCollector(self))
+
+    def count_features(self, features: list[str]) -> None:
+        """Count a request under each feature it uses (`strata:requests_by_feature_total`)."""
+        for feature in features:
+            self.requests_by_feature.labels(self.model_name, ENGINE, feature).inc()
 
     def _histogram(self, name: str, documentation: str, buckets: tuple[float, ...] | list[int]) -> Histogram:
         histogram = Histogram(name, documentation, LABELS, buckets=buckets, registry=self.registry)
@@ -432,6 +444,7 @@ class ServerMetrics:
                 "prompt_tokens": 0,
                 "prompt_total": 0,
                 "tokens_per_window": 0.0,
+                "grammar": False,
             }
         return {
             "slot": index,
@@ -442,6 +455,7 @@ class ServerMetrics:
             "prompt_tokens": slot.prompt_tokens,
             "prompt_total": slot.prompt_total,
             "tokens_per_window": self._tokens_per_window(slot),
+            "grammar": slot.grammar,
         }
 
     def snapshot(self) -> dict[str, Any]:

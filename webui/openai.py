@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 import uuid
@@ -19,7 +20,8 @@ from litestar.openapi.spec import OpenAPIMediaType, OpenAPIResponse, OpenAPIType
 from litestar.response import Stream
 
 from app.engine.client import EngineError
-from app.engine.protocol import InvalidRequest, PositionLogprobs, RequestOutput, SamplingParams
+from app.engine.protocol import Grammar, InvalidRequest, PositionLogprobs, RequestOutput, SamplingParams
+from app.text.answer import AnswerParts, AnswerSplitter, ToolCall, opens_thinking
 from app.text.chat_template import ChatTemplateError
 from app.text.tokenizer import TokenizerError
 from webui.auth import require_api_key
@@ -40,6 +42,7 @@ from webui.openai_schema import (
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
+    FunctionCall,
     Model,
     ModelList,
     SamplingRequest,
@@ -47,9 +50,12 @@ from webui.openai_schema import (
     TokenizeRequest,
     TokenizeResponse,
     TokenLogprob,
+    ToolCallDelta,
+    ToolCallOut,
     TopLogprob,
     Usage,
 )
+from webui.structured import request_grammar, tool_choice_grammar
 
 logger = logging.getLogger(__name__)
 
@@ -117,12 +123,13 @@ class _Reply(ABC):
         return []
 
     @abstractmethod
-    def piece(self, text: str, positions: list[PositionLogprobs]) -> msgspec.Struct:
-        """A stream chunk with new text (and its tokens' log-probabilities)."""
+    def piece(self, text: str, positions: list[PositionLogprobs]) -> list[msgspec.Struct]:
+        """The stream chunks with new text (and its tokens' log-probabilities): none while what the text
+        is stays open (a tag's start)."""
 
     @abstractmethod
-    def end(self, finish_reason: str | None) -> msgspec.Struct:
-        """The stream chunk that says why the answer ended."""
+    def end(self, finish_reason: str | None) -> list[msgspec.Struct]:
+        """The stream chunks that end the answer: what was held back, then why it ended."""
 
     @abstractmethod
     def usage_chunk(self, usage: Usage) -> msgspec.Struct:
@@ -136,9 +143,14 @@ class _Reply(ABC):
 
 
 class _ChatReply(_Reply):
-    """`chat.completion` answers and `chat.completion.chunk` stream chunks."""
+    """`chat.completion` answers and `chat.completion.chunk` stream chunks; the answer's reasoning and
+    tool-call blocks (app/text/answer.py) go to `reasoning_content` and `tool_calls`."""
 
     prefix = "chatcmpl"
+
+    def __init__(self, link: EngineLink, top_logprobs: int | None, thinking: bool, tools: bool) -> None:
+        super().__init__(link, top_logprobs)
+        self.splitter = AnswerSplitter(thinking, tools)
 
     def _logprobs(self, positions: list[PositionLogprobs]) -> ChatLogprobs | None:
         if not self.wants_logprobs:
@@ -161,14 +173,30 @@ class _ChatReply(_Reply):
         """The first chunk: the assistant's role and empty content."""
         return [self._chunk([ChatChunkChoice(0, ChatDelta("assistant", ""), None, None)], msgspec.UNSET)]
 
-    def piece(self, text: str, positions: list[PositionLogprobs]) -> msgspec.Struct:
-        """A content delta."""
-        choice = ChatChunkChoice(0, ChatDelta(content=text), self._logprobs(positions), None)
-        return self._chunk([choice], msgspec.UNSET)
+    def piece(self, text: str, positions: list[PositionLogprobs]) -> list[msgspec.Struct]:
+        """The deltas of what the text adds: content, reasoning, tool calls."""
+        return self._deltas(self.splitter.feed(text), self._logprobs(positions))
 
-    def end(self, finish_reason: str | None) -> msgspec.Struct:
-        """An empty delta with the finish reason."""
-        return self._chunk([ChatChunkChoice(0, ChatDelta(), None, finish_reason)], msgspec.UNSET)
+    def _deltas(self, parts: AnswerParts, logprobs: ChatLogprobs | None) -> list[msgspec.Struct]:
+        if not parts and logprobs is None:
+            return []
+        first = self.splitter.calls - len(parts.tool_calls or [])
+        calls = [
+            ToolCallDelta(first + i, call.id, FunctionCall(name=call.name, arguments=call.arguments))
+            for i, call in enumerate(parts.tool_calls or [])
+        ]
+        delta = ChatDelta(
+            content=parts.content or None,
+            reasoning_content=parts.reasoning or None,
+            tool_calls=calls or None,
+        )
+        return [self._chunk([ChatChunkChoice(0, delta, logprobs, None)], msgspec.UNSET)]
+
+    def end(self, finish_reason: str | None) -> list[msgspec.Struct]:
+        """What was held back, then an empty delta with the finish reason."""
+        held = self._deltas(self.splitter.finish(), None)
+        reason = _with_tools(finish_reason, self.splitter.calls)
+        return [*held, self._chunk([ChatChunkChoice(0, ChatDelta(), None, reason)], msgspec.UNSET)]
 
     def usage_chunk(self, usage: Usage) -> msgspec.Struct:
         """No choices, and the usage."""
@@ -178,8 +206,25 @@ class _ChatReply(_Reply):
         self, text: str, positions: list[PositionLogprobs], finish_reason: str | None, usage: Usage
     ) -> msgspec.Struct:
         """A `chat.completion`."""
-        choice = ChatChoice(0, AssistantMessage(text), self._logprobs(positions), finish_reason)
+        parts = self.splitter.feed(text)
+        parts.add(self.splitter.finish())
+        message = AssistantMessage(parts.content if parts.content or not parts.tool_calls else None)
+        if parts.tool_calls:
+            message.tool_calls = [_tool_call(call) for call in parts.tool_calls]
+        if parts.reasoning:
+            message.reasoning_content = parts.reasoning
+        reason = _with_tools(finish_reason, self.splitter.calls)
+        choice = ChatChoice(0, message, self._logprobs(positions), reason)
         return ChatCompletion(self.id, self.created, self.model, [choice], usage)
+
+
+def _tool_call(call: ToolCall) -> ToolCallOut:
+    return ToolCallOut(call.id, FunctionCall(name=call.name, arguments=call.arguments))
+
+
+def _with_tools(finish_reason: str | None, calls: int) -> str | None:
+    """OpenAI's finish reason: `tool_calls` for an answer that stopped after making calls."""
+    return "tool_calls" if calls and finish_reason == "stop" else finish_reason
 
 
 class _CompletionReply(_Reply):
@@ -209,13 +254,14 @@ class _CompletionReply(_Reply):
     ) -> TextCompletion:
         return TextCompletion(self.id, self.created, self.model, choices, usage=usage)
 
-    def piece(self, text: str, positions: list[PositionLogprobs]) -> msgspec.Struct:
+    def piece(self, text: str, positions: list[PositionLogprobs]) -> list[msgspec.Struct]:
         """A piece of text."""
-        return self._completion([CompletionChoice(0, text, self._logprobs(positions), None)], msgspec.UNSET)
+        choice = CompletionChoice(0, text, self._logprobs(positions), None)
+        return [self._completion([choice], msgspec.UNSET)]
 
-    def end(self, finish_reason: str | None) -> msgspec.Struct:
+    def end(self, finish_reason: str | None) -> list[msgspec.Struct]:
         """No text, and the finish reason."""
-        return self._completion([CompletionChoice(0, "", None, finish_reason)], msgspec.UNSET)
+        return [self._completion([CompletionChoice(0, "", None, finish_reason)], msgspec.UNSET)]
 
     def usage_chunk(self, usage: Usage) -> msgspec.Struct:
         """No choices, and the usage."""
@@ -245,23 +291,71 @@ async def _chat_prompt(
     messages: Sequence[ChatMessage],
     add_generation_prompt: bool,
     template_kwargs: dict[str, Any] | None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
-    """The token ids of `messages` rendered with the model's chat template."""
+    """The token ids of `messages` (and `tools`, as HF passes them) rendered with the model's chat
+    template."""
     if not messages:
         raise InvalidRequest("messages must not be empty", "messages")
-    rendered = []
-    for message in messages:
-        content = message.content
-        if isinstance(content, list):
-            content = "\n".join(part.text for part in content)
-        entry = {"role": message.role, "content": content or ""}
-        if message.name is not None:
-            entry["name"] = message.name
-        rendered.append(entry)
+    rendered = [_template_message(message) for message in messages]
+    kwargs = dict(template_kwargs or {})
+    if tools:
+        kwargs["tools"] = tools
     try:
-        return await link.encode_chat(rendered, add_generation_prompt, **(template_kwargs or {}))
+        return await link.encode_chat(rendered, add_generation_prompt, **kwargs)
     except (ChatTemplateError, TokenizerError) as exc:
         raise InvalidRequest(f"the chat template cannot render the messages: {exc}", "messages") from None
+
+
+def _template_message(message: ChatMessage) -> dict[str, Any]:
+    """A message as chat templates read it (HF's shape: a tool call's arguments as an object)."""
+    content = message.content
+    if isinstance(content, list):
+        content = "\n".join(part.text for part in content)
+    entry: dict[str, Any] = {"role": message.role, "content": content or ""}
+    if message.name is not None:
+        entry["name"] = message.name
+    if message.tool_calls:
+        entry["tool_calls"] = [
+            {
+                "id": call.id,
+                "type": "function",
+                "function": {"name": call.function.name, "arguments": _arguments(call.function.arguments)},
+            }
+            for call in message.tool_calls
+        ]
+    if message.tool_call_id is not None:
+        entry["tool_call_id"] = message.tool_call_id
+    if message.reasoning_content is not None:
+        entry["reasoning_content"] = message.reasoning_content
+    return entry
+
+
+def _arguments(text: str) -> Any:
+    """A tool call's arguments as the object its JSON text holds (the text itself if it is not JSON)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def _tools(request: ChatCompletionRequest) -> list[dict[str, Any]] | None:
+    """The request's tools as the chat template reads them; none with `tool_choice` none."""
+    if not request.tools or request.tool_choice == "none":
+        return None
+    return [msgspec.to_builtins(tool) for tool in request.tools]
+
+
+def _features(
+    params: SamplingParams, tools: bool = False, tool_grammar: Grammar | None = None, thinking: bool = False
+) -> list[str]:
+    """The features a request uses, as `strata:requests_by_feature` counts them."""
+    features = ["tools"] if tools else []
+    if tool_grammar is not None:
+        features.append("tool_choice")
+    elif params.grammar is not None:
+        features.append(params.grammar.kind)
+    return [*features, "thinking"] if thinking else features
 
 
 async def _completion_prompt(link: EngineLink, prompt: str | list[str | int | list[int]]) -> list[int]:
@@ -285,10 +379,18 @@ def _sampling_params(
     prompt_param: str,
     max_tokens_param: str,
     logprobs: int | None,
+    tool_grammar: Grammar | None = None,
 ) -> SamplingParams:
-    """The engine's parameters for a request, checked against the model; InvalidRequest names the field."""
+    """The engine's parameters for a request, checked against the model; InvalidRequest names the field.
+    A grammar comes from the structured-output fields or from `tool_grammar` (not both)."""
     if request.n != 1:
         raise InvalidRequest("only n=1 is supported", "n")
+    grammar = request_grammar(request)
+    if grammar is not None and tool_grammar is not None:
+        raise InvalidRequest(
+            "tool_choice required or named cannot go with a structured output", "tool_choice"
+        )
+    grammar = grammar or tool_grammar
     max_tokens: int | None = getattr(request, max_tokens_param)
     try:
         return sampling_params(
@@ -310,6 +412,7 @@ def _sampling_params(
             skip_special_tokens=request.skip_special_tokens,
             include_stop_str_in_output=request.include_stop_str_in_output,
             spec_tokens=request.spec_tokens,
+            grammar=grammar,
         )
     except InvalidRequest as exc:
         if exc.param == "prompt" or (exc.param == "max_tokens" and max_tokens is None):
@@ -336,9 +439,11 @@ async def _events(
             async for output in outputs:
                 completion_tokens += len(output.token_ids)
                 if output.text or output.logprobs:
-                    yield _event(reply.piece(output.text, output.logprobs))
+                    for chunk in reply.piece(output.text, output.logprobs):
+                        yield _event(chunk)
                 if output.finished:
-                    yield _event(reply.end(output.finish_reason))
+                    for chunk in reply.end(output.finish_reason):
+                        yield _event(chunk)
     except EngineError as exc:
         yield _event(ErrorResponse(ErrorDetail(f"the engine failed: {exc}", "service_unavailable")))
         return
@@ -407,11 +512,16 @@ async def chat_completions(data: ChatCompletionRequest, link: EngineLink) -> Res
     _check_model(link, data.model)
     if data.top_logprobs is not None and not data.logprobs:
         raise InvalidRequest("top_logprobs requires logprobs to be true", "top_logprobs")
-    prompt = await _chat_prompt(link, data.messages, True, data.chat_template_kwargs)
+    tools = _tools(data)
+    prompt = await _chat_prompt(link, data.messages, True, data.chat_template_kwargs, tools)
     logprobs = (data.top_logprobs or 0) if data.logprobs else None
     max_tokens_param = "max_completion_tokens" if data.max_completion_tokens is not None else "max_tokens"
-    params = _sampling_params(link, data, prompt, "messages", max_tokens_param, logprobs)
-    return await _answer(link, data, prompt, params, _ChatReply(link, logprobs))
+    tool_grammar = tool_choice_grammar(data)
+    params = _sampling_params(link, data, prompt, "messages", max_tokens_param, logprobs, tool_grammar)
+    thinking = opens_thinking(link.decode_special, prompt)
+    reply = _ChatReply(link, logprobs, thinking=thinking, tools=tools is not None)
+    link.observer.count_features(_features(params, tools is not None, tool_grammar, thinking))
+    return await _answer(link, data, prompt, params, reply)
 
 
 @post(
@@ -427,6 +537,7 @@ async def completions(data: CompletionRequest, link: EngineLink) -> Response[Tex
         raise InvalidRequest("echo is not supported", "echo")
     prompt = await _completion_prompt(link, data.prompt)
     params = _sampling_params(link, data, prompt, "prompt", "max_tokens", data.logprobs)
+    link.observer.count_features(_features(params))
     return await _answer(link, data, prompt, params, _CompletionReply(link, data.logprobs))
 
 

@@ -26,12 +26,88 @@ class TextPart(msgspec.Struct):
     text: str
 
 
+class FunctionCall(msgspec.Struct, kw_only=True):
+    """A function a tool call names, and its arguments as JSON text."""
+
+    name: str
+    arguments: str = "{}"
+
+
+class MessageToolCall(msgspec.Struct, kw_only=True):
+    """A tool call an assistant message made (sent back in the conversation, or answered)."""
+
+    id: str
+    function: FunctionCall
+    type: Literal["function"] = "function"
+
+
 class ChatMessage(msgspec.Struct, kw_only=True):
-    """One message of a conversation: a string, or a list of text parts (joined by newlines)."""
+    """One message of a conversation: a string, or a list of text parts (joined by newlines).
+
+    An assistant message may carry the `tool_calls` it made and its `reasoning_content`; a `tool` message
+    answers the call `tool_call_id`.
+    """
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+
+class FunctionDefinition(msgspec.Struct, kw_only=True):
+    """A function the model may call: its name, what it does, its parameters' JSON schema."""
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(msgspec.Struct, kw_only=True):
+    """A tool of a chat request (only functions)."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(msgspec.Struct, kw_only=True):
+    """The function a named tool choice forces."""
+
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct, kw_only=True):
+    """`tool_choice` naming one function: the answer is one call to it."""
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(msgspec.Struct, kw_only=True):
+    """The schema of a `json_schema` response format (outputs always follow it: `strict` or not)."""
+
+    name: str = "response"
+    schema_: dict[str, Any] | bool | None = msgspec.field(default=None, name="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(msgspec.Struct, kw_only=True):
+    """`text` (free), `json_object` (any JSON object) or `json_schema` (JSON following `json_schema`)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(msgspec.Struct, kw_only=True):
+    """vLLM's `structured_outputs`: one of a JSON schema, a regular expression, choices, a Lark grammar."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
@@ -47,6 +123,10 @@ class SamplingRequest(_Body, kw_only=True):
     repetition_penalty, stop_token_ids, ignore_eos, skip_special_tokens and include_stop_str_in_output
     are vLLM's extensions; top_k -1 or 0 turns it off. `spec_tokens` is Strata's: the most draft tokens
     a window verifies for this request (0: none; absent: the server's `--spec`). Only n=1 is supported.
+
+    Structured output (one of them): OpenAI's `response_format`, or vLLM's `guided_json` (a JSON schema),
+    `guided_regex`, `guided_choice`, `guided_grammar` (Lark) and `structured_outputs`; every token keeps
+    the output inside it.
     """
 
     model: str | None = None
@@ -65,6 +145,12 @@ class SamplingRequest(_Body, kw_only=True):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     spec_tokens: int | None = None
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputs | None = None
     n: int | None = 1
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -76,7 +162,9 @@ class ChatCompletionRequest(SamplingRequest, kw_only=True):
 
     `max_completion_tokens` wins over `max_tokens`; `logprobs` asks for the chosen tokens' log-probabilities
     and `top_logprobs` (0-20) for that many alternatives each. `chat_template_kwargs` reach the template
-    (e.g. `enable_thinking`).
+    (e.g. `enable_thinking`). `tools` reach the template too; the answer's tool-call blocks come back as
+    `tool_calls`; `tool_choice` `none` leaves the tools out, `auto` (the default with tools) lets the model
+    choose, `required` or a named function makes the answer calls (`parallel_tool_calls` false: one).
     """
 
     messages: list[ChatMessage]
@@ -84,6 +172,9 @@ class ChatCompletionRequest(SamplingRequest, kw_only=True):
     logprobs: bool | None = False
     top_logprobs: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = True
 
 
 class CompletionRequest(SamplingRequest, kw_only=True):
@@ -129,15 +220,27 @@ class ChatLogprobs(msgspec.Struct):
     content: list[TokenLogprob]
 
 
-class AssistantMessage(msgspec.Struct):
-    """The generated message."""
+class ToolCallOut(msgspec.Struct):
+    """A tool call the answer makes."""
 
-    content: str
+    id: str
+    function: FunctionCall
+    type: Literal["function"] = "function"
+
+
+class AssistantMessage(msgspec.Struct):
+    """The generated message: its content (null where it is only tool calls), its tool calls and its
+    reasoning (a thinking model's, apart from the answer) where it has them."""
+
+    content: str | None
     role: Literal["assistant"] = "assistant"
+    tool_calls: list[ToolCallOut] | msgspec.UnsetType = msgspec.UNSET
+    reasoning_content: str | msgspec.UnsetType = msgspec.UNSET
 
 
 class ChatChoice(msgspec.Struct):
-    """The answer: its message, log-probabilities when asked for, and why it ended (stop or length)."""
+    """The answer: its message, log-probabilities when asked for, and why it ended (stop, length, or
+    tool_calls)."""
 
     index: int
     message: AssistantMessage
@@ -156,11 +259,24 @@ class ChatCompletion(msgspec.Struct):
     object: Literal["chat.completion"] = "chat.completion"
 
 
+class ToolCallDelta(msgspec.Struct, omit_defaults=True):
+    """A streamed tool call: the call's index in the answer, its id, name and arguments (whole, in one
+    chunk once its block has closed)."""
+
+    index: int
+    id: str
+    function: FunctionCall
+    type: Literal["function"] = "function"
+
+
 class ChatDelta(msgspec.Struct, omit_defaults=True):
-    """What a streamed chat chunk adds to the message (the first carries the role; the last is empty)."""
+    """What a streamed chat chunk adds to the message (the first carries the role; the last is empty):
+    content, reasoning or tool calls."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct):
@@ -235,7 +351,8 @@ class ModelList(msgspec.Struct):
 class TokenizeRequest(msgspec.Struct, kw_only=True):
     """POST /tokenize: either `prompt` text, or chat `messages` rendered as the chat endpoint renders them.
 
-    `add_special_tokens` applies to `prompt` only (with messages the template places the special tokens).
+    `add_special_tokens` applies to `prompt` only (with messages the template places the special tokens);
+    `tools` are rendered with the messages as the chat endpoint renders them.
     """
 
     model: str | None = None
@@ -244,6 +361,7 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
 
 
 class TokenizeResponse(msgspec.Struct):

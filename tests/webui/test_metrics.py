@@ -273,6 +273,7 @@ def test_windows_set_slots_queue_kv_and_live_rate() -> None:
         "prompt_tokens": 4,
         "prompt_total": 8,
         "tokens_per_window": 0.0,
+        "grammar": False,
     }
     assert snap["slots"][0]["tokens_per_window"] == 1.0  # decoding, one token a window
     metrics.on_window(window(3, 20.0, slots))  # the windows before 15.5 drop out of the rate
