@@ -129,12 +129,45 @@ function statusText(message) {
   return parts.join(" · ");
 }
 
+// An answer's parts: its reasoning (a thinking model's, collapsed), its content, the tools it called.
+function answerParts(message) {
+  const parts = [];
+  if (message.reasoning) {
+    const open = message.status === "streaming" && !message.content;
+    const details = el(
+      "details",
+      { class: "reasoning" },
+      el("summary", { text: open ? "Reasoning…" : "Reasoning" }),
+      el("p", { class: "reasoning-text", text: message.reasoning }),
+    );
+    parts.push(details);
+  }
+  parts.push(renderAnswer(message.content));
+  for (const call of message.tool_calls ?? []) {
+    let args = call.arguments;
+    try {
+      args = JSON.stringify(JSON.parse(call.arguments), null, 2);
+    } catch {
+      // shown as the model wrote it
+    }
+    parts.push(
+      el(
+        "section",
+        { class: "tool-call", "aria-label": `Tool call ${call.name}` },
+        el("h4", {}, el("span", { class: "label", text: "Tool call" }), el("code", { text: call.name })),
+        el("pre", {}, el("code", { text: args })),
+      ),
+    );
+  }
+  return parts;
+}
+
 function messageView(message) {
   const assistant = message.role === "assistant";
   const body = el("div", { class: "body" });
   if (assistant) {
     body.setAttribute("aria-live", "polite");
-    body.append(renderAnswer(message.content));
+    body.append(...answerParts(message));
   } else {
     body.append(el("p", { text: message.content }));
   }
@@ -171,7 +204,10 @@ function refresh(message) {
   const atBottom = messagesView.scrollHeight - messagesView.scrollTop - messagesView.clientHeight < 40;
   view.dataset.status = message.status;
   const body = view.querySelector(".body");
-  body.replaceChildren(renderAnswer(message.content));
+  const wasOpen = body.querySelector("details.reasoning")?.open ?? false;
+  body.replaceChildren(...answerParts(message));
+  const reasoning = body.querySelector("details.reasoning");
+  if (reasoning) reasoning.open = wasOpen;
   body.setAttribute("aria-busy", message.status === "streaming" ? "true" : "false");
   view.querySelector(".stats").textContent = statusText(message);
   if (atBottom) messagesView.scrollTop = messagesView.scrollHeight;
@@ -251,6 +287,12 @@ function onMessage(message) {
     entry.message.content += message.text;
     scheduleRefresh(entry.message);
     if (Date.now() - lastSave > SAVE_EVERY_MS) save();
+  } else if (message.type === "reasoning" || message.type === "tool_call") {
+    const entry = streaming.get(message.id);
+    if (!entry) return;
+    if (message.type === "reasoning") entry.message.reasoning = (entry.message.reasoning ?? "") + message.text;
+    else entry.message.tool_calls = [...(entry.message.tool_calls ?? []), message.call];
+    scheduleRefresh(entry.message);
   } else if (message.type === "done") {
     const stats = {
       ttft_s: message.ttft_s,

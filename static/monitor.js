@@ -20,6 +20,7 @@ const slotViews = [];
 
 function slotView(index) {
   const state = el("span", { class: "badge" });
+  const grammar = el("span", { class: "grammar-mark", text: "grammar", title: "Its output follows a grammar" });
   const progress = bar(`Slot ${index} prompt read`);
   progress.setAttribute("role", "progressbar");
   const progressText = el("span", { class: "small-text" });
@@ -31,7 +32,7 @@ function slotView(index) {
   const item = el(
     "li",
     { class: "slot" },
-    el("div", { class: "slot-head" }, el("h3", { text: `Slot ${index}` }), state),
+    el("div", { class: "slot-head" }, el("h3", { text: `Slot ${index}` }), grammar, state),
     el("div", { class: "prompt-progress" }, el("span", { class: "label", text: "Prompt" }), progress, progressText),
     el(
       "dl",
@@ -42,7 +43,7 @@ function slotView(index) {
     ),
     el("div", { class: "context" }, el("span", { class: "label", text: "Context" }), context, contextText),
   );
-  return { item, state, progress, progressText, output, speed, perWindow, context, contextText };
+  return { item, state, grammar, progress, progressText, output, speed, perWindow, context, contextText };
 }
 
 function renderSlots(slots, maxModelLen) {
@@ -57,6 +58,7 @@ function renderSlots(slots, maxModelLen) {
     view.item.dataset.state = slot.state;
     view.item.dataset.busy = slot.state === "idle" ? "false" : "true";
     view.state.textContent = STATES[slot.state] ?? slot.state;
+    view.grammar.hidden = !slot.grammar || slot.state === "idle";
     const reading = slot.state === "prompt";
     view.progress.parentElement.hidden = !reading;
     if (reading) {

@@ -27,6 +27,7 @@ from litestar.status_codes import WS_1008_POLICY_VIOLATION
 
 from app.engine.client import EngineError
 from app.engine.protocol import InvalidRequest, SamplingParams
+from app.text.answer import AnswerParts, AnswerSplitter, opens_thinking
 from app.text.chat_template import ChatTemplateError
 from app.text.tokenizer import TokenizerError
 from webui.auth import key_accepted
@@ -135,6 +136,7 @@ class _Answer:
     tokens: int = 0
     prompt_tokens: int = 0
     ended: bool = False
+    splitter: AnswerSplitter | None = None  # its reasoning, content and tool calls, apart
 
 
 def _done(answer_id: str, answer: _Answer, finish_reason: str | None) -> dict[str, Any]:
@@ -212,14 +214,16 @@ class ChatSession:
         try:
             prompt, params = await self._request(start)
             answer.prompt_tokens = len(prompt)
+            answer.splitter = AnswerSplitter(opens_thinking(self.link.decode_special, prompt))
             async with aclosing(self.link.stream(prompt, params)) as outputs:
                 async for output in outputs:
                     if answer.record is None:
                         answer.record = self.link.running.get(output.request_id)
                     answer.tokens += len(output.token_ids)
                     if output.text:
-                        self.send({"type": "delta", "id": start.id, "text": output.text})
+                        self._parts(start.id, answer.splitter.feed(output.text))
                     if output.finished:
+                        self._parts(start.id, answer.splitter.finish())
                         answer.ended = True
                         if output.finish_reason == "error":
                             self.send({"type": "error", "id": start.id, "message": output.error or "failed"})
@@ -236,6 +240,16 @@ class ChatSession:
             answer.ended = True
             if self.answers.get(start.id) is answer:
                 del self.answers[start.id]
+
+    def _parts(self, answer_id: str, parts: AnswerParts) -> None:
+        """Send what a piece of the answer adds: `reasoning` and `delta` (content) text, `tool_call`s."""
+        if parts.reasoning:
+            self.send({"type": "reasoning", "id": answer_id, "text": parts.reasoning})
+        if parts.content:
+            self.send({"type": "delta", "id": answer_id, "text": parts.content})
+        for call in parts.tool_calls or []:
+            call_view = {"id": call.id, "name": call.name, "arguments": call.arguments}
+            self.send({"type": "tool_call", "id": answer_id, "call": call_view})
 
     async def _request(self, start: ChatStart) -> tuple[list[int], SamplingParams]:
         """The prompt's token ids and the engine's parameters, checked against the model."""
@@ -291,7 +305,8 @@ async def _loaded(socket: WebSocket) -> bool:
 
 @websocket("/ws/chat")
 async def chat_socket(socket: WebSocket) -> None:
-    """Chat: `{type: chat, id, messages, params}` and `{type: stop, id}` in; `delta`, `done`, `error` out."""
+    """Chat: `{type: chat, id, messages, params}` and `{type: stop, id}` in; `delta` (content), `reasoning`,
+    `tool_call`, `done`, `error` out."""
     if not await admit(socket) or not await _loaded(socket):
         return
     session = ChatSession(socket, socket.app.state.link)
