@@ -26,7 +26,8 @@ import msgspec
 
 from app.engine.client import EngineClient
 from app.engine.config import EngineConfig
-from app.engine.protocol import EXPERT_SOURCES, Ready, SamplingParams, WindowStats
+from app.engine.protocol import EXPERT_SOURCES, Grammar, Ready, SamplingParams, WindowStats
+from app.errors import StrataError
 
 VECTOR_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
 
@@ -74,15 +75,24 @@ def _consume(client: EngineClient, prompt: list[int], params: SamplingParams, ti
 
 
 def run_bench(
-    config: EngineConfig, concurrency: int, prompt_len: int, output_len: int, seed: int = 0
+    config: EngineConfig,
+    concurrency: int,
+    prompt_len: int,
+    output_len: int,
+    seed: int = 0,
+    grammar: Grammar | None = None,
 ) -> dict:
-    """Start an engine, run the scenario, return the summary."""
+    """Start an engine, run the scenario, return the summary; with `grammar` every request follows it
+    (structured output), and a request that ends before `output_len` tokens fails the run, so that every
+    run generates the same tokens."""
     rng = random.Random(seed)
     windows: list[WindowStats] = []
     with EngineClient.start(config) as client:
         vocab = client.ready.vocab_size
         prompts = [[rng.randrange(3, vocab) for _ in range(prompt_len)] for _ in range(concurrency)]
-        params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+        params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True, grammar=grammar)
+        if grammar is not None:  # the engine builds its grammar tokenizer at the first grammar: not timed
+            list(client.submit(prompts[0][:8], SamplingParams(max_tokens=2, grammar=grammar)))
         client.add_stats_listener(windows.append)
         timelines = [Timeline() for _ in range(concurrency)]
         threads = [
@@ -99,7 +109,13 @@ def run_bench(
             thread.join()
         wall = time.perf_counter() - start
         ready = client.ready
-    return _summary(config, ready, concurrency, prompt_len, output_len, timelines, windows, wall)
+    short = [len(t.token_times) for t in timelines if len(t.token_times) < output_len]
+    if short:
+        raise StrataError(
+            f"{len(short)} requests ended before {output_len} tokens (at {min(short)}): the grammar closed"
+        )
+    summary = _summary(config, ready, concurrency, prompt_len, output_len, timelines, windows, wall)
+    return {**summary, "grammar": grammar.kind if grammar is not None else None}
 
 
 def _summary(

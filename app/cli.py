@@ -311,6 +311,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--output-len", type=int, default=64)
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument(
+        "--json-schema",
+        metavar="SCHEMA",
+        help="every request's output follows this JSON schema (JSON text), as with response_format",
+    )
+    bench.add_argument(
         "--follow-up",
         action="store_true",
         help="time a follow-up turn of a --prompt-len conversation: cached, restored from disk, read again",
@@ -518,7 +523,18 @@ def run_bench(args: argparse.Namespace) -> None:
     if args.follow_up:
         summary = run_follow_up(engine_config(args), args.prompt_len, args.output_len, args.seed)
     else:
-        summary = bench(engine_config(args), args.concurrency, args.prompt_len, args.output_len, args.seed)
+        grammar = None
+        if args.json_schema is not None:
+            from app.engine.grammar_source import check_grammar
+            from app.engine.protocol import Grammar, InvalidRequest
+
+            grammar = Grammar("json_schema", args.json_schema, "--json-schema")
+            try:
+                check_grammar(grammar)
+            except InvalidRequest as e:
+                raise StrataError(str(e)) from None
+        config = engine_config(args)
+        summary = bench(config, args.concurrency, args.prompt_len, args.output_len, args.seed, grammar)
     print(json.dumps(summary))
 
 

@@ -26,6 +26,7 @@ from app.kernels.reference import REFERENCE
 from app.loading.loader import tensor_sources
 from app.models.config import ModelConfig
 from app.models.qwen3 import CausalLM
+from benchmarks.byte_tokenizer import write_byte_tokenizer
 from benchmarks.shapes import shape
 
 
@@ -94,9 +95,18 @@ def main() -> None:
     parser.add_argument("path", type=Path)
     parser.add_argument("--shape", default="q30-half", help="q30, q30-half or qnext")
     parser.add_argument("--layers", type=int, help="cut the shape to this many layers")
+    parser.add_argument(
+        "--byte-tokenizer",
+        action="store_true",
+        help="a byte-level BPE tokenizer of the vocabulary's size (benchmarks/byte_tokenizer.py) instead of "
+        "the word-level one, for structured output",
+    )
     args = parser.parse_args()
     began = time.perf_counter()
-    written = write_random_checkpoint(args.path, shape(args.shape, layers=args.layers))
+    config = shape(args.shape, layers=args.layers)
+    written = write_random_checkpoint(args.path, config)
+    if args.byte_tokenizer:
+        write_byte_tokenizer(args.path, config["vocab_size"])
     print(f"wrote {written / 1e9:.1f} GB to {args.path} in {time.perf_counter() - began:.0f} s", flush=True)
 
 
