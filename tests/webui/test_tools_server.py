@@ -103,6 +103,31 @@ def test_required_tool_choice_always_answers_with_valid_calls(client: Client) ->
             _arguments_valid(call, tools)
 
 
+def _streamed(client: Client, **fields: object) -> tuple[str, list[tuple[int, str, str]], str | None]:
+    """A streamed answer's content, its tool calls as (index, name, arguments), its finish reason."""
+    deltas = [chunk.choices[0] for chunk in client.chat(stream=True, **fields) if chunk.choices]
+    calls = [
+        (c.index, c.function.name, c.function.arguments) for d in deltas for c in d.delta.tool_calls or []
+    ]
+    return "".join(d.delta.content or "" for d in deltas), calls, deltas[-1].finish_reason
+
+
+def test_required_calls_streamed_are_the_calls_of_the_whole_answer(client: Client) -> None:
+    fields = {"messages": ASK, "tools": [WEATHER, TIME], "tool_choice": "required", "temperature": 1.0}
+    for seed in range(6):
+        whole = client.chat(seed=seed, max_tokens=200, parallel_tool_calls=False, **fields)
+        if whole.choices[0].finish_reason != "tool_calls":
+            continue
+        calls = whole.choices[0].message.tool_calls
+        content, streamed, reason = _streamed(
+            client, seed=seed, max_tokens=200, parallel_tool_calls=False, **fields
+        )
+        assert (content, reason) == ("", "tool_calls")
+        assert [(n, a) for _, n, a in streamed] == [(c.function.name, c.function.arguments) for c in calls]
+        return
+    raise AssertionError("no answer of six ended with its calls")
+
+
 def test_a_named_function_is_the_one_call_made_streamed_or_not(client: Client) -> None:
     named = {"type": "function", "function": {"name": "get_weather"}}
     whole = client.chat(messages=ASK, tools=[TIME, WEATHER], tool_choice=named, temperature=0, max_tokens=120)
@@ -137,6 +162,13 @@ def test_auto_turns_the_answers_tool_call_blocks_into_calls_and_keeps_the_rest_a
     message = answer.choices[0].message
     assert message.content == "Checking.\n" and answer.choices[0].finish_reason == "tool_calls"
     assert message.tool_calls is not None and json.loads(message.tool_calls[0].function.arguments)["city"]
+    streamed = _streamed(client, messages=ASK, tools=[WEATHER], temperature=0, max_tokens=80,
+                         extra_body={"guided_regex": block})  # fmt: skip
+    assert streamed == (
+        message.content,
+        [(0, "get_weather", message.tool_calls[0].function.arguments)],
+        "tool_calls",
+    )
     plain = client.chat(
         messages=ASK, tools=[WEATHER], tool_choice="none", temperature=0, max_tokens=80,
         extra_body={"guided_regex": block},
