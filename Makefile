@@ -12,7 +12,7 @@ run: $(VENV)/.runtime
 	$(BIN)/strata serve
 
 test: $(VENV)/.test lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2
 
 lint: $(VENV)/.test
 	$(BIN)/ruff check .
