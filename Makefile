@@ -12,7 +12,7 @@ run: $(VENV)/.runtime
 	$(BIN)/strata serve
 
 test: $(VENV)/.test lint
-	$(BIN)/python -m pytest -q -n 2
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 lint: $(VENV)/.test
 	$(BIN)/ruff check .
