@@ -112,7 +112,8 @@ def run_bench(
     short = [len(t.token_times) for t in timelines if len(t.token_times) < output_len]
     if short:
         raise StrataError(
-            f"{len(short)} requests ended before {output_len} tokens (at {min(short)}): the grammar closed"
+            f"{len(short)} requests ended before {output_len} tokens (at {min(short)})"
+            + (": the grammar closed" if grammar is not None else "")
         )
     summary = _summary(config, ready, concurrency, prompt_len, output_len, timelines, windows, wall)
     return {**summary, "grammar": grammar.kind if grammar is not None else None}
@@ -162,6 +163,24 @@ def _summary(
         "windows": len(windows),
         **_host_times(windows),
         **_expert_tier(windows),
+        **_drafts(windows),
+    }
+
+
+def _drafts(windows: list[WindowStats]) -> dict[str, float | int]:
+    """With drafts: guesses verified and accepted, and the tokens a decoding slot gained a window (1 in a
+    window without drafts for it, 1 + accepted with them); nothing where no window verified drafts."""
+    verified = [d for w in windows for d in w.drafts]
+    if not verified:
+        return {}
+    gained = []
+    for w in windows:
+        accepted = {slot: n for slot, _, n in w.drafts}
+        gained += [1 + accepted.get(s.slot, 0) for s in w.slots if s.phase == "decode" and s.window_tokens]
+    return {
+        "draft_tokens": sum(k for _, k, _ in verified),
+        "draft_tokens_accepted": sum(n for _, _, n in verified),
+        "tokens_per_slot_window": round(statistics.fmean(gained), 3) if gained else 0.0,
     }
 
 

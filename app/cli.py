@@ -177,10 +177,11 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--spec",
-        choices=("off", "ngram"),
+        choices=("off", "ngram", "mtp"),
         default=defaults.spec,
         help="draft tokens for decoding requests, verified in their window: ngram guesses them from the "
-        "conversation's own earlier tokens (greedy and seeded outputs stay the same; docs/BATCHING.md)",
+        "conversation's own earlier tokens, mtp with the model's multi-token-prediction head (greedy and "
+        "seeded outputs stay the same; docs/BATCHING.md)",
     )
     parser.add_argument(
         "--spec-tokens",

@@ -43,8 +43,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     per stage on GPUs, one on a CPU). The stages of `remote_stages` are not started here: they join from
     other hosts (`strata stage`) at `split_rendezvous` (tcp://HOST:PORT, where this engine listens).
     `spec` drafts tokens for decoding requests (`ngram`: prompt lookup in the conversation;
-    app/engine/drafts.py), up to `spec_tokens` a window, verified in the window beside every other row;
-    "off" drafts none (a request may still ask for drafts with its own `spec_tokens`).
+    app/engine/drafts.py; `mtp`: the model's MTP head, app/engine/mtp_drafts.py), up to `spec_tokens` a
+    window, verified in the window beside every other row; "off" drafts none (a request may still ask for
+    n-gram drafts with its own `spec_tokens`).
     `stage_gpus` names each stage's GPU on this host (empty: stage k on GPU k); stage 0 runs on GPU 0, and
     stages may share a card (their tensors then travel through host memory).
     """

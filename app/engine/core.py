@@ -13,9 +13,10 @@ import torch
 from app.default_model import default_model_dir
 from app.engine.config import EngineConfig
 from app.engine.cuda_graphs import WindowGraphs
-from app.engine.drafts import accepted
+from app.engine.drafts import MtpGuesses, accepted
 from app.engine.expert_report import ExpertReporter, joined
 from app.engine.grammar import Grammars
+from app.engine.mtp_drafts import MtpDrafter, MtpSpan
 from app.engine.paged_state import PagedState, kv_block_bytes, slot_state_bytes
 from app.engine.parking import ConversationPark
 from app.engine.protocol import (
@@ -169,6 +170,8 @@ class EngineCore:
             config.max_model_len or model.config.max_position_embeddings, model.config.max_position_embeddings
         )
         self.recurrent = LINEAR_ATTENTION in model.config.layer_types
+        if config.spec == "mtp" and model.mtp is None:
+            raise StrataError("--spec mtp: this model has no MTP head (no mtp.* weights); try --spec ngram")
         self.tiers = [m for m in model.modules() if isinstance(m, TieredExperts)]
         costs = use_staging(self.tiers, config.pcie_frac, decoder_tiers(model), keep_free=config.kv_memory)
         if costs is not None:
@@ -191,6 +194,7 @@ class EngineCore:
                 tier.keep_slot_heat(config.parallel + 1)
         graphs = self._window_graphs(state)
         self.runner = ModelRunner(model, state, Sampler(config.seed), graphs, self.park, self.pipeline)
+        self.mtp = MtpDrafter(model, state) if config.spec == "mtp" else None
         self.runner.warm_up()
         self.scheduler = Scheduler(self._scheduler_config(state, graphs), parked=self.park)
         if graphs is not None:  # windows with prompt rows are priced before the first one runs
@@ -273,10 +277,12 @@ class EngineCore:
         checkpoints = self._prefix_checkpoints + self._draft_slots
         blocks = config.parallel * -(-self.max_model_len // config.block_size)
         parts = self.pipeline.parts if self.pipeline is not None else [None]
-        for part in parts:
+        head = self._mtp_layers
+        for n, part in enumerate(parts):
             layers = part.layers if part is not None else None
             state_bytes = slot_state_bytes(model_config, dtype, layers) * (config.parallel + checkpoints)
-            block_bytes = kv_block_bytes(model_config, config.block_size, dtype, layers)
+            extra = len(head) if n == 0 else 0  # stage 0 holds the MTP head
+            block_bytes = kv_block_bytes(model_config, config.block_size, dtype, layers, extra)
             fits = (config.kv_memory - state_bytes) // block_bytes if block_bytes else blocks
             if fits < 1:
                 raise StrataError(
@@ -295,7 +301,17 @@ class EngineCore:
             device,
             checkpoints=checkpoints,
             layers=parts[0].layers if parts[0] is not None else None,
+            extra_attention=head,
         )
+
+    @property
+    def _mtp_layers(self) -> tuple[int, ...]:
+        """The layer numbers of the MTP head's layers when it drafts (`--spec mtp`), after the decoder's."""
+        head = self.loaded.model.mtp
+        if self.config.spec != "mtp" or head is None:
+            return ()
+        first = self.loaded.model.config.num_hidden_layers
+        return tuple(range(first, first + len(head.layers)))
 
     def _window_graphs(self, state: PagedState) -> WindowGraphs | None:
         """Captured window graphs on a GPU with whole-batch kernels, unless `--enforce-eager` (with an expert
@@ -309,7 +325,8 @@ class EngineCore:
         max_blocks = -(-self.max_model_len // config.block_size)
         # a prompt piece may pass the token budget to reach its next chunk multiple (scheduler.py)
         max_tokens = config.max_batched_tokens + (CHUNK if self.recurrent else 0)
-        graphs = WindowGraphs(self.loaded.model, state, config.parallel, max_blocks, max_tokens)
+        model, keep = self.loaded.model, config.spec == "mtp"
+        graphs = WindowGraphs(model, state, config.parallel, max_blocks, max_tokens, keep_hidden=keep)
         graphs.capture()
         return graphs
 
@@ -382,6 +399,8 @@ class EngineCore:
             return [RequestOutput(add.request_id, finished=True, finish_reason="error", error=str(e))]
         params = add.params
         request = Request(add.request_id, list(add.prompt_token_ids), params, add.arrival_time)
+        if self.mtp is not None and self._spec_tokens(request) > 0 and params.grammar is None:
+            request.drafter = MtpGuesses()
         if params.grammar is not None:
             try:
                 request.matcher = self._grammars().matcher(params.grammar)
@@ -542,6 +561,7 @@ class EngineCore:
         flight.wait_s, flight.stages = self.runner.last_wait_s, self.runner.last_stages
         self._stage_reports += self.runner.last_reports
         resolved = []
+        taken_of: dict[int, int] = {}  # drafts accepted, by id of the chunk
         row = 0
         while row < len(sampled):
             chunk = sampled[row].chunk
@@ -553,6 +573,7 @@ class EngineCore:
             if chunk.drafts:
                 guesses = chunk.tokens[len(chunk.tokens) - chunk.drafts :]
                 taken = accepted(guesses, [s.token_id for s, _ in rows])
+                taken_of[id(chunk)] = taken
                 self.scheduler.accept(chunk, taken)
                 flight.drafts.append((chunk.slot, chunk.drafts, taken))
                 del request.output[rows[taken][1] + 1 :]  # rows after a miss drew for guesses now void
@@ -562,13 +583,47 @@ class EngineCore:
                 if request.matcher is not None:
                     Grammars.advance(request.matcher, s.token_id)
                 resolved.append(_Drawn(request, index, s.logprobs))
+        if flight.launched.kept is not None:
+            self._guess(flight.launched, taken_of)
         return resolved
+
+    def _spec_tokens(self, request: Request) -> int:
+        """Draft tokens a request asks for a window (its own `spec_tokens`, else the engine's)."""
+        default = self.config.spec_tokens if self.config.spec != "off" else 0
+        return default if request.params.spec_tokens is None else request.params.spec_tokens
+
+    def _guess(self, launched: Launched, taken_of: dict[int, int]) -> None:
+        """The MTP head reads a window's rows of the requests it drafts for, now that the token after each
+        is known, and guesses the tokens after each one's newest (`MtpGuesses.offer`)."""
+        assert self.mtp is not None and launched.kept is not None
+        spans, guessed = [], []
+        size, start = self.config.block_size, 0
+        for chunk in launched.kept_chunks:
+            request, rows = chunk.request, range(start, start + len(chunk.tokens))
+            start += len(chunk.tokens)
+            if request.phase not in (Phase.PROMPT, Phase.DECODE) or request.slot != chunk.slot:
+                continue  # ended, or preempted since
+            valid = len(chunk.tokens) - chunk.drafts + taken_of.get(id(chunk), 0)
+            nexts = request.token_slice(chunk.past + 1, chunk.past + valid + 1)
+            if len(nexts) < valid or min(nexts, default=0) < 0:
+                continue  # its last token is not read yet: a later window's pass reads these rows again
+            last = chunk.past + valid - 1
+            guesses = self._spec_tokens(request) if chunk.samples else 0
+            if guesses and not self.scheduler.pool.grow(request.blocks, last + guesses):
+                guesses = min(guesses, len(request.blocks) * size - last)
+            if len(request.blocks) * size <= last:
+                continue
+            spans.append(MtpSpan(chunk.slot, chunk.past, list(rows[:valid]), nexts, request.blocks, guesses))
+            guessed.append(request)
+        for request, guesses in zip(guessed, self.mtp.guess(launched.kept, spans), strict=True):
+            if guesses:
+                assert isinstance(request.drafter, MtpGuesses)
+                request.drafter.offer(request.length, guesses)
 
     def _drafting(self) -> bool:
         """Whether a decoding request drafts (`--spec`, or its own `spec_tokens`)."""
-        default = self.scheduler.config.spec_tokens
         return any(
-            (default if r.params.spec_tokens is None else r.params.spec_tokens) > 0
+            self._spec_tokens(r) > 0
             for r in self.scheduler.running
             if r.phase is Phase.DECODE and r.params.grammar is None
         )

@@ -77,7 +77,9 @@ class WindowGraphs:
     """Captured graphs of decode and mixed windows, sharing static inputs and one memory pool.
 
     `slots` batch slots; `max_blocks` block-table columns a request can need; `max_tokens` the most rows of a
-    window the scheduler plans (token budget plus the alignment overrun of a prompt piece).
+    window the scheduler plans (token budget plus the alignment overrun of a prompt piece). With
+    `keep_hidden` (the MTP head drafts) every replay also leaves its rows' final hidden states in one static
+    buffer (`hidden_rows`).
 
     A model with an expert tier gets decode windows only, each captured piecewise (app/models/pieces.py): a
     graph up to each tiered layer's resident experts, the layer's misses computed by the host between two
@@ -91,6 +93,7 @@ class WindowGraphs:
         slots: int,
         max_blocks: int,
         max_tokens: int,
+        keep_hidden: bool = False,
     ) -> None:
         self.model = model
         self.state = state
@@ -136,6 +139,10 @@ class WindowGraphs:
         self.graphs: dict[Bucket, torch.cuda.CUDAGraph] = {}
         self.pieces: dict[Bucket, Pieces] = {}  # a tiered model's buckets
         self.logits: dict[Bucket, torch.Tensor] = {}
+        self._hidden: torch.Tensor | None = None
+        if keep_hidden:
+            dtype = model.model.embed_tokens.weight.dtype
+            self._hidden = torch.zeros(tokens, model.config.hidden_size, dtype=dtype, device=device)
         self._fill([], self.buckets[-1])
 
     @property
@@ -144,9 +151,10 @@ class WindowGraphs:
         return tuple(sorted({b.tokens for b in self.buckets if not b.decode}))
 
     def bucket(self, chunks: Sequence[Chunk]) -> Bucket | None:
-        """The smallest bucket that holds the window's chunks, or None when it must run eagerly (as windows
-        that verify draft tokens do: their graphs would score only each chunk's last row)."""
-        if not chunks or len(chunks) > self.slots or any(c.drafts for c in chunks):
+        """The smallest bucket that holds the window's chunks, or None when it must run eagerly: windows
+        that verify draft tokens (their graphs would score only each chunk's last row) or read accepted ones
+        again (decode chunks of several rows, which recurrent layers take one row at a time)."""
+        if not chunks or len(chunks) > self.slots or any(c.decode and len(c.tokens) > 1 for c in chunks):
             return None
         rows = sum(len(c.tokens) for c in chunks)
         if all(c.decode for c in chunks):
@@ -235,9 +243,16 @@ class WindowGraphs:
     def forward(self, bucket: Bucket) -> torch.Tensor:
         """The bucket's forward over the static inputs: logits [seqs, vocab] of each sequence's last row."""
         hidden = self.model(self._batch(bucket))
+        if self._hidden is not None:
+            self._hidden[: bucket.tokens].copy_(hidden)
         if not bucket.decode:
             hidden = hidden[self.sample_rows[: bucket.seqs]]
         return self.model.logits(hidden)
+
+    def hidden_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """The final hidden states of `rows` of the last window replayed (`keep_hidden`), copied out."""
+        assert self._hidden is not None, "the graphs keep no hidden states"
+        return self._hidden[rows]
 
     @torch.inference_mode()
     def capture(self) -> None:

@@ -9,11 +9,39 @@ miss the token drawn from the rest of the distribution: rejection sampling of a 
 
 `NgramDrafter` (`--spec ngram`) guesses from the conversation itself: the tokens that followed the last
 time its newest few tokens occurred (prompt lookup). It is pure Python, in the scheduler's process.
+`MtpGuesses` (`--spec mtp`) holds what the model's MTP head guessed after the request's last window read
+(app/engine/mtp_drafts.py runs the head on the device); the scheduler only takes them.
 """
 
 from __future__ import annotations
 
+from typing import Protocol
+
 NGRAM_MAX, NGRAM_MIN = 4, 1  # the longest and shortest suffixes looked up
+
+
+class DraftSource(Protocol):
+    """Where a request's draft tokens come from."""
+
+    def draft(self, tokens: list[int], k: int) -> list[int]:
+        """Up to `k` tokens guessed to follow `tokens` (the request's prompt and output, all known)."""
+        ...
+
+
+class MtpGuesses:
+    """The MTP head's guesses for one request: those it made after the request's newest token, if any."""
+
+    def __init__(self) -> None:
+        self._after = -1  # the request's length when the guesses were made
+        self._guesses: list[int] = []
+
+    def offer(self, length: int, guesses: list[int]) -> None:
+        """Guesses of the tokens after the first `length` tokens of the request."""
+        self._after, self._guesses = length, guesses
+
+    def draft(self, tokens: list[int], k: int) -> list[int]:
+        """The first `k` guesses, if they follow `tokens` as they are now; else none."""
+        return self._guesses[:k] if len(tokens) == self._after else []
 
 
 class NgramDrafter:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from app.models.batch import PagedLayout, SequenceSpan
@@ -19,10 +20,15 @@ def _count(config: ModelConfig, kind: str, layers: range | None) -> int:
 
 
 def kv_block_bytes(
-    config: ModelConfig, block_size: int, dtype: torch.dtype, layers: range | None = None
+    config: ModelConfig,
+    block_size: int,
+    dtype: torch.dtype,
+    layers: range | None = None,
+    extra: int = 0,
 ) -> int:
-    """Bytes of one KV block across the attention layers among `layers` (None: all), keys and values."""
-    count = _count(config, ATTENTION, layers)
+    """Bytes of one KV block across the attention layers among `layers` (None: all) and `extra` more (an
+    MTP head's), keys and values."""
+    count = _count(config, ATTENTION, layers) + extra
     item = torch.empty((), dtype=dtype).element_size()
     return 2 * count * block_size * config.num_key_value_heads * config.head_dim * item
 
@@ -48,7 +54,8 @@ class PagedState:
     the given counts (`scratch_block`, `scratch_slot`) belong to no request: padding rows of a CUDA graph's
     bucket write there. The Gated DeltaNet pools hold `checkpoints` more slots after the scratch one
     (`checkpoint_slots`), where the prefix cache keeps states that requests can continue from. A stage of a
-    layer split holds the state of its own `layers` only.
+    layer split holds the state of its own `layers` only. `extra_attention` are attention layers beyond the
+    decoder's (the MTP head's, numbered after them) whose keys and values share the blocks.
     """
 
     def __init__(
@@ -61,6 +68,7 @@ class PagedState:
         device: torch.device,
         checkpoints: int = 0,
         layers: range | None = None,
+        extra_attention: tuple[int, ...] = (),
     ) -> None:
         self.blocks = blocks
         self.block_size = block_size
@@ -69,7 +77,8 @@ class PagedState:
         self.checkpoint_slots = tuple(range(slots + 1, slots + 1 + checkpoints))
         self.device = device
         held = range(len(config.layer_types)) if layers is None else layers
-        self._kv_layer = {i: n for n, i in enumerate(i for i in held if config.layer_types[i] == ATTENTION)}
+        attention = [i for i in held if config.layer_types[i] == ATTENTION] + list(extra_attention)
+        self._kv_layer = {i: n for n, i in enumerate(attention)}
         self._gdn_layer = {
             i: n for n, i in enumerate(i for i in held if config.layer_types[i] == LINEAR_ATTENTION)
         }
@@ -125,9 +134,7 @@ class PagedState:
             ],
             dtype=torch.int64,
         )
-        row_slots = torch.tensor([s.seq for s in spans], dtype=torch.int64).repeat_interleave(
-            torch.tensor([s.length for s in spans])
-        )
+        row_slots = torch.from_numpy(np.repeat([s.seq for s in spans], [s.length for s in spans]))
         packed = torch.cat((small, tables.flatten(), *slot_mapping, row_slots))
         packed = packed.to(self.device, non_blocking=True)
         query_start, seq_lens, state_slots, save_at, save_slots, table, mapping, rows = packed.split(

@@ -10,11 +10,12 @@ imports never do.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from app.engine.cuda_graphs import Fed, WindowGraphs
+from app.engine.drafts import MtpGuesses
 from app.engine.grammar import Grammars, TokenMask
 from app.engine.paged_state import PagedState, StateCopies
 from app.engine.parking import ConversationPark, Parked
@@ -44,13 +45,17 @@ class Launched:
     of the tokens drawn for them (still on the device, their copy to the host queued), and whether it
     replayed a CUDA graph. On a layer split the window is still going down the stages: `later` draws its
     tokens once the last one answers. A window with rows under a grammar is `pending` until
-    `ModelRunner.sample_pending` draws its tokens, once the tokens before them are read."""
+    `ModelRunner.sample_pending` draws its tokens, once the tokens before them are read. With the MTP head
+    drafting, `kept` holds the final hidden states of every row of the `kept_chunks` (those of requests it
+    drafts for), in order, for the head to read once the window's tokens are known."""
 
     sampling: list[Chunk]
     drawn: DrawnTokens | None
     replayed: bool
     later: Callable[[], DrawnTokens | None] | None = None
     pending: tuple[torch.Tensor, list[RowSampling]] | None = None  # logits whose sampling waits for masks
+    kept_chunks: list[Chunk] = field(default_factory=list)
+    kept: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -111,25 +116,29 @@ class ModelRunner:
             return self._down_the_stages(chunks, fed, copies)
         bucket = graphs.bucket(chunks) if graphs is not None else None
         self.last_replayed = bucket is not None
+        kept_chunks, kept_rows = _kept(chunks)
+        kept = None
         if graphs is not None and bucket is not None:
             sampling = [c for c in chunks if c.samples]
             logits = graphs.run(chunks, bucket, fed)
+            if kept_rows:
+                kept = graphs.hidden_rows(device_tensor(kept_rows, torch.long, self.device))
             if sampling and len(sampling) < len(chunks):
                 rows = [i for i, c in enumerate(chunks) if c.samples]
                 logits = logits[device_tensor(rows, torch.long, self.device)]
         else:
-            sampling, logits = self._eager(chunks, fed)
+            sampling, logits, kept = self._eager(chunks, fed, kept_rows)
         self._drawn = None
         if not sampling:
-            return Launched([], None, self.last_replayed)
+            return Launched([], None, self.last_replayed, kept_chunks=kept_chunks, kept=kept)
         if any(c.request.matcher is not None for c in sampling):  # its masks wait for the tokens before
-            return Launched(
-                sampling, None, self.last_replayed, pending=(logits, _row_sampling(sampling, True))
-            )
+            rows = _row_sampling(sampling, True)
+            pending = (logits, rows)
+            return Launched(sampling, None, self.last_replayed, None, pending, kept_chunks, kept)
         drawn = self.sampler.sample(logits, _row_sampling(sampling))
         drawn.to_host()
         self._drawn = drawn.tokens
-        return Launched(sampling, drawn, self.last_replayed)
+        return Launched(sampling, drawn, self.last_replayed, kept_chunks=kept_chunks, kept=kept)
 
     def sample_pending(self, launched: Launched) -> None:
         """Draw a pending window's tokens under its rows' grammar masks (queued behind its forward pass,
@@ -174,20 +183,27 @@ class ModelRunner:
             copies=copies,
             stepwise=stepwise_slots(chunks) if self.recurrent else set(),
         )
-        self.pipeline.send(batch, last_rows, work)
+        kept_chunks, kept_rows = _kept(chunks)
+        self.pipeline.send(batch, last_rows + kept_rows, work)
         rows = _row_sampling(sampling, copied=True)
         mask = self._token_mask(sampling)
         pipeline = self.pipeline
+        launched = Launched(sampling, None, False, kept_chunks=kept_chunks)
 
         def draw() -> DrawnTokens | None:
-            hidden, self.last_stages, self.last_reports = pipeline.receive(len(rows))
+            hidden, self.last_stages, self.last_reports = pipeline.receive(len(rows) + len(kept_rows))
             if hidden is None:
                 return None
-            drawn = self.sampler.sample(self.model.logits(hidden), rows, mask)
+            if kept_rows:
+                launched.kept = hidden[len(rows) :]
+            if not rows:
+                return None
+            drawn = self.sampler.sample(self.model.logits(hidden[: len(rows)]), rows, mask)
             drawn.to_host()
             return drawn
 
-        return Launched(sampling, None, False, later=draw)
+        launched.later = draw
+        return launched
 
     def collect(self, launched: Launched) -> list[Sampled]:
         """Wait for a launched window's tokens; one per chunk that samples, in launch order."""
@@ -241,13 +257,29 @@ class ModelRunner:
         last_rows = [end - chunk.sampled_rows + j for end, chunk in ends for j in range(chunk.sampled_rows)]
         return batch, [chunk for _, chunk in ends for _ in range(chunk.sampled_rows)], last_rows
 
-    def _eager(self, chunks: list[Chunk], fed: Fed | None) -> tuple[list[Chunk], torch.Tensor]:
-        """One forward over the flat batch; the chunks that sample and their logits."""
+    def _eager(
+        self, chunks: list[Chunk], fed: Fed | None, kept_rows: list[int]
+    ) -> tuple[list[Chunk], torch.Tensor, torch.Tensor | None]:
+        """One forward over the flat batch; the chunks that sample, their logits, and the final hidden
+        states of `kept_rows` (None without any)."""
         batch, sampling, last_rows = self._batch(chunks, fed)
         hidden = self.model(batch)
+        kept = hidden[device_tensor(kept_rows, torch.long, self.device)] if kept_rows else None
         if not sampling:
-            return [], hidden[:0]
-        return sampling, self.model.logits(hidden[device_tensor(last_rows, torch.long, self.device)])
+            return [], hidden[:0], kept
+        logits = self.model.logits(hidden[device_tensor(last_rows, torch.long, self.device)])
+        return sampling, logits, kept
+
+
+def _kept(chunks: list[Chunk]) -> tuple[list[Chunk], list[int]]:
+    """The chunks of requests the MTP head drafts for, and the window's rows of them, in order."""
+    kept, rows, start = [], [], 0
+    for chunk in chunks:
+        if isinstance(chunk.request.drafter, MtpGuesses):
+            kept.append(chunk)
+            rows.extend(range(start, start + len(chunk.tokens)))
+        start += len(chunk.tokens)
+    return kept, rows
 
 
 def stepwise_slots(chunks: list[Chunk]) -> set[int]:

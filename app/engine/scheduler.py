@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from app.engine.blocks import ROOT, BlockPool
-from app.engine.drafts import NgramDrafter
+from app.engine.drafts import DraftSource, NgramDrafter
 from app.engine.prefix_cache import PrefixHit, StateCheckpoints
 from app.engine.protocol import SamplingParams
 from app.engine.window_cost import DecodeWindowCost, WindowCost
@@ -78,7 +78,7 @@ class Request:
     chain_key: bytes = ROOT
     park_missed: bool = False  # no parked conversation continued it when it was first looked up
     held_since: float | None = None  # its prompt was read while others' waited: it decodes after them
-    drafter: NgramDrafter | None = None  # its draft source, while it drafts
+    drafter: DraftSource | None = None  # its draft source, while it drafts
     rollback: bool = False  # its slot's recurrent state went past `computed`; its draft slot holds it
     matcher: object | None = None  # with a grammar: where its output is in it (app/engine/grammar.py)
 
@@ -294,12 +294,11 @@ class Scheduler:
                 if victim is request:
                     break
             if request.phase is Phase.DECODE:
-                restored = request.rollback
-                if restored:
+                if request.rollback:
                     assert request.slot is not None
                     window.restores.append((self.config.draft_slots[request.slot], request.slot))
                     request.rollback = False
-                chunk = self._with_drafts(self._chunk(request, take), snapshot=not restored)
+                chunk = self._with_drafts(self._chunk(request, take))
                 window.chunks.append(chunk)
                 budget -= len(chunk.tokens)
         share = _Share(
@@ -472,11 +471,11 @@ class Scheduler:
             decode=request.phase is Phase.DECODE,
         )
 
-    def _with_drafts(self, chunk: Chunk, snapshot: bool) -> Chunk:
+    def _with_drafts(self, chunk: Chunk) -> Chunk:
         """A decode chunk with the draft tokens its request's drafter guesses, where it drafts, knows its
         newest token (not a placeholder) and has room left, and the KV blocks they need. With recurrent
-        state and `snapshot`, the slot's state is saved in its draft slot before the window (without, the
-        draft slot already holds the state the chunk starts from: it was just restored from there)."""
+        state, the window leaves the slot's state after the chunk's known tokens (before the guesses) in
+        its draft slot: where the request continues from if a guess is wrong."""
         request = chunk.request
         params = request.params
         k = self.config.spec_tokens if params.spec_tokens is None else params.spec_tokens
@@ -490,19 +489,19 @@ class Scheduler:
         drafts = request.drafter.draft(request.tokens, k)
         if not drafts or not self.pool.grow(request.blocks, chunk.past + len(chunk.tokens) + len(drafts)):
             return chunk
-        if self.config.recurrent and snapshot:
+        save = None
+        if self.config.recurrent:
             assert request.slot is not None
-            self._saves.append((request.slot, self.config.draft_slots[request.slot]))
-        return replace(chunk, tokens=chunk.tokens + drafts, drafts=len(drafts))
+            save = (chunk.past + len(chunk.tokens), self.config.draft_slots[request.slot])
+        return replace(chunk, tokens=chunk.tokens + drafts, drafts=len(drafts), save=save)
 
     def accept(self, chunk: Chunk, taken: int) -> None:
         """A window verified `taken` of a decode chunk's draft tokens as its request's next tokens. Without
         recurrent state they are in the model state (the rows after them hold what no later window reads);
-        with it, unless all were right, the state went past them: the request goes back to where the chunk
-        began, to be restored from its draft slot and read again with the tokens gained."""
+        with it, unless all were right, the state went past them: the request continues from its known
+        tokens, whose state the window left in its draft slot, and reads the accepted ones again."""
         request = chunk.request
         if self.config.recurrent and taken < chunk.drafts:
-            request.computed -= len(chunk.tokens) - chunk.drafts
             request.rollback = True
             return
         request.computed += taken

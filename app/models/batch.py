@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
@@ -98,7 +98,8 @@ class ForwardBatch:
     """Inputs of one forward pass: token ids and positions [tokens], the spans, and the state to use.
 
     `layout` is set when the state is paged and the backends read it in whole-batch kernels. `steps` (see
-    `in_steps`), when set, is how the recurrent layers take the batch: in order, each the rows of its index.
+    `in_steps`), when set, is how the recurrent layers take the batch: in order, each the rows of its index;
+    after step j they copy the state of each (seq, state slot) of `step_saves[j]` into that slot.
     """
 
     input_ids: torch.Tensor
@@ -107,6 +108,7 @@ class ForwardBatch:
     state: SequenceState
     layout: PagedLayout | None = None
     steps: list[tuple[torch.Tensor, ForwardBatch]] | None = None
+    step_saves: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
 
     @classmethod
     def build(
@@ -151,7 +153,9 @@ class ForwardBatch:
         """Let the recurrent layers take the spans of the seqs in `stepwise` one row at a time, as generated
         tokens are read (draft tokens being verified, or re-read after a rollback): step 0 holds every other
         span whole and their first rows, step j their row j, each a batch of its own (with `layout`'s
-        layout of its spans). Each step's rows are then computed as in a window of single decode rows."""
+        layout of its spans). Each step's rows are then computed as in a window of single decode rows. A
+        stepwise span's checkpoint (`save_at` tokens into `save_slot`) is left after the step that reads its
+        token `save_at` - 1 (`step_saves`)."""
         longest = max((s.length for s in self.spans if s.seq in stepwise), default=0)
         if longest <= 1:
             return
@@ -162,6 +166,9 @@ class ForwardBatch:
             for span in self.spans:
                 if span.seq in stepwise and j < span.length:
                     taken, past = [span.start + j], span.past + j
+                    if span.save_slot is not None and span.save_at == past + 1:
+                        self.step_saves.setdefault(j, []).append((span.seq, span.save_slot))
+                    span = replace(span, save_at=0, save_slot=None)
                 elif span.seq not in stepwise and j == 0:
                     taken, past = list(range(span.start, span.start + span.length)), span.past
                 else:

@@ -118,8 +118,17 @@ class GatedDeltaNet(nn.Module):
         if batch.steps is None:
             return self._window(x, batch)
         out = torch.empty_like(x)
-        for rows, step in batch.steps:  # in order: each step continues the state the one before left
+        for j, (rows, step) in enumerate(batch.steps):  # in order: each continues the state before it
             out[rows] = self._window(x[rows], step)
+            saves = batch.step_saves.get(j)
+            if saves and batch.layout is not None:  # paged pools: copied in place, a copy each pool
+                conv, recurrent = cast(PagedStatePools, batch.state).linear_pools(self.layer)
+                sources, targets = (torch.tensor(t, device=x.device) for t in zip(*saves, strict=True))
+                conv[targets], recurrent[targets] = conv[sources], recurrent[sources]
+            for seq, slot in saves if batch.layout is None else ():
+                conv, recurrent = batch.state.linear_state(self.layer, seq)
+                assert conv is not None and recurrent is not None
+                batch.state.set_linear_state(self.layer, slot, conv.clone(), recurrent.clone())
         return out
 
     def _window(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:

@@ -1,5 +1,5 @@
-"""Draft tokens: the n-gram drafter, the acceptance rule, and the engine's windows with drafts against
-the same requests decoded one token a window (tiny models of both architectures on the CPU)."""
+"""Draft tokens: the n-gram drafter, the MTP head, the acceptance rule, and the engine's windows with drafts
+against the same requests decoded one token a window (tiny models of both architectures on the CPU)."""
 
 from __future__ import annotations
 
@@ -13,11 +13,16 @@ from pathlib import Path
 import pytest
 import torch
 from checkpoints import write_checkpoint
+from contiguous_state import ContiguousState
 from engine_helpers import complete, make_core, random_prompt, request, run
+from tokenizers import Tokenizer
 
-from app.engine.drafts import NgramDrafter, accepted
+from app.default_model import default_model_dir
+from app.engine.drafts import MtpGuesses, NgramDrafter, accepted
 from app.engine.protocol import InvalidRequest, SamplingParams
 from app.engine.sampler import RowSampling, Sampler
+from app.errors import StrataError
+from app.models.batch import ForwardBatch
 
 
 def test_the_drafter_continues_the_latest_occurrence_of_the_longest_suffix() -> None:
@@ -74,6 +79,17 @@ def test_verified_drafts_keep_the_models_distribution() -> None:
     assert math.isclose(sum(pairs.values()), draws)
 
 
+SAMPLINGS = pytest.mark.parametrize(
+    "params",
+    [
+        {"temperature": 0},
+        {"temperature": 0.3, "top_k": 3, "top_p": 0.9, "seed": 5},
+        {"temperature": 0, "repetition_penalty": 1.3, "logprobs": 2},
+    ],
+    ids=["greedy", "seeded", "penalised"],
+)
+
+
 @pytest.fixture(scope="module", params=["qwen3_moe", "qwen3_next"])
 def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_checkpoint(
@@ -119,15 +135,7 @@ def _oracle(
     monkeypatch.setattr(NgramDrafter, "draft", draft)
 
 
-@pytest.mark.parametrize(
-    "params",
-    [
-        {"temperature": 0},
-        {"temperature": 0.3, "top_k": 3, "top_p": 0.9, "seed": 5},
-        {"temperature": 0, "repetition_penalty": 1.3, "logprobs": 2},
-    ],
-    ids=["greedy", "seeded", "penalised"],
-)
+@SAMPLINGS
 @pytest.mark.parametrize("count", [1, 8])
 def test_drafts_give_the_tokens_of_decoding_one_at_a_time(
     model: Path, params: dict, count: int, monkeypatch: pytest.MonkeyPatch
@@ -217,3 +225,95 @@ def test_a_follow_up_continues_from_what_a_drafting_turn_left(
 
 def _guessed_wrong(stop: int, position: int, token: int, first: bool) -> bool:
     return token == stop
+
+
+@pytest.fixture(scope="module")
+def headed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny hybrid model with a (random) MTP head."""
+    return write_checkpoint(
+        tmp_path_factory.mktemp("mtp"), "qwen3_next", mtp_layers=1, max_position_embeddings=4096
+    )
+
+
+def _offers(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, list[int]]]:
+    """Every (length, guesses) the MTP head offers, as it offers them."""
+    offered: list[tuple[int, list[int]]] = []
+    offer = MtpGuesses.offer
+
+    def record(self: MtpGuesses, length: int, guesses: list[int]) -> None:
+        offered.append((length, list(guesses)))
+        offer(self, length, guesses)
+
+    monkeypatch.setattr(MtpGuesses, "offer", record)
+    return offered
+
+
+def test_the_mtp_heads_guesses_are_what_it_predicts_over_the_whole_sequence(
+    headed: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The head reads each window's rows into its own keys and values as the windows go: its first guess
+    # after every window is what the head predicts reading the whole sequence at once (tests/models).
+    offered = _offers(monkeypatch)
+    core = make_core(headed, parallel=2, max_batched_tokens=48, decode_share=0.01, spec="mtp", spec_tokens=3)
+    prompt = random_prompt(70, 4)
+    answer = complete(core, prompt, max_tokens=24, temperature=0, ignore_eos=True).token_ids
+    tokens = prompt + answer
+    model = core.loaded.model
+    with torch.no_grad():
+        batch = ForwardBatch.build([(0, tokens[:-1], 0)], ContiguousState())
+        hidden = model(batch)
+        logits = model.logits(model.mtp_forward(hidden, torch.tensor(tokens[1:]), batch))
+    assert offered and offered[0][0] == len(prompt) + 1  # after the prompt's windows and the first token
+    for length, guesses in offered:
+        if length - 2 < len(logits):
+            row = logits[length - 2]  # the head at the newest token's row guesses the one after it
+            assert row[guesses[0]] >= row.max() - 1e-4, (length, guesses)
+    assert all(len(g) == 3 for length, g in offered if length + 3 < len(tokens))
+
+
+@SAMPLINGS
+@pytest.mark.parametrize("count", [1, 8])
+def test_mtp_drafts_give_the_tokens_of_decoding_one_at_a_time(
+    headed: Path, params: dict, count: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    settings = {"parallel": 8, "max_batched_tokens": 128, "decode_share": 0.01}
+    plain, _ = _tokens(make_core(headed, **settings), params, count)
+    offered = _offers(monkeypatch)
+    drafted, windows = _tokens(make_core(headed, spec="mtp", spec_tokens=3, **settings), params, count)
+    assert drafted == plain and offered and any(w.drafts for w in windows)
+
+
+def test_the_demo_models_mtp_head_guesses_most_next_tokens() -> None:
+    demo = default_model_dir()
+    tokenizer = Tokenizer.from_file(str(demo / "tokenizer.json"))
+    texts = ["Once upon a time, there was a little girl named Lily.", "Tom and his mom went to the park."]
+    prompts = [tokenizer.encode(t).ids for t in texts]
+
+    def answers(**config: object) -> tuple[list[list[int]], list]:
+        core = make_core(demo, parallel=2, **config)
+        arrivals = [(0, request(p, max_tokens=48, temperature=0)) for p in prompts]
+        results, windows = run(core, arrivals)
+        return [results[a.request_id].token_ids for _, a in arrivals], windows
+
+    plain, _ = answers()
+    drafted, windows = answers(spec="mtp", spec_tokens=3)
+    assert drafted == plain
+    outcomes = [(k, n) for w in windows for _, k, n in w.drafts]
+    per_window = sum(1 + n for _, n in outcomes) / len(outcomes)
+    assert per_window > 1.8, per_window  # the head guesses the token after next right ~75% of the time
+
+
+def test_mtp_drafts_on_a_two_stage_split_give_the_tokens_of_the_whole_model(headed: Path) -> None:
+    settings = {"parallel": 4, "max_batched_tokens": 128, "decode_share": 0.01}
+    whole, _ = _tokens(make_core(headed, **settings), {"temperature": 0}, 4)
+    core = make_core(headed, spec="mtp", layer_split="2", **settings)
+    try:
+        split, windows = _tokens(core, {"temperature": 0}, 4)
+    finally:
+        core.close()
+    assert split == whole and any(w.drafts for w in windows)
+
+
+def test_mtp_drafts_need_a_head(model: Path) -> None:
+    with pytest.raises(StrataError, match="no MTP head"):
+        make_core(model, spec="mtp")

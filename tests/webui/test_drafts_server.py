@@ -1,6 +1,6 @@
-"""A real `strata serve --spec ngram` on the tiny hybrid checkpoint: the answers of the server that does not
-draft, streamed and not, its spec_decode counters in `/metrics`, and a request's own `spec_tokens` where the
-server cannot roll drafts back."""
+"""A real `strata serve --spec ngram` on the tiny hybrid checkpoint and `--spec mtp` on the demo model: the
+answers of the server that does not draft, streamed and not, the spec_decode counters in `/metrics`, and a
+request's own `spec_tokens` where the server cannot roll drafts back."""
 
 from __future__ import annotations
 
@@ -64,3 +64,18 @@ def test_spec_tokens_on_a_server_that_cannot_roll_back_is_an_error(server: Serve
         assert response.status_code == 400
         error = response.json()["error"]
         assert error["param"] == "spec_tokens" and message in error["message"]
+
+
+def test_a_server_drafting_with_the_mtp_head_answers_like_one_that_does_not() -> None:
+    body = {"prompt": "def fibonacci(n):", "max_tokens": 32, "temperature": 0, "ignore_eos": True}
+    answers, accepted = [], 0.0
+    for flags in ([], ["--spec", "mtp", "--spec-tokens", "3"]):
+        running = start_server(None, "--parallel", "2", *flags)
+        try:
+            response = httpx.post(f"{running.url}{COMPLETIONS}", json=body, timeout=120)
+            response.raise_for_status()
+            answers.append(response.json()["choices"][0]["text"])
+            accepted = _counter(running, "vllm:spec_decode_num_accepted_tokens_total")
+        finally:
+            stop_server(running)
+    assert answers[0] == answers[1] and accepted > 0

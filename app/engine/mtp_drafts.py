@@ -1,0 +1,94 @@
+"""The model's MTP head as a draft source (`--spec mtp`).
+
+The head's row t joins the main model's final hidden state at t with the embedding of token t+1 and scores
+token t+2 (app/models/qwen3.py, `MTPHead`). So it can read a window's rows only once the token after each is
+known: when the window's tokens have been read, the head reads every row the window added to a drafting
+request (each prompt chunk's rows; a verifying chunk's rows up to its last accepted guess), its keys and
+values going into the request's own KV blocks under the head's layer numbers, so that it attends to the
+whole conversation as it did in training. From the last row's output it guesses the token after the newest
+one; each further guess is one more step of the head on its own output and the guess before (a step's keys
+and values sit where the next window's pass writes the true ones). Guesses are the head's argmax: they are
+proposals, and verification keeps every request's own distribution whatever they are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from app.engine.paged_state import PagedState
+from app.engine.transfer import device_tensor
+from app.models.batch import ForwardBatch
+from app.models.qwen3 import CausalLM
+
+
+@dataclass(frozen=True)
+class MtpSpan:
+    """One request's rows for the head: `rows` (indices into the hidden states kept of the window) at the
+    positions from `past`, `next_ids` the token after each, in state `slot` whose positions `blocks` hold;
+    then `guesses` tokens to guess after the last row (0: none)."""
+
+    slot: int
+    past: int
+    rows: list[int]
+    next_ids: list[int]
+    blocks: list[int]
+    guesses: int
+
+
+class MtpDrafter:
+    """Runs the MTP head over windows' kept hidden states and returns its guesses."""
+
+    def __init__(self, model: CausalLM, state: PagedState) -> None:
+        if model.mtp is None:
+            raise ValueError("the model has no MTP head")
+        self.model = model
+        self.state = state
+        self.paged = model.backends.paged_attention is not None
+        self.device = model.model.embed_tokens.weight.device
+
+    def _batch(self, chunks: list[tuple[int, list[int], int]]) -> ForwardBatch:
+        batch = ForwardBatch.build(chunks, self.state, self.device)
+        if self.paged:
+            batch.layout = self.state.layout(batch.spans)
+        return batch
+
+    @torch.inference_mode()
+    def guess(self, hidden: torch.Tensor, spans: list[MtpSpan]) -> list[list[int]]:
+        """Read `spans` (their rows of `hidden`, the final hidden states a window kept) into the head's keys
+        and values; the guesses of each span, in order (empty where it asks for none)."""
+        if not spans:
+            return []
+        for span in spans:
+            self.state.set_block_table(span.slot, span.blocks)
+        batch = self._batch([(s.slot, s.next_ids, s.past) for s in spans])
+        rows = device_tensor([r for s in spans for r in s.rows], torch.long, self.device)
+        out = self.model.mtp_forward(hidden[rows], batch.input_ids, batch)
+        guessing = [i for i, s in enumerate(spans) if s.guesses]
+        if not guessing:
+            return [[] for _ in spans]
+        ends = [batch.spans[i].start + batch.spans[i].length - 1 for i in guessing]
+        out = out[device_tensor(ends, torch.long, self.device)]
+        tokens = self.model.logits(out).argmax(-1)
+        steps = [tokens]
+        active = list(range(len(guessing)))  # positions in `guessing` still guessing
+        for step in range(1, max(spans[i].guesses for i in guessing)):
+            keep = [j for j, g in enumerate(active) if spans[guessing[g]].guesses > step]
+            if len(keep) < len(active):
+                index = device_tensor(keep, torch.long, self.device)
+                out, tokens = out[index], tokens[index]
+                active = [active[j] for j in keep]
+            chained = []
+            for g in active:
+                span = spans[guessing[g]]
+                chained.append((span.slot, [0], span.past + len(span.rows) - 1 + step))
+            out = self.model.mtp_forward(out, tokens, self._batch(chained), step)
+            tokens = self.model.logits(out).argmax(-1)
+            steps.append(torch.full((len(guessing),), -1, dtype=tokens.dtype, device=self.device))
+            steps[-1][device_tensor(active, torch.long, self.device)] = tokens
+        table = torch.stack(steps, dim=1).tolist()
+        guesses: list[list[int]] = [[] for _ in spans]
+        for g, i in enumerate(guessing):
+            guesses[i] = table[g][: spans[i].guesses]
+        return guesses
