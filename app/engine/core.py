@@ -196,6 +196,8 @@ class EngineCore:
         self.runner = ModelRunner(model, state, Sampler(config.seed), graphs, self.park, self.pipeline)
         self.mtp = MtpDrafter(model, state) if config.spec == "mtp" else None
         self.runner.warm_up()
+        if self.park is not None:
+            self.park.reserve_pinned()
         self.scheduler = Scheduler(self._scheduler_config(state, graphs), parked=self.park)
         if graphs is not None:  # windows with prompt rows are priced before the first one runs
             self.scheduler.calibrate(graphs.time_mixed())

@@ -112,8 +112,6 @@ class ConversationPark:
                 self.directory = None
         if self.directory is not None:
             self._index()
-        if self._pinned:
-            self._reserve_pinned()
         if self.directory is not None or self._pinned:
             self._copy_stream = torch.cuda.Stream(state.device) if self._pinned else None
             self._worker = threading.Thread(target=self._work, name="strata-park-worker", daemon=True)
@@ -182,10 +180,14 @@ class ConversationPark:
         values = self.state.values.index_select(1, block_ids).transpose(0, 1)
         return torch.stack((keys, values), dim=1)
 
-    def _reserve_pinned(self) -> None:
+    def reserve_pinned(self) -> None:
         """Pin the RAM budget's worth of blocks now (up to PIN_AHEAD bytes) and leave it in torch's cache of
         pinned memory, where the worker's copies find it. Pinning takes the driver's lock: done while
-        conversations are parked, it stalls the windows the engine launches meanwhile."""
+        conversations are parked, it stalls the windows the engine launches meanwhile. The engine calls it
+        once its graphs are captured and its kernels warmed up (so that nothing of that takes the blocks from
+        the cache); without a GPU it does nothing."""
+        if not self._pinned:
+            return
         layers, _, size, heads, dim = self.state.keys.shape
         shape, dtype = (2, layers, size, heads, dim), self.state.keys.dtype
         block_bytes = math.prod(shape) * self.state.keys.element_size()
