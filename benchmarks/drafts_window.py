@@ -1,0 +1,89 @@
+"""Where a drafting window's time goes on a GPU: the demo model's requests decoded in-process, the runner's
+launch, the eager forward, the Gated DeltaNet layers and the MTP head's pass each timed with the device
+synchronised around them (so the figures add host and device time; the totals are slower than a free run).
+
+    python benchmarks/drafts_window.py [--spec off|ngram|mtp] [--concurrency 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from engine_helpers import make_core, random_prompt, request, run
+
+from app.default_model import default_model_dir
+from app.engine.core import EngineCore
+from app.engine.mtp_drafts import MtpDrafter
+from app.engine.runner import ModelRunner
+from app.models.gdn import GatedDeltaNet
+
+SECTIONS = [
+    (EngineCore, "step", "step"),
+    (ModelRunner, "launch", "launch"),
+    (ModelRunner, "_eager", "eager forward"),
+    (GatedDeltaNet, "forward", "Gated DeltaNet layer"),
+    (MtpDrafter, "guess", "MTP head's pass"),
+]
+
+
+def timed(owner: type, name: str, key: str, spent: dict[str, list[float]]) -> None:
+    """Wrap `owner.name` so that each call's synchronised time adds to spent[key]."""
+    inner: Callable = getattr(owner, name)
+
+    def wrapper(*args: object, **kwargs: object) -> object:
+        torch.cuda.synchronize()
+        began = time.perf_counter()
+        result = inner(*args, **kwargs)
+        torch.cuda.synchronize()
+        spent[key].append(time.perf_counter() - began)
+        return result
+
+    setattr(owner, name, wrapper)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--spec", default="mtp")
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--output-len", type=int, default=128)
+    args = parser.parse_args()
+    core = make_core(
+        default_model_dir(), device="cuda", dtype="bfloat16", parallel=8, kv_memory=1 << 30, spec=args.spec
+    )
+
+    def requests(seed: int) -> list:
+        return [
+            (
+                0,
+                request(
+                    random_prompt(64, seed + i), max_tokens=args.output_len, temperature=0, ignore_eos=True
+                ),
+            )
+            for i in range(args.concurrency)
+        ]
+
+    run(core, requests(0))  # the graphs are captured: the timers go in after the first run (no sync there)
+    spent: dict[str, list[float]] = collections.defaultdict(list)
+    for owner, name, key in SECTIONS:
+        timed(owner, name, key, spent)
+    began = time.perf_counter()
+    _, windows = run(core, requests(100))
+    print(f"{args.spec}: {len(windows)} windows in {time.perf_counter() - began:.3f} s")
+    for key, times in spent.items():
+        print(f"  {key}: {len(times)} calls, {1000 * sum(times) / len(times):.2f} ms each")
+
+
+if __name__ == "__main__":
+    main()
