@@ -317,3 +317,15 @@ def test_mtp_drafts_on_a_two_stage_split_give_the_tokens_of_the_whole_model(head
 def test_mtp_drafts_need_a_head(model: Path) -> None:
     with pytest.raises(StrataError, match="no MTP head"):
         make_core(model, spec="mtp")
+
+
+@pytest.mark.parametrize("adapt_every", [0, 4], ids=["frozen", "adapting"])
+def test_mtp_drafts_beside_an_expert_tier_give_the_tokens_of_the_whole_model(
+    headed: Path, adapt_every: int
+) -> None:
+    settings = {"parallel": 4, "max_batched_tokens": 128, "decode_share": 0.01}
+    whole, _ = _tokens(make_core(headed, **settings), {"temperature": 0}, 4)
+    tiered = make_core(headed, spec="mtp", expert_cache=2, adapt_every=adapt_every, **settings)
+    assert tiered.tiered
+    drafted, windows = _tokens(tiered, {"temperature": 0}, 4)
+    assert drafted == whole and any(w.drafts for w in windows)
