@@ -117,19 +117,40 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         if batch.steps is None:
             return self._window(x, batch)
-        out = torch.empty_like(x)
-        for j, (rows, step) in enumerate(batch.steps):  # in order: each continues the state before it
-            out[rows] = self._window(x[rows], step)
-            saves = batch.step_saves.get(j)
-            if saves and batch.layout is not None:  # paged pools: copied in place, a copy each pool
-                conv, recurrent = cast(PagedStatePools, batch.state).linear_pools(self.layer)
-                sources, targets = (torch.tensor(t, device=x.device) for t in zip(*saves, strict=True))
-                conv[targets], recurrent[targets] = conv[sources], recurrent[sources]
-            for seq, slot in saves if batch.layout is None else ():
-                conv, recurrent = batch.state.linear_state(self.layer, seq)
-                assert conv is not None and recurrent is not None
-                batch.state.set_linear_state(self.layer, slot, conv.clone(), recurrent.clone())
-        return out
+        if self.decode_step is not None:  # a fused decode step per row, its projections inside
+            out = torch.empty_like(x)
+            for j, (rows, step) in enumerate(batch.steps):  # in order: each continues the state before it
+                out[rows] = self._window(x[rows], step)
+                self._step_saves(batch, j)
+            return out
+        # the projections and the output's norm and projection of every row at once; conv and delta rule
+        # step by step
+        mixed, z, g, beta = self._project(x)
+        mixing: torch.Tensor | None = None
+        for j, (rows, step) in enumerate(batch.steps):
+            part = self._mix(mixed[rows], g[rows], beta[rows], step)
+            if mixing is None:
+                mixing = part.new_empty((x.shape[0], *part.shape[1:]))
+            mixing[rows] = part
+            self._step_saves(batch, j)
+        assert mixing is not None
+        return self._finish(mixing, z, x)
+
+    def _step_saves(self, batch: ForwardBatch, step: int) -> None:
+        """Copy the state of each (seq, slot) of the batch's `step_saves[step]` into that slot."""
+        saves = batch.step_saves.get(step)
+        if not saves:
+            return
+        if batch.layout is not None:  # paged pools: copied in place, a copy each pool
+            conv, recurrent = cast(PagedStatePools, batch.state).linear_pools(self.layer)
+            device = conv.device
+            sources, targets = (torch.tensor(t, device=device) for t in zip(*saves, strict=True))
+            conv[targets], recurrent[targets] = conv[sources], recurrent[sources]
+            return
+        for seq, slot in saves:
+            conv, recurrent = batch.state.linear_state(self.layer, seq)
+            assert conv is not None and recurrent is not None
+            batch.state.set_linear_state(self.layer, slot, conv.clone(), recurrent.clone())
 
     def _window(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """The layer over a batch's rows at once (its spans in parallel, each continuing its state)."""
@@ -141,17 +162,31 @@ class GatedDeltaNet(nn.Module):
             out = self.decode_step(x, self.weights(), conv_state, recurrent, layout.state_slots)
             if out is not None:
                 return out
+        mixed, z, g, beta = self._project(x)
+        return self._finish(self._mix(mixed, g, beta, batch), z, x)
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The rows' mixed qkv, z, decay g and write strength beta."""
         mixed, z, b, a = self._split(x)
         beta = b.float().sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        return mixed, z, g, beta
+
+    def _mix(
+        self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, batch: ForwardBatch
+    ) -> torch.Tensor:
+        """Conv and delta rule of the batch's rows, continuing (and updating) each span's state."""
         weight = self.conv1d.weight[:, 0, :]
         if batch.layout is not None and self.conv_varlen is not None and self.rule_varlen is not None:
             out = self._whole_batch(mixed, weight, g, beta, batch.layout, cast(PagedStatePools, batch.state))
             self._save_conv(mixed, weight.shape[1], batch)
-        elif len(batch.spans) > 1 and all(s.length == 1 and s.save_slot is None for s in batch.spans):
-            out = self._decode_rows(mixed, weight, g, beta, batch)
-        else:
-            out = self._per_sequence(mixed, weight, g, beta, batch)
+            return out
+        if len(batch.spans) > 1 and all(s.length == 1 and s.save_slot is None for s in batch.spans):
+            return self._decode_rows(mixed, weight, g, beta, batch)
+        return self._per_sequence(mixed, weight, g, beta, batch)
+
+    def _finish(self, out: torch.Tensor, z: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The gated norm and output projection of the delta rule's output."""
         out = self.norm(out.to(x.dtype).reshape(-1, self.dv), z.reshape(-1, self.dv)).view(x.shape[0], -1)
         return self.out_proj(out)
 

@@ -329,3 +329,12 @@ def test_mtp_drafts_beside_an_expert_tier_give_the_tokens_of_the_whole_model(
     assert tiered.tiered
     drafted, windows = _tokens(tiered, {"temperature": 0}, 4)
     assert drafted == whole and any(w.drafts for w in windows)
+
+
+def test_drafts_with_the_reference_kernels_give_the_tokens_of_decoding_one_at_a_time(headed: Path) -> None:
+    # The reference set has no fused decode step: the recurrent layers project a drafting window's rows at
+    # once and run only the conv and delta rule row by row.
+    settings = {"parallel": 4, "max_batched_tokens": 128, "decode_share": 0.01, "backend": "torch"}
+    plain, _ = _tokens(make_core(headed, **settings), {"temperature": 0}, 3)
+    drafted, windows = _tokens(make_core(headed, spec="mtp", **settings), {"temperature": 0}, 3)
+    assert drafted == plain and any(w.drafts for w in windows)
