@@ -608,7 +608,7 @@ class EngineCore:
             valid = len(chunk.tokens) - chunk.drafts + taken_of.get(id(chunk), 0)
             nexts = request.token_slice(chunk.past + 1, chunk.past + valid + 1)
             if len(nexts) < valid or min(nexts, default=0) < 0:
-                continue  # its last token is not read yet: a later window's pass reads these rows again
+                continue  # the token after its last row is not known: nothing for the head to read
             last = chunk.past + valid - 1
             guesses = self._spec_tokens(request) if chunk.samples else 0
             if guesses and not self.scheduler.pool.grow(request.blocks, last + guesses):
