@@ -401,7 +401,7 @@ class EngineCore:
             return [RequestOutput(add.request_id, finished=True, finish_reason="error", error=str(e))]
         params = add.params
         request = Request(add.request_id, list(add.prompt_token_ids), params, add.arrival_time)
-        if self.mtp is not None and self._spec_tokens(request) > 0 and params.grammar is None:
+        if self.mtp is not None and self.scheduler.spec_tokens(request) > 0 and params.grammar is None:
             request.drafter = MtpGuesses()
         if params.grammar is not None:
             try:
@@ -589,11 +589,6 @@ class EngineCore:
             self._guess(flight.launched, taken_of)
         return resolved
 
-    def _spec_tokens(self, request: Request) -> int:
-        """Draft tokens a request asks for a window (its own `spec_tokens`, else the engine's)."""
-        default = self.config.spec_tokens if self.config.spec != "off" else 0
-        return default if request.params.spec_tokens is None else request.params.spec_tokens
-
     def _guess(self, launched: Launched, taken_of: dict[int, int]) -> None:
         """The MTP head reads a window's rows of the requests it drafts for, now that the token after each
         is known, and guesses the tokens after each one's newest (`MtpGuesses.offer`)."""
@@ -610,7 +605,7 @@ class EngineCore:
             if len(nexts) < valid or min(nexts, default=0) < 0:
                 continue  # the token after its last row is not known: nothing for the head to read
             last = chunk.past + valid - 1
-            guesses = self._spec_tokens(request) if chunk.samples else 0
+            guesses = self.scheduler.spec_tokens(request) if chunk.samples else 0
             if guesses and not self.scheduler.pool.grow(request.blocks, last + guesses):
                 guesses = min(guesses, len(request.blocks) * size - last)
             if len(request.blocks) * size <= last:
@@ -625,7 +620,7 @@ class EngineCore:
     def _drafting(self) -> bool:
         """Whether a decoding request drafts (`--spec`, or its own `spec_tokens`)."""
         return any(
-            self._spec_tokens(r) > 0
+            self.scheduler.spec_tokens(r) > 0
             for r in self.scheduler.running
             if r.phase is Phase.DECODE and r.params.grammar is None
         )

@@ -132,9 +132,10 @@ class ModelRunner:
         if not sampling:
             return Launched([], None, self.last_replayed, kept_chunks=kept_chunks, kept=kept)
         if any(c.request.matcher is not None for c in sampling):  # its masks wait for the tokens before
-            rows = _row_sampling(sampling, True)
-            pending = (logits, rows)
-            return Launched(sampling, None, self.last_replayed, None, pending, kept_chunks, kept)
+            pending = (logits, _row_sampling(sampling, True))
+            return Launched(
+                sampling, None, self.last_replayed, pending=pending, kept_chunks=kept_chunks, kept=kept
+            )
         drawn = self.sampler.sample(logits, _row_sampling(sampling))
         drawn.to_host()
         self._drawn = drawn.tokens

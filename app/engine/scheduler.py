@@ -478,8 +478,8 @@ class Scheduler:
         its draft slot: where the request continues from if a guess is wrong."""
         request = chunk.request
         params = request.params
-        k = self.config.spec_tokens if params.spec_tokens is None else params.spec_tokens
-        k = min(k, params.max_tokens - len(request.output) - 1, self.config.max_length - request.length - 1)
+        room = min(params.max_tokens - len(request.output), self.config.max_length - request.length) - 1
+        k = min(self.spec_tokens(request), room)
         if k <= 0 or not request.output or request.output[-1] < 0 or params.grammar is not None:
             return chunk
         if self.config.recurrent and not self.config.draft_slots:
@@ -494,6 +494,12 @@ class Scheduler:
             assert request.slot is not None
             save = (chunk.past + len(chunk.tokens), self.config.draft_slots[request.slot])
         return replace(chunk, tokens=chunk.tokens + drafts, drafts=len(drafts), save=save)
+
+    def spec_tokens(self, request: Request) -> int:
+        """Draft tokens a request asks for a window: its own `spec_tokens`, else the engine's (0 without
+        `--spec`)."""
+        own = request.params.spec_tokens
+        return self.config.spec_tokens if own is None else own
 
     def accept(self, chunk: Chunk, taken: int) -> None:
         """A window verified `taken` of a decode chunk's draft tokens as its request's next tokens. Without
