@@ -9,6 +9,8 @@
 # split: the split's GPU tests, then `strata bench` on each shape's random checkpoint at 1, 8 and 32
 # concurrent, whole on one GPU, split in two with one slot group, and with pipelined groups (on a machine of
 # one GPU both stages share it: --stage-gpus 0,0).
+# gguf: the held-weight GPU tests, then benchmarks/gguf_bench.py on a random q30 file of each quant type
+# named (default Q4_K) and llama.cpp on the same files (benchmarks/llama_cpp.sh).
 # Wheels the machine's image lacks can sit in .whl/ (installed to /tmp/site first).
 # Results go to $OUT (or ./gpu-results): pytest log, bench.jsonl.
 set -uo pipefail
@@ -71,5 +73,32 @@ fi
 if [[ $what == tier-large ]]; then
     python3 benchmarks/expert_tier.py --shape qnext --resident 368 --routing zipf --adapt blocking \
         --out "$out/tier.jsonl" 2>&1 | tee "$out/tier.log" || status=1
+fi
+if [[ $what == gguf ]]; then
+    # the kinds to time are the arguments (default Q4_K); llama.cpp builds (niced) beside Strata's runs from
+    # .llama/llama-src.tar.xz, or comes prebuilt as .llama/llama-bin.tar.xz (packed into $out after a build)
+    kinds=${*:-Q4_K}
+    build=/tmp/llama-build
+    if [[ -f .llama/llama-bin.tar.xz ]]; then
+        mkdir -p $build && tar xJf .llama/llama-bin.tar.xz -C $build
+    fi
+    nice -n 19 bash benchmarks/llama_cpp.sh .llama/llama-src.tar.xz $build >"$out/llama-build.log" 2>&1 &
+    builder=$!
+    python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_held_gpu.py 2>&1 | tee "$out/gpu-tests.log" \
+        || status=1
+    files=()
+    for kind in $kinds; do
+        file=/tmp/q30-$kind.gguf
+        python3 benchmarks/gguf_bench.py write --kind "$kind" --out "$file" || status=1
+        python3 benchmarks/gguf_bench.py strata --model "$file" --out "$out/gguf.jsonl" 2>&1 \
+            | tee -a "$out/gguf.log" || status=1
+        files+=("$file")
+    done
+    wait $builder || { status=1; tail -30 $build/ninja.log $build/cmake.log; }
+    if [[ ! -f .llama/llama-bin.tar.xz && -x $build/bin/llama-bench ]]; then
+        tar cJf "$out/llama-bin.tar.xz" -C $build bin && ls -la "$out/llama-bin.tar.xz"
+    fi
+    bash benchmarks/llama_cpp.sh .llama/llama-src.tar.xz $build "${files[@]}" 2>&1 | tee "$out/llama.jsonl" \
+        || status=1
 fi
 exit $status

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -209,3 +210,25 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def replayed_ms(calls: list[Callable[[], object]], replays: int = 40) -> float:
+    """Mean milliseconds of one call, each of `calls` (one a weight set, so that repeats do not read their
+    weights from L2) captured in a CUDA graph after a first run that compiles, the graphs replayed in turn."""
+    graphs = []
+    for call in calls:
+        call()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            call()
+        graphs.append(graph)
+    for graph in graphs:
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for i in range(replays):
+        graphs[i % len(graphs)].replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / replays

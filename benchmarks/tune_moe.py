@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from app.kernels.triton_moe import EXACT_TILES, MoeTiles, fused_experts
-from benchmarks.roofline import expected_experts, measure_copy_bandwidth
+from benchmarks.roofline import expected_experts, measure_copy_bandwidth, replayed_ms
 
 EXPERTS, TOP_K, HIDDEN, INTER = 128, 8, 2048, 768
 CANDIDATES = {
@@ -50,23 +50,11 @@ def _time(
 
     One graph per weight set, replayed in turn, so that repeats do not read the weights from L2.
     """
-    graphs = []
-    for gate_up, down in sets:
-        fused_experts(x, ids, weights, gate_up, down, tiles=tiles)  # compiles outside the capture
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fused_experts(x, ids, weights, gate_up, down, tiles=tiles)
-        graphs.append(graph)
-    for graph in graphs:
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for i in range(replays):
-        graphs[i % len(graphs)].replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / replays
+    calls = [
+        lambda gate_up=gate_up, down=down: fused_experts(x, ids, weights, gate_up, down, tiles=tiles)
+        for gate_up, down in sets
+    ]
+    return replayed_ms(calls, replays)
 
 
 def main() -> None:

@@ -54,10 +54,54 @@ _LAYER = re.compile(r"(model|mtp)\.layers\.(\d+)\.(.+)")
 _MTP_HEAD = re.compile(r"mtp\.(fc|pre_fc_norm_embedding|pre_fc_norm_hidden|norm)\.weight")
 
 
-def _quantized(name: str, shape: tuple[int, ...]) -> bool:
-    """Whether a Q8_0 file holds this tensor quantized: matrices whose rows are whole blocks of 32 (as
+BLOCK = {"Q8_0": 32, "Q4_K": 256}  # values a block of the quant types the writer knows
+
+
+def _quantized(name: str, shape: tuple[int, ...], quant: str) -> bool:
+    """Whether a file of `quant` holds this tensor quantized: matrices whose rows are whole blocks (as
     llama.cpp, which keeps the rest and the conv weight in float)."""
-    return len(shape) >= 2 and shape[-1] % 32 == 0 and "conv1d" not in name
+    return quant in BLOCK and len(shape) >= 2 and shape[-1] % BLOCK[quant] == 0 and "conv1d" not in name
+
+
+def quantize_q4_k(values: np.ndarray) -> np.ndarray:
+    """Q4_K blocks [..., columns / 256 * 144] uint8 of float values [..., columns]: per group of 32 an
+    unsigned 4-bit code between its minimum (at most 0) and its maximum, the groups' scales and minimums in
+    6 bits of a super-block's d and dmin (a plain quantizer; llama.cpp's searches for better scales)."""
+    rows = values.shape[:-1]
+    x = values.reshape(-1, 8, 32).astype(np.float32)
+    low, high = np.minimum(x.min(-1), 0), x.max(-1)
+    scale, least = (high - low) / 15, -low
+    d = (scale.max(-1) / 63).astype(np.float16)
+    dmin = (least.max(-1) / 63).astype(np.float16)
+    safe = np.where(d == 0, 1, d).astype(np.float32)[:, None]
+    safe_min = np.where(dmin == 0, 1, dmin).astype(np.float32)[:, None]
+    sc = np.clip(np.rint(scale / safe), 0, 63).astype(np.uint8)
+    m = np.clip(np.rint(least / safe_min), 0, 63).astype(np.uint8)
+    step = (d.astype(np.float32)[:, None] * sc)[..., None]
+    shift = (dmin.astype(np.float32)[:, None] * m)[..., None]
+    q = np.clip(np.rint((x + shift) / np.where(step == 0, 1, step)), 0, 15).astype(np.uint8)
+    q = q.reshape(-1, 4, 2, 32)  # stretches of 64: low nibbles the first 32, high nibbles the next
+    packed = np.zeros((x.shape[0], 12), dtype=np.uint8)
+    packed[:, 0:4] = (sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6)
+    packed[:, 4:8] = (m[:, :4] & 63) | ((m[:, 4:] >> 4) << 6)
+    packed[:, 8:12] = (sc[:, 4:] & 15) | ((m[:, 4:] & 15) << 4)
+    blocks = np.concatenate(
+        [
+            d.reshape(-1, 1).view(np.uint8),
+            dmin.reshape(-1, 1).view(np.uint8),
+            packed,
+            (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(-1, 128),
+        ],
+        axis=1,
+    )
+    return blocks.reshape(*rows, -1)
+
+
+def _quantize(value: np.ndarray, quant: str) -> np.ndarray:
+    """A matrix as `quant`'s blocks (uint8 rows)."""
+    if quant == "Q4_K":
+        return quantize_q4_k(value)
+    return gguf.quants.quantize(value, gguf.GGMLQuantizationType[quant])
 
 
 def _stored_as_one_plus(name: str) -> bool:
@@ -131,7 +175,8 @@ def write_gguf(
     hf_dir: Path, path: Path, quant: str = "F32", split: int = 0, whole_qkvz: bool = False
 ) -> Path:
     """Write the tiny qwen3_moe or qwen3_next checkpoint in `hf_dir` as one GGUF file; with `quant` "Q8_0"
-    its matrices are Q8_0 (norms and vectors stay F32, as llama.cpp keeps them); with `split`, as files of
+    or "Q4_K" its matrices of whole blocks are of that type (norms, vectors and the rest stay F32, as
+    llama.cpp keeps them); with `split`, as files of
     at most that many tensors (`NAME-0000i-of-0000N.gguf`, as llama.cpp's gguf-split names them; returns
     the first)."""
     config = json.loads((hf_dir / "config.json").read_text())
@@ -168,9 +213,8 @@ def write_gguf(
         writer.add_expert_weights_norm(bool(config["norm_topk_prob"]))
     _add_tokenizer(writer, hf_dir)
     for name, value in _tensors(hf_dir, config, whole_qkvz).items():
-        if quant == "Q8_0" and _quantized(name, value.shape):
-            q = gguf.quants.quantize(value, gguf.GGMLQuantizationType.Q8_0)
-            writer.add_tensor(name, q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        if _quantized(name, value.shape, quant):
+            writer.add_tensor(name, _quantize(value, quant), raw_dtype=gguf.GGMLQuantizationType[quant])
         else:
             writer.add_tensor(name, value.astype(np.float32))
     writer.write_header_to_file()
@@ -209,8 +253,8 @@ def _add_tokenizer(writer: gguf.GGUFWriter, hf_dir: Path) -> None:
 
 def same_values_copy(hf_dir: Path, out_dir: Path, quant: str = "F32") -> Path:
     """A copy of the HF checkpoint holding the values a GGUF of it holds, as the loader reads them back: with
-    `quant` "Q8_0" its matrices' Q8_0 values; for qwen3next the converter's changes undone in float32
-    ((1 + w) - 1 for the norms, log(exp(A_log))), which need not give back the same bits."""
+    `quant` "Q8_0" or "Q4_K" its quantized matrices' values; for qwen3next the converter's changes undone in
+    float32 ((1 + w) - 1 for the norms, log(exp(A_log))), which need not give back the same bits."""
     out_dir.mkdir(parents=True, exist_ok=True)
     nxt = json.loads((hf_dir / "config.json").read_text())["model_type"] == "qwen3_next"
     tensors: dict[str, Any] = {}
@@ -218,9 +262,10 @@ def same_values_copy(hf_dir: Path, out_dir: Path, quant: str = "F32") -> Path:
         with safe_open(str(file), "pt") as f:
             for name in f.keys():  # noqa: SIM118
                 value = f.get_tensor(name).float()
-                if quant == "Q8_0" and _quantized(name, tuple(value.shape)):
-                    q = gguf.quants.quantize(value.numpy(), gguf.GGMLQuantizationType.Q8_0)
-                    value = torch.from_numpy(gguf.quants.dequantize(q, gguf.GGMLQuantizationType.Q8_0).copy())
+                if _quantized(name, tuple(value.shape), quant):
+                    q = _quantize(value.numpy(), quant)
+                    values = gguf.quants.dequantize(q, gguf.GGMLQuantizationType[quant])
+                    value = torch.from_numpy(values.copy())
                 if nxt and name.endswith(".A_log"):
                     value = torch.log(-torch.from_numpy(converted(name, value.numpy())))
                 elif nxt and _stored_as_one_plus(name):

@@ -37,7 +37,7 @@ from app.engine.scheduler import Phase, Request, Scheduler, SchedulerConfig, Win
 from app.engine.split import StagePipeline, split_layers, stages_for
 from app.errors import StrataError
 from app.kernels.backends import select_backends
-from app.kernels.interface import CHUNK, Q8_0_BLOCK, Q8_0_BYTES
+from app.kernels.interface import CHUNK
 from app.loading import progress
 from app.loading.checkpoint import open_checkpoint
 from app.loading.identity import model_identity
@@ -156,7 +156,7 @@ class EngineCore:
         model = loaded.model
         narrowed = self._dtype != torch.bfloat16
         kept = sum(p.numel() for p in model.parameters() if narrowed and p.dtype == torch.bfloat16)
-        q8_0 = sum(p.numel() for p in model.parameters() if p.dtype == torch.uint8) // Q8_0_BYTES * Q8_0_BLOCK
+        held = sum(p.numel() for p in model.parameters() if p.dtype == torch.uint8)  # bytes of GGUF blocks
         log.info(
             "weights in %s (--dtype %s)%s%s",
             str(self._dtype).removeprefix("torch."),
@@ -164,7 +164,7 @@ class EngineCore:
             f"; {kept / 1e6:.1f}M of them kept in bf16, as the checkpoint has them, for the kernels"
             if kept
             else "",
-            f"; {q8_0 / 1e6:.1f}M routed expert weights held as the file's Q8_0 blocks" if q8_0 else "",
+            f"; {held / 1e9:.2f} GB of weights held as the file's quantized blocks" if held else "",
         )
         self.max_model_len = min(
             config.max_model_len or model.config.max_position_embeddings, model.config.max_position_embeddings

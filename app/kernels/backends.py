@@ -14,7 +14,7 @@ from dataclasses import replace
 import torch
 
 from app.errors import StrataError
-from app.kernels.interface import Backends
+from app.kernels.interface import HELD_BLOCKS, Backends
 from app.kernels.reference import REFERENCE, causal_attention, delta_rule_chunked, delta_rule_recurrent
 
 
@@ -48,6 +48,8 @@ def triton_backends() -> Backends:
         qk_norm_rope=qk_norm_rope,
         qk_norm_rope_store=qk_norm_rope_store,
         linear=few_rows_linear,
+        held_blocks=frozenset(HELD_BLOCKS),
+        held_linear=True,
     )
 
 
@@ -79,7 +81,7 @@ def cpu_backends() -> Backends:
         gdn_decode=sequence.gdn_decode,
         attention_decode=sequence.attention_decode,
         bf16_weights=True,
-        q8_0_experts=True,
+        held_blocks=frozenset({"Q8_0"}),
     )
 
 

@@ -154,6 +154,31 @@ DEQUANTIZE = {
 }  # type name -> (values per block, bytes per block, dequantizer)
 
 
+def random_blocks(
+    kind: str, shape: tuple[int, ...], seed: int = 0, scale: float = 0.05, device: str | torch.device = "cpu"
+) -> torch.Tensor:
+    """Random whole blocks of `kind` (Q8_0 or Q4_K) for a weight of `shape` [..., columns], as uint8
+    [..., columns / values * bytes]: random quants under finite scales, values within about +-`scale` and
+    centred near 0 (random-weight models for tests and benchmarks)."""
+    values, size, _ = DEQUANTIZE[kind]
+    *rows, columns = shape
+    if columns % values:
+        raise ValueError(f"{kind} rows hold whole blocks of {values} weights, not {columns}")
+    g = torch.Generator(device=device).manual_seed(seed)
+    count = (*rows, columns // values)
+    blocks = torch.randint(0, 256, (*count, size), dtype=torch.uint8, generator=g, device=device)
+    jitter = torch.rand(count, generator=g, device=device) + 0.5
+    if kind == "Q8_0":
+        blocks[..., 0:2] = (jitter * scale / 127).half().unsqueeze(-1).view(torch.uint8)
+    elif kind == "Q4_K":  # value = d * scale * q - dmin * min: scales and mins up to 63, q up to 15
+        d = jitter * scale / (32 * 8)
+        blocks[..., 0:2] = d.half().unsqueeze(-1).view(torch.uint8)
+        blocks[..., 2:4] = (d * 7.5).half().unsqueeze(-1).view(torch.uint8)
+    else:
+        raise ValueError(f"no random blocks of {kind}")
+    return blocks.reshape(*rows, -1)
+
+
 def dequantize(kind: str, raw: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     """The float32 values of `shape` held by `raw` (uint8, whole blocks of quant type `kind`)."""
     _, size, function = DEQUANTIZE[kind]

@@ -15,16 +15,35 @@ from app.models.batch import PagedLayout
 
 # The delta rule's prompt form reads sequences in chunks ending at multiples of CHUNK positions.
 CHUNK = 64
-# GGUF's Q8_0 blocks, as `Backends.q8_0_experts` kernels read them: weights a block, and its bytes (an fp16
+# GGUF's Q8_0 blocks, as the CPU set's experts kernels read them: weights a block, and its bytes (an fp16
 # scale, then 32 int8)
 Q8_0_BLOCK, Q8_0_BYTES, _ = DEQUANTIZE["Q8_0"]
 
 
+# GGUF quant types whose blocks kernels may read in place (`Backends.held_blocks`): a held weight is a uint8
+# tensor whose rows are the file's blocks, values a block and bytes a block as here
+HELD_BLOCKS = {kind: DEQUANTIZE[kind][:2] for kind in ("Q8_0", "Q4_K")}
+
+
+def held_row_bytes(kind: str, columns: int) -> int:
+    """The bytes of a row of `columns` weights held as `kind`'s blocks (whole blocks)."""
+    values, size = HELD_BLOCKS[kind]
+    if columns % values:
+        raise ValueError(f"{kind} rows hold whole blocks of {values} weights, not {columns}")
+    return columns // values * size
+
+
 def q8_0_bytes(columns: int) -> int:
     """The bytes of a Q8_0 row of `columns` weights (whole blocks of Q8_0_BLOCK)."""
-    if columns % Q8_0_BLOCK:
-        raise ValueError(f"Q8_0 rows hold whole blocks of {Q8_0_BLOCK} weights, not {columns}")
-    return columns // Q8_0_BLOCK * Q8_0_BYTES
+    return held_row_bytes("Q8_0", columns)
+
+
+def held_kind(weight: torch.Tensor, columns: int) -> str:
+    """The quant type of a held (uint8) weight whose rows hold `columns` weights, told by the rows' width."""
+    for kind, (values, size) in HELD_BLOCKS.items():
+        if columns % values == 0 and weight.shape[-1] == columns // values * size:
+            return kind
+    raise ValueError(f"uint8 rows of {weight.shape[-1]} bytes hold no known blocks of {columns} weights")
 
 
 NormKernel = Callable[[torch.Tensor, torch.Tensor, float, bool], torch.Tensor]
@@ -128,8 +147,10 @@ class Backends:
     `exact` marks a set whose kernels never choose their tiles by the batch. `bf16_weights` marks a set
     whose experts, MoE-block and linear kernels read bf16 weights and compute in fp32: a bf16 checkpoint's
     matrices that those kernels take then stay bf16 in a wider model (the same products, half the bytes).
-    `q8_0_experts` marks a set whose experts and MoE-block kernels also read the routed experts as GGUF's
-    Q8_0 blocks in place (uint8 rows of 34 bytes a 32 weights), so a Q8_0 file's experts stay Q8_0.
+    `held_blocks` names the GGUF quant types (of HELD_BLOCKS) whose blocks the set's experts and MoE-block
+    kernels also read in place (a held weight: uint8 rows of the file's blocks, `held_kind`), so a file's
+    routed experts of those types stay as the file holds them; with `held_linear` its linear kernel reads
+    them too, so do the dense projections that go through it.
     """
 
     name: str
@@ -152,4 +173,5 @@ class Backends:
     attention_decode: AttentionDecodeFn | None = None
     exact: bool = False
     bf16_weights: bool = False
-    q8_0_experts: bool = False
+    held_blocks: frozenset[str] = frozenset()
+    held_linear: bool = False

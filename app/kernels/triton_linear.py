@@ -17,6 +17,8 @@ attention merge) still runs, and only the rows wait for it.
   fixed order (a candidate of `benchmarks/tune_linear.py`; the engine does not pick it).
 - the grouped matmul of `triton_moe` with one group and fixed tiles (`tiled_linear`) for the rest of few
   rows, cuBLAS beyond.
+- a weight held as GGUF blocks (`held_linear`): the grouped matmul with one group, whatever the rows, its
+  blocks dequantized in the programs (`triton_quant`).
 
 `few_rows_linear` picks by the weight's shape and the window's rows (`benchmarks/tune_linear.py` on an H200,
 docs/KERNELS.md).
@@ -31,7 +33,7 @@ import triton
 import triton.language as tl
 
 from app.kernels.triton_launch import follow_previous, pdl
-from app.kernels.triton_moe import MoeTiles, tiled_linear
+from app.kernels.triton_moe import MoeTiles, moe_tiles, tiled_linear
 
 MAX_PROGRAM_ELEMENTS = 1 << 15  # weight elements one program holds (64 KB of bf16)
 TILE = 16  # rows and weight rows of a `resident_tile_linear` program (the tiles' block_m and block_n)
@@ -207,7 +209,24 @@ ROW_ELEMENTS = 4096  # weight elements a `row_linear` program holds (32 a thread
 SMALL_WEIGHT_TILES = MoeTiles(block_m=16, block_n=16, block_k=512, num_warps=4, num_stages=3)
 WIDE_WEIGHT_TILES = MoeTiles(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4)
 SMALL_WEIGHT, WIDE_WEIGHT = 1 << 21, 12288  # elements of a small weight; rows of a wide one
+SMALL_HELD_TILES = MoeTiles(block_m=16, block_n=32, block_k=128, num_warps=4, num_stages=4)
+HELD_FEW_ROWS = 64  # rows up to which a held weight's projection takes decode tiles
 ONE_DOT_K = 128  # up to this k a small weight's tiles give cuBLAS's bits, which windows beyond 16 rows get
+
+
+def held_tiles(rows: int, n: int) -> MoeTiles:
+    """The tiles of a projection by a held weight (GGUF blocks, dequantized in the programs): 16-row tiles
+    up to HELD_FEW_ROWS rows, their width by the weight's rows, so that a row's bits are the same in every
+    window of that many rows; a prompt's tiles beyond."""
+    if rows > HELD_FEW_ROWS:
+        return moe_tiles(rows, exact=False)
+    return WIDE_WEIGHT_TILES if n >= WIDE_WEIGHT else SMALL_HELD_TILES
+
+
+def held_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [rows, k] @ weight.T (+ bias) for a weight held as GGUF blocks [n, row bytes] uint8, by the grouped
+    matmul with one group and `held_tiles`."""
+    return tiled_linear(x, weight, bias, held_tiles(x.shape[0], weight.shape[0]))
 
 
 def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -219,6 +238,8 @@ def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     weight's lone row is read by `row_linear` and more rows by cuBLAS, which picks its algorithm, and so its
     bits, by the row count.
     """
+    if weight.dtype == torch.uint8:
+        return held_linear(x, weight, bias)
     rows, k = x.shape
     n = weight.shape[0]
     if rows > TILE or n >= WIDE_WEIGHT:

@@ -18,7 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
+from app.kernels.interface import held_kind
 from app.kernels.triton_launch import follow_previous, pdl
+from app.kernels.triton_quant import q4_k_columns, q4_k_tiles, q8_0_tile, quant_step
 
 
 @dataclass(frozen=True)
@@ -224,6 +226,8 @@ def route_top_k(
     return ids, weights
 
 
+HELD_CODES = {"Q8_0": 1, "Q4_K": 2}  # the HELD argument of `_grouped_matmul` for a held weight's blocks
+
 # How a grouped-matmul program finds its rows and its expert (the MODE argument).
 TILED = 0  # tile t holds rows[t * BLOCK_M:...] of expert block_expert[t] (`align_routes`)
 PER_PAIR = 1  # tile t is pair t alone, of expert ids[t]: no alignment launches (windows of few tokens)
@@ -269,6 +273,7 @@ def _grouped_matmul(
     stride_om,
     MODE: tl.constexpr,
     X_ROW_DIV: tl.constexpr,
+    HELD: tl.constexpr,
     SWIGLU: tl.constexpr,
     SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -277,7 +282,10 @@ def _grouped_matmul(
     PRECISION: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """out[pair, cols] = act(x[pair // X_ROW_DIV] @ w[expert].T) for one tile of pairs and BLOCK_N columns."""
+    """out[pair, cols] = act(x[pair // X_ROW_DIV] @ w[expert].T) for one tile of pairs and BLOCK_N columns.
+
+    HELD: 0 for weights of the activations' kind, 1 (Q8_0) or 2 (Q4_K) for rows of GGUF blocks
+    (`triton_quant`), whose strides are in bytes and whose k is a multiple of BLOCK_K."""
     follow_previous(PDL)
     tile = tl.program_id(0)
     rows, expert = _tile_rows(rows_ptr, block_expert_ptr, tile, pairs, MODE, BLOCK_M)
@@ -291,20 +299,43 @@ def _grouped_matmul(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if SWIGLU:
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if HELD != 0:
+        w_rows = w_base + cols.to(tl.int64) * stride_wn
+        up_rows = w_base + (cols + up_offset).to(tl.int64) * stride_wn
     for start in range(0, k, BLOCK_K):
-        ks = start + tl.arange(0, BLOCK_K)
-        k_ok = ks < k
-        a = tl.load(
-            x_ptr + x_rows[:, None] * stride_xm + ks[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0
-        )
-        w_mask = k_ok[:, None] & col_ok[None, :]
-        b = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None], mask=w_mask, other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
-        if SWIGLU:
-            b_up = tl.load(
-                w_base + (cols[None, :] + up_offset) * stride_wn + ks[:, None], mask=w_mask, other=0.0
-            )
-            acc_up = tl.dot(a, b_up, acc_up, input_precision=PRECISION)
+        if HELD == 2:
+            k_lo = q4_k_columns(start, BLOCK_K)
+            x_at = x_ptr + x_rows[:, None] * stride_xm + k_lo[None, :]
+            a_lo = tl.load(x_at, mask=valid[:, None], other=0.0)
+            a_hi = tl.load(x_at + 32, mask=valid[:, None], other=0.0)
+            w_lo, w_hi = q4_k_tiles(w_rows, col_ok, start, BLOCK_K, BLOCK_N)
+            acc = tl.dot(a_lo, w_lo.to(a_lo.dtype), acc, input_precision=PRECISION)
+            acc = tl.dot(a_hi, w_hi.to(a_hi.dtype), acc, input_precision=PRECISION)
+            if SWIGLU:
+                u_lo, u_hi = q4_k_tiles(up_rows, col_ok, start, BLOCK_K, BLOCK_N)
+                acc_up = tl.dot(a_lo, u_lo.to(a_lo.dtype), acc_up, input_precision=PRECISION)
+                acc_up = tl.dot(a_hi, u_hi.to(a_hi.dtype), acc_up, input_precision=PRECISION)
+        elif HELD == 1:
+            ks = start + tl.arange(0, BLOCK_K)
+            a = tl.load(x_ptr + x_rows[:, None] * stride_xm + ks[None, :], mask=valid[:, None], other=0.0)
+            b = q8_0_tile(w_rows, col_ok, start, BLOCK_K, BLOCK_N).to(a.dtype)
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+            if SWIGLU:
+                b_up = q8_0_tile(up_rows, col_ok, start, BLOCK_K, BLOCK_N).to(a.dtype)
+                acc_up = tl.dot(a, b_up, acc_up, input_precision=PRECISION)
+        else:
+            ks = start + tl.arange(0, BLOCK_K)
+            k_ok = ks < k
+            x_at = x_ptr + x_rows[:, None] * stride_xm + ks[None, :]
+            a = tl.load(x_at, mask=valid[:, None] & k_ok[None, :], other=0.0)
+            w_mask = k_ok[:, None] & col_ok[None, :]
+            b = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None], mask=w_mask, other=0.0)
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+            if SWIGLU:
+                b_up = tl.load(
+                    w_base + (cols[None, :] + up_offset) * stride_wn + ks[:, None], mask=w_mask, other=0.0
+                )
+                acc_up = tl.dot(a, b_up, acc_up, input_precision=PRECISION)
     if SWIGLU:
         acc = acc * tl.sigmoid(acc) * acc_up
     if SCALE:
@@ -347,6 +378,10 @@ def _launch(
     tile per pair; ONE_GROUP: `tile_count` tiles of expert 0, the routing tensors unread)."""
     if x.stride(-1) != 1 or w.stride(-1) != 1:
         raise ValueError("grouped matmul needs rows with unit stride")
+    held, block_k = 0, tiles.block_k
+    if w.dtype == torch.uint8:
+        kind = held_kind(w, x.shape[-1])
+        held, block_k = HELD_CODES[kind], quant_step(kind, x.shape[-1], tiles.block_k)
     grid = (tile_count or routes.block_expert.numel(), triton.cdiv(n, tiles.block_n))
     _grouped_matmul[grid](
         x,
@@ -365,11 +400,12 @@ def _launch(
         out.stride(0),
         MODE=mode,
         X_ROW_DIV=x_row_div,
+        HELD=held,
         SWIGLU=up_offset > 0,
         SCALE=scale is not None,
         BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n,
-        BLOCK_K=tiles.block_k,
+        BLOCK_K=block_k,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
@@ -389,11 +425,12 @@ def fused_experts(
     """The weighted sum of each token's routed experts (same contract as `experts_reference`).
 
     x [tokens, hidden]; top_ids, top_weights [tokens, top_k]; gate_up [experts, 2I, hidden] (gate rows
-    first); down [experts, hidden, I]. `tiles` overrides the choice of `moe_tiles` (for tuning).
+    first); down [experts, hidden, I]; either may be held as GGUF blocks (uint8 rows, `held_kind`). `tiles`
+    overrides the choice of `moe_tiles` (for tuning).
     """
     tokens, hidden = x.shape
     top_k = top_ids.shape[1]
-    experts, intermediate = gate_up.shape[0], down.shape[2]
+    experts, intermediate = gate_up.shape[0], gate_up.shape[1] // 2
     tiles = tiles or moe_tiles(tokens, exact)
     pairs = tokens * top_k
     x = x.contiguous()
@@ -438,7 +475,7 @@ def tiled_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tiles: MoeTiles
 ) -> torch.Tensor:
     """x [rows, k] @ weight [n, k].T (+ bias) by ONE_GROUP tiles of `tiles` (a row's result depends on the
-    tiles only)."""
+    tiles only); the weight may be held as GGUF blocks (uint8 [n, row bytes])."""
     rows, n = x.shape[0], weight.shape[0]
     x = x.contiguous()
     out = x.new_empty(rows, n)

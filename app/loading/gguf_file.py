@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from app.kernels.gguf_quants import DEQUANTIZE, dequantize
+from app.kernels.interface import HELD_BLOCKS
 from app.loading.safetensors import CheckpointError
 from app.models.config import ModelConfig
 
@@ -330,17 +331,17 @@ class GGUFCheckpoint:
             )
         return values if source.rows is None else values[source.rows[0] : source.rows[1]]
 
-    def q8_0_blocks(self, name: str) -> torch.Tensor | None:
-        """A tensor's Q8_0 blocks as the file holds them, [rows, columns / 32 * 34] uint8 (a view of the
-        mapped file; an expert's slice of its stacked tensor), or None where it is no Q8_0 tensor read as
-        it lies."""
+    def held_blocks(self, name: str) -> tuple[str, torch.Tensor] | None:
+        """A tensor's quant type and its blocks as the file holds them, [rows, row bytes] uint8 (a view of
+        the mapped file; an expert's slice of its stacked tensor), where it is of a type kernels may read in
+        place (HELD_BLOCKS) and read as it lies; else None."""
         source = self._names[name]
         kind = self._tensors[source.names[0]][0].tensor_type.name
-        if len(source.names) != 1 or source.undo is not None or kind != "Q8_0":
+        if len(source.names) != 1 or source.undo is not None or kind not in HELD_BLOCKS:
             return None
         raw, shape = self._raw(source.names[0], source.expert)
         blocks = raw.view(shape[0], -1)
-        return blocks if source.rows is None else blocks[source.rows[0] : source.rows[1]]
+        return kind, blocks if source.rows is None else blocks[source.rows[0] : source.rows[1]]
 
     def tensor(self, name: str) -> torch.Tensor:
         """A tensor: a view of the mapped file (F32, F16, BF16) or its values dequantized (quant types), with

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from app.kernels.cpu_experts import experts_swiglu_sum
-from app.kernels.interface import Backends, q8_0_bytes
+from app.kernels.interface import Backends, held_row_bytes
 from app.kernels.reference import REFERENCE
 from app.loading.checkpoint import Checkpoint, open_checkpoint
 from app.loading.fill import ParallelFill
@@ -22,7 +22,7 @@ from app.loading.progress import Progress
 from app.loading.safetensors import CheckpointError
 from app.models.attention import Attention
 from app.models.expert_tier import TieredExperts, moe_layers, use_expert_tier
-from app.models.layers import Linear
+from app.models.layers import Linear, hold_blocks
 from app.models.moe import RoutedExperts
 from app.models.placement import layer_residency
 from app.models.qwen3 import CausalLM, ModelPart
@@ -149,9 +149,7 @@ def load_model(
             counts = layer_residency(resident_experts * layers, layers, experts, placement)
             use_expert_tier(model, counts, experts_swiglu_sum, spare_experts)
     sources = tensor_sources(model)
-    packed = set()
-    if backends.q8_0_experts and torch.device(device).type == "cpu" and not tiered:
-        packed = _hold_q8_0_experts(model, checkpoint, sources)
+    packed = _hold_blocks(model, checkpoint, sources, backends)
     params = dict(model.named_parameters())
     names = checkpoint.names()
     for name in names:
@@ -168,7 +166,7 @@ def load_model(
         expected = tuple(params[source.param][source.index].shape)
         found = checkpoint.shape(name)
         if source.param in packed:
-            found = (*found[:-1], q8_0_bytes(found[-1]))
+            found = (*found[:-1], held_row_bytes(packed[source.param], found[-1]))
         if found != expected:
             raise CheckpointError(
                 f"wrong shape for {name} in {checkpoint.path}: checkpoint has {list(found)}, model expects "
@@ -191,42 +189,73 @@ def load_model(
     return model.eval(), checkpoint
 
 
-def _hold_q8_0_experts(model: CausalLM, checkpoint: Checkpoint, sources: dict[str, TensorSource]) -> set[str]:
-    """Where every routed expert of the checkpoint is a Q8_0 tensor read as it lies (a GGUF file's), the
-    routed experts' parameters become Q8_0 blocks (`RoutedExperts.hold_q8_0`), filled from the file's bytes
-    without dequantizing; returns their names (none otherwise)."""
-    experts = {
-        f"{prefix}.{name}": module
-        for prefix, module in model.named_modules()
-        if isinstance(module, RoutedExperts)
-        for name in ("gate_up", "down")
+def _holders(model: CausalLM, backends: Backends) -> dict[str, tuple[nn.Module, str]]:
+    """The parameters whose kernels read a file's blocks in place on these backends: parameter name ->
+    (its module, its name there). The routed experts (not those of an expert tier; both projections of one
+    quant type) where the set's experts kernel reads blocks; with `held_linear`, the weights of the
+    projections that go through its linear kernel."""
+    holders: dict[str, tuple[nn.Module, str]] = {}
+    if not backends.held_blocks:
+        return holders
+    for prefix, module in model.named_modules():
+        if type(module) is RoutedExperts:
+            holders |= {f"{prefix}.{name}": (module, name) for name in ("gate_up", "down")}
+        elif backends.held_linear and isinstance(module, Linear) and module.kernel is not None:
+            holders[f"{prefix}.weight"] = (module, "weight")
+        elif backends.held_linear and isinstance(module, Attention) and module.linear_kernel is not None:
+            holders[f"{prefix}.qkv_weight"] = (module, "qkv_weight")
+    return holders
+
+
+def _hold_blocks(
+    model: CausalLM, checkpoint: Checkpoint, sources: dict[str, TensorSource], backends: Backends
+) -> dict[str, str]:
+    """Hold as the file's blocks (`layers.hold_blocks`) every parameter the backends' kernels can read so
+    (`_holders`) whose checkpoint tensors are all of one quant type of `Backends.held_blocks`, read as they
+    lie (a GGUF file's); they are filled from the file's bytes without dequantizing. Returns parameter name
+    -> quant type."""
+    holders = _holders(model, backends)
+    reads_blocks = getattr(checkpoint, "held_blocks", None)
+    if not holders or reads_blocks is None:
+        return {}
+    kinds: dict[str, set[str | None]] = {}
+    for name, source in sources.items():
+        if source.param in holders:
+            found = reads_blocks(name)
+            kinds.setdefault(source.param, set()).add(found[0] if found is not None else None)
+    chosen = {
+        param: next(iter(found))
+        for param, found in kinds.items()
+        if len(found) == 1 and next(iter(found)) in backends.held_blocks
     }
-    held = [name for name, source in sources.items() if source.param in experts]
-    reads_blocks = getattr(checkpoint, "q8_0_blocks", None)
-    if not held or reads_blocks is None or any(reads_blocks(name) is None for name in held):
-        return set()
-    for module in set(experts.values()):
-        module.hold_q8_0()
-    return set(experts)
+    for param, (module, _) in holders.items():
+        pair = [other for other, (owner, _) in holders.items() if owner is module]
+        if isinstance(module, RoutedExperts) and len({chosen.get(p) for p in pair}) > 1:
+            chosen.pop(param, None)  # the experts kernels take both projections in one kind
+    for param, kind in chosen.items():
+        module, name = holders[param]
+        hold_blocks(module, name, kind)
+    return chosen
 
 
 def _bf16_weights(
-    model: CausalLM, checkpoint: Checkpoint, target: torch.dtype, backends: Backends, packed: set[str]
+    model: CausalLM, checkpoint: Checkpoint, target: torch.dtype, backends: Backends, packed: dict[str, str]
 ) -> set[str]:
     """The matrices to keep in bf16 in a wider model, where the backends' kernels read bf16 weights with fp32
-    arithmetic (`Backends.bf16_weights`): the routed experts (unless they are held as Q8_0, `packed`) and the
-    weights of projections that go through the backends' linear kernel, each where the checkpoint stores it
-    in bf16, so nothing is rounded."""
+    arithmetic (`Backends.bf16_weights`): the routed experts and the weights of projections that go through
+    the backends' linear kernel (unless they are held as blocks, `packed`), each where the checkpoint stores
+    it in bf16, so nothing is rounded."""
     if not backends.bf16_weights or target == torch.bfloat16:
         return set()
     names = set()
     for prefix, module in model.named_modules():
         if isinstance(module, RoutedExperts):
-            names |= {f"{prefix}.gate_up", f"{prefix}.down"} - packed
+            names |= {f"{prefix}.gate_up", f"{prefix}.down"}
         elif isinstance(module, Linear) and module.kernel is not None:
             names.add(f"{prefix}.weight")
         elif isinstance(module, Attention) and module.linear_kernel is not None:
             names.add(f"{prefix}.qkv_weight")
+    names -= set(packed)
     stored: dict[str, set[torch.dtype]] = {}
     for name, source in tensor_sources(model).items():
         if source.param in names:
@@ -242,13 +271,13 @@ def _fill(
     device: torch.device,
     host: set[str],
     narrow: set[str],
-    packed: set[str],
+    packed: dict[str, str],
     progress: bool,
 ) -> dict[str, torch.Tensor]:
     """Materialise every parameter: a mapped view where no conversion is needed on the host, else a filled
     tensor, read in parallel from the files where the checkpoint says where its bytes lie (ParallelFill);
     the parameters named in `host` in host memory whatever `device` is (for a GPU pinned once filled,
-    `HostPages`); those in `narrow` in bf16; those in `packed` from the checkpoint's Q8_0 blocks."""
+    `HostPages`); those in `narrow` in bf16; those in `packed` from the checkpoint's blocks."""
     state: dict[str, torch.Tensor] = {}
     to_pin: list[HostPages] = []
 
@@ -285,13 +314,14 @@ def _fill(
         else:
             one_by_one.append((name, source, where, kind))
     total = fill.nbytes + sum(
-        _stored_bytes(checkpoint, name, kind, source.param in packed) for name, source, _, kind in one_by_one
+        _stored_bytes(checkpoint, name, kind, packed.get(source.param))
+        for name, source, _, kind in one_by_one
     )
     bar = Progress(total, "loading", enabled=progress, unit="bytes")
     fill.run(bar.advance)
     for name, source, where, kind in one_by_one:
-        held = source.param in packed
-        tensor = checkpoint.q8_0_blocks(name) if held else checkpoint.tensor(name)  # type: ignore[union-attr]
+        held = packed.get(source.param)
+        tensor = checkpoint.held_blocks(name)[1] if held else checkpoint.tensor(name)  # type: ignore[union-attr,index]
         if source.index == ():
             state[source.param] = tensor.to(device=where, dtype=kind)
         else:
@@ -302,9 +332,9 @@ def _fill(
     return state
 
 
-def _stored_bytes(checkpoint: Checkpoint, name: str, kind: torch.dtype, held: bool) -> int:
-    """The bytes a tensor takes once loaded: as `kind`, or as Q8_0 blocks where it is `held` so."""
+def _stored_bytes(checkpoint: Checkpoint, name: str, kind: torch.dtype, held: str | None) -> int:
+    """The bytes a tensor takes once loaded: as `kind`, or as the blocks of quant type `held`."""
     shape = checkpoint.shape(name)
     if held:
-        return math.prod(shape[:-1]) * q8_0_bytes(shape[-1])
+        return math.prod(shape[:-1]) * held_row_bytes(held, shape[-1])
     return math.prod(shape) * kind.itemsize

@@ -8,17 +8,27 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from app.kernels.interface import AddNormKernel, GatedNormKernel, LinearKernel, NormKernel
+from app.kernels.interface import AddNormKernel, GatedNormKernel, LinearKernel, NormKernel, held_row_bytes
 from app.models.config import RopeConfig
 
 
 def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernel: LinearKernel | None
 ) -> torch.Tensor:
-    """x @ weight.T (+ bias) over the last dimension, through `kernel` [rows, k] when one is given."""
+    """x @ weight.T (+ bias) over the last dimension, through `kernel` [rows, k] when one is given (which
+    a held weight, `hold_blocks`, needs)."""
     if kernel is None:
         return F.linear(x, weight, bias)
     return kernel(x.reshape(-1, x.shape[-1]), weight, bias).view(*x.shape[:-1], weight.shape[0])
+
+
+def hold_blocks(module: nn.Module, name: str, kind: str) -> None:
+    """Make parameter `name` of `module` a held weight: an empty uint8 one of `kind`'s GGUF blocks over its
+    rows (`interface.held_row_bytes`), on its device (the meta device while a model is built), for kernels
+    that read the blocks in place (`Backends.held_blocks`)."""
+    param = getattr(module, name)
+    shape = (*param.shape[:-1], held_row_bytes(kind, param.shape[-1]))
+    setattr(module, name, nn.Parameter(torch.empty(shape, dtype=torch.uint8, device=param.device), False))
 
 
 class Linear(nn.Linear):

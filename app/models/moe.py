@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from app.kernels.interface import ExpertsFn, LinearKernel, MoEBlockFn, RouteKernel, q8_0_bytes
+from app.kernels.interface import ExpertsFn, LinearKernel, MoEBlockFn, RouteKernel
 from app.models.config import ModelConfig
 from app.models.layers import DenseMLP, Linear
 
@@ -30,7 +30,8 @@ def expert_parts(
 class RoutedExperts(nn.Module):
     """All experts of one layer, stacked as kernels want them.
 
-    gate_up [experts, 2 * intermediate, hidden] (gate rows first), down [experts, hidden, intermediate].
+    gate_up [experts, 2 * intermediate, hidden] (gate rows first), down [experts, hidden, intermediate];
+    either may be held as a file's GGUF blocks (`layers.hold_blocks`) for kernels that read them in place.
     Checkpoints store one tensor per expert and projection; `checkpoint_parts` maps them here.
     """
 
@@ -46,19 +47,6 @@ class RoutedExperts(nn.Module):
         return expert_parts(
             prefix, self.gate_up.shape[0], self.intermediate, lambda e: ("gate_up", "down", e)
         )
-
-    def hold_q8_0(self) -> None:
-        """Hold the experts as GGUF's Q8_0 blocks (uint8 rows of 34 bytes a 32 weights) for kernels that read
-        them in place (`Backends.q8_0_experts`): the parameters become empty ones of that layout, on their
-        device (the meta device while a model is built)."""
-        experts, rows, hidden = self.gate_up.shape
-        device = self.gate_up.device
-        for name, shape in (
-            ("gate_up", (experts, rows, hidden)),
-            ("down", (experts, hidden, self.intermediate)),
-        ):
-            packed = (*shape[:-1], q8_0_bytes(shape[-1]))
-            setattr(self, name, nn.Parameter(torch.empty(packed, dtype=torch.uint8, device=device), False))
 
     def forward(
         self,

@@ -38,7 +38,7 @@ def test_auto_picks_the_cpu_set_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> N
         name="torch",
         experts=REFERENCE.experts,
         bf16_weights=False,
-        q8_0_experts=False,
+        held_blocks=frozenset(),
         **dict.fromkeys(native),
     )
     assert pure == REFERENCE

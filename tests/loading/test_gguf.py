@@ -12,7 +12,7 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from checkpoints import write_checkpoint
+from checkpoints import write_checkpoint, write_wide_checkpoint
 from engine_helpers import complete, make_core
 from gguf_files import same_values_copy, write_gguf
 from serving import start_server, stop_server
@@ -77,10 +77,38 @@ def test_a_q8_0_files_experts_stay_its_q8_0_blocks_on_the_cpu(next_dir: Path, tm
     assert experts.gate_up.dtype == torch.uint8 and experts.gate_up.shape == (8, 64, 64 // 32 * 34)
     file = GGUFCheckpoint(path)
     name = "model.layers.0.mlp.experts.5.down_proj.weight"
-    assert torch.equal(experts.down[5], file.q8_0_blocks(name))
+    assert torch.equal(experts.down[5], file.held_blocks(name)[1])
     assert model.mtp.layers[0].mlp.experts.down.dtype == torch.uint8
     assert model.model.layers[0].linear_attn.in_proj_qkvz.weight.dtype == torch.float32
     assert make_core(next_dir).loaded.model.model.layers[0].mlp.experts.gate_up.dtype == torch.float32
+
+
+@pytest.fixture(scope="module")
+def wide_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A two-layer qwen3_moe whose matrices' rows are whole Q4_K super-blocks (256 values)."""
+    return write_wide_checkpoint(tmp_path_factory.mktemp("wide"))
+
+
+@pytest.mark.parametrize("quant", ["Q4_K"])
+def test_the_gpu_kernels_read_a_files_blocks_where_they_lie(
+    wide_dir: Path, tmp_path: Path, quant: str
+) -> None:
+    """On the Triton set (its interpreter here) the routed experts and every projection through its linear
+    kernel keep the file's blocks, dequantized inside the matmul's programs: the greedy tokens of the HF
+    directory holding the values the file's blocks stand for (Q8_0's tiles: tests/kernels/test_triton_held.py,
+    the engine on the GPU: tests/gpu/test_held_gpu.py)."""
+    path = write_gguf(wide_dir, tmp_path / f"wide-{quant}.gguf", quant)
+    core = make_core(path, backend="triton")
+    model = core.loaded.model
+    layer = model.model.layers[1]
+    held = (layer.mlp.experts.gate_up, layer.mlp.experts.down, layer.mlp.gate.weight)
+    held += (layer.self_attn.qkv_weight, layer.self_attn.o_proj.weight, model.lm_head.weight)
+    assert all(p.dtype == torch.uint8 for p in held)
+    assert model.model.embed_tokens.weight.dtype == torch.float32
+    prompt = [5, 17, 99, 230]
+    got = complete(core, prompt, max_tokens=4, temperature=0, ignore_eos=True)
+    same = make_core(same_values_copy(wide_dir, tmp_path / "same", quant))
+    assert got.token_ids == complete(same, prompt, max_tokens=4, temperature=0, ignore_eos=True).token_ids
 
 
 def test_a_split_gguf_loads_from_any_of_its_files(hf_dir: Path, tmp_path: Path) -> None:

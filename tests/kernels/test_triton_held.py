@@ -1,0 +1,77 @@
+"""Weights held as GGUF's Q8_0 and Q4_K blocks, dequantized in the grouped matmul's programs (Triton's
+interpreter on CPU tensors), against the reference on the values the `gguf` package's dequantizer gives."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from app.kernels.gguf_quants import dequantize, random_blocks
+from app.kernels.interface import held_kind, held_row_bytes
+from app.kernels.reference import experts_reference
+from app.kernels.triton_linear import few_rows_linear
+from app.kernels.triton_moe import exact_fused_experts, exact_linear, fused_experts
+from app.kernels.triton_quant import quant_step
+
+KINDS = ["Q8_0", "Q4_K"]
+HIDDEN, INTER = 256, 256  # whole Q4_K super-blocks
+# fp16 activations: Triton's interpreter does not compute bf16 dots (the GPU test runs bf16)
+DTYPE = torch.float16
+
+
+def _held(kind: str, shape: tuple[int, ...], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random blocks of `kind` for a weight of `shape`, and their values."""
+    blocks = random_blocks(kind, shape, seed)
+    return blocks, dequantize(kind, blocks, shape)
+
+
+def _inputs(tokens: int, experts: int, top_k: int, kind: str, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, HIDDEN, generator=g).to(DTYPE)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=g).to(DTYPE)
+    gate_up = _held(kind, (experts, 2 * INTER, HIDDEN), seed + 1)
+    down = _held(kind, (experts, HIDDEN, INTER), seed + 2)
+    return x, ids, weights, gate_up, down
+
+
+def test_a_held_weights_type_is_told_by_its_row_width() -> None:
+    assert held_row_bytes("Q8_0", 256) == 272 and held_row_bytes("Q4_K", 256) == 144
+    assert held_kind(torch.empty(3, 272, dtype=torch.uint8), 256) == "Q8_0"
+    assert held_kind(torch.empty(3, 144, dtype=torch.uint8), 256) == "Q4_K"
+    with pytest.raises(ValueError, match="hold no known blocks"):
+        held_kind(torch.empty(3, 100, dtype=torch.uint8), 256)
+    assert quant_step("Q4_K", 768, 128) == 128 and quant_step("Q4_K", 256, 512) == 256
+    assert quant_step("Q8_0", 768, 512) == 256
+    assert quant_step("Q8_0", 96, 128) == 32
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_held_experts_match_the_reference_on_their_dequantized_values(kind: str, tokens: int) -> None:
+    x, ids, weights, (gate_up, gate_up_values), (down, down_values) = _inputs(tokens, 6, 2, kind)
+    got = fused_experts(x, ids, weights, gate_up, down)
+    expected = experts_reference(x.float(), ids, weights.float(), gate_up_values.float(), down_values.float())
+    scale = expected.abs().max()
+    torch.testing.assert_close(got.float() / scale, expected / scale, atol=2e-2, rtol=0)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_held_experts_give_a_row_the_same_bits_alone_and_batched(kind: str) -> None:
+    x, ids, weights, (gate_up, _), (down, _) = _inputs(5, 6, 2, kind, seed=3)
+    batched = exact_fused_experts(x, ids, weights, gate_up, down)
+    alone = exact_fused_experts(x[3:4], ids[3:4], weights[3:4], gate_up, down)
+    assert torch.equal(batched[3:4], alone)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("rows", [1, 3, 70])
+def test_held_dense_projections_match_their_dequantized_values(kind: str, rows: int) -> None:
+    weight, values = _held(kind, (40, HIDDEN), 7)
+    x = torch.randn(rows, HIDDEN, generator=torch.Generator().manual_seed(rows)).to(DTYPE)
+    bias = torch.randn(40).to(DTYPE)
+    expected = torch.nn.functional.linear(x.float(), values.float(), bias.float())
+    scale = expected.abs().max()
+    for got in (few_rows_linear(x, weight, bias), exact_linear(x, weight, bias)):
+        torch.testing.assert_close(got.float() / scale, expected / scale, atol=2e-2, rtol=0)
+    assert torch.equal(exact_linear(x, weight)[-1:], exact_linear(x[-1:], weight))
