@@ -1,7 +1,7 @@
 """Times the kernels that read weights held as GGUF blocks, under several tile choices, at Qwen3-30B-A3B's
 shapes (replayed from CUDA graphs, weights rotated so that repeats do not run from L2).
 
-    python benchmarks/tune_held.py [--kinds Q4_K Q8_0 bf16] [--tokens 1 8 32]
+    python benchmarks/tune_held.py [--kinds Q4_K Q8_0 bf16] [--tokens 1 8 32] [--default-only]
 
 Routed experts (`fused_experts`, routing alignment to the sum) and the dense projections (`tiled_linear`:
 attention's qkv and output, the LM head) for each quant type, beside bf16 weights (their default tiles
@@ -55,6 +55,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--kinds", nargs="+", default=["Q4_K", "Q8_0", "bf16"])
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--default-only", action="store_true", help="time the default tiles alone")
     args = parser.parse_args()
     for kind in args.kinds:
         sets = [
@@ -68,7 +69,7 @@ def main() -> None:
             weights = weights.bfloat16()
             moved = expected_experts(EXPERTS, TOP_K, tokens) * per_expert
             choices = {"default": moe_tiles(tokens, exact=False)}
-            if kind != "bf16":
+            if kind != "bf16" and not args.default_only:
                 choices |= EXPERT_TILES
             for name, tiles in choices.items():
                 calls = [
@@ -83,7 +84,7 @@ def main() -> None:
             for tokens in args.tokens:
                 x = torch.randn(tokens, shape[1], device="cuda").bfloat16()
                 choices = {"default": held_tiles(tokens, shape[0])}
-                if kind != "bf16":
+                if kind != "bf16" and not args.default_only:
                     choices |= DENSE_TILES
                 for name, tiles in choices.items():
                     calls = [lambda w=w, t=tiles, x=x: tiled_linear(x, w, None, t) for w in dense]
