@@ -4,9 +4,10 @@
 
 Measures the host's copy bandwidth (a 512 MiB tensor copied, bytes read plus written; the best of before and
 after the kernels), and runs one expert's SwiGLU for each expert of a layer in turn (more expert bytes than
-the caches hold, so every call reads its weights from RAM) for fp32, bf16, int8 and GGUF Q8_0 weights, and
-reports per call: time, bytes of weights read per second and that as a share of the copy bandwidth. Fails
-when a figure is above the measured bandwidth (a cache, not RAM, would have served it). Prints one JSON line.
+the caches hold, so every call reads its weights from RAM) for fp32, bf16, int8 and GGUF Q8_0 and Q4_K
+weights, and reports per call: time, bytes of weights read per second and that as a share of the copy
+bandwidth. Fails when a figure is above the measured bandwidth (a cache, not RAM, would have served it).
+Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from app.kernels.cpu_experts import expert_swiglu, native_available, threads
+from app.kernels.gguf_quants import random_blocks
 
 
 def copy_bandwidth(megabytes: int = 512, repeats: int = 10) -> float:
@@ -37,17 +39,14 @@ def copy_bandwidth(megabytes: int = 512, repeats: int = 10) -> float:
 
 
 def expert_weights(
-    kind: torch.dtype, experts: int, hidden: int, inter: int
+    kind: torch.dtype | str, experts: int, hidden: int, inter: int
 ) -> list[tuple[torch.Tensor, ...]]:
-    """`experts` experts' random weights (int8 with per-row scales; uint8: Q8_0 blocks of random values)."""
+    """`experts` experts' random weights (int8 with per-row scales; a GGUF type's name: random blocks)."""
     made = []
-    for _ in range(experts):
-        if kind == torch.uint8:
-            made.append(
-                tuple(
-                    q8_0_blocks(torch.randn(shape) * 0.02) for shape in ((2 * inter, hidden), (hidden, inter))
-                )
-            )
+    for e in range(experts):
+        if isinstance(kind, str):
+            shapes = ((2 * inter, hidden), (hidden, inter))
+            made.append(tuple(random_blocks(kind, shape, 2 * e + i) for i, shape in enumerate(shapes)))
         elif kind == torch.int8:
             gate_up = torch.randint(-127, 128, (2 * inter, hidden), dtype=torch.int8)
             down = torch.randint(-127, 128, (hidden, inter), dtype=torch.int8)
@@ -60,15 +59,6 @@ def expert_weights(
                 )
             )
     return made
-
-
-def q8_0_blocks(values: torch.Tensor) -> torch.Tensor:
-    """Values as GGUF Q8_0 blocks [rows, columns / 32 * 34] uint8: per 32, an fp16 scale and 32 int8."""
-    blocks = values.reshape(-1, 32)
-    scale = blocks.abs().amax(1, keepdim=True) / 127
-    q = torch.round(blocks / scale.clamp(min=1e-12)).to(torch.int8)
-    packed = torch.cat((scale.half().view(torch.uint8), q.view(torch.uint8)), 1)
-    return packed.reshape(values.shape[0], -1)
 
 
 def time_kernel(weights: list[tuple], rows: int, hidden: int, rounds: int = 3) -> float:
@@ -96,7 +86,8 @@ def main() -> None:
         ("fp32", torch.float32),
         ("bf16", torch.bfloat16),
         ("int8", torch.int8),
-        ("q8_0", torch.uint8),
+        ("q8_0", "Q8_0"),
+        ("q4_k", "Q4_K"),
     ):
         weights = expert_weights(kind, args.experts, args.hidden, args.inter)
         per_expert = sum(t.nbytes for t in weights[0])

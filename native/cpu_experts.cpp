@@ -5,7 +5,7 @@
 //   y[t, i] = down_i . h_t                            i < hidden
 //
 // x [n, hidden] and y [n, hidden] are fp32; the weights fp32, bf16, int8 with one fp32 scale per output row, or
-// GGUF's Q8_0 blocks.
+// GGUF's Q8_0 or Q4_K blocks.
 // A call's experts run together in one OpenMP team, in two passes (gate and up, then down) whose work units
 // are (expert, a few output rows) pairs; dot products as native/dot.h computes them, so a row's result never
 // depends on what else shares the call. Registered with the native module (native/module.cpp); called from
@@ -328,7 +328,7 @@ void routed_experts(uintptr_t x_ptr, uintptr_t gate_up_ptr, uintptr_t down_ptr, 
                     int64_t inter, int kind_code, int threads, uintptr_t ids_ptr, uintptr_t top_weights_ptr,
                     int64_t n, int64_t top_k, int64_t total) {
     const Kind kind = checked_kind(kind_code, 0, 0);
-    if (kind == Kind::I8) throw pybind11::value_error("routed experts take fp32, bf16 or Q8_0 weights");
+    if (kind == Kind::I8) throw pybind11::value_error("routed experts take fp32, bf16, Q8_0 or Q4_K weights");
     const auto* ids = reinterpret_cast<const int64_t*>(ids_ptr);
     const auto* top_weights = reinterpret_cast<const float*>(top_weights_ptr);
     const int64_t entries = n * top_k;
@@ -358,7 +358,7 @@ void moe_block(uintptr_t x_ptr, uintptr_t y_ptr, int64_t n, int64_t hidden, uint
     const Kind router_kind = checked_kind(router_kind_code, 0, 0);
     const auto plain = [](Kind k) { return k == Kind::F32 || k == Kind::BF16; };
     if (kind == Kind::I8 || !plain(shared_kind) || !plain(router_kind)) {
-        throw pybind11::value_error("MoE blocks take fp32 or bf16 weights (and Q8_0 routed experts)");
+        throw pybind11::value_error("MoE blocks take fp32 or bf16 weights (and Q8_0 or Q4_K routed experts)");
     }
     if (top_k < 1 || top_k > total) throw pybind11::value_error("top_k must be in [1, experts]");
     const float* x = reinterpret_cast<const float*>(x_ptr);

@@ -1,8 +1,9 @@
 // Dot products of weight rows with token vectors, fp32 arithmetic, for the native CPU kernels.
 //
 // Weights are fp32, bf16, int8 with one fp32 scale per row (weight = int8 * scale), or GGUF's Q8_0 (blocks of
-// 32 weights: an fp16 scale, then 32 int8; weight = int8 * scale, widened to fp32 exactly as GGUF's own
-// dequantizer does), read row by row from contiguous memory. A pass takes R weight rows and C token vectors at once (R * C sums kept in registers),
+// 32 weights: an fp16 scale, then 32 int8; weight = int8 * scale) or Q4_K (super-blocks of 256: fp16 d and
+// dmin, eight 6-bit scales and mins, 4-bit q; weight = d * scale * q - dmin * min), widened to fp32 exactly
+// as GGUF's own dequantizer does (every product is exact), read row by row from contiguous memory. A pass takes R weight rows and C token vectors at once (R * C sums kept in registers),
 // so each weight is read and widened once per C tokens and each token element once per R rows. Every product
 // of a (row, token) pair goes to lane (column % LANES), and the lanes are added in one fixed tree at the end:
 // a pair's result is the same whatever R and C were, so a token's result never depends on which other tokens
@@ -23,11 +24,12 @@
 
 namespace dot {
 
-enum class Kind : int { F32 = 0, BF16 = 1, I8 = 2, Q8_0 = 3 };
+enum class Kind : int { F32 = 0, BF16 = 1, I8 = 2, Q8_0 = 3, Q4_K = 4 };
 
 constexpr int TILE = 4;    // token vectors per pass (C at most)
 constexpr int LANES = 16;  // partial sums of one dot product: one AVX-512 register, two AVX2 ones
 constexpr int64_t Q8_BLOCK = 32, Q8_BLOCK_BYTES = 34;  // Q8_0: weights a block, its bytes (fp16 + 32 int8)
+constexpr int64_t Q4K_BLOCK = 256, Q4K_BLOCK_BYTES = 144;  // Q4_K: weights a super-block, its bytes
 
 // The bytes of one weight row of `cols` columns.
 inline int64_t row_bytes(Kind kind, int64_t cols) {
@@ -38,6 +40,9 @@ inline int64_t row_bytes(Kind kind, int64_t cols) {
         case Kind::Q8_0:
             if (cols % Q8_BLOCK) throw std::invalid_argument("Q8_0 rows hold whole blocks of 32 weights");
             return cols / Q8_BLOCK * Q8_BLOCK_BYTES;
+        case Kind::Q4_K:
+            if (cols % Q4K_BLOCK) throw std::invalid_argument("Q4_K rows hold whole super-blocks of 256 weights");
+            return cols / Q4K_BLOCK * Q4K_BLOCK_BYTES;
     }
     throw std::invalid_argument("unknown weight kind");
 }
@@ -142,6 +147,49 @@ struct Q8Blocks {
     const void* at(int r, int64_t col) const { return block(r, col); }
 };
 
+// R Q4_K rows: a group of 32 weights widened with its super-block's d * scale and dmin * min (fp32; the
+// products are exact, so these are GGUF's dequantized values). The group's 32 weights are the low nibbles (the
+// first 32 of a 64-weight stretch) or the high nibbles (the next 32) of the stretch's 32 bytes; LANES divides a
+// group, so a pass's weights share one scale and min.
+template <int R>
+struct Q4KBlocks {
+    const unsigned char* row[R];
+
+    const unsigned char* block(int r, int64_t col) const { return row[r] + col / Q4K_BLOCK * Q4K_BLOCK_BYTES; }
+    // The step (d * scale) and shift (dmin * min) of group j (0..7) of super-block b.
+    static void group(const unsigned char* b, int j, float& step, float& shift) {
+        const unsigned char* p = b + 4;
+        int scale, least;
+        if (j < 4) {
+            scale = p[j] & 63;
+            least = p[j + 4] & 63;
+        } else {
+            scale = (p[j + 4] & 15) | ((p[j - 4] >> 6) << 4);
+            least = (p[j + 4] >> 4) | ((p[j] >> 6) << 4);
+        }
+        step = half(b) * static_cast<float>(scale);
+        shift = half(b + 2) * static_cast<float>(least);
+    }
+    void widen(int r, int64_t col, float* wide) const {
+        const unsigned char* b = block(r, col);
+        const int in = static_cast<int>(col % Q4K_BLOCK), stretch = in / 64, high = (in % 64) / 32;
+        float step, shift;
+        group(b, 2 * stretch + high, step, shift);
+        const unsigned char* q = b + 16 + stretch * 32 + in % 32;
+        const int bits = 4 * high;
+#pragma omp simd
+        for (int l = 0; l < LANES; ++l) wide[l] = static_cast<float>((q[l] >> bits) & 15) * step - shift;
+    }
+    float one(int r, int64_t col) const {
+        const unsigned char* b = block(r, col);
+        const int in = static_cast<int>(col % Q4K_BLOCK), stretch = in / 64, high = (in % 64) / 32;
+        float step, shift;
+        group(b, 2 * stretch + high, step, shift);
+        return static_cast<float>((b[16 + stretch * 32 + in % 32] >> (4 * high)) & 15) * step - shift;
+    }
+    const void* at(int r, int64_t col) const { return block(r, col); }
+};
+
 // out[r][c] = w[r] . xs[c] over `cols` columns, for R rows and C token vectors. With `ahead` (R rows of the
 // next pass, or null) those rows are prefetched at the pace this pass reads its own: weights come from memory
 // once per decode step, and short rows give the hardware's prefetcher no time to find the stream.
@@ -217,6 +265,7 @@ inline void dot_rows(Kind kind, const char* const* rows, int64_t cols, const flo
         case Kind::BF16: return dot_as<R, Elements<R, uint16_t>>(rows, cols, xs, count, out, ahead);
         case Kind::I8: return dot_as<R, Elements<R, int8_t>>(rows, cols, xs, count, out, ahead);
         case Kind::Q8_0: return dot_as<R, Q8Blocks<R>>(rows, cols, xs, count, out, ahead);
+        case Kind::Q4_K: return dot_as<R, Q4KBlocks<R>>(rows, cols, xs, count, out, ahead);
     }
     throw std::invalid_argument("unknown weight kind");
 }
@@ -243,6 +292,7 @@ inline Kind widen_rows(Kind kind, const char** rows, int64_t cols, int64_t reade
         case Kind::BF16: widen_all<R, Elements<R, uint16_t>>(rows, cols, buffer); break;
         case Kind::I8: widen_all<R, Elements<R, int8_t>>(rows, cols, buffer); break;
         case Kind::Q8_0: widen_all<R, Q8Blocks<R>>(rows, cols, buffer); break;
+        case Kind::Q4_K: widen_all<R, Q4KBlocks<R>>(rows, cols, buffer); break;
         default: throw std::invalid_argument("unknown weight kind");
     }
     return Kind::F32;

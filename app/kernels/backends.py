@@ -81,7 +81,7 @@ def cpu_backends() -> Backends:
         gdn_decode=sequence.gdn_decode,
         attention_decode=sequence.attention_decode,
         bf16_weights=True,
-        held_blocks=frozenset({"Q8_0"}),
+        held_blocks=frozenset(HELD_BLOCKS),
     )
 
 

@@ -4,8 +4,8 @@
 rows: a window's whole CPU share in one call) run the native kernel (native/cpu_experts.cpp: OpenMP threads,
 vectorised for the machine it was built on) when the install could build it, else the torch references
 (`expert_swiglu_reference`, `experts_swiglu_sum_reference`), and say so once. Weights are fp32, bf16, int8
-with one fp32 scale per output row, or GGUF's Q8_0 blocks as they lie in the file (uint8 rows of 34 bytes a
-32 weights, app/kernels/interface.py); activations and results are fp32.
+with one fp32 scale per output row, or GGUF's Q8_0 or Q4_K blocks as they lie in the file (uint8 rows, their
+type told by their width: app/kernels/interface.py's `held_kind`); activations and results are fp32.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import os
 
 import torch
 
-from app.kernels.gguf_quants import q8_0
-from app.kernels.interface import Q8_0_BLOCK, Q8_0_BYTES
+from app.kernels.gguf_quants import dequantize
+from app.kernels.interface import held_kind
 
 try:
     from app.kernels import _native  # type: ignore[attr-defined]
@@ -25,7 +25,8 @@ except ImportError:
     _native = None
 
 log = logging.getLogger("strata.kernels")
-_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.uint8: 3}  # uint8: Q8_0 blocks
+_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
+_HELD_KINDS = {"Q8_0": 3, "Q4_K": 4}  # uint8 weights: GGUF blocks of these types
 _warned = False
 
 
@@ -44,17 +45,28 @@ def threads() -> int:
     return len(os.sched_getaffinity(0))
 
 
-def columns(weight: torch.Tensor) -> int:
-    """The weights in each row of `weight` (a Q8_0 row's bytes hold 32 in every 34)."""
+def kind(weight: torch.Tensor, columns: int) -> int:
+    """The native kernel's code for `weight`'s kind, its rows holding `columns` weights (a uint8 weight:
+    GGUF blocks of the type its rows' width tells); a ValueError for any other."""
     if weight.dtype == torch.uint8:
-        return weight.shape[-1] // Q8_0_BYTES * Q8_0_BLOCK
-    return weight.shape[-1]
+        found = held_kind(weight, columns)
+        if found not in _HELD_KINDS:
+            raise ValueError(f"no native kernel reads {found} blocks")
+        return _HELD_KINDS[found]
+    if weight.dtype not in _KINDS:
+        raise ValueError(f"weights of {weight.dtype}: fp32, bf16, int8, Q8_0 or Q4_K")
+    return _KINDS[weight.dtype]
 
 
-def _dequantized(weight: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
+def expert_sizes(gate_up: torch.Tensor, down: torch.Tensor) -> tuple[int, int]:
+    """(hidden, inter) of an expert's gate_up [.., 2 * inter, hidden] and down [.., hidden, inter]: told by
+    their rows, so also for weights held as blocks."""
+    return down.shape[-2], gate_up.shape[-2] // 2
+
+
+def _dequantized(weight: torch.Tensor, scales: torch.Tensor | None, columns: int) -> torch.Tensor:
     if weight.dtype == torch.uint8:
-        values = q8_0(weight.reshape(-1, Q8_0_BYTES))
-        return values.reshape(*weight.shape[:-1], columns(weight))
+        return dequantize(held_kind(weight, columns), weight, (*weight.shape[:-1], columns))
     if weight.dtype == torch.int8:
         if scales is None:
             raise ValueError("int8 weights need their scales")
@@ -70,8 +82,9 @@ def expert_swiglu_reference(
     down_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y [n, hidden] fp32 = down @ (silu(gate @ x) * (up @ x)) for x [n, hidden], in fp32 (torch)."""
-    gate, up = (x.float() @ _dequantized(gate_up, gate_up_scales).T).chunk(2, dim=-1)
-    return (torch.nn.functional.silu(gate) * up) @ _dequantized(down, down_scales).T
+    hidden, inter = expert_sizes(gate_up, down)
+    gate, up = (x.float() @ _dequantized(gate_up, gate_up_scales, hidden).T).chunk(2, dim=-1)
+    return (torch.nn.functional.silu(gate) * up) @ _dequantized(down, down_scales, inter).T
 
 
 def experts_swiglu_sum_reference(
@@ -146,8 +159,8 @@ def experts_swiglu_sum(
         gate_up_scales.data_ptr() if gate_up_scales is not None else 0,
         down_scales.data_ptr() if down_scales is not None else 0,
         x.shape[1],
-        columns(down),
-        _KINDS[gate_up.dtype],
+        expert_sizes(gate_up, down)[1],
+        kind(gate_up, x.shape[1]),
         threads(),
         experts.data_ptr(),
         offsets.data_ptr(),
@@ -183,7 +196,7 @@ def expert_swiglu(
     _check(x, gate_up, down, gate_up_scales, down_scales)
     x = x.float().contiguous()
     n, hidden = x.shape
-    inter = columns(down)
+    inter = expert_sizes(gate_up, down)[1]
     y = torch.empty(n, hidden, dtype=torch.float32)
     _native.expert_swiglu(
         x.data_ptr(),
@@ -195,7 +208,7 @@ def expert_swiglu(
         n,
         hidden,
         inter,
-        _KINDS[gate_up.dtype],
+        kind(gate_up, hidden),
         threads(),
     )
     return y
@@ -222,7 +235,7 @@ def routed_experts(
     """The routed experts' weighted sum (the `experts` contract of app/kernels/interface.py) on the CPU
     through the native kernel in one call, which groups the entries by expert itself: the experts in expert
     order, each row's result independent of its batch, fp32 inside, returned in x's dtype. Weights fp32,
-    bf16 or Q8_0 (int8 goes through `experts_swiglu_sum`). The CPU backend set's experts kernel."""
+    bf16, Q8_0 or Q4_K (int8 goes through `experts_swiglu_sum`). The CPU backend set's experts kernel."""
     if _native is None or gate_up.dtype == torch.int8:
         experts, offsets, rows, weights = by_expert(top_ids, top_weights)
         return experts_swiglu_sum(x, experts, offsets, rows, weights, gate_up, down).to(x.dtype)
@@ -242,8 +255,8 @@ def routed_experts(
         down.data_ptr(),
         y.data_ptr(),
         x.shape[1],
-        columns(down),
-        _KINDS[gate_up.dtype],
+        expert_sizes(gate_up, down)[1],
+        kind(gate_up, x.shape[1]),
         threads(),
         ids.data_ptr(),
         weights.data_ptr(),
@@ -294,7 +307,7 @@ def moe_block(
     """A sparse MoE block (the `moe_block` contract of app/kernels/interface.py) in one native call:
     router logits (router [experts, hidden]), softmax and top-k picks (renormalised with `renormalize`,
     each real row's picks added to `counts`), the routed experts' weighted SwiGLU (stacked gate_up / down,
-    fp32, bf16 or Q8_0) and the shared expert's (gate, up [inter, hidden], down [hidden, inter], router
+    fp32, bf16, Q8_0 or Q4_K) and the shared expert's (gate, up [inter, hidden], down [hidden, inter], router
     [1, hidden]) behind its sigmoid, for fp32 rows in host memory; the torch reference otherwise."""
     native = _native is not None and x.dtype == torch.float32 and x.device.type == "cpu"
     plain = [router, *(shared or ())]
@@ -327,7 +340,7 @@ def moe_block(
         rows,
         hidden,
         router.data_ptr(),
-        _KINDS[router.dtype],
+        kind(router, hidden),
         experts,
         top_k,
         renormalize,
@@ -337,12 +350,12 @@ def moe_block(
         top_weights.data_ptr(),
         gate_up.data_ptr(),
         down.data_ptr(),
-        _KINDS[gate_up.dtype],
-        columns(down),
+        kind(gate_up, hidden),
+        expert_sizes(gate_up, down)[1],
         0 if gate is None else gate.data_ptr(),
         0 if up is None else up.data_ptr(),
         0 if shared_down is None else shared_down.data_ptr(),
-        _KINDS[gate.dtype] if gate is not None else 0,
+        kind(gate, hidden) if gate is not None else 0,
         0 if gate is None else gate.shape[0],
         0 if shared_router is None else shared_router.data_ptr(),
         threads(),
@@ -382,7 +395,7 @@ def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = Non
         rows,
         weight.shape[1],
         weight.shape[0],
-        _KINDS[weight.dtype],
+        kind(weight, weight.shape[1]),
         threads(),
     )
     return y if x.dtype == torch.float32 else y.to(x.dtype)
@@ -507,14 +520,20 @@ def _check(
         raise ValueError(
             "weights: gate_up [2 * inter, hidden] and down [hidden, inter] (stacked: [experts, ...])"
         )
-    hidden, inter = down.shape[lead], columns(down)
-    if x.dim() != 2 or x.shape[1] != hidden or (gate_up.shape[lead], columns(gate_up)) != (2 * inter, hidden):
+    hidden, inter = expert_sizes(gate_up, down)
+    widths = (gate_up.shape[-1], down.shape[-1])
+    plain = gate_up.dtype != torch.uint8 and widths != (hidden, inter)
+    if x.dim() != 2 or x.shape[1] != hidden or gate_up.shape[lead] != 2 * inter or plain:
         shapes = f"x {tuple(x.shape)}, gate_up {tuple(gate_up.shape[lead:])}, down {tuple(down.shape[lead:])}"
         raise ValueError(
             f"shapes {shapes}: want x [n, hidden], gate_up [2 * inter, hidden], down [hidden, inter]"
         )
-    if gate_up.dtype != down.dtype or gate_up.dtype not in _KINDS:
-        raise ValueError(f"weights of {gate_up.dtype} and {down.dtype}: both fp32, bf16, int8 or Q8_0")
+    try:
+        same = kind(gate_up, hidden) == kind(down, inter)
+    except ValueError:
+        same = False
+    if not same:
+        raise ValueError(f"weights of {gate_up.dtype} and {down.dtype}: both fp32, bf16, int8, Q8_0 or Q4_K")
     tensors = [gate_up, down]
     if gate_up.dtype == torch.int8:
         if gate_up_scales is None or down_scales is None:

@@ -25,6 +25,7 @@ from app.kernels.cpu_experts import (
     route,
     routed_experts,
 )
+from app.kernels.gguf_quants import random_blocks
 from app.kernels.reference import experts_reference
 from app.models.layers import GatedRMSNorm, RMSNorm
 
@@ -125,25 +126,32 @@ def test_a_whole_moe_block_in_one_call_equals_its_pieces(kind: torch.dtype, shar
         assert torch.equal(alone[0], got[row])
 
 
-def _q8_0(experts: int, rows: int, cols: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stacked random weights as GGUF Q8_0 blocks [experts, rows, cols / 32 * 34] (uint8) and their values."""
-    values = (torch.randn(experts, rows, cols, generator=torch.Generator().manual_seed(seed)) * 0.1).numpy()
-    blocks = gguf.quants.quantize(values, gguf.GGMLQuantizationType.Q8_0)
-    dequantized = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q8_0)
-    return torch.from_numpy(blocks.copy()), torch.from_numpy(dequantized.copy())
+def _blocks(kind: str, experts: int, rows: int, cols: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stacked random weights as GGUF blocks of `kind` [experts, rows, row bytes] (uint8) and the values the
+    `gguf` package's dequantizer gives them."""
+    if kind == "Q8_0":
+        values = (
+            torch.randn(experts, rows, cols, generator=torch.Generator().manual_seed(seed)) * 0.1
+        ).numpy()
+        blocks = torch.from_numpy(gguf.quants.quantize(values, gguf.GGMLQuantizationType.Q8_0).copy())
+    else:
+        blocks = random_blocks(kind, (experts, rows, cols), seed)
+    dequantized = gguf.quants.dequantize(blocks.numpy(), gguf.GGMLQuantizationType[kind])
+    return blocks, torch.from_numpy(dequantized.copy())
 
 
 @pytest.mark.parametrize("rows", [1, 3, 9])
-def test_q8_0_experts_give_the_bits_of_their_dequantized_fp32_copy(rows: int) -> None:
-    """GGUF's Q8_0 blocks read in place: the routed experts, a window's CPU share and a whole MoE block give
-    bit for bit what the same kernels give on the fp32 values GGUF's own dequantizer makes of them (9 rows:
-    some expert's rows are widened once for several passes), and the torch reference's result."""
-    inter = 64
-    gate_up, gate_up_values = _q8_0(6, 2 * inter, HIDDEN, rows)
-    down, down_values = _q8_0(6, HIDDEN, inter, rows + 1)
-    assert cpu_experts.columns(gate_up) == HIDDEN and cpu_experts.columns(down) == inter
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_K"])
+def test_held_experts_give_the_bits_of_their_dequantized_fp32_copy(kind: str, rows: int) -> None:
+    """GGUF's Q8_0 and Q4_K blocks read in place: the routed experts, a window's CPU share and a whole MoE
+    block give bit for bit what the same kernels give on the fp32 values GGUF's own dequantizer makes of them
+    (9 rows: some expert's rows are widened once for several passes), and the torch reference's result."""
+    hidden, inter = (HIDDEN, 64) if kind == "Q8_0" else (256, 256)
+    gate_up, gate_up_values = _blocks(kind, 6, 2 * inter, hidden, rows)
+    down, down_values = _blocks(kind, 6, hidden, inter, rows + 1)
+    assert cpu_experts.expert_sizes(gate_up, down) == (hidden, inter)
     generator = torch.Generator().manual_seed(12)
-    x = torch.randn(rows, HIDDEN, generator=generator)
+    x = torch.randn(rows, hidden, generator=generator)
     ids = torch.stack([torch.randperm(6, generator=generator)[:3] for _ in range(rows)])
     ids[:, 0] = 2  # every row takes expert 2
     weights = torch.rand(rows, 3, generator=generator)
@@ -157,7 +165,7 @@ def test_q8_0_experts_give_the_bits_of_their_dequantized_fp32_copy(rows: int) ->
     torch.testing.assert_close(
         experts_swiglu_sum_reference(x, *grouped, gate_up, down), share, rtol=1e-5, atol=1e-5
     )
-    router = torch.randn(6, HIDDEN, generator=generator)
+    router = torch.randn(6, hidden, generator=generator)
     counts = [torch.zeros(6, dtype=torch.int64) for _ in range(2)]
     block = moe_block(x, router, 3, True, counts[0], None, gate_up, down, None)
     assert torch.equal(
@@ -275,7 +283,7 @@ def test_bad_weights_are_refused_before_the_native_kernel_reads_them() -> None:
     x = torch.randn(2, HIDDEN)
     with pytest.raises(ValueError, match="shapes"):
         expert_swiglu(x[:, :-1], gate_up, down)
-    with pytest.raises(ValueError, match="both fp32, bf16, int8 or Q8_0"):
+    with pytest.raises(ValueError, match="both fp32, bf16, int8, Q8_0 or Q4_K"):
         expert_swiglu(x, gate_up, down.bfloat16())
     with pytest.raises(ValueError, match="contiguous"):
         expert_swiglu(x, gate_up.T.contiguous().T, down)
