@@ -15,10 +15,6 @@ from app.models.batch import PagedLayout
 
 # The delta rule's prompt form reads sequences in chunks ending at multiples of CHUNK positions.
 CHUNK = 64
-# GGUF's Q8_0 blocks, as the CPU set's experts kernels read them: weights a block, and its bytes (an fp16
-# scale, then 32 int8)
-Q8_0_BLOCK, Q8_0_BYTES, _ = DEQUANTIZE["Q8_0"]
-
 
 # GGUF quant types whose blocks kernels may read in place (`Backends.held_blocks`): a held weight is a uint8
 # tensor whose rows are the file's blocks, values a block and bytes a block as here
@@ -31,11 +27,6 @@ def held_row_bytes(kind: str, columns: int) -> int:
     if columns % values:
         raise ValueError(f"{kind} rows hold whole blocks of {values} weights, not {columns}")
     return columns // values * size
-
-
-def q8_0_bytes(columns: int) -> int:
-    """The bytes of a Q8_0 row of `columns` weights (whole blocks of Q8_0_BLOCK)."""
-    return held_row_bytes("Q8_0", columns)
 
 
 def held_kind(weight: torch.Tensor, columns: int) -> str:

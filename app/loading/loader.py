@@ -228,10 +228,11 @@ def _hold_blocks(
         for param, found in kinds.items()
         if len(found) == 1 and next(iter(found)) in backends.held_blocks
     }
-    for param, (module, _) in holders.items():
-        pair = [other for other, (owner, _) in holders.items() if owner is module]
-        if isinstance(module, RoutedExperts) and len({chosen.get(p) for p in pair}) > 1:
+    for param, (module, name) in holders.items():
+        down = param.removesuffix(name) + "down"
+        if isinstance(module, RoutedExperts) and name == "gate_up" and chosen.get(param) != chosen.get(down):
             chosen.pop(param, None)  # the experts kernels take both projections in one kind
+            chosen.pop(down, None)
     for param, kind in chosen.items():
         module, name = holders[param]
         hold_blocks(module, name, kind)
