@@ -17,8 +17,8 @@ attention merge) still runs, and only the rows wait for it.
   fixed order (a candidate of `benchmarks/tune_linear.py`; the engine does not pick it).
 - the grouped matmul of `triton_moe` with one group and fixed tiles (`tiled_linear`) for the rest of few
   rows, cuBLAS beyond.
-- a weight held as GGUF blocks (`held_linear`): the grouped matmul with one group, whatever the rows, its
-  blocks dequantized in the programs (`triton_quant`).
+- a weight held as GGUF blocks (`held_linear`): the grouped matmul with one group, its blocks dequantized in
+  the programs (`triton_quant`); one or two rows each summed by itself on the CUDA cores, more by tiles.
 
 `few_rows_linear` picks by the weight's shape and the window's rows (`benchmarks/tune_linear.py` on an H200,
 docs/KERNELS.md).
@@ -27,13 +27,14 @@ docs/KERNELS.md).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 import triton
 import triton.language as tl
 
 from app.kernels.triton_launch import follow_previous, pdl
-from app.kernels.triton_moe import MoeTiles, moe_tiles, tiled_linear
+from app.kernels.triton_moe import HELD_ROWWISE_TILES, MoeTiles, moe_tiles, tiled_linear
 
 MAX_PROGRAM_ELEMENTS = 1 << 15  # weight elements one program holds (64 KB of bf16)
 TILE = 16  # rows and weight rows of a `resident_tile_linear` program (the tiles' block_m and block_n)
@@ -214,10 +215,16 @@ HELD_FEW_ROWS = 64  # rows up to which a held weight's projection takes decode t
 ONE_DOT_K = 128  # up to this k a small weight's tiles give cuBLAS's bits, which windows beyond 16 rows get
 
 
+HELD_ROWWISE_ROWS = 2  # rows up to which a held weight's projection sums each row on the CUDA cores
+
+
 def held_tiles(rows: int, n: int) -> MoeTiles:
-    """The tiles of a projection by a held weight (GGUF blocks, dequantized in the programs): 16-row tiles
-    up to HELD_FEW_ROWS rows, their width by the weight's rows, so that a row's bits are the same in every
-    window of that many rows; a prompt's tiles beyond."""
+    """The tiles of a projection by a held weight (GGUF blocks, dequantized in the programs): up to
+    HELD_ROWWISE_ROWS rows each row summed by itself on the CUDA cores (one tile of them: the blocks read
+    once), up to HELD_FEW_ROWS 16-row tiles, their width by the weight's rows, so that a row's bits are the
+    same in every window of each range; a prompt's tiles beyond."""
+    if rows <= HELD_ROWWISE_ROWS:
+        return replace(HELD_ROWWISE_TILES, block_m=max(rows, 1), block_k=512)
     if rows > HELD_FEW_ROWS:
         return moe_tiles(rows, exact=False)
     return WIDE_WEIGHT_TILES if n >= WIDE_WEIGHT else SMALL_HELD_TILES

@@ -20,18 +20,32 @@ import triton.language as tl
 
 from app.kernels.interface import held_kind
 from app.kernels.triton_launch import follow_previous, pdl
-from app.kernels.triton_quant import q4_k_columns, q4_k_tiles, q8_0_tile, quant_step
+from app.kernels.triton_quant import (
+    q4_k_columns,
+    q4_k_groups,
+    q4_k_row,
+    q4_k_tiles,
+    q8_0_groups,
+    q8_0_row,
+    q8_0_tile,
+    quant_step,
+)
 
 
 @dataclass(frozen=True)
 class MoeTiles:
-    """Tile sizes of the grouped matmuls: rows per tile, output columns per program, reduction step."""
+    """Tile sizes of the grouped matmuls: rows per tile, output columns per program, reduction step.
+
+    `rowwise` (weights held as GGUF blocks only): each row of a tile summed by itself in fp32 on the CUDA
+    cores (`_held_rowwise`), so a row's bits depend on block_n, block_k and num_warps, not on block_m.
+    """
 
     block_m: int
     block_n: int
     block_k: int
     num_warps: int = 4
     num_stages: int = 3
+    rowwise: bool = False
 
 
 # From benchmarks/tune_moe.py on an H200 (docs/KERNELS.md): 16-row tiles read decode batches' experts at
@@ -39,9 +53,26 @@ class MoeTiles:
 EXACT_TILES = MoeTiles(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4)
 
 
-def moe_tiles(tokens: int, exact: bool) -> MoeTiles:
-    """The tiles for a batch of `tokens` rows; with `exact` the same for every batch size."""
-    if exact or tokens <= 64:
+# Windows of at most this many tokens run their pairs one tile each (PER_PAIR): a lone token's picks are
+# distinct experts, so nothing is read twice, and the two alignment launches are saved.
+PER_PAIR_TOKENS = 2
+
+# A lone decode row's held experts (benchmarks/tune_held.py on an H200, docs/KERNELS.md): its sums on the
+# CUDA cores read Q4_K's blocks at 0.82 TB/s where a 16-row tile, which widens every value for one real row
+# and hands it to the tensor cores, reads them at 0.44; from a few rows on the tiles are faster.
+HELD_ROWWISE_TILES = MoeTiles(block_m=1, block_n=4, block_k=256, num_warps=1, num_stages=2, rowwise=True)
+DECODE_TOKENS = 64  # windows of up to this many tokens take the decode tiles (a row's bits the same in all)
+
+
+def moe_tiles(tokens: int, exact: bool, held: bool = False) -> MoeTiles:
+    """The tiles for a batch of `tokens` rows (`held`: of weights held as GGUF blocks); with `exact` the
+    same for every batch size. A row's bits are the same in every window of one range: held weights'
+    windows of up to PER_PAIR_TOKENS tokens (rowwise sums), up to DECODE_TOKENS (16-row tiles), beyond."""
+    if exact:
+        return EXACT_TILES
+    if held and tokens <= PER_PAIR_TOKENS:
+        return HELD_ROWWISE_TILES
+    if tokens <= DECODE_TOKENS:
         return EXACT_TILES
     return MoeTiles(block_m=128, block_n=128, block_k=64, num_warps=8)
 
@@ -226,16 +257,13 @@ def route_top_k(
     return ids, weights
 
 
+MAX_GRID_Y = 65535  # a CUDA launch's most programs along its second axis (column blocks here)
 HELD_CODES = {"Q8_0": 1, "Q4_K": 2}  # the HELD argument of `_grouped_matmul` for a held weight's blocks
 
 # How a grouped-matmul program finds its rows and its expert (the MODE argument).
 TILED = 0  # tile t holds rows[t * BLOCK_M:...] of expert block_expert[t] (`align_routes`)
 PER_PAIR = 1  # tile t is pair t alone, of expert ids[t]: no alignment launches (windows of few tokens)
 ONE_GROUP = 2  # tile t holds rows t * BLOCK_M...: a dense matmul (expert 0) with no routing tensors
-
-# Windows of at most this many tokens run their pairs one tile each (PER_PAIR): a lone token's picks are
-# distinct experts, so nothing is read twice, and the two alignment launches are saved.
-PER_PAIR_TOKENS = 2
 
 
 @triton.jit
@@ -349,6 +377,100 @@ def _grouped_matmul(
 
 
 @triton.jit
+def _tile_row(rows_ptr, tile, m: tl.constexpr, pairs, MODE: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Row id m of this tile as `_tile_rows` lays them out (`pairs` where padding)."""
+    if MODE == 0:
+        row = tl.load(rows_ptr + tile * BLOCK_M + m)
+    elif MODE == 1:
+        row = tile if m == 0 else pairs
+    else:
+        row = tl.minimum(tile * BLOCK_M + m, pairs)
+    return row
+
+
+@triton.jit
+def _held_rowwise(
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    rows_ptr,
+    block_expert_ptr,
+    scale_ptr,
+    pairs,
+    n,
+    k,
+    up_offset,
+    stride_xm,
+    stride_we,
+    stride_wn,
+    stride_om,
+    MODE: tl.constexpr,
+    X_ROW_DIV: tl.constexpr,
+    HELD: tl.constexpr,
+    SWIGLU: tl.constexpr,
+    SCALE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """`_grouped_matmul`'s result for weights held as GGUF blocks (HELD 1: Q8_0, 2: Q4_K), each of the
+    tile's rows summed with the program's dequantized step by itself in fp32 on the CUDA cores, padding rows
+    skipped: a few rows read the blocks once, at the arithmetic of one row's products."""
+    follow_previous(PDL)
+    tile = tl.program_id(0)
+    rows, expert = _tile_rows(rows_ptr, block_expert_ptr, tile, pairs, MODE, BLOCK_M)
+    if expert < 0:
+        return
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < n
+    w_base = w_ptr + expert.to(tl.int64) * stride_we
+    w_rows = w_base + cols.to(tl.int64) * stride_wn
+    up_rows = w_base + (cols + up_offset).to(tl.int64) * stride_wn
+    lanes = tl.arange(0, BLOCK_M)[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for start in range(0, k, BLOCK_K):
+        if HELD == 2:
+            low, high, mul_lo, off_lo, mul_hi, off_hi = q4_k_groups(w_rows, col_ok, start, BLOCK_K, BLOCK_N)
+            if SWIGLU:
+                u_low, u_high, u_mul_lo, u_off_lo, u_mul_hi, u_off_hi = q4_k_groups(
+                    up_rows, col_ok, start, BLOCK_K, BLOCK_N
+                )
+        else:
+            codes, d = q8_0_groups(w_rows, col_ok, start, BLOCK_K, BLOCK_N)
+            if SWIGLU:
+                u_codes, u_d = q8_0_groups(up_rows, col_ok, start, BLOCK_K, BLOCK_N)
+        for m in tl.static_range(BLOCK_M):
+            row = _tile_row(rows_ptr, tile, m, pairs, MODE, BLOCK_M)
+            if row < pairs:
+                x_row = x_ptr + (row // X_ROW_DIV).to(tl.int64) * stride_xm
+                if HELD == 2:
+                    part = q4_k_row(low, high, mul_lo, off_lo, mul_hi, off_hi, x_row, start, BLOCK_K)
+                else:
+                    part = q8_0_row(codes, d, x_row, start, BLOCK_K)
+                acc = tl.where(lanes == m, acc + part[None, :], acc)
+                if SWIGLU:
+                    if HELD == 2:
+                        part = q4_k_row(
+                            u_low, u_high, u_mul_lo, u_off_lo, u_mul_hi, u_off_hi, x_row, start, BLOCK_K
+                        )
+                    else:
+                        part = q8_0_row(u_codes, u_d, x_row, start, BLOCK_K)
+                    acc_up = tl.where(lanes == m, acc_up + part[None, :], acc_up)
+    valid = rows < pairs
+    if SWIGLU:
+        acc = acc * tl.sigmoid(acc) * acc_up
+    if SCALE:
+        acc = acc * tl.load(scale_ptr + rows, mask=valid, other=0.0).to(tl.float32)[:, None]
+    tl.store(
+        out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=valid[:, None] & col_ok[None, :],
+    )
+
+
+@triton.jit
 def _sum_choices(y_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """out[token] = sum over its TOP_K pair rows of y, added in choice order in fp32."""
     follow_previous(PDL)
@@ -359,6 +481,11 @@ def _sum_choices(y_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK: tl.constexp
     for choice in tl.static_range(TOP_K):
         acc += tl.load(y_ptr + (token * TOP_K + choice) * hidden + cols, mask=ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + token * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def _precision(x: torch.Tensor) -> str:
+    """`tl.dot`'s input precision for activations of x's dtype."""
+    return "ieee" if x.dtype == torch.float32 else "tf32"
 
 
 def _launch(
@@ -381,9 +508,14 @@ def _launch(
     held, block_k = 0, tiles.block_k
     if w.dtype == torch.uint8:
         kind = held_kind(w, x.shape[-1])
-        held, block_k = HELD_CODES[kind], quant_step(kind, x.shape[-1], tiles.block_k)
+        held, block_k = HELD_CODES[kind], quant_step(kind, x.shape[-1], tiles.block_k, tiles.rowwise)
     grid = (tile_count or routes.block_expert.numel(), triton.cdiv(n, tiles.block_n))
-    _grouped_matmul[grid](
+    if grid[1] > MAX_GRID_Y:
+        raise ValueError(f"{n} columns in blocks of {tiles.block_n}: more than {MAX_GRID_Y} blocks")
+    if tiles.rowwise and not held:
+        raise ValueError("rowwise tiles read weights held as GGUF blocks only")
+    kernel, extra = (_held_rowwise, {}) if tiles.rowwise else (_grouped_matmul, {"PRECISION": _precision(x)})
+    kernel[grid](
         x,
         w,
         out,
@@ -406,9 +538,9 @@ def _launch(
         BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n,
         BLOCK_K=block_k,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
+        **extra,
         **pdl(x.device, grid),
     )
 
@@ -431,7 +563,7 @@ def fused_experts(
     tokens, hidden = x.shape
     top_k = top_ids.shape[1]
     experts, intermediate = gate_up.shape[0], gate_up.shape[1] // 2
-    tiles = tiles or moe_tiles(tokens, exact)
+    tiles = tiles or moe_tiles(tokens, exact, gate_up.dtype == down.dtype == torch.uint8)
     pairs = tokens * top_k
     x = x.contiguous()
     scale = top_weights.flatten().contiguous()

@@ -11,6 +11,11 @@ dtype. A step of k lies within one Q4_K super-block (256 values), or covers whol
   group of 32), then 128 bytes of 4-bit q: a 64-value stretch is 32 bytes, their low nibbles its first 32
   values and their high nibbles the next 32; value = (d * scale) * q - dmin * min. `q4_k_tiles` gives the
   two halves of a step apart (low nibbles, high nibbles), each multiplied by its own columns of x.
+
+For one or two rows on the CUDA cores (`q8_0_groups`, `q4_k_groups` and their row sums) a group's codes
+are summed with x first and the group's scale and offset applied to that sum; there the codes become fp32
+without a conversion instruction (`codes_f32`, `nibble_codes`: the byte in the mantissa of 2**23, 2**23
+taken away, exact).
 """
 
 from __future__ import annotations
@@ -18,19 +23,37 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-STEP_LIMITS = {"Q8_0": (32, 1 << 12), "Q4_K": (64, 256)}  # a step's smallest and largest k
+STEP_LIMITS = {"Q8_0": (32, 1 << 12), "Q4_K": (64, 256)}  # a tile step's smallest and largest k
+ROWWISE_STEP_LIMITS = {"Q8_0": (32, 1 << 12), "Q4_K": (256, 1024)}  # the same for sums on the CUDA cores
 
 
-def quant_step(kind: str, columns: int, wanted: int) -> int:
+def quant_step(kind: str, columns: int, wanted: int, rowwise: bool = False) -> int:
     """The step of k for rows of `columns` values of `kind`: the largest power of two up to `wanted` (at
-    least the type's smallest step) that divides the row and stays within a Q4_K super-block."""
-    least, most = STEP_LIMITS[kind]
+    least the type's smallest step) that divides the row; a tile's step stays within a Q4_K super-block, a
+    `rowwise` one is whole super-blocks."""
+    least, most = (ROWWISE_STEP_LIMITS if rowwise else STEP_LIMITS)[kind]
     step = max(least, min(wanted, most))
     while columns % step:
         step //= 2
     if step < least:
         raise ValueError(f"{kind} rows of {columns} values hold no whole steps of {least}")
     return step
+
+
+@triton.jit
+def codes_f32(bits, offset: tl.constexpr):
+    """The integers `bits` (int32 in 0..2**23) less `offset`, as exact fp32 without a conversion."""
+    return (bits | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + offset)
+
+
+@triton.jit
+def nibble_codes(q):
+    """The low nibbles of bytes `q` (int32, 0..255) and their high nibbles times 16, as exact fp32: the byte
+    in the mantissa of 2**23 once, each nibble masked from it, 2**23 taken away."""
+    placed = q | 0x4B000000
+    low = (placed & 0x4B00000F).to(tl.float32, bitcast=True) - 8388608.0
+    high = (placed & 0x4B0000F0).to(tl.float32, bitcast=True) - 8388608.0
+    return low, high
 
 
 @triton.jit
@@ -47,13 +70,13 @@ def q8_0_tile(rows, col_ok, start, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr)
 
 @triton.jit
 def _k4_scales(packed, j, mask):
-    """Q4_K's six-bit scale and min of group j [G] of super-blocks whose 12 packed bytes start at
-    `packed` [BLOCK_N]: [G, BLOCK_N] each, as fp32."""
-    at = packed[None, :] + j[:, None]
+    """Q4_K's six-bit scale and min of group j of super-blocks whose 12 packed bytes start at `packed`
+    (`packed`, `j` and `mask` broadcast to one shape, that of the results), as fp32."""
+    at = packed + j
     b_j = tl.load(at, mask=mask, other=0).to(tl.int32)
     b_up = tl.load(at + 4, mask=mask, other=0).to(tl.int32)
-    b_down = tl.load(at - 4, mask=mask & (j[:, None] >= 4), other=0).to(tl.int32)
-    low = j[:, None] < 4
+    b_down = tl.load(at - 4, mask=mask & (j >= 4), other=0).to(tl.int32)
+    low = j < 4
     scale = tl.where(low, b_j & 63, (b_up & 15) | ((b_down >> 6) << 4))
     least = tl.where(low, b_up & 63, (b_up >> 4) | ((b_j >> 6) << 4))
     return scale.to(tl.float32), least.to(tl.float32)
@@ -70,8 +93,8 @@ def q4_k_tiles(rows, col_ok, start, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr
     dmin = tl.load((block + 2).to(tl.pointer_type(tl.float16)), mask=col_ok, other=0.0).to(tl.float32)
     stretch = (start % 256) // 64 + tl.arange(0, stretches)  # [stretches]
     mask = col_ok[None, :]
-    scale_lo, min_lo = _k4_scales(block + 4, 2 * stretch, mask)
-    scale_hi, min_hi = _k4_scales(block + 4, 2 * stretch + 1, mask)
+    scale_lo, min_lo = _k4_scales(block[None, :] + 4, (2 * stretch)[:, None], mask)
+    scale_hi, min_hi = _k4_scales(block[None, :] + 4, (2 * stretch + 1)[:, None], mask)
     at = block[None, None, :] + 16 + (stretch * 32)[:, None, None] + tl.arange(0, 32)[None, :, None]
     q = tl.load(at, mask=col_ok[None, None, :], other=0).to(tl.int32)  # [stretches, 32, BLOCK_N]
     lo = (q & 15).to(tl.float32) * (d[None, :] * scale_lo)[:, None, :] - (dmin[None, :] * min_lo)[:, None, :]
@@ -84,3 +107,60 @@ def q4_k_columns(start, BLOCK_K: tl.constexpr):
     """The k [BLOCK_K // 2] of a step's low-nibble values (`q4_k_tiles`); the high ones are these + 32."""
     half = tl.arange(0, BLOCK_K // 2)
     return start + (half // 32) * 64 + half % 32
+
+
+@triton.jit
+def q8_0_groups(rows, col_ok, start, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A step of k of Q8_0 rows (byte pointers `rows` [BLOCK_N]) for sums on the CUDA cores: the codes
+    [BLOCK_N, G, 32] fp32 of its G = BLOCK_K / 32 blocks (k = start + 32 g + i), their scales [BLOCK_N, G]."""
+    blocks: tl.constexpr = BLOCK_K // 32
+    at = rows[:, None] + ((start // 32 + tl.arange(0, blocks)) * 34)[None, :]  # [BLOCK_N, G]
+    d = tl.load(at.to(tl.pointer_type(tl.float16)), mask=col_ok[:, None], other=0.0).to(tl.float32)
+    q = tl.load(at[:, :, None] + 2 + tl.arange(0, 32)[None, None, :], mask=col_ok[:, None, None], other=0)
+    return codes_f32(q.to(tl.int32) ^ 128, 128.0), d
+
+
+@triton.jit
+def q8_0_row(codes, d, x_row, start, BLOCK_K: tl.constexpr):
+    """One row's sums [BLOCK_N] with a `q8_0_groups` step: x at `x_row` (a pointer to the row's k = 0)."""
+    blocks: tl.constexpr = BLOCK_K // 32
+    ks = start + (tl.arange(0, blocks) * 32)[:, None] + tl.arange(0, 32)[None, :]
+    x = tl.load(x_row + ks).to(tl.float32)  # [G, 32]
+    return tl.sum(tl.sum(codes * x[None, :, :], axis=2) * d, axis=1)
+
+
+@triton.jit
+def q4_k_groups(rows, col_ok, start, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A step of k (S = BLOCK_K / 256 whole super-blocks) of Q4_K rows (byte pointers `rows` [BLOCK_N])
+    for sums on the CUDA cores: the codes [BLOCK_N, S, 4, 32] fp32 of each 64-value stretch's low nibbles
+    (k = start + 256 s + 64 j + i) and of its high nibbles times 16 (k + 32), and each group's multiplier
+    and offset [BLOCK_N, S, 4] (low groups', then high groups', whose multiplier is a sixteenth)."""
+    supers: tl.constexpr = BLOCK_K // 256
+    block = rows[:, None] + ((start // 256 + tl.arange(0, supers)) * 144)[None, :]  # [BLOCK_N, S]
+    ok = col_ok[:, None]
+    d = tl.load(block.to(tl.pointer_type(tl.float16)), mask=ok, other=0.0).to(tl.float32)[:, :, None]
+    dmin = tl.load((block + 2).to(tl.pointer_type(tl.float16)), mask=ok, other=0.0).to(tl.float32)[:, :, None]
+    stretch = tl.arange(0, 4)[None, None, :]
+    packed = block[:, :, None] + 4
+    scale_lo, min_lo = _k4_scales(packed, 2 * stretch, ok[:, :, None])
+    scale_hi, min_hi = _k4_scales(packed, 2 * stretch + 1, ok[:, :, None])
+    at = block[:, :, None, None] + 16 + (stretch * 32)[:, :, :, None] + tl.arange(0, 32)[None, None, None, :]
+    low, high = nibble_codes(tl.load(at, mask=ok[:, :, None, None], other=0).to(tl.int32))
+    return low, high, d * scale_lo, dmin * min_lo, d * scale_hi * 0.0625, dmin * min_hi
+
+
+@triton.jit
+def q4_k_row(low, high, mul_lo, off_lo, mul_hi, off_hi, x_row, start, BLOCK_K: tl.constexpr):
+    """One row's sums [BLOCK_N] with a `q4_k_groups` step: x at `x_row` (a pointer to the row's k = 0)."""
+    supers: tl.constexpr = BLOCK_K // 256
+    ks = (
+        start
+        + (tl.arange(0, supers) * 256)[:, None, None]
+        + (tl.arange(0, 4) * 64)[None, :, None]
+        + tl.arange(0, 32)[None, None, :]
+    )
+    x_lo = tl.load(x_row + ks).to(tl.float32)  # [S, 4, 32]
+    x_hi = tl.load(x_row + ks + 32).to(tl.float32)
+    lo = tl.sum(low * x_lo[None], axis=3) * mul_lo - tl.sum(x_lo, axis=2)[None] * off_lo
+    hi = tl.sum(high * x_hi[None], axis=3) * mul_hi - tl.sum(x_hi, axis=2)[None] * off_hi
+    return tl.sum(tl.sum(lo + hi, axis=2), axis=1)

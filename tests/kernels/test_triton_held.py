@@ -9,8 +9,15 @@ import torch
 from app.kernels.gguf_quants import dequantize, random_blocks
 from app.kernels.interface import held_kind, held_row_bytes
 from app.kernels.reference import experts_reference
-from app.kernels.triton_linear import few_rows_linear
-from app.kernels.triton_moe import exact_fused_experts, exact_linear, fused_experts
+from app.kernels.triton_linear import few_rows_linear, held_tiles
+from app.kernels.triton_moe import (
+    MoeTiles,
+    exact_fused_experts,
+    exact_linear,
+    fused_experts,
+    moe_tiles,
+    tiled_linear,
+)
 from app.kernels.triton_quant import quant_step
 
 KINDS = ["Q8_0", "Q4_K"]
@@ -47,9 +54,8 @@ def test_a_held_weights_type_is_told_by_its_row_width() -> None:
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("tokens", [1, 5])
-def test_held_experts_match_the_reference_on_their_dequantized_values(kind: str, tokens: int) -> None:
-    x, ids, weights, (gate_up, gate_up_values), (down, down_values) = _inputs(tokens, 6, 2, kind)
+def test_held_experts_match_the_reference_on_their_dequantized_values(kind: str) -> None:
+    x, ids, weights, (gate_up, gate_up_values), (down, down_values) = _inputs(5, 6, 2, kind)
     got = fused_experts(x, ids, weights, gate_up, down)
     expected = experts_reference(x.float(), ids, weights.float(), gate_up_values.float(), down_values.float())
     scale = expected.abs().max()
@@ -75,3 +81,37 @@ def test_held_dense_projections_match_their_dequantized_values(kind: str, rows: 
     for got in (few_rows_linear(x, weight, bias), exact_linear(x, weight, bias)):
         torch.testing.assert_close(got.float() / scale, expected / scale, atol=2e-2, rtol=0)
     assert torch.equal(exact_linear(x, weight)[-1:], exact_linear(x[-1:], weight))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_lone_rows_held_experts_are_summed_on_the_cuda_cores_with_the_bits_of_a_pair_of_rows(
+    kind: str,
+) -> None:
+    x, ids, weights, (gate_up, gate_up_values), (down, down_values) = _inputs(2, 4, 2, kind, seed=5)
+    assert moe_tiles(2, exact=False, held=True).rowwise and not moe_tiles(3, exact=False, held=True).rowwise
+    pair = fused_experts(x, ids, weights, gate_up, down)
+    assert torch.equal(pair[1:], fused_experts(x[1:], ids[1:], weights[1:], gate_up, down))
+    expected = experts_reference(x.float(), ids, weights.float(), gate_up_values.float(), down_values.float())
+    scale = expected.abs().max()
+    torch.testing.assert_close(pair.float() / scale, expected / scale, atol=2e-3, rtol=0)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_one_or_two_rows_of_a_held_projection_are_summed_on_the_cuda_cores_with_the_same_bits(
+    kind: str,
+) -> None:
+    weight, values = _held(kind, (24, 2 * HIDDEN), 9)
+    x = torch.randn(2, 2 * HIDDEN, generator=torch.Generator().manual_seed(2)).to(DTYPE)
+    assert held_tiles(2, 24).rowwise and not held_tiles(3, 24).rowwise
+    pair = few_rows_linear(x, weight)
+    assert torch.equal(pair[1:], few_rows_linear(x[1:], weight))
+    expected = x.float() @ values.float().T
+    scale = expected.abs().max()
+    torch.testing.assert_close(pair.float() / scale, expected / scale, atol=2e-3, rtol=0)
+
+
+def test_a_launch_of_more_column_blocks_than_the_grid_holds_is_refused_with_a_message() -> None:
+    weight = torch.zeros(65536, 34, dtype=torch.uint8)  # Q8_0 rows of 32 values
+    tiles = MoeTiles(1, 1, 32, 1, 1, rowwise=True)
+    with pytest.raises(ValueError, match="more than 65535 blocks"):
+        tiled_linear(torch.zeros(1, 32, dtype=DTYPE), weight, None, tiles)
