@@ -88,8 +88,17 @@ def _add_tokenizer(writer: Any, vocab_size: int) -> None:
     writer.add_eos_token_id(len(tokens) - 1)
 
 
+def matrix_type(name: str, kind: str) -> str:
+    """The quant type of matrix `name` in a file of `kind`: a type, or Q4_K_M (Q4_K, the down projections
+    and the LM head Q6_K, as llama.cpp's mix gives them)."""
+    if kind != "Q4_K_M":
+        return kind
+    return "Q6_K" if "ffn_down" in name or name == "output.weight" else "Q4_K"
+
+
 def write_file(path: Path, kind: str, layers: int, seed: int = 0) -> dict[str, Any]:
-    """Write the q30 shape cut to `layers` as a GGUF file of quant type `kind`; returns the config."""
+    """Write the q30 shape cut to `layers` as a GGUF file of quant type `kind` (or the Q4_K_M mix); returns
+    the config."""
     import gguf
     import numpy as np
 
@@ -111,10 +120,10 @@ def write_file(path: Path, kind: str, layers: int, seed: int = 0) -> dict[str, A
     writer.add_expert_weights_norm(bool(config["norm_topk_prob"]))
     _add_tokenizer(writer, config["vocab_size"])
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    quant = gguf.GGMLQuantizationType[kind]
     for i, (name, dims) in enumerate(_matrices(config).items()):
-        blocks = random_blocks(kind, dims, seed + i, device=device).cpu().numpy()
-        writer.add_tensor(name, blocks, raw_dtype=quant)
+        kind_here = matrix_type(name, kind)
+        blocks = random_blocks(kind_here, dims, seed + i, device=device).cpu().numpy()
+        writer.add_tensor(name, blocks, raw_dtype=gguf.GGMLQuantizationType[kind_here])
     g = torch.Generator().manual_seed(seed)
     for name, dims in _vectors(config).items():
         router = name.endswith("ffn_gate_inp.weight")
@@ -182,7 +191,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
     sub = parser.add_subparsers(dest="command", required=True)
     write = sub.add_parser("write")
-    write.add_argument("--kind", choices=["Q8_0", "Q4_K"], required=True)
+    write.add_argument("--kind", choices=["Q8_0", "Q4_K", "Q6_K", "Q4_K_M"], required=True)
     write.add_argument("--out", type=Path, required=True)
     write.add_argument("--layers", type=int, default=24)
     strata = sub.add_parser("strata")

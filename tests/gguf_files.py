@@ -54,13 +54,45 @@ _LAYER = re.compile(r"(model|mtp)\.layers\.(\d+)\.(.+)")
 _MTP_HEAD = re.compile(r"mtp\.(fc|pre_fc_norm_embedding|pre_fc_norm_hidden|norm)\.weight")
 
 
-BLOCK = {"Q8_0": 32, "Q4_K": 256}  # values a block of the quant types the writer knows
+BLOCK = {"Q8_0": 32, "Q4_K": 256, "Q6_K": 256}  # values a block of the quant types the writer knows
+# A mix's type for most matrices and for the down projections (llama.cpp's Q4_K_M gives ffn_down Q6_K).
+MIXES = {"Q4_K_M": ("Q4_K", "Q6_K")}
+
+
+def tensor_type(name: str, quant: str) -> str:
+    """The quant type a file of `quant` (a type, or a mix) gives this tensor if it is quantized; `name` is
+    the GGUF or the HF name."""
+    if quant not in MIXES:
+        return quant
+    most, down = MIXES[quant]
+    return down if "ffn_down" in name or "down_proj" in name else most
 
 
 def _quantized(name: str, shape: tuple[int, ...], quant: str) -> bool:
     """Whether a file of `quant` holds this tensor quantized: matrices whose rows are whole blocks (as
     llama.cpp, which keeps the rest and the conv weight in float)."""
-    return quant in BLOCK and len(shape) >= 2 and shape[-1] % BLOCK[quant] == 0 and "conv1d" not in name
+    block = BLOCK.get(tensor_type(name, quant))
+    return block is not None and len(shape) >= 2 and shape[-1] % block == 0 and "conv1d" not in name
+
+
+def quantize_q6_k(values: np.ndarray) -> np.ndarray:
+    """Q6_K blocks [..., columns / 256 * 210] uint8 of float values [..., columns]: per group of 16 a
+    signed 6-bit code (stored plus 32) under an int8 scale of the super-block's d (a plain quantizer)."""
+    rows = values.shape[:-1]
+    x = values.reshape(-1, 16, 16).astype(np.float32)
+    group = np.abs(x).max(-1) / 31
+    d = (group.max(-1) / 127).astype(np.float16)
+    safe = np.where(d == 0, 1, d).astype(np.float32)[:, None]
+    sc = np.clip(np.rint(group / safe), 0, 127).astype(np.int8)
+    step = (d.astype(np.float32)[:, None] * sc)[..., None]
+    q = np.clip(np.rint(x / np.where(step == 0, 1, step)) + 32, 0, 63).astype(np.uint8)
+    q = q.reshape(-1, 2, 4, 32)  # halves of 128 values, quarters of 32
+    low = np.concatenate(
+        [q[:, :, 0] & 15 | (q[:, :, 2] & 15) << 4, q[:, :, 1] & 15 | (q[:, :, 3] & 15) << 4], 2
+    )
+    high = q[:, :, 0] >> 4 | (q[:, :, 1] >> 4) << 2 | (q[:, :, 2] >> 4) << 4 | (q[:, :, 3] >> 4) << 6
+    parts = [low.reshape(-1, 128), high.reshape(-1, 64), sc.view(np.uint8), d.reshape(-1, 1).view(np.uint8)]
+    return np.concatenate(parts, axis=1).reshape(*rows, -1)
 
 
 def quantize_q4_k(values: np.ndarray) -> np.ndarray:
@@ -97,11 +129,13 @@ def quantize_q4_k(values: np.ndarray) -> np.ndarray:
     return blocks.reshape(*rows, -1)
 
 
-def _quantize(value: np.ndarray, quant: str) -> np.ndarray:
-    """A matrix as `quant`'s blocks (uint8 rows)."""
-    if quant == "Q4_K":
+def _quantize(value: np.ndarray, kind: str) -> np.ndarray:
+    """A matrix as `kind`'s blocks (uint8 rows)."""
+    if kind == "Q4_K":
         return quantize_q4_k(value)
-    return gguf.quants.quantize(value, gguf.GGMLQuantizationType[quant])
+    if kind == "Q6_K":
+        return quantize_q6_k(value)
+    return gguf.quants.quantize(value, gguf.GGMLQuantizationType[kind])
 
 
 def _stored_as_one_plus(name: str) -> bool:
@@ -174,11 +208,11 @@ def _tensors(hf_dir: Path, config: dict[str, Any], whole_qkvz: bool = False) -> 
 def write_gguf(
     hf_dir: Path, path: Path, quant: str = "F32", split: int = 0, whole_qkvz: bool = False
 ) -> Path:
-    """Write the tiny qwen3_moe or qwen3_next checkpoint in `hf_dir` as one GGUF file; with `quant` "Q8_0"
-    or "Q4_K" its matrices of whole blocks are of that type (norms, vectors and the rest stay F32, as
-    llama.cpp keeps them); with `split`, as files of
-    at most that many tensors (`NAME-0000i-of-0000N.gguf`, as llama.cpp's gguf-split names them; returns
-    the first)."""
+    """Write the tiny qwen3_moe or qwen3_next checkpoint in `hf_dir` as one GGUF file; with `quant` "Q8_0",
+    "Q4_K" or "Q6_K" its matrices of whole blocks are of that type, with "Q4_K_M" Q4_K and the down
+    projections Q6_K (norms, vectors and the rest stay F32, as llama.cpp keeps them); with `split`, as
+    files of at most that many tensors (`NAME-0000i-of-0000N.gguf`, as llama.cpp's gguf-split names them;
+    returns the first)."""
     config = json.loads((hf_dir / "config.json").read_text())
     nxt = config["model_type"] == "qwen3_next"
     mtp = len({n.split(".")[2] for n in _safetensor_names(hf_dir) if n.startswith("mtp.layers.")})
@@ -214,7 +248,8 @@ def write_gguf(
     _add_tokenizer(writer, hf_dir)
     for name, value in _tensors(hf_dir, config, whole_qkvz).items():
         if _quantized(name, value.shape, quant):
-            writer.add_tensor(name, _quantize(value, quant), raw_dtype=gguf.GGMLQuantizationType[quant])
+            kind = tensor_type(name, quant)
+            writer.add_tensor(name, _quantize(value, kind), raw_dtype=gguf.GGMLQuantizationType[kind])
         else:
             writer.add_tensor(name, value.astype(np.float32))
     writer.write_header_to_file()
@@ -253,8 +288,9 @@ def _add_tokenizer(writer: gguf.GGUFWriter, hf_dir: Path) -> None:
 
 def same_values_copy(hf_dir: Path, out_dir: Path, quant: str = "F32") -> Path:
     """A copy of the HF checkpoint holding the values a GGUF of it holds, as the loader reads them back: with
-    `quant` "Q8_0" or "Q4_K" its quantized matrices' values; for qwen3next the converter's changes undone in
-    float32 ((1 + w) - 1 for the norms, log(exp(A_log))), which need not give back the same bits."""
+    `quant` "Q8_0", "Q4_K", "Q6_K" or the mix "Q4_K_M" its quantized matrices' values; for qwen3next the
+    converter's changes undone in float32 ((1 + w) - 1 for the norms, log(exp(A_log))), which need not give
+    back the same bits."""
     out_dir.mkdir(parents=True, exist_ok=True)
     nxt = json.loads((hf_dir / "config.json").read_text())["model_type"] == "qwen3_next"
     tensors: dict[str, Any] = {}
@@ -263,8 +299,9 @@ def same_values_copy(hf_dir: Path, out_dir: Path, quant: str = "F32") -> Path:
             for name in f.keys():  # noqa: SIM118
                 value = f.get_tensor(name).float()
                 if _quantized(name, tuple(value.shape), quant):
-                    q = _quantize(value.numpy(), quant)
-                    values = gguf.quants.dequantize(q, gguf.GGMLQuantizationType[quant])
+                    kind = tensor_type(name, quant)
+                    q = _quantize(value.numpy(), kind)
+                    values = gguf.quants.dequantize(q, gguf.GGMLQuantizationType[kind])
                     value = torch.from_numpy(values.copy())
                 if nxt and name.endswith(".A_log"):
                     value = torch.log(-torch.from_numpy(converted(name, value.numpy())))

@@ -17,6 +17,8 @@ from app.errors import StrataError
 from app.kernels.interface import HELD_BLOCKS, Backends
 from app.kernels.reference import REFERENCE, causal_attention, delta_rule_chunked, delta_rule_recurrent
 
+CPU_HELD_BLOCKS = ("Q8_0", "Q4_K")  # the block types the native CPU expert kernel reads in place
+
 
 def triton_backends() -> Backends:
     """The Triton kernels (CUDA; on CPU tensors only under TRITON_INTERPRET=1, for tests)."""
@@ -50,6 +52,7 @@ def triton_backends() -> Backends:
         linear=few_rows_linear,
         held_blocks=frozenset(HELD_BLOCKS),
         held_linear=True,
+        held_apart=True,
     )
 
 
@@ -81,7 +84,7 @@ def cpu_backends() -> Backends:
         gdn_decode=sequence.gdn_decode,
         attention_decode=sequence.attention_decode,
         bf16_weights=True,
-        held_blocks=frozenset(HELD_BLOCKS),
+        held_blocks=frozenset(CPU_HELD_BLOCKS),
     )
 
 

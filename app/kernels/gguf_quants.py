@@ -157,7 +157,7 @@ DEQUANTIZE = {
 def random_blocks(
     kind: str, shape: tuple[int, ...], seed: int = 0, scale: float = 0.05, device: str | torch.device = "cpu"
 ) -> torch.Tensor:
-    """Random whole blocks of `kind` (Q8_0 or Q4_K) for a weight of `shape` [..., columns], as uint8
+    """Random whole blocks of `kind` (Q8_0, Q4_K or Q6_K) for a weight of `shape` [..., columns], as uint8
     [..., columns / values * bytes]: random quants under finite scales, values within about +-`scale` and
     centred near 0 (random-weight models for tests and benchmarks)."""
     values, size, _ = DEQUANTIZE[kind]
@@ -174,6 +174,8 @@ def random_blocks(
         d = jitter * scale / (32 * 8)
         blocks[..., 0:2] = d.half().unsqueeze(-1).view(torch.uint8)
         blocks[..., 2:4] = (d * 7.5).half().unsqueeze(-1).view(torch.uint8)
+    elif kind == "Q6_K":  # value = d * scale * (q - 32): int8 scales, q up to 63
+        blocks[..., 208:210] = (jitter * scale / 2048).half().unsqueeze(-1).view(torch.uint8)
     else:
         raise ValueError(f"no random blocks of {kind}")
     return blocks.reshape(*rows, -1)

@@ -18,7 +18,7 @@ CHUNK = 64
 
 # GGUF quant types whose blocks kernels may read in place (`Backends.held_blocks`): a held weight is a uint8
 # tensor whose rows are the file's blocks, values a block and bytes a block as here
-HELD_BLOCKS = {kind: DEQUANTIZE[kind][:2] for kind in ("Q8_0", "Q4_K")}
+HELD_BLOCKS = {kind: DEQUANTIZE[kind][:2] for kind in ("Q8_0", "Q4_K", "Q6_K")}
 
 
 def held_row_bytes(kind: str, columns: int) -> int:
@@ -141,7 +141,8 @@ class Backends:
     `held_blocks` names the GGUF quant types (of HELD_BLOCKS) whose blocks the set's experts and MoE-block
     kernels also read in place (a held weight: uint8 rows of the file's blocks, `held_kind`), so a file's
     routed experts of those types stay as the file holds them; with `held_linear` its linear kernel reads
-    them too, so do the dense projections that go through it.
+    them too, so do the dense projections that go through it. `held_apart`: its experts kernel takes the two
+    projections of an expert held as different types (a Q4_K_M file's Q4_K gate and up, Q6_K down).
     """
 
     name: str
@@ -166,3 +167,4 @@ class Backends:
     bf16_weights: bool = False
     held_blocks: frozenset[str] = frozenset()
     held_linear: bool = False
+    held_apart: bool = False

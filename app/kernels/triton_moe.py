@@ -25,6 +25,7 @@ from app.kernels.triton_quant import (
     q4_k_groups,
     q4_k_row,
     q4_k_tiles,
+    q6_k_values,
     q8_0_groups,
     q8_0_row,
     q8_0_tile,
@@ -258,7 +259,11 @@ def route_top_k(
 
 
 MAX_GRID_Y = 65535  # a CUDA launch's most programs along its second axis (column blocks here)
-HELD_CODES = {"Q8_0": 1, "Q4_K": 2}  # the HELD argument of `_grouped_matmul` for a held weight's blocks
+HELD_CODES = {
+    "Q8_0": 1,
+    "Q4_K": 2,
+    "Q6_K": 3,
+}  # the HELD argument of `_grouped_matmul` for a held weight's blocks
 
 # How a grouped-matmul program finds its rows and its expert (the MODE argument).
 TILED = 0  # tile t holds rows[t * BLOCK_M:...] of expert block_expert[t] (`align_routes`)
@@ -312,7 +317,7 @@ def _grouped_matmul(
 ):
     """out[pair, cols] = act(x[pair // X_ROW_DIV] @ w[expert].T) for one tile of pairs and BLOCK_N columns.
 
-    HELD: 0 for weights of the activations' kind, 1 (Q8_0) or 2 (Q4_K) for rows of GGUF blocks
+    HELD: 0 for weights of the activations' kind, 1 (Q8_0), 2 (Q4_K) or 3 (Q6_K) for rows of GGUF blocks
     (`triton_quant`), whose strides are in bytes and whose k is a multiple of BLOCK_K."""
     follow_previous(PDL)
     tile = tl.program_id(0)
@@ -343,14 +348,20 @@ def _grouped_matmul(
                 u_lo, u_hi = q4_k_tiles(up_rows, col_ok, start, BLOCK_K, BLOCK_N)
                 acc_up = tl.dot(a_lo, u_lo.to(a_lo.dtype), acc_up, input_precision=PRECISION)
                 acc_up = tl.dot(a_hi, u_hi.to(a_hi.dtype), acc_up, input_precision=PRECISION)
-        elif HELD == 1:
+        elif HELD == 1 or HELD == 3:
             ks = start + tl.arange(0, BLOCK_K)
             a = tl.load(x_ptr + x_rows[:, None] * stride_xm + ks[None, :], mask=valid[:, None], other=0.0)
-            b = q8_0_tile(w_rows, col_ok, start, BLOCK_K, BLOCK_N).to(a.dtype)
-            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+            if HELD == 1:
+                b = q8_0_tile(w_rows, col_ok, start, BLOCK_K, BLOCK_N)
+            else:
+                b = q6_k_values(w_rows, col_ok, start, BLOCK_K, BLOCK_N)
+            acc = tl.dot(a, b.to(a.dtype), acc, input_precision=PRECISION)
             if SWIGLU:
-                b_up = q8_0_tile(up_rows, col_ok, start, BLOCK_K, BLOCK_N).to(a.dtype)
-                acc_up = tl.dot(a, b_up, acc_up, input_precision=PRECISION)
+                if HELD == 1:
+                    b_up = q8_0_tile(up_rows, col_ok, start, BLOCK_K, BLOCK_N)
+                else:
+                    b_up = q6_k_values(up_rows, col_ok, start, BLOCK_K, BLOCK_N)
+                acc_up = tl.dot(a, b_up.to(a.dtype), acc_up, input_precision=PRECISION)
         else:
             ks = start + tl.arange(0, BLOCK_K)
             k_ok = ks < k
@@ -414,9 +425,9 @@ def _held_rowwise(
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """`_grouped_matmul`'s result for weights held as GGUF blocks (HELD 1: Q8_0, 2: Q4_K), each of the
-    tile's rows summed with the program's dequantized step by itself in fp32 on the CUDA cores, padding rows
-    skipped: a few rows read the blocks once, at the arithmetic of one row's products."""
+    """`_grouped_matmul`'s result for weights held as GGUF blocks (HELD 1: Q8_0, 2: Q4_K, 3: Q6_K), each of
+    the tile's rows summed with the program's dequantized step by itself in fp32 on the CUDA cores, padding
+    rows skipped: a few rows read the blocks once, at the arithmetic of one row's products."""
     follow_previous(PDL)
     tile = tl.program_id(0)
     rows, expert = _tile_rows(rows_ptr, block_expert_ptr, tile, pairs, MODE, BLOCK_M)
@@ -437,26 +448,35 @@ def _held_rowwise(
                 u_low, u_high, u_mul_lo, u_off_lo, u_mul_hi, u_off_hi = q4_k_groups(
                     up_rows, col_ok, start, BLOCK_K, BLOCK_N
                 )
-        else:
+        elif HELD == 1:
             codes, d = q8_0_groups(w_rows, col_ok, start, BLOCK_K, BLOCK_N)
             if SWIGLU:
                 u_codes, u_d = q8_0_groups(up_rows, col_ok, start, BLOCK_K, BLOCK_N)
+        else:
+            values = q6_k_values(w_rows, col_ok, start, BLOCK_K, BLOCK_N)
+            if SWIGLU:
+                u_values = q6_k_values(up_rows, col_ok, start, BLOCK_K, BLOCK_N)
         for m in tl.static_range(BLOCK_M):
             row = _tile_row(rows_ptr, tile, m, pairs, MODE, BLOCK_M)
             if row < pairs:
                 x_row = x_ptr + (row // X_ROW_DIV).to(tl.int64) * stride_xm
                 if HELD == 2:
                     part = q4_k_row(low, high, mul_lo, off_lo, mul_hi, off_hi, x_row, start, BLOCK_K)
-                else:
+                elif HELD == 1:
                     part = q8_0_row(codes, d, x_row, start, BLOCK_K)
+                else:
+                    x = tl.load(x_row + start + tl.arange(0, BLOCK_K)).to(tl.float32)
+                    part = tl.sum(values * x[:, None], axis=0)
                 acc = tl.where(lanes == m, acc + part[None, :], acc)
                 if SWIGLU:
                     if HELD == 2:
                         part = q4_k_row(
                             u_low, u_high, u_mul_lo, u_off_lo, u_mul_hi, u_off_hi, x_row, start, BLOCK_K
                         )
-                    else:
+                    elif HELD == 1:
                         part = q8_0_row(u_codes, u_d, x_row, start, BLOCK_K)
+                    else:
+                        part = tl.sum(u_values * x[:, None], axis=0)
                     acc_up = tl.where(lanes == m, acc_up + part[None, :], acc_up)
     valid = rows < pairs
     if SWIGLU:

@@ -1,4 +1,4 @@
-"""Weight tiles of GGUF's Q8_0 and Q4_K blocks, dequantized in registers by the grouped matmul's programs.
+"""Weight tiles of GGUF's Q8_0, Q4_K and Q6_K blocks, dequantized in registers by the matmul programs.
 
 A held weight is a uint8 tensor whose rows are the file's blocks as they lie (`interface.held_kind` names the
 type by the row's width). A program reads the blocks of its columns and of one step of k, widens each value
@@ -7,6 +7,10 @@ bits are the same whatever the order of operations), and hands the tile to `tl.d
 dtype. A step of k lies within one Q4_K super-block (256 values), or covers whole Q8_0 blocks (32).
 
 - Q8_0 (34 bytes a 32 values): an fp16 scale d, then 32 int8 q; value = d * q.
+- Q6_K (210 bytes a 256 values): 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales (one a
+  group of 16), an fp16 d; in each half of 128 values, value 32 j + l (j < 4, l < 32) takes the low (j even)
+  or high nibble of low byte l + 32 (j % 2) and bits 2 j of high byte l; value = d * scale * (q - 32), exact
+  in fp32 in any order. `q6_k_values` widens a step within a half, for tiles and row sums alike.
 - Q4_K (144 bytes a 256 values): fp16 d and dmin, 12 bytes of eight 6-bit scales and mins (one each a
   group of 32), then 128 bytes of 4-bit q: a 64-value stretch is 32 bytes, their low nibbles its first 32
   values and their high nibbles the next 32; value = (d * scale) * q - dmin * min. `q4_k_tiles` gives the
@@ -23,14 +27,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-STEP_LIMITS = {"Q8_0": (32, 1 << 12), "Q4_K": (64, 256)}  # a tile step's smallest and largest k
-ROWWISE_STEP_LIMITS = {"Q8_0": (32, 1 << 12), "Q4_K": (256, 1024)}  # the same for sums on the CUDA cores
+# a step's smallest and largest k: on tiles, and for sums on the CUDA cores (`rowwise`)
+STEP_LIMITS = {"Q8_0": (32, 1 << 12), "Q4_K": (64, 256), "Q6_K": (32, 128)}
+ROWWISE_STEP_LIMITS = {"Q8_0": (32, 1 << 12), "Q4_K": (256, 1024), "Q6_K": (32, 128)}
 
 
 def quant_step(kind: str, columns: int, wanted: int, rowwise: bool = False) -> int:
     """The step of k for rows of `columns` values of `kind`: the largest power of two up to `wanted` (at
     least the type's smallest step) that divides the row; a tile's step stays within a Q4_K super-block, a
-    `rowwise` one is whole super-blocks."""
+    `rowwise` one is whole super-blocks; a Q6_K step stays within half a super-block."""
     least, most = (ROWWISE_STEP_LIMITS if rowwise else STEP_LIMITS)[kind]
     step = max(least, min(wanted, most))
     while columns % step:
@@ -164,3 +169,27 @@ def q4_k_row(low, high, mul_lo, off_lo, mul_hi, off_hi, x_row, start, BLOCK_K: t
     lo = tl.sum(low * x_lo[None], axis=3) * mul_lo - tl.sum(x_lo, axis=2)[None] * off_lo
     hi = tl.sum(high * x_hi[None], axis=3) * mul_hi - tl.sum(x_hi, axis=2)[None] * off_hi
     return tl.sum(tl.sum(lo + hi, axis=2), axis=1)
+
+
+@triton.jit
+def q6_k_values(rows, col_ok, start, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Values [BLOCK_K, BLOCK_N] fp32 of k in start..start + BLOCK_K (within a half of a super-block) from
+    Q6_K rows (byte pointers `rows` [BLOCK_N]; columns not `col_ok` read as 0): each quarter's low bytes,
+    the half's high bytes and the quarter's two scales loaded as stretches, widened in registers."""
+    quarters: tl.constexpr = BLOCK_K // 32
+    block = rows + (start // 256) * 210  # [BLOCK_N]
+    half = (start % 256) // 128
+    j = ((start % 128) // 32 + tl.arange(0, quarters))[:, None, None, None]  # [Q, 1, 1, 1]
+    part = tl.arange(0, 2)[None, :, None, None]  # which 16 of the quarter's 32
+    lane = part * 16 + tl.arange(0, 16)[None, None, :, None]
+    at = block[None, None, None, :]
+    mask = col_ok[None, None, None, :]
+    low = tl.load(at + half * 64 + 32 * (j % 2) + lane, mask=mask, other=0).to(tl.int32)  # [Q, 2, 16, N]
+    high = tl.load(at + 128 + half * 32 + lane, mask=mask, other=0).to(tl.int32)  # [1, 2, 16, N]
+    scale = tl.load(at + 192 + half * 8 + 2 * j + part, mask=mask, other=0)  # [Q, 2, 1, N]
+    d = tl.load(block.to(tl.pointer_type(tl.float16)) + 104, mask=col_ok, other=0.0).to(tl.float32)
+    nibble = tl.where(j >= 2, low >> 4, low & 15)
+    q = nibble | (((high >> (2 * j)) & 3) << 4)
+    multiplier = scale.to(tl.int8, bitcast=True).to(tl.float32) * d[None, None, None, :]
+    values = (q - 32).to(tl.float32) * multiplier
+    return tl.reshape(values, (BLOCK_K, BLOCK_N))

@@ -212,8 +212,9 @@ def _hold_blocks(
 ) -> dict[str, str]:
     """Hold as the file's blocks (`layers.hold_blocks`) every parameter the backends' kernels can read so
     (`_holders`) whose checkpoint tensors are all of one quant type of `Backends.held_blocks`, read as they
-    lie (a GGUF file's); they are filled from the file's bytes without dequantizing. Returns parameter name
-    -> quant type."""
+    lie (a GGUF file's); they are filled from the file's bytes without dequantizing. An expert's two
+    projections are held alike, or of two types where the set takes that (`Backends.held_apart`). Returns
+    parameter name -> quant type."""
     holders = _holders(model, backends)
     reads_blocks = getattr(checkpoint, "held_blocks", None)
     if not holders or reads_blocks is None:
@@ -230,8 +231,10 @@ def _hold_blocks(
     }
     for param, (module, name) in holders.items():
         down = param.removesuffix(name) + "down"
-        if isinstance(module, RoutedExperts) and name == "gate_up" and chosen.get(param) != chosen.get(down):
-            chosen.pop(param, None)  # the experts kernels take both projections in one kind
+        pair = chosen.get(param), chosen.get(down)
+        apart = backends.held_apart and None not in pair
+        if isinstance(module, RoutedExperts) and name == "gate_up" and pair[0] != pair[1] and not apart:
+            chosen.pop(param, None)  # this set's experts kernel takes both projections in one kind
             chosen.pop(down, None)
     for param, kind in chosen.items():
         module, name = holders[param]

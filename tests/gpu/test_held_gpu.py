@@ -1,6 +1,7 @@
-"""Weights held as GGUF's Q8_0 and Q4_K blocks on the GPU: the grouped matmul's programs dequantize them at
-Qwen3-30B-A3B's shapes in bf16 as the reference does on their values, a row's bits do not depend on its
-batch, and a GGUF file's model gives the tokens of the HF directory holding the same values."""
+"""Weights held as GGUF's Q8_0, Q4_K and Q6_K blocks on the GPU: the grouped matmul's programs dequantize
+them at Qwen3-30B-A3B's shapes in bf16 as the reference does on their values, a row's bits do not depend on
+its batch, and a GGUF file's model (a Q4_K_M one's down projections Q6_K) gives the tokens of the HF
+directory holding the same values."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ def _close(got: torch.Tensor, expected: torch.Tensor) -> None:
     torch.testing.assert_close(got.float() / scale, expected / scale, atol=1e-2, rtol=0)
 
 
-@pytest.mark.parametrize("kind", ["Q8_0", "Q4_K"])
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_K", "Q6_K"])
 @pytest.mark.parametrize("tokens", [1, 200])
 def test_held_experts_at_full_shape_match_the_reference(kind: str, tokens: int) -> None:
     g = torch.Generator(device="cuda").manual_seed(tokens)
@@ -50,7 +51,7 @@ def test_held_experts_at_full_shape_match_the_reference(kind: str, tokens: int) 
     assert torch.equal(exact[-1:], exact_fused_experts(x[-1:], ids[-1:], weights[-1:], gate_up, down))
 
 
-@pytest.mark.parametrize("kind", ["Q8_0", "Q4_K"])
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_K", "Q6_K"])
 @pytest.mark.parametrize("shape", [(4096, HIDDEN), (HIDDEN, 4096), (151936, HIDDEN)])
 def test_held_projections_at_full_shape_match_the_reference(kind: str, shape: tuple[int, int]) -> None:
     weight, values = _held(kind, shape, 3)
@@ -67,7 +68,7 @@ def wide_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_wide_checkpoint(tmp_path_factory.mktemp("wide"))
 
 
-@pytest.mark.parametrize("quant", ["Q8_0", "Q4_K"])
+@pytest.mark.parametrize("quant", ["Q8_0", "Q4_K", "Q4_K_M"])
 def test_a_quantized_file_on_the_gpu_gives_the_tokens_of_its_values(
     wide_dir: Path, tmp_path: Path, quant: str
 ) -> None:

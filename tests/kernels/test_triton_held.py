@@ -20,7 +20,7 @@ from app.kernels.triton_moe import (
 )
 from app.kernels.triton_quant import quant_step
 
-KINDS = ["Q8_0", "Q4_K"]
+KINDS = ["Q8_0", "Q4_K", "Q6_K"]
 HIDDEN, INTER = 256, 256  # whole Q4_K super-blocks
 # fp16 activations: Triton's interpreter does not compute bf16 dots (the GPU test runs bf16)
 DTYPE = torch.float16
@@ -44,6 +44,8 @@ def _inputs(tokens: int, experts: int, top_k: int, kind: str, seed: int = 0) -> 
 
 def test_a_held_weights_type_is_told_by_its_row_width() -> None:
     assert held_row_bytes("Q8_0", 256) == 272 and held_row_bytes("Q4_K", 256) == 144
+    assert held_kind(torch.empty(3, 420, dtype=torch.uint8), 512) == "Q6_K"
+    assert quant_step("Q6_K", 512, 512, rowwise=True) == quant_step("Q6_K", 512, 512) == 128
     assert held_kind(torch.empty(3, 272, dtype=torch.uint8), 256) == "Q8_0"
     assert held_kind(torch.empty(3, 144, dtype=torch.uint8), 256) == "Q4_K"
     with pytest.raises(ValueError, match="hold no known blocks"):

@@ -20,6 +20,7 @@ from websockets.sync.client import connect
 
 from app.errors import StrataError
 from app.kernels.gguf_quants import DEQUANTIZE, dequantize
+from app.kernels.interface import held_kind
 from app.loading.checkpoint import open_checkpoint
 from app.loading.gguf_file import GGUFCheckpoint
 from app.text.tokenizer import Tokenizer
@@ -89,14 +90,13 @@ def wide_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_wide_checkpoint(tmp_path_factory.mktemp("wide"))
 
 
-@pytest.mark.parametrize("quant", ["Q4_K"])
-def test_the_gpu_kernels_read_a_files_blocks_where_they_lie(
-    wide_dir: Path, tmp_path: Path, quant: str
-) -> None:
+def test_the_gpu_kernels_read_a_files_blocks_where_they_lie(wide_dir: Path, tmp_path: Path) -> None:
     """On the Triton set (its interpreter here) the routed experts and every projection through its linear
     kernel keep the file's blocks, dequantized inside the matmul's programs: the greedy tokens of the HF
     directory holding the values the file's blocks stand for (Q8_0's tiles: tests/kernels/test_triton_held.py,
-    the engine on the GPU: tests/gpu/test_held_gpu.py)."""
+    the engine on the GPU: tests/gpu/test_held_gpu.py). A Q4_K_M file: Q4_K blocks, the experts' down
+    projections Q6_K, each read as its own type."""
+    quant = "Q4_K_M"
     path = write_gguf(wide_dir, tmp_path / f"wide-{quant}.gguf", quant)
     core = make_core(path, backend="triton")
     model = core.loaded.model
@@ -104,6 +104,9 @@ def test_the_gpu_kernels_read_a_files_blocks_where_they_lie(
     held = (layer.mlp.experts.gate_up, layer.mlp.experts.down, layer.mlp.gate.weight)
     held += (layer.self_attn.qkv_weight, layer.self_attn.o_proj.weight, model.lm_head.weight)
     assert all(p.dtype == torch.uint8 for p in held)
+    experts, config = layer.mlp.experts, model.config
+    assert held_kind(experts.gate_up, config.hidden_size) == "Q4_K"
+    assert held_kind(experts.down, config.moe_intermediate_size) == "Q6_K"
     assert model.model.embed_tokens.weight.dtype == torch.float32
     prompt = [5, 17, 99, 230]
     got = complete(core, prompt, max_tokens=4, temperature=0, ignore_eos=True)
@@ -123,6 +126,17 @@ def test_a_q4_k_files_experts_stay_its_blocks_on_the_cpu(wide_dir: Path, tmp_pat
     got = complete(core, prompt, max_tokens=8, temperature=0, ignore_eos=True)
     same = make_core(same_values_copy(wide_dir, tmp_path / "same", "Q4_K"))
     assert got.token_ids == complete(same, prompt, max_tokens=8, temperature=0, ignore_eos=True).token_ids
+
+
+def test_a_q4_k_m_files_experts_are_widened_on_the_cpu_whose_kernel_takes_one_type_an_expert(
+    wide_dir: Path, tmp_path: Path
+) -> None:
+    experts = (
+        make_core(write_gguf(wide_dir, tmp_path / "m.gguf", "Q4_K_M"))
+        .loaded.model.model.layers[0]
+        .mlp.experts
+    )
+    assert experts.gate_up.dtype == experts.down.dtype == torch.float32
 
 
 def test_a_split_gguf_loads_from_any_of_its_files(hf_dir: Path, tmp_path: Path) -> None:
