@@ -34,10 +34,8 @@ from app.engine.core import EngineCore
 from app.kernels.gguf_quants import random_blocks
 from benchmarks.byte_tokenizer import write_byte_tokenizer
 from benchmarks.gpu_bench import DECODE_BATCHES, PREFILL_LEN, _decode, _prefill
-from benchmarks.roofline import measure_copy_bandwidth
+from benchmarks.roofline import H200_HBM_BANDWIDTH, measure_copy_bandwidth
 from benchmarks.shapes import shape
-
-HBM_PEAK = 4.8e12  # the H200's memory bandwidth by its specification: no decode step reads faster
 
 
 def _matrices(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
@@ -179,7 +177,7 @@ def run_strata(path: Path) -> dict[str, Any]:
     for batch in DECODE_BATCHES:
         timed = _decode(core, batch, vocab)
         timed["roofline_tok_s"] = batch * bandwidth / step_bytes(core, batch)
-        if timed["tok_s"] > batch * HBM_PEAK / step_bytes(core, batch):
+        if timed["tok_s"] > batch * H200_HBM_BANDWIDTH / step_bytes(core, batch):
             raise RuntimeError(f"batch {batch}: {timed['tok_s']:.0f} tok/s reads faster than the card can")
         result[f"decode_bs{batch}"] = timed
     result["prefill_8k"] = _prefill(core, vocab)

@@ -181,8 +181,16 @@ def _peers_read(core: EngineCore, vocab: int, peers: int, prompt_len: int) -> di
     }
 
 
-def open_engine(config: dict[str, Any], exact: bool, eager: bool) -> EngineCore:
-    """An in-process engine core on a random-weight model of the shape, built straight on the GPU."""
+def open_engine(
+    config: dict[str, Any],
+    exact: bool,
+    eager: bool,
+    kv_dtype: str = "auto",
+    context: int = PREFILL_LEN,
+    kv_memory: int = 8 << 30,
+) -> EngineCore:
+    """An in-process engine core on a random-weight model of the shape, built straight on the GPU (prompts
+    of up to `context` tokens, keys and values of `kv_dtype` in `kv_memory` bytes)."""
     device = "cuda"
     backends = select_backends("auto", device, exact=exact)
     model = build_model(config, backends, device)
@@ -195,8 +203,9 @@ def open_engine(config: dict[str, Any], exact: bool, eager: bool) -> EngineCore:
         dtype="bfloat16",
         parallel=max(DECODE_BATCHES),
         max_batched_tokens=PREFILL_LEN,
-        kv_memory=8 << 30,
-        max_model_len=PREFILL_LEN + 64,
+        kv_memory=kv_memory,
+        kv_dtype=kv_dtype,
+        max_model_len=context + 64,
         exact=exact,
         enforce_eager=eager,
     )

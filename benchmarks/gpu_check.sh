@@ -11,6 +11,8 @@
 # one GPU both stages share it: --stage-gpus 0,0).
 # gguf: the held-weight GPU tests, then benchmarks/gguf_bench.py on a random q30 file of each quant type
 # named (default Q4_K) and llama.cpp on the same files (benchmarks/llama_cpp.sh).
+# kv: the 8-bit KV GPU tests, then benchmarks/kv_dtype_bench.py on the shape (32K and 128K-token prompts and
+# the decode after them, KV bf16 / fp8 / int8).
 # Wheels the machine's image lacks can sit in .whl/ (installed to /tmp/site first).
 # Results go to $OUT (or ./gpu-results): pytest log, bench.jsonl.
 set -uo pipefail
@@ -36,6 +38,12 @@ if [[ $what == bench || $what == all ]]; then
     args=()
     for s in $shapes; do args+=(--shape "$s"); done
     python3 benchmarks/gpu_bench.py "${args[@]}" --out "$out/bench.jsonl" 2>&1 | tee "$out/bench.log" || status=1
+fi
+if [[ $what == kv ]]; then
+    python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_kv_quant_gpu.py tests/gpu/test_triton_norm_gpu.py \
+        tests/gpu/test_triton_attention_gpu.py 2>&1 | tee "$out/gpu-tests.log" || status=1
+    python3 benchmarks/kv_dtype_bench.py --shape "${shapes%% *}" --out "$out/kv.jsonl" 2>&1 | tee "$out/kv.log" \
+        || status=1
 fi
 if [[ $what == serving ]]; then
     for s in $shapes; do

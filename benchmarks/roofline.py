@@ -39,6 +39,8 @@ except ImportError:  # run as a script from inside benchmarks/
 
 H200_COPY_BANDWIDTH = 4.26e12
 """Device-to-device copy bandwidth (read + write) measured on one H200, bytes/s."""
+H200_HBM_BANDWIDTH = 4.8e12
+"""The H200's memory bandwidth by its specification, bytes/s: no decode step reads faster."""
 H200_BF16_FLOPS = 989e12
 """The H200's dense bf16 tensor-core peak (its datasheet), FLOP/s."""
 

@@ -131,7 +131,7 @@ def test_the_default_model_is_the_shipped_demo_and_writes_python(tmp_path: Path)
     assert not (tmp_path / "strata" / "models").exists()  # nothing written: the model ships with Strata
 
 
-def test_parking_options_reach_the_engine_config(tmp_path: Path) -> None:
+def test_parking_and_kv_options_reach_the_engine_config(tmp_path: Path) -> None:
     parser = build_parser()
     defaults = engine_config(parser.parse_args(["generate", "--prompt", "x"]))
     assert defaults.prefix_cache and defaults.park_memory == PARK_MEMORY and defaults.park_disk == PARK_DISK
@@ -140,6 +140,8 @@ def test_parking_options_reach_the_engine_config(tmp_path: Path) -> None:
     config = engine_config(parser.parse_args([*args, "--park-dir", str(tmp_path)]))
     assert not config.prefix_cache and config.park_memory == 512 << 20 and config.park_disk == 0
     assert config.park_dir == str(tmp_path)
+    assert defaults.kv_dtype == "auto"
+    assert engine_config(parser.parse_args([*args, "--kv-dtype", "fp8"])).kv_dtype == "fp8"
 
 
 def test_a_second_generate_continues_from_the_parked_first(

@@ -21,22 +21,22 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     """What the engine process loads and how it batches.
 
     `model` is an HF directory (None: the default demo model); `device` is cpu, cuda, or auto (cuda when
-    available). `parallel` is the number of batch slots;
-    `max_batched_tokens` the token budget of one window; `kv_memory` the bytes of the KV pool and per-slot
-    recurrent state; `decode_share` the share of its solo speed a decoding slot keeps while peers' prompts
-    are read (docs/BATCHING.md); `backend` names the compute backends (app/kernels), `auto` picks for the
-    device; `exact` fixes the kernels' tiles for every window size, dense projections included
+    available). `parallel` is the number of batch slots; `max_batched_tokens` the token budget of one window;
+    `kv_memory` the bytes of the KV pool and per-slot recurrent state; `kv_dtype` how keys and values are kept
+    (auto: the activations' dtype; bf16; fp8 or int8: 8-bit codes with a scale a token and head,
+    app/kernels/kv_quant.py); `decode_share` the share of its solo speed a decoding slot keeps while peers'
+    prompts are read (docs/BATCHING.md); `backend` names the compute backends (app/kernels), `auto` picks for
+    the device; `exact` fixes the kernels' tiles for every window size, dense projections included
     (docs/KERNELS.md); `enforce_eager` turns off CUDA graphs of windows; `overlap` plans and queues each
-    window while the device runs the one before (docs/BATCHING.md); `prefix_cache` lets
-    requests continue from cached KV blocks and saved recurrent states (docs/BATCHING.md); `park_memory`
-    bytes of host RAM hold finished turns for their follow-ups, and with `park_dir` up to `park_disk` bytes
-    of files (surviving restarts); `expert_cache` experts of each MoE layer live on the device (or as many as
-    `expert_vram` bytes hold; `expert_placement` "layers" gathers that budget into whole layers instead), the
-    rest in host RAM (None: every expert on the device; app/models/expert_tier.py), each window's misses
-    computed on the CPU or copied over PCIe as the measured costs say (`pcie_frac` forces that share over
-    PCIe), and every `adapt_every` windows the most routed experts become the resident ones (0: the tier stays
-    frozen), their copies queued before the next window or, with `adapt_async`, made on a side stream while
-    windows run.
+    window while the device runs the one before (docs/BATCHING.md); `prefix_cache` lets requests continue from
+    cached KV blocks and saved recurrent states (docs/BATCHING.md); `park_memory` bytes of host RAM hold
+    finished turns for their follow-ups, and with `park_dir` up to `park_disk` bytes of files (surviving
+    restarts); `expert_cache` experts of each MoE layer live on the device (or as many as `expert_vram` bytes
+    hold; `expert_placement` "layers" gathers that budget into whole layers instead), the rest in host RAM
+    (None: every expert on the device; app/models/expert_tier.py), each window's misses computed on the CPU or
+    copied over PCIe as the measured costs say (`pcie_frac` forces that share over PCIe), and every
+    `adapt_every` windows the most routed experts become the resident ones (0: the tier stays frozen), their
+    copies queued before the next window or, with `adapt_async`, made on a side stream while windows run.
     `layer_split` cuts the decoder layers into stages, one process each (app/engine/split.py): `auto`, a
     stage count, or each stage's layer count ("20,28"); None runs the model whole in the engine process.
     `batch_groups` slot groups take turns down a split's stages, each window one group's (None: one group
@@ -57,6 +57,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_batched_tokens: int = 2048
     block_size: int = 16
     kv_memory: int = 2 * GIB
+    kv_dtype: str = "auto"
     decode_share: float = 0.5
     max_model_len: int | None = None
     backend: str = "auto"

@@ -36,6 +36,7 @@ from app.engine.sampler import Sampler
 from app.engine.scheduler import Phase, Request, Scheduler, SchedulerConfig, Window, placeholder
 from app.engine.split import StagePipeline, split_layers, stages_for
 from app.errors import StrataError
+from app.kernels import kv_quant
 from app.kernels.backends import select_backends
 from app.kernels.interface import CHUNK
 from app.loading import progress
@@ -186,6 +187,13 @@ class EngineCore:
         self.launched = 0  # windows launched, for the expert tier's adaptation
         progress.stage("warming up: the KV pool, kernels and decode graphs")
         state = self._paged_state()
+        log.info(
+            "KV pool: %d blocks of %d tokens in %s (--kv-dtype %s)",
+            state.blocks,
+            config.block_size,
+            str(state.keys.dtype).removeprefix("torch."),
+            config.kv_dtype,
+        )
         if self.pipeline is not None:
             self.pipeline.wait_loaded(model, state.blocks, len(state.checkpoint_slots))
         self.park = self._conversation_park(state)
@@ -221,6 +229,16 @@ class EngineCore:
     @property
     def _dtype(self) -> torch.dtype:
         return self.loaded.model.model.embed_tokens.weight.dtype
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The KV cache's dtype (`--kv-dtype`, app/kernels/kv_quant.py)."""
+        try:
+            dtype = kv_quant.cache_dtype(self.config.kv_dtype, self._dtype)
+            kv_quant.row_width(self.loaded.model.config.head_dim, dtype)
+        except ValueError as exc:
+            raise StrataError(str(exc)) from None
+        return dtype
 
     def _layer_split(self, path: Path) -> list[ModelPart] | None:
         """The stages of `--layer-split` (None: the model runs whole here). `auto` splits over as few GPUs
@@ -276,6 +294,7 @@ class EngineCore:
         layers): the recurrent state of every slot and checkpoint first, KV blocks with the rest (no more
         than every slot filled to the context uses, nor than the fullest stage holds)."""
         config, model_config, dtype = self.config, self.loaded.model.config, self._dtype
+        kv_dtype = self.kv_dtype
         checkpoints = self._prefix_checkpoints + self._draft_slots
         blocks = config.parallel * -(-self.max_model_len // config.block_size)
         parts = self.pipeline.parts if self.pipeline is not None else [None]
@@ -284,7 +303,7 @@ class EngineCore:
             layers = part.layers if part is not None else None
             state_bytes = slot_state_bytes(model_config, dtype, layers) * (config.parallel + checkpoints)
             extra = len(head) if n == 0 else 0  # stage 0 holds the MTP head
-            block_bytes = kv_block_bytes(model_config, config.block_size, dtype, layers, extra)
+            block_bytes = kv_block_bytes(model_config, config.block_size, kv_dtype, layers, extra)
             fits = (config.kv_memory - state_bytes) // block_bytes if block_bytes else blocks
             if fits < 1:
                 raise StrataError(
@@ -304,6 +323,7 @@ class EngineCore:
             checkpoints=checkpoints,
             layers=parts[0].layers if parts[0] is not None else None,
             extra_attention=head,
+            kv_dtype=kv_dtype,
         )
 
     @property

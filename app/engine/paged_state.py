@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from app.kernels import kv_quant
 from app.models.batch import PagedLayout, SequenceSpan
 from app.models.config import ATTENTION, LINEAR_ATTENTION, ModelConfig
 
@@ -26,11 +27,12 @@ def kv_block_bytes(
     layers: range | None = None,
     extra: int = 0,
 ) -> int:
-    """Bytes of one KV block across the attention layers among `layers` (None: all) and `extra` more (an
-    MTP head's), keys and values."""
+    """Bytes of one KV block of `dtype` (8-bit ones with their scales, `kv_quant`) across the attention
+    layers among `layers` (None: all) and `extra` more (an MTP head's), keys and values."""
     count = _count(config, ATTENTION, layers) + extra
     item = torch.empty((), dtype=dtype).element_size()
-    return 2 * count * block_size * config.num_key_value_heads * config.head_dim * item
+    row = kv_quant.row_width(config.head_dim, dtype)
+    return 2 * count * block_size * config.num_key_value_heads * row * item
 
 
 def slot_state_bytes(config: ModelConfig, dtype: torch.dtype, layers: range | None = None) -> int:
@@ -46,10 +48,17 @@ def slot_state_bytes(config: ModelConfig, dtype: torch.dtype, layers: range | No
     return layers * (conv + recurrent)
 
 
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """An 8-bit tensor's bytes (a view)."""
+    return t.view(torch.uint8)
+
+
 class PagedState:
     """Implements the model's `PagedStatePools` over slots: `seq` in a span is the slot index.
 
-    Keys and values live in blocks [blocks, block_size, kv_heads, head_dim] per attention layer; each slot's
+    Keys and values live in blocks [blocks, block_size, kv_heads, head_dim] per attention layer, of
+    `kv_dtype` (None: `dtype`, the activations'); an 8-bit `kv_dtype` holds codes and a scale a row
+    (`kv_quant`: rows of head_dim + 16), which `write_kv` and `extend_kv` quantize and widen. Each slot's
     block table (set per window by the runner) maps its positions to blocks. One block and one slot beyond
     the given counts (`scratch_block`, `scratch_slot`) belong to no request: padding rows of a CUDA graph's
     bucket write there. The Gated DeltaNet pools hold `checkpoints` more slots after the scratch one
@@ -69,6 +78,7 @@ class PagedState:
         checkpoints: int = 0,
         layers: range | None = None,
         extra_attention: tuple[int, ...] = (),
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         self.blocks = blocks
         self.block_size = block_size
@@ -82,9 +92,12 @@ class PagedState:
         self._gdn_layer = {
             i: n for n, i in enumerate(i for i in held if config.layer_types[i] == LINEAR_ATTENTION)
         }
-        kv_shape = (len(self._kv_layer), blocks + 1, block_size, config.num_key_value_heads, config.head_dim)
-        self.keys = torch.zeros(kv_shape, dtype=dtype, device=device)
-        self.values = torch.zeros(kv_shape, dtype=dtype, device=device)
+        kv_dtype = dtype if kv_dtype is None else kv_dtype
+        row = kv_quant.row_width(config.head_dim, kv_dtype)
+        kv_shape = (len(self._kv_layer), blocks + 1, block_size, config.num_key_value_heads, row)
+        self.keys = torch.zeros(kv_shape, dtype=kv_dtype, device=device)
+        self.values = torch.zeros(kv_shape, dtype=kv_dtype, device=device)
+        self.quantized = kv_quant.quantized(kv_dtype)
         conv_dim = 2 * config.linear_num_key_heads * config.linear_key_head_dim + (
             config.linear_num_value_heads * config.linear_value_head_dim
         )
@@ -168,8 +181,12 @@ class PagedState:
     def write_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Store k, v [tokens, kv_heads, head_dim] at flat cache slots (block * block_size + offset)."""
         kv = self._kv_layer[layer]
-        self.keys[kv].view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k)
-        self.values[kv].view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)
+        keys, values = self.keys[kv], self.values[kv]
+        if self.quantized:  # as bytes: torch's CPU index_copy_ takes no fp8
+            k, v = _bytes(kv_quant.quantize(k, keys.dtype)), _bytes(kv_quant.quantize(v, keys.dtype))
+            keys, values = _bytes(keys), _bytes(values)
+        keys.view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k)
+        values.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)
 
     def linear_pools(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         n = self._gdn_layer[layer]
@@ -203,13 +220,19 @@ class PagedState:
         self, layer: int, span: SequenceSpan, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         kv = self._kv_layer[layer]
+        dtype = k.dtype
+        keys, values = self.keys[kv], self.values[kv]
+        if self.quantized:
+            k, v = _bytes(kv_quant.quantize(k, keys.dtype)), _bytes(kv_quant.quantize(v, keys.dtype))
+            keys, values = _bytes(keys), _bytes(values)
         blocks, offsets = self._positions(span.seq, span.past, span.past + span.length)
-        self.keys[kv, blocks, offsets] = k
-        self.values[kv, blocks, offsets] = v
+        keys[blocks, offsets] = k
+        values[blocks, offsets] = v
         total = span.past + span.length
         used = self._table(span.seq)[: -(-total // self.block_size)]  # whole blocks, then the tail cut off
         keys = self.keys[kv].index_select(0, used).flatten(0, 1)[:total]
-        return keys, self.values[kv].index_select(0, used).flatten(0, 1)[:total]
+        values = self.values[kv].index_select(0, used).flatten(0, 1)[:total]
+        return kv_quant.dequantize(keys, dtype), kv_quant.dequantize(values, dtype)
 
     def linear_state(self, layer: int, seq: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         n = self._gdn_layer[layer]

@@ -35,6 +35,7 @@ from app.engine.split import (
     use_threads,
 )
 from app.engine.warm_up import warm_up_kernels
+from app.kernels import kv_quant
 from app.kernels.backends import select_backends
 from app.loading.loader import experts_within, load_model, resolve_dtype
 from app.models.batch import ForwardBatch
@@ -109,6 +110,7 @@ def run_stage(
         where,
         checkpoints=setup.checkpoints,
         layers=part.layers,
+        kv_dtype=kv_quant.cache_dtype(config.kv_dtype, dtype),  # checked by the engine before the setup
     )
     if where.type == "cuda" and model.backends.paged_attention is not None:
         warm_up_kernels(model, state, part, dtype)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from app.kernels import kv_quant
 from app.kernels.cpu_experts import as_contiguous, threads
 from app.kernels.interface import AttentionWeights, GatedDeltaNetWeights
 from app.kernels.reference import causal_attention, delta_rule_recurrent
@@ -38,16 +39,20 @@ def _spans(layout: PagedLayout) -> list[tuple[int, int, int]]:
     return [(a, b - a, n) for a, b, n in zip(starts[:-1], starts[1:], layout.seq_lens.tolist(), strict=True)]
 
 
-def _sequence_cache(cache: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:
-    """A sequence's first `length` keys (or values) [length, kv_heads, d] gathered from the paged cache."""
+def _sequence_cache(
+    cache: torch.Tensor, table: torch.Tensor, length: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """A sequence's first `length` keys (or values) [length, kv_heads, d] gathered from the paged cache, as
+    `dtype` (8-bit caches widened, `kv_quant`)."""
     used = table[: -(-length // cache.shape[1])].long()
-    return cache.index_select(0, used).flatten(0, 1)[:length]
+    return kv_quant.dequantize(cache.index_select(0, used).flatten(0, 1)[:length], dtype)
 
 
 def paged_attention_reference(
     q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, layout: PagedLayout, scale: float
 ) -> torch.Tensor:
-    """`paged_attention` in torch: each sequence's keys gathered from its blocks, then `causal_attention`."""
+    """`paged_attention` in torch: each sequence's keys gathered from its blocks (8-bit ones widened to q's
+    dtype), then `causal_attention`."""
     out = torch.empty_like(q)
     for s, (start, rows, keys) in enumerate(_spans(layout)):
         if rows:
@@ -66,7 +71,8 @@ def _attend_span(
     scale: float,
     out: torch.Tensor,
 ) -> None:
-    k, v = _sequence_cache(key_cache, table, keys), _sequence_cache(value_cache, table, keys)
+    k = _sequence_cache(key_cache, table, keys, q.dtype)
+    v = _sequence_cache(value_cache, table, keys, q.dtype)
     out[start : start + rows] = causal_attention(q[start : start + rows], k, v, scale)
 
 

@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from app.kernels import kv_quant
 from app.kernels.triton_launch import follow_previous, pdl
 from app.models.batch import PagedLayout
 
@@ -72,6 +73,58 @@ def tile_config(head_dim: int, group: int, element_size: int) -> TileConfig:
 
 
 @triton.jit
+def _row_scales(rows, ok, HEAD_DIM: tl.constexpr):
+    """The fp32 scales of 8-bit cache rows (`kv_quant`) at `rows`: the 4 bytes after each row's codes."""
+    return tl.load((rows + HEAD_DIM).to(tl.pointer_type(tl.float32)), mask=ok, other=0.0)
+
+
+@triton.jit
+def _online_step(
+    q,
+    acc,
+    m_i,
+    l_i,
+    k_rows,
+    v_rows,
+    d,
+    ok,
+    seen,
+    qk_scale,
+    HEAD_DIM: tl.constexpr,
+    PRECISION: tl.constexpr,
+    SCALED: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """One tile of keys and values (rows at `k_rows`, `v_rows`) folded into a row block's online softmax:
+    (acc, running max, running sum) after it. With MASKED, rows not `ok` read as zeros and scores not `seen`
+    are -inf. An 8-bit tile's codes are dotted as they are (exact in q's dtype), each key's scale applied to
+    its scores and each value's to its probabilities."""
+    if MASKED:
+        k = tl.load(k_rows[:, None] + d[None, :], mask=ok[:, None], other=0.0)
+        v = tl.load(v_rows[:, None] + d[None, :], mask=ok[:, None], other=0.0)
+    else:
+        k = tl.load(k_rows[:, None] + d[None, :])
+        v = tl.load(v_rows[:, None] + d[None, :])
+    if SCALED:
+        k_scale = _row_scales(k_rows, ok, HEAD_DIM)
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * (k_scale * qk_scale)[None, :]
+    else:
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    if MASKED:
+        s = tl.where(seen, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if SCALED:
+        p = p * _row_scales(v_rows, ok, HEAD_DIM)[None, :]
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
 def _prompt_tile(
     q_ptr,
     k_ptr,
@@ -101,6 +154,7 @@ def _prompt_tile(
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PRECISION: tl.constexpr,
+    SCALED: tl.constexpr,
 ):
     """One tile of a prompt chunk: BLOCK_M // GROUP_PAD tokens times the group's heads, over its keys.
 
@@ -136,39 +190,36 @@ def _prompt_tile(
         pos = start + cols
         block = tl.load(table_row_ptr + pos // BLOCK_SIZE).to(tl.int64)
         offset = pos % BLOCK_SIZE
-        k = tl.load(k_head + (block * stride_kb + offset * stride_ks)[:, None] + d[None, :])
-        v = tl.load(v_head + (block * stride_vb + offset * stride_vs)[:, None] + d[None, :])
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        k_rows = k_head + block * stride_kb + offset * stride_ks
+        v_rows = v_head + block * stride_vb + offset * stride_vs
+        acc, m_i, l_i = _online_step(
+            q,
+            acc,
+            m_i,
+            l_i,
+            k_rows,
+            v_rows,
+            d,
+            pos < kv_end,
+            None,
+            qk_scale,
+            HEAD_DIM,
+            PRECISION,
+            SCALED,
+            False,
+        )
 
     for start in range(unmasked_end, kv_end, BLOCK_KV):
         pos = start + cols
         pos_ok = pos < kv_end
         block = tl.load(table_row_ptr + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
         offset = pos % BLOCK_SIZE
-        k = tl.load(
-            k_head + (block * stride_kb + offset * stride_ks)[:, None] + d[None, :],
-            mask=pos_ok[:, None],
-            other=0.0,
+        k_rows = k_head + block * stride_kb + offset * stride_ks
+        v_rows = v_head + block * stride_vb + offset * stride_vs
+        seen = pos[None, :] <= row_pos[:, None]
+        acc, m_i, l_i = _online_step(
+            q, acc, m_i, l_i, k_rows, v_rows, d, pos_ok, seen, qk_scale, HEAD_DIM, PRECISION, SCALED, True
         )
-        v = tl.load(
-            v_head + (block * stride_vb + offset * stride_vs)[:, None] + d[None, :],
-            mask=pos_ok[:, None],
-            other=0.0,
-        )
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        s = tl.where(pos[None, :] <= row_pos[:, None], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
 
     out = acc / l_i[:, None]
     tl.store(
@@ -208,6 +259,7 @@ def _decode_partition(
     HEAD_DIM: tl.constexpr,
     SPLITS: tl.constexpr,
     PRECISION: tl.constexpr,
+    SCALED: tl.constexpr,
 ):
     """Partition `part` of a decode row: key tiles part, part + SPLITS, ... for the group's heads.
 
@@ -233,24 +285,24 @@ def _decode_partition(
         pos_ok = pos < seq_len
         block = tl.load(table_row_ptr + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
         offset = pos % BLOCK_SIZE
-        k = tl.load(
-            k_head + (block * stride_kb + offset * stride_ks)[:, None] + d[None, :],
-            mask=pos_ok[:, None],
-            other=0.0,
+        k_rows = k_head + block * stride_kb + offset * stride_ks
+        v_rows = v_head + block * stride_vb + offset * stride_vs
+        acc, m_i, l_i = _online_step(
+            q,
+            acc,
+            m_i,
+            l_i,
+            k_rows,
+            v_rows,
+            d,
+            pos_ok,
+            pos_ok[None, :],
+            qk_scale,
+            HEAD_DIM,
+            PRECISION,
+            SCALED,
+            True,
         )
-        v = tl.load(
-            v_head + (block * stride_vb + offset * stride_vs)[:, None] + d[None, :],
-            mask=pos_ok[:, None],
-            other=0.0,
-        )
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        s = tl.where(pos_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
 
     slot = (seq.to(tl.int64) * heads + head) * SPLITS + part  # [DEC_M]
     tl.store(part_acc_ptr + slot[:, None] * HEAD_DIM + d[None, :], acc, mask=g_ok[:, None])
@@ -292,6 +344,7 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr,
     SPLITS: tl.constexpr,
     PRECISION: tl.constexpr,
+    SCALED: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Program (sequence, tile or partition, kv head): a prompt tile or a decode partition, else nothing."""
@@ -334,6 +387,7 @@ def _paged_attention_kernel(
                 HEAD_DIM,
                 SPLITS,
                 PRECISION,
+                SCALED,
             )
     elif tile * (BLOCK_M // GROUP_PAD) < q_len:
         _prompt_tile(
@@ -365,6 +419,7 @@ def _paged_attention_kernel(
             BLOCK_SIZE,
             HEAD_DIM,
             PRECISION,
+            SCALED,
         )
 
 
@@ -417,7 +472,8 @@ def paged_attention(
     """Causal attention of every row of a flat batch over its sequence's keys in the paged cache.
 
     q [tokens, heads, head_dim] holds the batch's new rows (rotary applied); key_cache and value_cache
-    [blocks, block_size, kv_heads, head_dim] already hold their keys and values. Sequence s owns rows
+    [blocks, block_size, kv_heads, head_dim] (q's dtype, or 8-bit rows of head_dim + 16, `kv_quant`) already
+    hold their keys and values. Sequence s owns rows
     query_start[s]:query_start[s+1] and has seq_lens[s] keys; its row j sits at position
     seq_lens[s] - length + j and sees keys 0 up to that position. Query head h reads kv head
     h // (heads // kv_heads). Softmax in fp32; returns [tokens, heads, head_dim] in q's dtype.
@@ -440,12 +496,14 @@ def _paged_attention(
     """`paged_attention` with the tiles given (tests use small ones to cover many tiles cheaply)."""
     tokens, heads, head_dim = q.shape
     block_size, kv_heads, cache_dim = key_cache.shape[1:]
-    if value_cache.shape != key_cache.shape or cache_dim != head_dim or heads % kv_heads:
+    scaled = kv_quant.quantized(key_cache.dtype)
+    row = kv_quant.row_width(head_dim, key_cache.dtype)
+    if value_cache.shape != key_cache.shape or cache_dim != row or heads % kv_heads:
         raise ValueError(
             f"q {tuple(q.shape)}, key cache {tuple(key_cache.shape)} and value cache "
             f"{tuple(value_cache.shape)} do not fit together"
         )
-    if key_cache.dtype != q.dtype or value_cache.dtype != q.dtype:
+    if value_cache.dtype != key_cache.dtype or (key_cache.dtype != q.dtype and not scaled):
         raise ValueError(f"q is {q.dtype} but the caches are {key_cache.dtype} and {value_cache.dtype}")
     if head_dim & (head_dim - 1) or head_dim < MIN_DOT or block_size & (block_size - 1):
         raise ValueError(f"head_dim {head_dim} and block_size {block_size} must be powers of two, >= 16")
@@ -500,6 +558,7 @@ def _paged_attention(
         HEAD_DIM=head_dim,
         SPLITS=splits,
         PRECISION=precision,
+        SCALED=scaled,
         num_warps=config.warps,
         num_stages=config.stages,
         **pdl(q.device, grid),
@@ -532,7 +591,12 @@ def write_kv(
 ) -> None:
     """Store k, v [tokens, kv_heads, head_dim] at the flat cache slots (block * block_size + offset).
 
-    The caches [blocks, block_size, kv_heads, head_dim] are written in place; nothing waits on the host.
+    The caches [blocks, block_size, kv_heads, head_dim] are written in place (8-bit ones as `kv_quant`
+    rows); nothing waits on the host.
     """
+    if kv_quant.quantized(key_cache.dtype):  # as bytes: torch's CPU index_copy_ takes no fp8
+        k = kv_quant.quantize(k, key_cache.dtype).view(torch.uint8)
+        v = kv_quant.quantize(v, value_cache.dtype).view(torch.uint8)
+        key_cache, value_cache = key_cache.view(torch.uint8), value_cache.view(torch.uint8)
     key_cache.view(-1, *key_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(key_cache.dtype))
     value_cache.view(-1, *value_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(value_cache.dtype))

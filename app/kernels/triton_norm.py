@@ -18,9 +18,11 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from app.kernels import kv_quant
 from app.kernels.triton_launch import follow_previous, pdl
 
 MAX_DIM = 65536  # longest row one program normalises in a single tile
+QUANT_KINDS = {torch.int8: 1, torch.float8_e4m3fn: 2}  # 8-bit caches `_store_row` writes
 
 
 def _block(dim: int) -> int:
@@ -128,6 +130,34 @@ def _gated_rms_norm_kernel(
 
 
 @triton.jit
+def _e4m3_grid(y):
+    """fp32 y (|y| <= 448) rounded half to even to e4m3's grid, as `kv_quant.e4m3_grid`."""
+    exponent = tl.maximum((y.to(tl.int32, bitcast=True) >> 23) & 255, 127 - 6)
+    magic = ((exponent - 3) << 23).to(tl.float32, bitcast=True) * 12582912.0
+    return (y + magic) - magic
+
+
+@triton.jit
+def _store_row(row_ptr, x, d, live, HEAD_DIM: tl.constexpr, QUANT: tl.constexpr):
+    """One token's kv head x [BLOCK_D] (0 beyond HEAD_DIM) into its cache row: as it is (QUANT 0), or as
+    `kv_quant.quantize` gives it, int8 (1) or e4m3 (2) codes and then the fp32 scale's 4 bytes."""
+    if QUANT == 0:
+        tl.store(row_ptr + d, x.to(row_ptr.dtype.element_ty), mask=live)
+    else:
+        x = x.to(tl.float32)
+        amax = tl.maximum(tl.max(tl.abs(x), 0), 1e-30)
+        if QUANT == 1:
+            scale = tl.math.div_rn(amax, 127.0)
+            y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -127.0), 127.0)
+            tl.store(row_ptr + d, ((y + 12582912.0) - 12582912.0).to(tl.int8), mask=live)
+        else:
+            scale = tl.math.div_rn(amax, 448.0)
+            y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -448.0), 448.0)
+            tl.store(row_ptr + d, _e4m3_grid(y).to(tl.float8e4nv), mask=live)
+        tl.store((row_ptr + HEAD_DIM).to(tl.pointer_type(tl.float32)), scale)
+
+
+@triton.jit
 def _qk_norm_rope_kernel(
     q_ptr,
     k_ptr,
@@ -156,6 +186,8 @@ def _qk_norm_rope_kernel(
     BLOCK_D: tl.constexpr,
     OFFSET: tl.constexpr,
     STORE: tl.constexpr,
+    QUANT: tl.constexpr,
+    ROW: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """RMSNorm then neox rotary of one head of one token; heads [0, HEADS) are q's, the rest are k's.
@@ -163,7 +195,8 @@ def _qk_norm_rope_kernel(
     The rotation partner of each rotated element (the other half of the rotary span) is loaded and normalised
     a second time with the same rstd, which yields exactly the normalised partner without any data exchange.
     With STORE, k_out is the paged key cache: a k head goes to the token's cache slot (slots[token]), and the
-    same program copies the token's v head into the value cache.
+    same program copies the token's v head into the value cache; with QUANT both go in as 8-bit rows
+    (`_store_row`).
     """
     follow_previous(PDL)
     token = tl.program_id(0).to(tl.int64)
@@ -173,17 +206,9 @@ def _qk_norm_rope_kernel(
     if head < HEADS:
         src = q_ptr + token * stride_qt + head * stride_qh
         w_ptr = qw_ptr
-        dst = q_out_ptr + (token * HEADS + head) * HEAD_DIM
     else:
         src = k_ptr + token * stride_kt + (head - HEADS) * stride_kh
         w_ptr = kw_ptr
-        if STORE:
-            place = (tl.load(slots_ptr + token).to(tl.int64) * KV_HEADS + head - HEADS) * HEAD_DIM
-            dst = k_out_ptr + place
-            v = tl.load(v_ptr + token * stride_vt + (head - HEADS) * stride_vh + d, mask=d < HEAD_DIM)
-            tl.store(value_cache_ptr + place + d, v.to(value_cache_ptr.dtype.element_ty), mask=d < HEAD_DIM)
-        else:
-            dst = k_out_ptr + (token * KV_HEADS + head - HEADS) * HEAD_DIM
     live = d < HEAD_DIM
     rotated = d < ROTARY_DIM
     x = tl.load(src + d, mask=live, other=0.0).to(tl.float32)
@@ -201,7 +226,15 @@ def _qk_norm_rope_kernel(
     with_cos = (normed * cos).to(out_ty).to(tl.float32)
     with_sin = (swapped * sin).to(out_ty).to(tl.float32)
     out = tl.where(rotated, (with_cos + with_sin).to(out_ty), normed.to(out_ty))
-    tl.store(dst + d, out.to(dst.dtype.element_ty), mask=live)
+    if head < HEADS:
+        tl.store(q_out_ptr + (token * HEADS + head) * HEAD_DIM + d, out, mask=live)
+    elif STORE:
+        place = (tl.load(slots_ptr + token).to(tl.int64) * KV_HEADS + head - HEADS) * ROW
+        v = tl.load(v_ptr + token * stride_vt + (head - HEADS) * stride_vh + d, mask=live, other=0.0)
+        _store_row(k_out_ptr + place, out, d, live, HEAD_DIM, QUANT)
+        _store_row(value_cache_ptr + place, v, d, live, HEAD_DIM, QUANT)
+    else:
+        tl.store(k_out_ptr + (token * KV_HEADS + head - HEADS) * HEAD_DIM + d, out, mask=live)
 
 
 # Compiled kernels use libdevice's accurate exp (the CUDA reference's expf); Triton's interpreter lacks it.
@@ -406,6 +439,8 @@ def _launch_qk_norm_rope(
             BLOCK_D=block,
             OFFSET=offset,
             STORE=store,
+            QUANT=QUANT_KINDS.get(k_out.dtype, 0) if store else 0,
+            ROW=kv_quant.row_width(head_dim, k_out.dtype) if store else head_dim,
             num_warps=_warps(block),
             enable_fp_fusion=False,
             **pdl(q.device, grid),
@@ -450,14 +485,17 @@ def qk_norm_rope_store(
     slot_mapping: torch.Tensor,
 ) -> torch.Tensor:
     """`qk_norm_rope`, with k's result and v [tokens, kv_heads, head_dim] stored at each token's flat slot
-    of the paged caches [blocks, block_size, kv_heads, head_dim] (as `write_kv`) in the same launch instead
-    of returned. Returns q."""
+    of the paged caches [blocks, block_size, kv_heads, head_dim] (as `write_kv`; 8-bit caches get the rows
+    `kv_quant.quantize` gives) in the same launch instead of returned. Returns q."""
     q, k, q_weight, k_weight, cos, sin = _checked_qk(q, k, q_weight, k_weight, cos, sin)
     v = _heads(v, "v")
     if v.shape != k.shape:
         raise ValueError("v must be shaped like k")
-    if key_cache.shape[2:] != k.shape[1:] or value_cache.shape != key_cache.shape:
+    row = kv_quant.row_width(k.shape[2], key_cache.dtype)
+    if key_cache.shape[2:] != (k.shape[1], row) or value_cache.shape != key_cache.shape:
         raise ValueError("the caches must be [blocks, block_size, kv_heads, head_dim] like k")
+    if value_cache.dtype != key_cache.dtype:
+        raise ValueError(f"the key cache is {key_cache.dtype} but the value cache {value_cache.dtype}")
     if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
         raise ValueError("the caches must be contiguous")
     if slot_mapping.shape != (q.shape[0],):

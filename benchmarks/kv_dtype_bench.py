@@ -1,0 +1,113 @@
+"""A long prompt and the decode after it on one GPU, per KV dtype: what 8-bit keys and values cost and give.
+
+    python benchmarks/kv_dtype_bench.py [--shape q30-half] [--contexts 32768 131072] [--kv auto fp8 int8]
+        [--out results.jsonl]
+
+For each KV dtype: an engine on gpu_bench's random-weight model of the shape (built on the GPU, Triton
+kernels, decode graphs; its context raised to the longest asked for, the weights being random), then for each
+context one prompt of that many tokens read in windows of 8,192 (prompt tok/s over the windows' time, time to
+first token) and 64 greedy decode windows of that request alone (tok/s, median ITL), with the KV bytes a token
+takes. A prompt served from the prefix cache, or a decode faster than the card could read the request's keys
+and values at its specified bandwidth, stops the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from app.engine.core import EngineCore
+from app.engine.paged_state import kv_block_bytes
+from app.engine.protocol import AddRequest, SamplingParams
+from benchmarks.gpu_bench import bench_config, open_engine
+from benchmarks.roofline import H200_HBM_BANDWIDTH
+
+DECODE_STEPS = 64
+
+
+def _long_request(core: EngineCore, context: int, vocab: int, seed: int) -> dict[str, float]:
+    """One prompt of `context` tokens, then DECODE_STEPS decode windows of it alone."""
+    prompt = torch.randint(3, vocab, (context,), generator=torch.Generator().manual_seed(seed)).tolist()
+    params = SamplingParams(max_tokens=DECODE_STEPS + 2, temperature=0, ignore_eos=True)
+    began = time.perf_counter()
+    rejected = core.add_request(AddRequest(f"long{seed}", prompt, params))
+    if rejected:
+        raise RuntimeError(rejected[0].error)
+    read_s, ttft_s, hits, decode = 0.0, 0.0, 0, []
+    while core.has_work():
+        _, stats = core.step()
+        if stats is None:
+            continue
+        hits += stats.prefix_cache_hits
+        if stats.prompt_tokens:
+            read_s += stats.duration_s
+            ttft_s = time.perf_counter() - began
+        else:
+            decode.append(stats.duration_s)
+    if hits:
+        raise RuntimeError(f"the timed prompt was served {hits} tokens from the prefix cache")
+    steady = decode[1:]
+    return {
+        "prompt_tok_s": context / read_s,
+        "ttft_s": ttft_s,
+        "decode_tok_s": len(steady) / sum(steady),
+        "itl_ms_median": 1000 * statistics.median(steady),
+    }
+
+
+def bench(shape: str, kv: str, contexts: list[int]) -> dict[str, Any]:
+    config = {**bench_config(shape), "max_position_embeddings": max(contexts) + DECODE_STEPS + 64}
+    longest = max(contexts) + DECODE_STEPS + 2
+    core = open_engine(config, exact=False, eager=False, kv_dtype=kv, context=longest, kv_memory=24 << 30)
+    model_config = core.loaded.model.config
+    kv_dtype = core.runner.state.keys.dtype
+    per_token = kv_block_bytes(model_config, 16, kv_dtype) / 16
+    line: dict[str, Any] = {
+        "shape": shape,
+        "layers": config["num_hidden_layers"],
+        "kv_dtype": kv,
+        "cache_dtype": str(kv_dtype).removeprefix("torch."),
+        "kv_bytes_per_token": per_token,
+        "device": torch.cuda.get_device_name(),
+    }
+    for n, context in enumerate(contexts):
+        result = _long_request(core, context, config["vocab_size"], seed=n)
+        ceiling = H200_HBM_BANDWIDTH / (per_token * context)
+        if result["decode_tok_s"] > ceiling:
+            rate = result["decode_tok_s"]
+            raise RuntimeError(f"decode at {context} ran {rate:.0f} tok/s, above its KV's {ceiling:.0f}")
+        line[f"ctx_{context}"] = result
+        print(shape, kv, context, json.dumps(result), flush=True)
+    shutil.rmtree(core.loaded.checkpoint.path.parent, ignore_errors=True)
+    del core
+    torch.cuda.empty_cache()
+    return line
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shape", default="q30-half")
+    parser.add_argument("--contexts", type=int, nargs="+", default=[32768, 131072])
+    parser.add_argument("--kv", nargs="+", default=["auto", "fp8", "int8"])
+    parser.add_argument("--out", help="also append the JSON lines to this file")
+    args = parser.parse_args()
+    for kv in args.kv:
+        line = bench(args.shape, kv, args.contexts)
+        print(json.dumps(line), flush=True)
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(json.dumps(line) + "\n")
+
+
+if __name__ == "__main__":
+    main()
