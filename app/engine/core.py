@@ -167,9 +167,13 @@ class EngineCore:
             else "",
             f"; {held / 1e9:.2f} GB of weights held as the file's quantized blocks" if held else "",
         )
-        self.max_model_len = min(
-            config.max_model_len or model.config.max_position_embeddings, model.config.max_position_embeddings
-        )
+        positions = model.config.max_position_embeddings
+        if config.max_model_len is not None and config.max_model_len > positions:
+            raise StrataError(
+                f"--max-model-len {config.max_model_len} is beyond this model's {positions} positions "
+                "(its max_position_embeddings, which a rope_scaling such as yarn sets as the checkpoint says)"
+            )
+        self.max_model_len = config.max_model_len or positions
         self.recurrent = LINEAR_ATTENTION in model.config.layer_types
         if config.spec == "mtp" and model.mtp is None:
             raise StrataError("--spec mtp: this model has no MTP head (no mtp.* weights); try --spec ngram")

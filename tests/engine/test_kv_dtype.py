@@ -1,6 +1,6 @@
 """The engine with keys and values in 8 bits (`--kv-dtype int8|fp8`): batching, parking and the prefix cache
 stay exact over them, the pool holds about twice bf16's blocks (four times fp32's, less the scales), and
-their greedy tokens follow the full-precision cache's."""
+their greedy tokens follow the full-precision cache's; and the context settings' errors."""
 
 from __future__ import annotations
 
@@ -73,3 +73,8 @@ def test_an_8_bit_pool_holds_the_blocks_its_bytes_allow_in_the_same_memory(check
 def test_a_bf16_cache_beside_fp32_activations_is_a_one_line_error(checkpoint: Path) -> None:
     with pytest.raises(StrataError, match="--kv-dtype bf16 needs bf16 activations"):
         make_core(checkpoint, kv_dtype="bf16")
+
+
+def test_a_context_beyond_the_models_positions_is_a_one_line_error(checkpoint: Path) -> None:
+    with pytest.raises(StrataError, match="--max-model-len 4097 is beyond this model's 4096 positions"):
+        make_core(checkpoint, max_model_len=4097)

@@ -117,6 +117,17 @@ def test_a_split_gives_the_tokens_of_the_whole_model(
         core.close()
 
 
+def test_a_split_over_int8_kv_gives_the_tokens_of_the_whole_model_over_it(checkpoint: Path) -> None:
+    """Each stage keeps its own layers' 8-bit keys and values (the engine's kv dtype reaches the workers)."""
+    arrivals = _workload(3, 40)
+    whole = _tokens(_core(checkpoint, kv_dtype="int8"), arrivals)
+    core = _core(checkpoint, kv_dtype="int8", layer_split="2", batch_groups=2)
+    try:
+        assert _tokens(core, _workload(3, 40)) == whole
+    finally:
+        core.close()
+
+
 def _routing_reports_cover_every_stage(core: EngineCore) -> None:
     """The routing reports of a split list every stage's layers, the later stages' with their counts."""
     _, windows = run(core, _workload(3, 7))
