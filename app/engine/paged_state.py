@@ -181,12 +181,7 @@ class PagedState:
     def write_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Store k, v [tokens, kv_heads, head_dim] at flat cache slots (block * block_size + offset)."""
         kv = self._kv_layer[layer]
-        keys, values = self.keys[kv], self.values[kv]
-        if self.quantized:  # as bytes: torch's CPU index_copy_ takes no fp8
-            k, v = _bytes(kv_quant.quantize(k, keys.dtype)), _bytes(kv_quant.quantize(v, keys.dtype))
-            keys, values = _bytes(keys), _bytes(values)
-        keys.view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k)
-        values.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)
+        kv_quant.write(self.keys[kv], self.values[kv], k, v, slot_mapping)
 
     def linear_pools(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         n = self._gdn_layer[layer]

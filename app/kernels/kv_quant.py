@@ -30,7 +30,7 @@ def quantized(dtype: torch.dtype) -> bool:
 
 
 def row_width(head_dim: int, dtype: torch.dtype) -> int:
-    """Elements of a cache row of one token's kv head: head_dim, and the scale's bytes where quantized."""
+    """Elements of a cache row of one token's kv head: head_dim, and ROW_EXTRA more where quantized."""
     if not quantized(dtype):
         return head_dim
     if head_dim % ROW_EXTRA:
@@ -55,6 +55,22 @@ def quantize(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     codes = torch.round(y).to(torch.int8) if dtype == torch.int8 else e4m3_grid(y).to(dtype)
     padding = scale.new_zeros((*scale.shape[:-1], ROW_EXTRA - SCALE_BYTES), dtype=torch.uint8)
     return torch.cat((codes.view(torch.uint8), scale.view(torch.uint8), padding), -1).view(dtype)
+
+
+def write(
+    key_cache: torch.Tensor, value_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
+) -> None:
+    """Store k, v [tokens, kv_heads, head_dim] at flat cache slots (block * block_size + offset) of caches
+    [..., block_size, kv_heads, row], quantized where the caches are 8-bit (as bytes: torch's CPU index_copy_
+    takes no fp8)."""
+    if quantized(key_cache.dtype):
+        k, v = (
+            quantize(k, key_cache.dtype).view(torch.uint8),
+            quantize(v, value_cache.dtype).view(torch.uint8),
+        )
+        key_cache, value_cache = key_cache.view(torch.uint8), value_cache.view(torch.uint8)
+    key_cache.view(-1, *k.shape[1:]).index_copy_(0, slots, k.to(key_cache.dtype))
+    value_cache.view(-1, *v.shape[1:]).index_copy_(0, slots, v.to(value_cache.dtype))
 
 
 def codes_and_scales(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -594,9 +594,4 @@ def write_kv(
     The caches [blocks, block_size, kv_heads, head_dim] are written in place (8-bit ones as `kv_quant`
     rows); nothing waits on the host.
     """
-    if kv_quant.quantized(key_cache.dtype):  # as bytes: torch's CPU index_copy_ takes no fp8
-        k = kv_quant.quantize(k, key_cache.dtype).view(torch.uint8)
-        v = kv_quant.quantize(v, value_cache.dtype).view(torch.uint8)
-        key_cache, value_cache = key_cache.view(torch.uint8), value_cache.view(torch.uint8)
-    key_cache.view(-1, *key_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(key_cache.dtype))
-    value_cache.view(-1, *value_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(value_cache.dtype))
+    kv_quant.write(key_cache, value_cache, k, v, slot_mapping)
