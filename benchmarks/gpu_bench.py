@@ -230,17 +230,19 @@ def run_strata(config: dict[str, Any], exact: bool, eager: bool) -> dict[str, An
     return result
 
 
-def bench_config(name: str) -> dict[str, Any]:
-    """The named shape, cut to as many layers as fit WEIGHT_BUDGET when the whole does not."""
-    config = shape(name)
+def bench_config(name: str, layers: int | None = None) -> dict[str, Any]:
+    """The named shape with `layers` layers, or cut to as many as fit WEIGHT_BUDGET when it does not fit."""
+    config = shape(name, layers=layers)
     if param_bytes(config) > WEIGHT_BUDGET:
         config = shape(name, layers=fit_layers(config, WEIGHT_BUDGET))
     return config
 
 
-def bench_shape(name: str, skip_hf: bool, exact: bool, eager: bool) -> dict[str, Any]:
+def bench_shape(
+    name: str, skip_hf: bool, exact: bool, eager: bool, layers: int | None = None
+) -> dict[str, Any]:
     """Every figure for one shape, as one flat JSON-ready dict."""
-    config = bench_config(name)
+    config = bench_config(name, layers)
     bandwidth = measure_copy_bandwidth("cuda")
     line: dict[str, Any] = {
         "shape": name,
@@ -298,12 +300,13 @@ def main() -> None:
     parser.add_argument("--skip-hf", action="store_true", help="leave out HF transformers")
     parser.add_argument("--exact", action="store_true", help="run the engine with --exact")
     parser.add_argument("--enforce-eager", action="store_true", help="run the engine without CUDA graphs")
+    parser.add_argument("--layers", type=int, help="cut every shape to this many layers")
     parser.add_argument("--out", help="also append the JSON lines to this file")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("gpu_bench needs a CUDA device")
     for name in args.shape:
-        line = json.dumps(bench_shape(name, args.skip_hf, args.exact, args.enforce_eager))
+        line = json.dumps(bench_shape(name, args.skip_hf, args.exact, args.enforce_eager, args.layers))
         print(line, flush=True)
         if args.out:
             with open(args.out, "a") as out:

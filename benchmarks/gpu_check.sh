@@ -13,6 +13,9 @@
 # named (default Q4_K) and llama.cpp on the same files (benchmarks/llama_cpp.sh).
 # kv: the 8-bit KV GPU tests, then benchmarks/kv_dtype_bench.py on the shape (32K and 128K-token prompts and
 # the decode after them, KV bf16 / fp8 / int8).
+# decode: the fused decode steps' GPU tests and the end-to-end ones, then the decode windows of Qwen3-Next's
+# shapes cut to 12 layers profiled with the fused steps off and on (STRATA_FUSED_DECODE).
+# decode-bench: benchmarks/gpu_bench.py on qnext at 12 layers, at the most that fit, and on q30-half.
 # Wheels the machine's image lacks can sit in .whl/ (installed to /tmp/site first).
 # Results go to $OUT (or ./gpu-results): pytest log, bench.jsonl.
 set -uo pipefail
@@ -44,6 +47,20 @@ if [[ $what == kv ]]; then
         tests/gpu/test_triton_attention_gpu.py 2>&1 | tee "$out/gpu-tests.log" || status=1
     python3 benchmarks/kv_dtype_bench.py --shape "${shapes%% *}" --out "$out/kv.jsonl" 2>&1 | tee "$out/kv.log" \
         || status=1
+fi
+if [[ $what == decode ]]; then
+    python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_decode_steps_gpu.py tests/gpu/test_triton_gdn_gpu.py \
+        tests/gpu/test_triton_norm_gpu.py tests/gpu/test_fast_path_gpu.py 2>&1 | tee "$out/gpu-tests.log" || status=1
+    for fused in 0 1; do
+        STRATA_FUSED_DECODE=$fused python3 benchmarks/profile_window.py --shape qnext --layers 12 --batch 1 --batch 8 \
+            --batch 32 --no-prefill --top 30 2>&1 | tee "$out/profile-fused$fused.log" || status=1
+    done
+fi
+if [[ $what == decode-bench ]]; then
+    python3 benchmarks/gpu_bench.py --shape qnext --layers 12 --skip-hf --out "$out/bench.jsonl" 2>&1 \
+        | tee "$out/bench.log" || status=1
+    python3 benchmarks/gpu_bench.py --shape qnext --shape q30-half --skip-hf --out "$out/bench.jsonl" 2>&1 \
+        | tee -a "$out/bench.log" || status=1
 fi
 if [[ $what == serving ]]; then
     for s in $shapes; do

@@ -24,8 +24,10 @@ def triton_backends() -> Backends:
     """The Triton kernels (CUDA; on CPU tensors only under TRITON_INTERPRET=1, for tests)."""
     from app.kernels.triton_attention import paged_attention
     from app.kernels.triton_gdn import causal_conv_varlen, gated_delta_rule_paged
+    from app.kernels.triton_gdn_decode import gdn_decode
     from app.kernels.triton_linear import few_rows_linear
     from app.kernels.triton_moe import fused_experts, route_top_k
+    from app.kernels.triton_moe_block import moe_block
     from app.kernels.triton_norm import (
         add_rms_norm,
         gated_rms_norm,
@@ -34,6 +36,9 @@ def triton_backends() -> Backends:
         rms_norm,
     )
 
+    # STRATA_FUSED_DECODE=0 runs decode windows' Gated DeltaNet layers and shared-expert MoE blocks by their
+    # pieces (for measurements).
+    fused = os.environ.get("STRATA_FUSED_DECODE", "1") != "0"
     return Backends(
         name="triton",
         attention=causal_attention,
@@ -50,6 +55,8 @@ def triton_backends() -> Backends:
         qk_norm_rope=qk_norm_rope,
         qk_norm_rope_store=qk_norm_rope_store,
         linear=few_rows_linear,
+        moe_block=moe_block if fused else None,
+        gdn_decode=gdn_decode if fused else None,
         held_blocks=frozenset(HELD_BLOCKS),
         held_linear=True,
         held_apart=True,
@@ -104,8 +111,15 @@ def exact_backends(backends: Backends) -> Backends:
         return replace(backends, name="cpu+exact", exact=True, **fused)
     from app.kernels.triton_moe import exact_fused_experts, exact_linear
 
+    # The fused decode steps round differently from the pieces that a decode row beside a prompt chunk takes.
     return replace(
-        backends, name=f"{backends.name}+exact", experts=exact_fused_experts, linear=exact_linear, exact=True
+        backends,
+        name=f"{backends.name}+exact",
+        experts=exact_fused_experts,
+        linear=exact_linear,
+        moe_block=None,
+        gdn_decode=None,
+        exact=True,
     )
 
 

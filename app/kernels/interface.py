@@ -57,7 +57,7 @@ ConvVarlenFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
 DeltaRuleVarlenFn = Callable[..., torch.Tensor]
 QKNormRopeFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 QKNormRopeStoreFn = Callable[..., torch.Tensor]
-MoEBlockFn = Callable[..., torch.Tensor]
+MoEBlockFn = Callable[..., torch.Tensor | None]
 
 
 @dataclass(frozen=True)
@@ -128,7 +128,8 @@ class Backends:
     the Triton set's takes windows of few rows itself).
     moe_block(x, router, top_k, renormalize, counts, live, gate_up, down, shared) -> a whole sparse MoE block
     (router, picks counted into `counts`, routed experts, and the shared expert `shared` = (gate, up, down,
-    router) behind its sigmoid, or None) in one call; None: the block's pieces one by one.
+    router) behind its sigmoid, or None) in few launches, or None where it does not take the window (the
+    block then runs its pieces one by one, as when the set has no moe_block).
     gdn_decode(x, weights, conv_state, recurrent, state_slots) -> a Gated DeltaNet layer's whole step for a
     window of one decode row per sequence (state pools updated in place), or None where it does not take
     these tensors (the layer then runs its pieces).

@@ -117,6 +117,20 @@ def _causal_conv_kernel(
 
 
 @triton.jit
+def rule_token(state, q, k, v, decay, beta, scale, eps):
+    """One token of the gated delta rule on a [DK, BLOCK_V] fp32 slice of the state: q and k (fp32 [DK], raw)
+    l2-normalised here (q also scaled), the state decayed, corrected towards v by beta, then read by q.
+    Returns the new slice and its output [BLOCK_V]."""
+    q = q * tl.math.rsqrt(tl.sum(q * q, 0) + eps) * scale
+    k = k * tl.math.rsqrt(tl.sum(k * k, 0) + eps)
+    state = state * decay
+    predicted = tl.sum(state * k[:, None], 0)
+    delta = (v - predicted) * beta
+    state = state + k[:, None] * delta[None, :]
+    return state, tl.sum(state * q[:, None], 0)
+
+
+@triton.jit
 def _gated_delta_rule_kernel(
     q_ptr,
     k_ptr,
@@ -201,13 +215,8 @@ def _gated_delta_rule_kernel(
         next_v = tl.load(v_row + row * stride_vt)
         next_g = tl.load(g_row + row * stride_gt)
         next_beta = tl.load(beta_row + row * stride_bt)
-        q = q * tl.math.rsqrt(tl.sum(q * q, 0) + eps) * scale
-        k = k * tl.math.rsqrt(tl.sum(k * k, 0) + eps)
-        state = state * decay
-        predicted = tl.sum(state * k[:, None], 0)
-        delta = (v - predicted) * beta
-        state = state + k[:, None] * delta[None, :]
-        tl.store(out_row + t * stride_ot, tl.sum(state * q[:, None], 0))
+        state, out = rule_token(state, q, k, v, decay, beta, scale, eps)
+        tl.store(out_row + t * stride_ot, out)
     # Every thread has read the old state before any thread overwrites it.
     tl.debug_barrier()
     tl.store(state_base + dk[:, None] * stride_sk + dv[None, :] * stride_sv, state)

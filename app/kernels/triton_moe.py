@@ -582,13 +582,33 @@ def fused_experts(
     """
     tokens, hidden = x.shape
     top_k = top_ids.shape[1]
+    y = expert_pairs(x, top_ids, top_weights, gate_up, down, exact, tiles)
+    out = torch.empty_like(x)
+    block = 1024
+    grid = (tokens, triton.cdiv(hidden, block))
+    _sum_choices[grid](y, out, hidden, TOP_K=top_k, BLOCK=block, **pdl(y.device, grid))
+    return out
+
+
+def expert_pairs(
+    x: torch.Tensor,
+    top_ids: torch.Tensor,
+    top_weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    exact: bool = False,
+    tiles: MoeTiles | None = None,
+) -> torch.Tensor:
+    """`fused_experts` before its sum: each (token, choice) pair's expert output times its routing weight,
+    [tokens * top_k, hidden] in x's dtype, row token * top_k + choice."""
+    tokens, hidden = x.shape
+    top_k = top_ids.shape[1]
     experts, intermediate = gate_up.shape[0], gate_up.shape[1] // 2
     tiles = tiles or moe_tiles(tokens, exact, gate_up.dtype == down.dtype == torch.uint8)
     pairs = tokens * top_k
     x = x.contiguous()
     scale = top_weights.flatten().contiguous()
     act = x.new_empty(pairs, intermediate)
-    out = torch.empty_like(x)
     if tokens <= PER_PAIR_TOKENS:
         ids = top_ids.flatten().contiguous()
         routes, mode = Routes(rows=ids, block_expert=ids, pairs=pairs, block_m=tiles.block_m), PER_PAIR
@@ -597,10 +617,7 @@ def fused_experts(
     _launch(x, gate_up, act, routes, tiles, intermediate, top_k, None, intermediate, mode)
     y = x.new_empty(pairs, hidden)
     _launch(act, down, y, routes, tiles, hidden, 1, scale, mode=mode)
-    block = 1024
-    grid = (tokens, triton.cdiv(hidden, block))
-    _sum_choices[grid](y, out, hidden, TOP_K=top_k, BLOCK=block, **pdl(y.device, grid))
-    return out
+    return y
 
 
 def exact_fused_experts(

@@ -91,6 +91,37 @@ def _rms_norm_kernel(
 
 
 @triton.jit
+def torch_sigmoid(x, PRECISE: tl.constexpr):
+    """torch's CUDA sigmoid of fp32 x: 1 / (1 + exp(-x)), with libdevice's accurate exp when PRECISE (Triton's
+    interpreter has only its own)."""
+    decay = libdevice.exp(-x) if PRECISE else tl.exp(-x)
+    return tl.math.div_rn(1.0, 1.0 + decay)
+
+
+@triton.jit
+def gated_row(
+    x,
+    gate,
+    weight,
+    eps,
+    DIM: tl.constexpr,
+    ROUND_PRODUCT: tl.constexpr,
+    PRECISE_EXP: tl.constexpr,
+    out_ty: tl.constexpr,
+):
+    """`GatedRMSNorm` of one fp32 row x (masked lanes zero) in `out_ty`, as `_gated_rms_norm_kernel` computes
+    it (also the Gated DeltaNet decode step's epilogue, app/kernels/triton_gdn_decode.py)."""
+    gate = gate.to(tl.float32)
+    normed = (x * _rstd(x, eps, DIM)).to(out_ty).to(tl.float32)
+    product = weight.to(tl.float32) * normed
+    if ROUND_PRODUCT:
+        product = product.to(out_ty).to(tl.float32)
+    decay = libdevice.exp(-gate) if PRECISE_EXP else tl.exp(-gate)
+    silu = tl.math.div_rn(gate, 1.0 + decay)
+    return (product * silu).to(out_ty)
+
+
+@triton.jit
 def _gated_rms_norm_kernel(
     x_ptr,
     gate_ptr,
@@ -118,15 +149,10 @@ def _gated_rms_norm_kernel(
     live = col < DIM
     out_ty = out_ptr.dtype.element_ty
     x = tl.load(x_ptr + row * stride_x + col, mask=live, other=0.0).to(tl.float32)
-    gate = tl.load(gate_ptr + row * stride_g + col, mask=live, other=0.0).to(tl.float32)
-    weight = tl.load(w_ptr + col, mask=live, other=0.0).to(tl.float32)
-    normed = (x * _rstd(x, eps, DIM)).to(out_ty).to(tl.float32)
-    product = weight * normed
-    if ROUND_PRODUCT:
-        product = product.to(out_ty).to(tl.float32)
-    decay = libdevice.exp(-gate) if PRECISE_EXP else tl.exp(-gate)
-    silu = tl.math.div_rn(gate, 1.0 + decay)
-    tl.store(out_ptr + row * stride_o + col, (product * silu).to(out_ty), mask=live)
+    gate = tl.load(gate_ptr + row * stride_g + col, mask=live, other=0.0)
+    weight = tl.load(w_ptr + col, mask=live, other=0.0)
+    out = gated_row(x, gate, weight, eps, DIM, ROUND_PRODUCT, PRECISE_EXP, out_ty)
+    tl.store(out_ptr + row * stride_o + col, out, mask=live)
 
 
 @triton.jit

@@ -135,7 +135,7 @@ class SparseMoE(nn.Module):
                 mlp = self.shared_expert
                 projections = (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
                 shared = (*projections, self.shared_expert_gate.weight)
-            return self.block_kernel(
+            out = self.block_kernel(
                 x,
                 self.gate.weight,
                 self.top_k,
@@ -146,6 +146,8 @@ class SparseMoE(nn.Module):
                 self.experts.down,
                 shared,
             )
+            if out is not None:
+                return out
         logits = self.gate(x)
         if self.route_kernel is not None:
             counter = self._counter(x.device)
