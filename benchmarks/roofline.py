@@ -210,10 +210,6 @@ def main() -> None:
     print(report(args.bandwidth, args.context, tuple(args.batches)))
 
 
-if __name__ == "__main__":
-    main()
-
-
 def replayed_ms(calls: list[Callable[[], object]], replays: int = 40) -> float:
     """Mean milliseconds of one call, each of `calls` (one a weight set, so that repeats do not read their
     weights from L2) captured in a CUDA graph after a first run that compiles, the graphs replayed in turn."""
@@ -234,3 +230,26 @@ def replayed_ms(calls: list[Callable[[], object]], replays: int = 40) -> float:
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / replays
+
+
+def graph_us(steps: list[Callable[[], object]], replays: int = 20) -> float:
+    """Mean microseconds of one replay of a graph of `steps`, run in order."""
+    for step in steps:
+        step()  # compiles outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for step in steps:
+            step()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / replays * 1000
+
+
+if __name__ == "__main__":
+    main()

@@ -34,7 +34,7 @@ from app.kernels.triton_linear import (
 )
 from app.kernels.triton_moe import tiled_linear
 from app.kernels.triton_norm import rms_norm
-from benchmarks.roofline import measure_copy_bandwidth
+from benchmarks.roofline import graph_us, measure_copy_bandwidth
 
 SHAPES = {  # name: (out features, in features)
     "q30 qkv": (5120, 2048),
@@ -56,35 +56,16 @@ L2_BYTES = 60 << 20
 Call = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def _graph_us(steps: list[Callable[[], object]], replays: int = 20) -> float:
-    """Mean microseconds of one replay of a graph of `steps`, run in order."""
-    for step in steps:
-        step()  # compiles outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for step in steps:
-            step()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / replays * 1000
-
-
 def _time(call: Call, xs: list[torch.Tensor], weights: list[torch.Tensor], after_norm: bool) -> float:
     """Microseconds of one call over the weight copies in turn (less the norms before them)."""
     norm_w = torch.ones(xs[0].shape[1], device="cuda", dtype=xs[0].dtype)
     if not after_norm:
-        return _graph_us([lambda x=x, w=w: call(x, w) for x, w in zip(xs, weights, strict=True)]) / len(xs)
+        return graph_us([lambda x=x, w=w: call(x, w) for x, w in zip(xs, weights, strict=True)]) / len(xs)
     pairs = [
         lambda x=x, w=w: call(rms_norm(x, norm_w, 1e-6, False), w) for x, w in zip(xs, weights, strict=True)
     ]
     norms = [lambda x=x: rms_norm(x, norm_w, 1e-6, False) for x in xs]
-    return (_graph_us(pairs) - _graph_us(norms)) / len(xs)
+    return (graph_us(pairs) - graph_us(norms)) / len(xs)
 
 
 def candidates(n: int, k: int, rows: int) -> dict[str, Call]:

@@ -60,6 +60,7 @@ def triton_backends() -> Backends:
         held_blocks=frozenset(HELD_BLOCKS),
         held_linear=True,
         held_apart=True,
+        attention_gate=True,
     )
 
 

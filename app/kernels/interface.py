@@ -11,7 +11,6 @@ from dataclasses import dataclass
 import torch
 
 from app.kernels.gguf_quants import DEQUANTIZE
-from app.models.batch import PagedLayout
 
 # The delta rule's prompt form reads sequences in chunks ending at multiples of CHUNK positions.
 CHUNK = 64
@@ -52,7 +51,7 @@ RouteKernel = Callable[
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 DeltaRuleFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 ExpertsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-PagedAttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, PagedLayout, float], torch.Tensor]
+PagedAttentionFn = Callable[..., torch.Tensor]  # (q, key_cache, value_cache, layout, scale[, gate])
 ConvVarlenFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 DeltaRuleVarlenFn = Callable[..., torch.Tensor]
 QKNormRopeFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
@@ -136,6 +135,8 @@ class Backends:
     attention_decode(x, weights, cos, sin, key_cache, value_cache, layout) -> an attention layer's whole step
     for a window of one decode row per sequence (its keys and values written to the caches), or None as
     gdn_decode.
+    `attention_gate`: its paged_attention also takes a gated attention layer's output gate (`gate=`, q's
+    shape) and multiplies each output by its sigmoid in the same launch.
     `exact` marks a set whose kernels never choose their tiles by the batch. `bf16_weights` marks a set
     whose experts, MoE-block and linear kernels read bf16 weights and compute in fp32: a bf16 checkpoint's
     matrices that those kernels take then stay bf16 in a wider model (the same products, half the bytes).
@@ -169,3 +170,4 @@ class Backends:
     held_blocks: frozenset[str] = frozenset()
     held_linear: bool = False
     held_apart: bool = False
+    attention_gate: bool = False

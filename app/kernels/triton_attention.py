@@ -31,6 +31,7 @@ import triton.language as tl
 
 from app.kernels import kv_quant
 from app.kernels.triton_launch import follow_previous, pdl
+from app.kernels.triton_norm import torch_sigmoid
 from app.models.batch import PagedLayout
 
 LOG2E = 1.4426950408889634
@@ -125,6 +126,17 @@ def _online_step(
 
 
 @triton.jit
+def _output(out, gate_ptrs, mask, GATED: tl.constexpr, PRECISE: tl.constexpr, out_ty: tl.constexpr):
+    """Attention's fp32 output in `out_ty`; with GATED times the sigmoid of the gate at `gate_ptrs`, rounded
+    as the layer's pieces round (the output, the sigmoid and the product each in the model's dtype)."""
+    if GATED:
+        gate = tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)
+        scale = torch_sigmoid(gate, PRECISE).to(out_ty).to(tl.float32)
+        return (out.to(out_ty).to(tl.float32) * scale).to(out_ty)
+    return out.to(out_ty)
+
+
+@triton.jit
 def _prompt_tile(
     q_ptr,
     k_ptr,
@@ -147,6 +159,9 @@ def _prompt_tile(
     stride_vh,
     stride_ot,
     stride_oh,
+    gate_ptr,
+    stride_gt,
+    stride_gh,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -155,6 +170,8 @@ def _prompt_tile(
     HEAD_DIM: tl.constexpr,
     PRECISION: tl.constexpr,
     SCALED: tl.constexpr,
+    GATED: tl.constexpr,
+    PRECISE: tl.constexpr,
 ):
     """One tile of a prompt chunk: BLOCK_M // GROUP_PAD tokens times the group's heads, over its keys.
 
@@ -222,9 +239,10 @@ def _prompt_tile(
         )
 
     out = acc / l_i[:, None]
+    gates = gate_ptr + row_t[:, None] * stride_gt + head[:, None] * stride_gh + d[None, :]
     tl.store(
         out_ptr + row_t[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-        out.to(out_ptr.dtype.element_ty),
+        _output(out, gates, row_ok[:, None], GATED, PRECISE, out_ptr.dtype.element_ty),
         mask=row_ok[:, None],
     )
 
@@ -334,6 +352,9 @@ def _paged_attention_kernel(
     stride_ot,
     stride_oh,
     stride_bt,
+    gate_ptr,
+    stride_gt,
+    stride_gh,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -345,6 +366,8 @@ def _paged_attention_kernel(
     SPLITS: tl.constexpr,
     PRECISION: tl.constexpr,
     SCALED: tl.constexpr,
+    GATED: tl.constexpr,
+    PRECISE: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Program (sequence, tile or partition, kv head): a prompt tile or a decode partition, else nothing."""
@@ -412,6 +435,9 @@ def _paged_attention_kernel(
             stride_vh,
             stride_ot,
             stride_oh,
+            gate_ptr,
+            stride_gt,
+            stride_gh,
             GROUP,
             GROUP_PAD,
             BLOCK_M,
@@ -420,6 +446,8 @@ def _paged_attention_kernel(
             HEAD_DIM,
             PRECISION,
             SCALED,
+            GATED,
+            PRECISE,
         )
 
 
@@ -433,9 +461,14 @@ def _merge_partitions_kernel(
     heads,
     stride_ot,
     stride_oh,
+    gate_ptr,
+    stride_gt,
+    stride_gh,
     DEC_KV: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     SPLITS: tl.constexpr,
+    GATED: tl.constexpr,
+    PRECISE: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Program (sequence, head): a decode row's output from its partitions, always summed in one order."""
@@ -456,10 +489,16 @@ def _merge_partitions_kernel(
         weight = tl.exp2(m - tl.max(m, 0))
         total = tl.sum(l_part * weight, 0)
         out = tl.sum(acc * weight[:, None], 0) / total
+        gates = gate_ptr + q_start.to(tl.int64) * stride_gt + head * stride_gh + d
         tl.store(
             out_ptr + q_start.to(tl.int64) * stride_ot + head * stride_oh + d,
-            out.to(out_ptr.dtype.element_ty),
+            _output(out, gates, d < HEAD_DIM, GATED, PRECISE, out_ptr.dtype.element_ty),
         )
+
+
+_COMPILED = isinstance(
+    _merge_partitions_kernel, triton.runtime.JITFunction
+)  # the interpreter lacks libdevice
 
 
 def paged_attention(
@@ -468,6 +507,7 @@ def paged_attention(
     value_cache: torch.Tensor,
     layout: PagedLayout,
     scale: float,
+    gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of every row of a flat batch over its sequence's keys in the paged cache.
 
@@ -476,13 +516,15 @@ def paged_attention(
     hold their keys and values. Sequence s owns rows
     query_start[s]:query_start[s+1] and has seq_lens[s] keys; its row j sits at position
     seq_lens[s] - length + j and sees keys 0 up to that position. Query head h reads kv head
-    h // (heads // kv_heads). Softmax in fp32; returns [tokens, heads, head_dim] in q's dtype.
+    h // (heads // kv_heads). Softmax in fp32; returns [tokens, heads, head_dim] in q's dtype. With `gate`
+    (q's shape and dtype, rows of unit stride: a gated attention layer's output gate) each output is
+    multiplied by the sigmoid of its gate in the same launch, rounded as `output * torch.sigmoid(gate)`.
     """
     heads, head_dim = q.shape[1:]
     kv_heads = key_cache.shape[2]
     group = heads // kv_heads
     config = tile_config(head_dim, group, q.element_size())
-    return _paged_attention(q, key_cache, value_cache, layout, scale, config)
+    return _paged_attention(q, key_cache, value_cache, layout, scale, config, gate)
 
 
 def _paged_attention(
@@ -492,6 +534,7 @@ def _paged_attention(
     layout: PagedLayout,
     scale: float,
     config: TileConfig,
+    gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`paged_attention` with the tiles given (tests use small ones to cover many tiles cheaply)."""
     tokens, heads, head_dim = q.shape
@@ -518,6 +561,10 @@ def _paged_attention(
         q = q.contiguous()
     if key_cache.stride(3) != 1 or value_cache.stride(3) != 1:
         raise ValueError("the caches' head_dim must be contiguous")
+    if gate is not None and (gate.shape != q.shape or gate.dtype != q.dtype or gate.stride(2) != 1):
+        raise ValueError(f"the gate must be a {tuple(q.shape)} {q.dtype} tensor with unit-stride rows")
+    gating = (gate, gate.stride(0), gate.stride(1)) if gate is not None else (out, 0, 0)
+    gated = {"GATED": gate is not None, "PRECISE": _COMPILED}
     splits = config.splits
     part_acc = torch.empty((seqs, heads, splits, head_dim), dtype=torch.float32, device=q.device)
     part_ml = torch.empty((seqs, heads, splits, 2), dtype=torch.float32, device=q.device)
@@ -548,6 +595,7 @@ def _paged_attention(
         out.stride(0),
         out.stride(1),
         block_table.stride(0),
+        *gating,
         GROUP=group,
         GROUP_PAD=group_pad,
         BLOCK_M=block_m,
@@ -559,6 +607,7 @@ def _paged_attention(
         SPLITS=splits,
         PRECISION=precision,
         SCALED=scaled,
+        **gated,
         num_warps=config.warps,
         num_stages=config.stages,
         **pdl(q.device, grid),
@@ -573,9 +622,11 @@ def _paged_attention(
         heads,
         out.stride(0),
         out.stride(1),
+        *gating,
         DEC_KV=config.dec_kv,
         HEAD_DIM=head_dim,
         SPLITS=splits,
+        **gated,
         num_warps=4,
         **pdl(out.device, grid),
     )

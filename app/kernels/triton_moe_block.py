@@ -1,22 +1,28 @@
-"""A decode window's sparse MoE block with a shared expert (Qwen3-Next) in six launches instead of fourteen.
+"""A decode window's sparse MoE block with a shared expert (Qwen3-Next) in three launches instead of fourteen.
 
-The block's pieces run the router, the routing, the routed experts (two grouped matmuls and the sum of each
-token's picks) and then the shared expert as nine more launches: its gate, up and down projections, SiLU,
-the product, its router, the sigmoid, the scaling and the add. Here, for windows of up to `MAX_ROWS` rows:
+The block's pieces run the router, the routing, the routed experts (alignment, two grouped matmuls, the sum
+of each token's picks) and then the shared expert as nine more launches. Here, for windows of up to
+`MAX_ROWS` rows, the shared expert is one more pick of every row, always taken, whose weight is the sigmoid of
+its router's logit:
 
-- the router's projection and `route_top_k` as in the pieces, then the routed pairs (`expert_pairs`);
-- `_shared_gate_up_kernel`: the shared expert's gate and up projections, SiLU(gate) * up, and (its last
-  program) the shared router's logit, weights read whole before the kernel before it ends;
-- `_shared_down_sum_kernel`: the shared down projection, then each token's routed picks summed, the shared
-  output scaled by the sigmoid of its logit and added, all in one epilogue.
+1. `_router_kernel`: a program per (row, few experts): the router's logits and the shared expert's logit, the
+   weight rows read before the kernel before it ends; the row's program that finishes last (a counter a row)
+   then routes the row: softmax, top-k, renormalised weights, the routing counts.
+2. `_pair_up_kernel`: a program per (pair, few intermediate columns): SiLU(x @ gate.T) * (x @ up.T) of the
+   pair's expert, the shared expert's for the last pick of a row. 11 picks of 512 columns in programs of 8
+   columns are 704 programs at one row, so a lone row's experts are read by every SM (no split of k needed).
+3. `_pair_down_sum_kernel`: a program per (row, few hidden columns): each routed pick's down projection times
+   its weight, summed in pick order, then the shared pick's times its gate, added.
 
-Each row is summed by itself in fp32 on the CUDA cores (as `triton_linear.row_linear`), so a row's result
-does not depend on its window; intermediate results are rounded to the model's dtype where the pieces round
-them (each projection's output, the SiLU, the product, the sigmoid, the scaled shared output, the routed
-sum), so results agree with the pieces to the order of fp32 sums. `--exact` keeps the pieces.
+Each row is summed by itself in fp32 on the CUDA cores in tiles of fixed shape, so a row's result does not
+depend on its window (a row is routed in a tile of its own); intermediate
+results are rounded to the model's dtype where the pieces round them, so results agree with the pieces to the
+order of fp32 sums. `--exact` keeps the pieces.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -24,131 +30,308 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from app.kernels.triton_launch import follow_previous, pdl
-from app.kernels.triton_linear import ROW_ELEMENTS, few_rows_linear
-from app.kernels.triton_moe import expert_pairs, route_top_k
+from app.kernels.triton_linear import ROW_ELEMENTS
 from app.kernels.triton_norm import torch_sigmoid
 
-MAX_ROWS = 16  # windows of more rows run the block's pieces (cuBLAS reads their projections faster)
-MAX_K = 1 << 13  # the longest reduction a program holds whole
+MAX_ROWS = 16  # windows of more rows run the block's pieces (tiles of rows read shared experts once)
+MAX_K = 1 << 13  # the longest hidden state a router program holds whole
+UP_COLUMNS = 8  # intermediate columns (of gate and of up) a `_pair_up_kernel` program computes
+DOWN_COLUMNS = 4  # hidden columns a `_pair_down_sum_kernel` program computes
+CHUNK = 256  # k a program reads at a time
+ROUTE_ROWS: tl.constexpr = tl.constexpr(1)  # rows of the routing's tile
 
 
 @triton.jit
-def _shared_gate_up_kernel(
+def _router_kernel(
     x_ptr,
-    gate_ptr,
-    up_ptr,
     router_ptr,
-    act_ptr,
-    logit_ptr,
+    shared_router_ptr,
+    logits_ptr,
+    ids_ptr,
+    weights_ptr,
+    counts_ptr,
+    live_ptr,
+    arrivals_ptr,
     rows,
-    inter,
+    experts,
     stride_x,
-    stride_gate,
-    stride_up,
-    stride_act,
+    stride_router,
+    stride_logits,
     K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    PRECISE: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    TOP_K: tl.constexpr,
+    BLOCK_TOP: tl.constexpr,
+    RENORM: tl.constexpr,
+    HAS_LIVE: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """act[:rows, cols] = SiLU(x @ gate[cols].T) * (x @ up[cols].T) for BLOCK_N columns of the shared
-    expert, each projection rounded to the model's dtype first; the last program writes x @ router.T."""
+    """logits[row, cols] = x[row] @ router[cols].T for BLOCK_N experts (a row's last program: column
+    `experts`, the shared expert's logit), rounded to the model's dtype; a row's program that arrives last on
+    the row's counter routes the row."""
     pid = tl.program_id(0)
+    row = tl.program_id(1)
     ks = tl.arange(0, BLOCK_K)
     k_ok = ks < K
-    out_ty = act_ptr.dtype.element_ty
     if pid == tl.num_programs(0) - 1:
-        router = tl.load(router_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
-        follow_previous(PDL)
-        for row in range(rows):
-            x = tl.load(x_ptr + row * stride_x + ks, mask=k_ok, other=0.0).to(tl.float32)
-            tl.store(logit_ptr + row, tl.sum(router * x, 0).to(logit_ptr.dtype.element_ty))
+        cols = experts + tl.arange(0, BLOCK_N)
+        col_ok = cols == experts
+        w_rows = shared_router_ptr + tl.zeros((BLOCK_N,), dtype=tl.int64)
     else:
         cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_ok = cols < inter
-        mask = col_ok[:, None] & k_ok[None, :]
-        rows_at = cols.to(tl.int64)[:, None]
-        gate = tl.load(gate_ptr + rows_at * stride_gate + ks[None, :], mask=mask, other=0.0)
-        up = tl.load(up_ptr + rows_at * stride_up + ks[None, :], mask=mask, other=0.0)
-        gate, up = gate.to(tl.float32), up.to(tl.float32)
-        follow_previous(PDL)
-        for row in range(rows):
-            x = tl.load(x_ptr + row * stride_x + ks, mask=k_ok, other=0.0).to(tl.float32)
-            g = tl.sum(gate * x[None, :], 1).to(out_ty).to(tl.float32)
-            u = tl.sum(up * x[None, :], 1).to(out_ty).to(tl.float32)
-            silu = tl.math.div_rn(g, 1.0 + (libdevice.exp(-g) if PRECISE else tl.exp(-g)))
-            act = silu.to(out_ty).to(tl.float32) * u
-            tl.store(act_ptr + row * stride_act + cols, act.to(out_ty), mask=col_ok)
+        col_ok = cols < experts
+        w_rows = router_ptr + cols.to(tl.int64) * stride_router
+    w = tl.load(w_rows[:, None] + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+    w = w.to(tl.float32)
+    follow_previous(PDL)
+    x = tl.load(x_ptr + row * stride_x + ks, mask=k_ok, other=0.0).to(tl.float32)
+    logit = tl.sum(w * x[None, :], 1)
+    tl.store(logits_ptr + row * stride_logits + cols, logit.to(logits_ptr.dtype.element_ty), mask=col_ok)
+    tl.debug_barrier()  # every thread's logits stored before the arrival is counted (release)
+    if tl.atomic_add(arrivals_ptr + row, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
+        tl.store(arrivals_ptr + row, 0)  # for the next window
+        _route_row(
+            row,
+            logits_ptr,
+            ids_ptr,
+            weights_ptr,
+            counts_ptr,
+            live_ptr,
+            rows,
+            experts,
+            stride_logits,
+            BLOCK_E,
+            TOP_K,
+            BLOCK_TOP,
+            RENORM,
+            HAS_LIVE,
+        )
 
 
 @triton.jit
-def _shared_down_sum_kernel(
+def _route_row(
+    row,
+    logits_ptr,
+    ids_ptr,
+    weights_ptr,
+    counts_ptr,
+    live_ptr,
+    rows,
+    experts,
+    stride_logits,
+    BLOCK_E: tl.constexpr,
+    TOP_K: tl.constexpr,
+    BLOCK_TOP: tl.constexpr,
+    RENORM: tl.constexpr,
+    HAS_LIVE: tl.constexpr,
+):
+    """A row's softmax over its logits in fp32, its top-k ids (int32) and weights (optionally renormalised),
+    in a tile of that one row (the same for every window); its picks added to `counts` (a real row's)."""
+    lanes = row + tl.arange(0, ROUTE_ROWS)
+    row_ok = lanes < rows
+    cols = tl.arange(0, BLOCK_E)
+    ok = row_ok[:, None] & (cols < experts)[None, :]
+    at = logits_ptr + lanes[:, None] * stride_logits + cols[None, :]
+    x = tl.load(at, mask=ok, other=float("-inf"), cache_modifier=".cg").to(tl.float32)
+    e = tl.exp(x - tl.max(x, axis=1)[:, None])
+    e = tl.where(ok, e, 0.0)
+    left = tl.where(ok, e, -1.0)
+    slots = tl.arange(0, BLOCK_TOP)
+    chosen = tl.zeros((ROUTE_ROWS, BLOCK_TOP), dtype=tl.int32)
+    weights = tl.zeros((ROUTE_ROWS, BLOCK_TOP), dtype=tl.float32)
+    picked = tl.zeros((ROUTE_ROWS,), dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        top, best = tl.max(left, axis=1, return_indices=True, return_indices_tie_break_left=True)
+        chosen = tl.where(slots[None, :] == k, best[:, None], chosen)
+        weights = tl.where(slots[None, :] == k, top[:, None], weights)
+        picked += top
+        left = tl.where(cols[None, :] == best[:, None], -1.0, left)
+    if RENORM:  # noqa: SIM108
+        weights = weights / picked[:, None]
+    else:
+        weights = weights / tl.sum(e, axis=1)[:, None]
+    keep = row_ok[:, None] & (slots < TOP_K)[None, :]
+    if HAS_LIVE:
+        live = tl.load(live_ptr + lanes, mask=row_ok, other=0).to(tl.int64)
+    else:
+        live = tl.full((ROUTE_ROWS,), 1, dtype=tl.int64)
+    picks = tl.full((ROUTE_ROWS, BLOCK_TOP), 1, dtype=tl.int64) * live[:, None]
+    tl.atomic_add(counts_ptr + chosen, picks, mask=keep)
+    out = lanes[:, None] * TOP_K + slots[None, :]
+    tl.store(ids_ptr + out, chosen, mask=keep)
+    tl.store(weights_ptr + out, weights.to(weights_ptr.dtype.element_ty), mask=keep)
+
+
+@triton.jit
+def _gate_up_sums(
+    x_ptr, gate_rows, up_rows, row_ok, K: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr
+):
+    """(x @ gate.T, x @ up.T) in fp32 for BLOCK_N weight rows at `gate_rows` / `up_rows` (pointers to each
+    row's start), k read CHUNK at a time and summed once at the end."""
+    gate = tl.zeros((BLOCK_N, CHUNK), dtype=tl.float32)
+    up = tl.zeros((BLOCK_N, CHUNK), dtype=tl.float32)
+    for start in tl.static_range(0, K, CHUNK):
+        ks = start + tl.arange(0, CHUNK)
+        k_ok = ks < K
+        x = tl.load(x_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        mask = row_ok[:, None] & k_ok[None, :]
+        gate += tl.load(gate_rows[:, None] + ks[None, :], mask=mask, other=0.0).to(tl.float32) * x
+        up += tl.load(up_rows[:, None] + ks[None, :], mask=mask, other=0.0).to(tl.float32) * x
+    return tl.sum(gate, 1), tl.sum(up, 1)
+
+
+@triton.jit
+def _pair_up_kernel(
+    x_ptr,
+    gate_up_ptr,
+    shared_gate_ptr,
+    shared_up_ptr,
+    ids_ptr,
+    act_ptr,
+    inter,
+    stride_x,
+    stride_expert,
+    stride_gate_up,
+    stride_shared_gate,
+    stride_shared_up,
+    stride_act,
+    K: tl.constexpr,
+    TOP_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CHUNK: tl.constexpr,
+    PRECISE: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """act[pair, cols] for BLOCK_N intermediate columns of pair (row, pick): a routed pick's
+    SiLU(gate) * up rounded once (as the grouped matmul rounds), the shared pick's with each projection, the
+    SiLU and the product rounded (as the dense MLP's pieces round)."""
+    pair = tl.program_id(0)
+    row = pair // (TOP_K + 1)
+    pick = pair % (TOP_K + 1)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < inter
+    at = cols.to(tl.int64)
+    follow_previous(PDL)
+    x_row = x_ptr + row * stride_x
+    out_ty = act_ptr.dtype.element_ty
+    if pick < TOP_K:
+        expert = tl.load(ids_ptr + row * TOP_K + pick).to(tl.int64)
+        base = gate_up_ptr + expert * stride_expert
+        g, u = _gate_up_sums(
+            x_row, base + at * stride_gate_up, base + (at + inter) * stride_gate_up, col_ok, K, BLOCK_N, CHUNK
+        )
+        act = g * tl.sigmoid(g) * u
+    else:
+        g, u = _gate_up_sums(
+            x_row,
+            shared_gate_ptr + at * stride_shared_gate,
+            shared_up_ptr + at * stride_shared_up,
+            col_ok,
+            K,
+            BLOCK_N,
+            CHUNK,
+        )
+        g = g.to(out_ty).to(tl.float32)
+        u = u.to(out_ty).to(tl.float32)
+        silu = tl.math.div_rn(g, 1.0 + (libdevice.exp(-g) if PRECISE else tl.exp(-g)))
+        act = silu.to(out_ty).to(tl.float32) * u
+    tl.store(act_ptr + pair * stride_act + cols, act.to(out_ty), mask=col_ok)
+
+
+@triton.jit
+def _down_sum(act_row, down_rows, row_ok, K: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
+    """act @ down.T in fp32 for BLOCK_N weight rows at `down_rows`, k read CHUNK at a time."""
+    acc = tl.zeros((BLOCK_N, CHUNK), dtype=tl.float32)
+    for start in tl.static_range(0, K, CHUNK):
+        ks = start + tl.arange(0, CHUNK)
+        k_ok = ks < K
+        act = tl.load(act_row + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        w = tl.load(down_rows[:, None] + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += w.to(tl.float32) * act
+    return tl.sum(acc, 1)
+
+
+@triton.jit
+def _pair_down_sum_kernel(
     act_ptr,
     down_ptr,
-    logit_ptr,
-    pairs_ptr,
+    shared_down_ptr,
+    ids_ptr,
+    weights_ptr,
+    logits_ptr,
     out_ptr,
-    rows,
+    experts,
     hidden,
     stride_act,
+    stride_expert,
     stride_down,
+    stride_shared_down,
+    stride_logits,
     stride_out,
     K: tl.constexpr,
     TOP_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    CHUNK: tl.constexpr,
     PRECISE: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """out[:rows, cols] = (sum of the row's TOP_K routed pairs) + sigmoid(logit) * (act @ down[cols].T),
-    for BLOCK_N columns of the hidden state, rounded to the model's dtype where the pieces round."""
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    """out[row, cols] = (sum over the routed picks of weight * act @ down.T, each rounded, in pick order)
+    + sigmoid(shared logit) * (shared act @ shared down.T), rounded where the pieces round."""
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < hidden
-    ks = tl.arange(0, BLOCK_K)
-    k_ok = ks < K
-    down = tl.load(
-        down_ptr + cols.to(tl.int64)[:, None] * stride_down + ks[None, :],
-        mask=col_ok[:, None] & k_ok[None, :],
-        other=0.0,
-    ).to(tl.float32)
+    at = cols.to(tl.int64)
     follow_previous(PDL)
     out_ty = out_ptr.dtype.element_ty
-    for row in range(rows):
-        act = tl.load(act_ptr + row * stride_act + ks, mask=k_ok, other=0.0).to(tl.float32)
-        shared = tl.sum(down * act[None, :], 1).to(out_ty).to(tl.float32)
-        routed = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for choice in tl.static_range(TOP_K):
-            pair = pairs_ptr + (row * TOP_K + choice) * hidden + cols
-            routed += tl.load(pair, mask=col_ok, other=0.0).to(tl.float32)
-        routed = routed.to(out_ty).to(tl.float32)
-        logit = tl.load(logit_ptr + row).to(tl.float32)
-        gate = torch_sigmoid(logit, PRECISE).to(out_ty).to(tl.float32)
-        total = routed + (gate * shared).to(out_ty).to(tl.float32)
-        tl.store(out_ptr + row * stride_out + cols, total.to(out_ty), mask=col_ok)
+    pairs = act_ptr + row * (TOP_K + 1) * stride_act
+    routed = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for pick in tl.static_range(TOP_K):
+        expert = tl.load(ids_ptr + row * TOP_K + pick).to(tl.int64)
+        weight = tl.load(weights_ptr + row * TOP_K + pick).to(tl.float32)
+        rows = down_ptr + expert * stride_expert + at * stride_down
+        y = _down_sum(pairs + pick * stride_act, rows, col_ok, K, BLOCK_N, CHUNK)
+        routed += (y * weight).to(out_ty).to(tl.float32)
+    shared_rows = shared_down_ptr + at * stride_shared_down
+    shared = _down_sum(pairs + TOP_K * stride_act, shared_rows, col_ok, K, BLOCK_N, CHUNK)
+    shared = shared.to(out_ty).to(tl.float32)
+    logit = tl.load(logits_ptr + row * stride_logits + experts).to(tl.float32)
+    gate = torch_sigmoid(logit, PRECISE).to(out_ty).to(tl.float32)
+    total = routed.to(out_ty).to(tl.float32) + (gate * shared).to(out_ty).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, total.to(out_ty), mask=col_ok)
 
 
-_COMPILED = isinstance(_shared_down_sum_kernel, triton.runtime.JITFunction)  # the interpreter lacks libdevice
+_COMPILED = isinstance(_pair_down_sum_kernel, triton.runtime.JITFunction)  # the interpreter lacks libdevice
 
 SharedExpert = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
-def _takes(x: torch.Tensor, shared: SharedExpert | None) -> bool:
-    """Whether the shared expert's kernels take this window (else the block runs its pieces)."""
+@functools.cache
+def _arrivals(device: torch.device) -> torch.Tensor:
+    """The router programs' arrival counters on `device`, one a row (int32, back to 0 after every window; a
+    device's windows run one after another on its stream)."""
+    with torch.inference_mode():
+        return torch.zeros(MAX_ROWS, dtype=torch.int32, device=device)
+
+
+def _takes(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, shared: SharedExpert | None) -> bool:
+    """Whether the block's kernels take this window (else the block runs its pieces)."""
     if shared is None or not 1 <= x.shape[0] <= MAX_ROWS:
         return False
-    gate, up, down, router = shared
-    if any(w.dtype == torch.uint8 or w.stride(-1) != 1 for w in shared):
+    weights = (gate_up, down, *shared)
+    if any(w.dtype == torch.uint8 or w.stride(-1) != 1 for w in weights):
         return False
+    gate, up, shared_down, router = shared
     inter, hidden = gate.shape
-    shapes = up.shape == gate.shape and down.shape == (hidden, inter) and router.shape == (1, hidden)
-    return shapes and x.shape[1] == hidden and max(hidden, inter) <= MAX_K
-
-
-def _row_block(k: int) -> tuple[int, int]:
-    """(weight rows a program holds, the power-of-two k it covers) for a reduction of k."""
-    block_k = triton.next_power_of_2(k)
-    return max(1, ROW_ELEMENTS // block_k), block_k
+    experts = gate_up.shape[0]
+    shapes = (
+        up.shape == gate.shape
+        and shared_down.shape == (hidden, inter)
+        and router.shape == (1, hidden)
+        and gate_up.shape == (experts, 2 * inter, hidden)
+        and down.shape == (experts, hidden, inter)
+    )
+    return shapes and x.shape[1] == hidden and hidden <= MAX_K
 
 
 def moe_block(
@@ -163,61 +346,94 @@ def moe_block(
     shared: SharedExpert | None,
 ) -> torch.Tensor | None:
     """`Backends.moe_block` on the Triton set, for a window of up to MAX_ROWS rows with a shared expert
-    (gate, up [inter, hidden], down [hidden, inter], router [1, hidden]) in the model's dtype: the routed
-    experts as the pieces run them, the shared expert and the sum in two launches. None otherwise (the block
-    then runs its pieces)."""
-    if not _takes(x, shared):
+    (gate, up [inter, hidden], down [hidden, inter], router [1, hidden]) whose size is the routed experts'
+    (gate_up [experts, 2 * inter, hidden], down [experts, hidden, inter]), none held as GGUF blocks: the
+    whole block in three launches. None otherwise (the block then runs its pieces)."""
+    if not _takes(x, gate_up, down, shared):
         return None
     assert shared is not None
-    gate, up, shared_down, shared_router = shared
+    shared_gate, shared_up, shared_down, shared_router = shared
     rows, hidden = x.shape
+    experts, inter = gate_up.shape[0], shared_gate.shape[0]
     x = x.contiguous()
-    logits = few_rows_linear(x, router)
-    ids, weights = route_top_k(logits, top_k, renormalize, counts, live)
-    pairs = expert_pairs(x, ids, weights, gate_up, down)
-    inter = gate.shape[0]
-    act = x.new_empty(rows, inter)
-    logit = x.new_empty(rows)
-    block_n, block_k = _row_block(hidden)
-    grid = (triton.cdiv(inter, block_n) + 1,)
-    _shared_gate_up_kernel[grid](
+    logits = x.new_empty(rows, experts + 1)
+    ids = torch.empty(rows, top_k, dtype=torch.int32, device=x.device)
+    weights = x.new_empty(rows, top_k)
+    block_k = triton.next_power_of_2(hidden)
+    block_n = max(1, ROW_ELEMENTS // block_k)
+    grid = (triton.cdiv(experts, block_n) + 1, rows)
+    _router_kernel[grid](
         x,
-        gate,
-        up,
+        router,
         shared_router,
-        act,
-        logit,
+        logits,
+        ids,
+        weights,
+        counts,
+        live if live is not None else counts,
+        _arrivals(x.device),
         rows,
-        inter,
+        experts,
         x.stride(0),
-        gate.stride(0),
-        up.stride(0),
-        act.stride(0),
+        router.stride(0),
+        logits.stride(0),
         K=hidden,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
+        BLOCK_E=triton.next_power_of_2(experts),
+        TOP_K=top_k,
+        BLOCK_TOP=triton.next_power_of_2(top_k),
+        RENORM=renormalize,
+        HAS_LIVE=live is not None,
+        num_warps=4,
+        **pdl(x.device, grid),
+    )
+    act = x.new_empty(rows * (top_k + 1), inter)
+    grid = (act.shape[0], triton.cdiv(inter, UP_COLUMNS))
+    _pair_up_kernel[grid](
+        x,
+        gate_up,
+        shared_gate,
+        shared_up,
+        ids,
+        act,
+        inter,
+        x.stride(0),
+        gate_up.stride(0),
+        gate_up.stride(1),
+        shared_gate.stride(0),
+        shared_up.stride(0),
+        act.stride(0),
+        K=hidden,
+        TOP_K=top_k,
+        BLOCK_N=UP_COLUMNS,
+        CHUNK=CHUNK,
         PRECISE=_COMPILED,
         num_warps=4,
         **pdl(x.device, grid),
     )
     out = torch.empty_like(x)
-    block_n, block_k = _row_block(inter)
-    grid = (triton.cdiv(hidden, block_n),)
-    _shared_down_sum_kernel[grid](
+    grid = (rows, triton.cdiv(hidden, DOWN_COLUMNS))
+    _pair_down_sum_kernel[grid](
         act,
+        down,
         shared_down,
-        logit,
-        pairs,
+        ids,
+        weights,
+        logits,
         out,
-        rows,
+        experts,
         hidden,
         act.stride(0),
+        down.stride(0),
+        down.stride(1),
         shared_down.stride(0),
+        logits.stride(0),
         out.stride(0),
         K=inter,
         TOP_K=top_k,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
+        BLOCK_N=DOWN_COLUMNS,
+        CHUNK=CHUNK,
         PRECISE=_COMPILED,
         num_warps=4,
         **pdl(x.device, grid),

@@ -23,6 +23,7 @@ class Attention(nn.Module):
         super().__init__()
         self.attend = backends.attention
         self.paged_attend = backends.paged_attention
+        self.gate_in_attention = backends.attention_gate
         self.layer = layer
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
@@ -93,7 +94,6 @@ class Attention(nn.Module):
         gate = None
         if self.gated:
             q, gate = q.view(tokens, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
-            gate = gate.reshape(tokens, -1)
         q = q.reshape(tokens, self.heads, self.head_dim)
         k = k.reshape(tokens, self.kv_heads, self.head_dim)
         v = v.reshape(tokens, self.kv_heads, self.head_dim)
@@ -109,6 +109,10 @@ class Attention(nn.Module):
                 q, k = self._norm_rope(q, k, norms, cos_sin)
                 state.write_kv(self.layer, k, v, batch.layout.slot_mapping)
                 keys, values = state.kv_cache(self.layer)
+            if gate is not None and self.gate_in_attention:
+                return self.o_proj(
+                    self.paged_attend(q, keys, values, batch.layout, scale, gate).view(tokens, -1)
+                )
             out = self.paged_attend(q, keys, values, batch.layout, scale)
         else:
             q, k = self._norm_rope(q, k, norms, cos_sin)
@@ -118,5 +122,5 @@ class Attention(nn.Module):
                 out[span.rows] = self.attend(q[span.rows], keys, values, scale)
         out = out.reshape(tokens, -1)
         if gate is not None:
-            out = out * torch.sigmoid(gate)
+            out = out * torch.sigmoid(gate.reshape(tokens, -1))
         return self.o_proj(out)

@@ -186,6 +186,25 @@ def test_non_contiguous_q() -> None:
     check(case)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_an_output_gate_is_applied_in_the_same_launch(dtype: torch.dtype) -> None:
+    """Prompt tiles and decode rows alike: the gated output is the plain one times the sigmoid of a strided
+    gate (a head's gate beside its q, as a gated layer's projection lays them), rounded the same way."""
+    case = make_case(
+        [(12, 1), (0, 9), (30, 1), (5, 20)], heads=4, kv_heads=2, head_dim=32, dtype=dtype, seed=8
+    )
+    beside = torch.randn(case.q.shape[0], 4, 64).to(dtype)
+    gate = beside[..., 32:]
+    scale = 32**-0.5
+    plain = _paged_attention(case.q, case.key_cache, case.value_cache, case.layout, scale, SMALL)
+    gated = _paged_attention(case.q, case.key_cache, case.value_cache, case.layout, scale, SMALL, gate)
+    torch.testing.assert_close(
+        gated, plain * torch.sigmoid(gate), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype]
+    )
+    with pytest.raises(ValueError, match="the gate must be"):
+        paged_attention(case.q, case.key_cache, case.value_cache, case.layout, scale, gate.float()[:, :2])
+
+
 def test_write_kv_stores_rows_at_flat_slots() -> None:
     blocks, block_size, kv_heads, head_dim = 5, 16, 2, 8
     key_cache = torch.zeros(blocks, block_size, kv_heads, head_dim)

@@ -10,7 +10,7 @@ import torch
 from checkpoints import write_checkpoint
 
 from app.kernels.backends import select_backends
-from app.kernels.triton_moe_block import MAX_ROWS, moe_block
+from app.kernels.triton_moe_block import MAX_ROWS, _arrivals, moe_block
 from app.loading.loader import load_model
 from app.models.moe import SparseMoE
 
@@ -52,6 +52,7 @@ def test_the_block_equals_its_pieces(checkpoint: Path, dtype: str, tolerance: fl
     pieces, pieces_counts = _run(block, x, live, fused=False)
     torch.testing.assert_close(fused, pieces, rtol=tolerance, atol=tolerance)
     assert torch.equal(fused_counts, pieces_counts) and fused_counts.sum() == 4 * block.top_k
+    assert _arrivals(x.device).sum().item() == 0  # each row's last router program set its counter back
 
 
 def test_a_rows_result_does_not_depend_on_its_window(checkpoint: Path) -> None:
@@ -78,3 +79,14 @@ def test_windows_beyond_its_rows_run_the_pieces(checkpoint: Path) -> None:
 
 def test_exact_mode_keeps_the_pieces() -> None:
     assert select_backends("triton", "cpu", exact=True).moe_block is None
+
+
+def test_a_shared_expert_of_another_size_runs_the_pieces(checkpoint: Path) -> None:
+    block = _block(checkpoint, "float32")
+    experts = block.experts
+    hidden, inter = block.gate.in_features, experts.intermediate
+    x = torch.randn(2, hidden)
+    counts = torch.zeros(block.gate.out_features, dtype=torch.int64)
+    wider = (torch.randn(2 * inter, hidden), torch.randn(2 * inter, hidden), torch.randn(hidden, 2 * inter))
+    args = (x, block.gate.weight, block.top_k, True, counts, None, experts.gate_up, experts.down)
+    assert moe_block(*args, (*wider, torch.randn(1, hidden))) is None and counts.sum() == 0
