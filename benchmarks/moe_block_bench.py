@@ -26,29 +26,17 @@ from app.kernels.backends import select_backends
 from app.models.config import ModelConfig
 from app.models.moe import SparseMoE
 from benchmarks.roofline import expected_experts, graph_us, measure_copy_bandwidth
+from benchmarks.shapes import shape
 
-EXPERTS, TOP_K, HIDDEN, INTER = 512, 10, 2048, 512
+QNEXT = shape("qnext", 1)
+EXPERTS, TOP_K = QNEXT["num_experts"], QNEXT["num_experts_per_tok"]
+HIDDEN, INTER = QNEXT["hidden_size"], QNEXT["moe_intermediate_size"]
 KERNELS = ("app.kernels.triton_moe_block",)
 
 
 def _config() -> ModelConfig:
-    return ModelConfig.from_dict(
-        {
-            "model_type": "qwen3_next",
-            "vocab_size": 1024,
-            "hidden_size": HIDDEN,
-            "num_hidden_layers": 1,
-            "num_attention_heads": 16,
-            "num_key_value_heads": 2,
-            "head_dim": 256,
-            "intermediate_size": 5120,
-            "moe_intermediate_size": INTER,
-            "shared_expert_intermediate_size": INTER,
-            "num_experts": EXPERTS,
-            "num_experts_per_tok": TOP_K,
-            "norm_topk_prob": True,
-        }
-    )
+    """Qwen3-Next-80B-A3B's config (benchmarks/shapes.py), one layer."""
+    return ModelConfig.from_dict(QNEXT)
 
 
 def _blocks(layers: int) -> list[SparseMoE]:

@@ -186,12 +186,13 @@ def align_routes(top_ids: torch.Tensor, experts: int, block_m: int) -> Routes:
 
 
 @triton.jit
-def _route(
+def route_row(
     logits_ptr,
     ids_ptr,
     weights_ptr,
     counts_ptr,
     live_ptr,
+    row,
     experts,
     stride_row,
     TOP_K: tl.constexpr,
@@ -199,14 +200,14 @@ def _route(
     HAS_LIVE: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    """Softmax over a token's router logits, its top-k experts and weights; adds the picks to `counts`."""
-    follow_previous(PDL)
-    row = tl.program_id(0).to(tl.int64)
+    """Softmax over token `row`'s router logits, its top-k experts (int64) and weights; adds the picks to
+    `counts`. The logits are read at L2 (`.cg`), so a program may route logits other programs of its launch
+    wrote."""
     cols = tl.arange(0, BLOCK_E)
     ok = cols < experts
-    x = tl.load(logits_ptr + row * stride_row + cols, mask=ok, other=float("-inf")).to(tl.float32)
+    at = logits_ptr + row * stride_row + cols
+    x = tl.load(at, mask=ok, other=float("-inf"), cache_modifier=".cg").to(tl.float32)
     p = tl.exp(x - tl.max(x, axis=0))
     p = p / tl.sum(p, axis=0)
     p = tl.where(ok, p, -1.0)
@@ -225,6 +226,41 @@ def _route(
         weights = weights / tl.sum(weights, axis=0)
     tl.store(ids_ptr + row * TOP_K + slots, chosen.to(tl.int64), mask=keep)
     tl.store(weights_ptr + row * TOP_K + slots, weights.to(weights_ptr.dtype.element_ty), mask=keep)
+
+
+@triton.jit
+def _route(
+    logits_ptr,
+    ids_ptr,
+    weights_ptr,
+    counts_ptr,
+    live_ptr,
+    experts,
+    stride_row,
+    TOP_K: tl.constexpr,
+    RENORM: tl.constexpr,
+    HAS_LIVE: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """A program per token: `route_row`."""
+    follow_previous(PDL)
+    route_row(
+        logits_ptr,
+        ids_ptr,
+        weights_ptr,
+        counts_ptr,
+        live_ptr,
+        tl.program_id(0).to(tl.int64),
+        experts,
+        stride_row,
+        TOP_K,
+        RENORM,
+        HAS_LIVE,
+        BLOCK_E,
+        BLOCK_K,
+    )
 
 
 def route_top_k(

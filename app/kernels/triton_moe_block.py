@@ -7,7 +7,7 @@ its router's logit:
 
 1. `_router_kernel`: a program per (row, few experts): the router's logits and the shared expert's logit, the
    weight rows read before the kernel before it ends; the row's program that finishes last (a counter a row)
-   then routes the row: softmax, top-k, renormalised weights, the routing counts.
+   then routes the row as `route_top_k` does (`triton_moe.route_row`: softmax, top-k, weights, counts).
 2. `_pair_up_kernel`: a program per (pair, few intermediate columns): SiLU(x @ gate.T) * (x @ up.T) of the
    pair's expert, the shared expert's for the last pick of a row. 11 picks of 512 columns in programs of 8
    columns are 704 programs at one row, so a lone row's experts are read by every SM (no split of k needed).
@@ -15,9 +15,8 @@ its router's logit:
    its weight, summed in pick order, then the shared pick's times its gate, added.
 
 Each row is summed by itself in fp32 on the CUDA cores in tiles of fixed shape, so a row's result does not
-depend on its window (a row is routed in a tile of its own); intermediate
-results are rounded to the model's dtype where the pieces round them, so results agree with the pieces to the
-order of fp32 sums. `--exact` keeps the pieces.
+depend on its window; intermediate results are rounded to the model's dtype where the pieces round them, so
+results agree with the pieces to the order of fp32 sums. `--exact` keeps the pieces.
 """
 
 from __future__ import annotations
@@ -31,6 +30,7 @@ from triton.language.extra import libdevice
 
 from app.kernels.triton_launch import follow_previous, pdl
 from app.kernels.triton_linear import ROW_ELEMENTS
+from app.kernels.triton_moe import route_row
 from app.kernels.triton_norm import torch_sigmoid
 
 MAX_ROWS = 16  # windows of more rows run the block's pieces (tiles of rows read shared experts once)
@@ -38,7 +38,6 @@ MAX_K = 1 << 13  # the longest hidden state a router program holds whole
 UP_COLUMNS = 8  # intermediate columns (of gate and of up) a `_pair_up_kernel` program computes
 DOWN_COLUMNS = 4  # hidden columns a `_pair_down_sum_kernel` program computes
 CHUNK = 256  # k a program reads at a time
-ROUTE_ROWS: tl.constexpr = tl.constexpr(1)  # rows of the routing's tile
 
 
 @triton.jit
@@ -52,7 +51,6 @@ def _router_kernel(
     counts_ptr,
     live_ptr,
     arrivals_ptr,
-    rows,
     experts,
     stride_x,
     stride_router,
@@ -91,76 +89,21 @@ def _router_kernel(
     tl.debug_barrier()  # every thread's logits stored before the arrival is counted (release)
     if tl.atomic_add(arrivals_ptr + row, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
         tl.store(arrivals_ptr + row, 0)  # for the next window
-        _route_row(
-            row,
+        route_row(
             logits_ptr,
             ids_ptr,
             weights_ptr,
             counts_ptr,
             live_ptr,
-            rows,
+            row.to(tl.int64),
             experts,
             stride_logits,
-            BLOCK_E,
             TOP_K,
-            BLOCK_TOP,
             RENORM,
             HAS_LIVE,
+            BLOCK_E,
+            BLOCK_TOP,
         )
-
-
-@triton.jit
-def _route_row(
-    row,
-    logits_ptr,
-    ids_ptr,
-    weights_ptr,
-    counts_ptr,
-    live_ptr,
-    rows,
-    experts,
-    stride_logits,
-    BLOCK_E: tl.constexpr,
-    TOP_K: tl.constexpr,
-    BLOCK_TOP: tl.constexpr,
-    RENORM: tl.constexpr,
-    HAS_LIVE: tl.constexpr,
-):
-    """A row's softmax over its logits in fp32, its top-k ids (int32) and weights (optionally renormalised),
-    in a tile of that one row (the same for every window); its picks added to `counts` (a real row's)."""
-    lanes = row + tl.arange(0, ROUTE_ROWS)
-    row_ok = lanes < rows
-    cols = tl.arange(0, BLOCK_E)
-    ok = row_ok[:, None] & (cols < experts)[None, :]
-    at = logits_ptr + lanes[:, None] * stride_logits + cols[None, :]
-    x = tl.load(at, mask=ok, other=float("-inf"), cache_modifier=".cg").to(tl.float32)
-    e = tl.exp(x - tl.max(x, axis=1)[:, None])
-    e = tl.where(ok, e, 0.0)
-    left = tl.where(ok, e, -1.0)
-    slots = tl.arange(0, BLOCK_TOP)
-    chosen = tl.zeros((ROUTE_ROWS, BLOCK_TOP), dtype=tl.int32)
-    weights = tl.zeros((ROUTE_ROWS, BLOCK_TOP), dtype=tl.float32)
-    picked = tl.zeros((ROUTE_ROWS,), dtype=tl.float32)
-    for k in tl.static_range(TOP_K):
-        top, best = tl.max(left, axis=1, return_indices=True, return_indices_tie_break_left=True)
-        chosen = tl.where(slots[None, :] == k, best[:, None], chosen)
-        weights = tl.where(slots[None, :] == k, top[:, None], weights)
-        picked += top
-        left = tl.where(cols[None, :] == best[:, None], -1.0, left)
-    if RENORM:  # noqa: SIM108
-        weights = weights / picked[:, None]
-    else:
-        weights = weights / tl.sum(e, axis=1)[:, None]
-    keep = row_ok[:, None] & (slots < TOP_K)[None, :]
-    if HAS_LIVE:
-        live = tl.load(live_ptr + lanes, mask=row_ok, other=0).to(tl.int64)
-    else:
-        live = tl.full((ROUTE_ROWS,), 1, dtype=tl.int64)
-    picks = tl.full((ROUTE_ROWS, BLOCK_TOP), 1, dtype=tl.int64) * live[:, None]
-    tl.atomic_add(counts_ptr + chosen, picks, mask=keep)
-    out = lanes[:, None] * TOP_K + slots[None, :]
-    tl.store(ids_ptr + out, chosen, mask=keep)
-    tl.store(weights_ptr + out, weights.to(weights_ptr.dtype.element_ty), mask=keep)
 
 
 @triton.jit
@@ -357,7 +300,7 @@ def moe_block(
     experts, inter = gate_up.shape[0], shared_gate.shape[0]
     x = x.contiguous()
     logits = x.new_empty(rows, experts + 1)
-    ids = torch.empty(rows, top_k, dtype=torch.int32, device=x.device)
+    ids = torch.empty(rows, top_k, dtype=torch.int64, device=x.device)
     weights = x.new_empty(rows, top_k)
     block_k = triton.next_power_of_2(hidden)
     block_n = max(1, ROW_ELEMENTS // block_k)
@@ -372,7 +315,6 @@ def moe_block(
         counts,
         live if live is not None else counts,
         _arrivals(x.device),
-        rows,
         experts,
         x.stride(0),
         router.stride(0),

@@ -15,6 +15,7 @@ from app.models.config import ModelConfig
 from app.models.gdn import GatedDeltaNet
 from app.models.moe import SparseMoE
 from app.models.qwen3 import DecoderLayer
+from benchmarks.shapes import shape
 
 pytestmark = [
     pytest.mark.gpu,
@@ -27,31 +28,10 @@ ROWS = [3, 17, 5, 0, 29, 11, 8, 21]  # a window's rows, by state slot
 
 
 def _config() -> ModelConfig:
-    return ModelConfig.from_dict(
-        {
-            "model_type": "qwen3_next",
-            "vocab_size": 1024,
-            "hidden_size": 2048,
-            "num_hidden_layers": 4,
-            "num_attention_heads": 16,
-            "num_key_value_heads": 2,
-            "head_dim": 256,
-            "partial_rotary_factor": 0.25,
-            "intermediate_size": 5120,
-            "linear_num_key_heads": 16,
-            "linear_num_value_heads": 32,
-            "linear_key_head_dim": 128,
-            "linear_value_head_dim": 128,
-            "linear_conv_kernel_dim": 4,
-            "moe_intermediate_size": 512,
-            "shared_expert_intermediate_size": 512,
-            "num_experts": 512,
-            "num_experts_per_tok": 10,
-            "norm_topk_prob": True,
-            "rms_norm_eps": 1e-6,
-            "max_position_embeddings": 4096,
-        }
-    )
+    """Qwen3-Next-80B-A3B's sizes (benchmarks/shapes.py), four layers, a small vocabulary and context."""
+    config = shape("qnext", 4)
+    config.update(vocab_size=1024, max_position_embeddings=4096)
+    return ModelConfig.from_dict(config)
 
 
 @pytest.fixture(scope="module")
