@@ -43,8 +43,8 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--out", help="append the whole summaries to this JSON-lines file")
     args = parser.parse_args()
-    for spec in args.spec:
-        for concurrency in args.concurrency:
+    for concurrency in args.concurrency:  # each source beside the others at one concurrency: less drift
+        for spec in args.spec:
             config = EngineConfig(
                 model=args.model, parallel=max(args.concurrency), spec=spec, spec_tokens=args.spec_tokens
             )

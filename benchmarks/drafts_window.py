@@ -2,7 +2,10 @@
 launch, the eager forward, the Gated DeltaNet layers and the MTP head's pass each timed with the device
 synchronised around them (so the figures add host and device time; the totals are slower than a free run).
 
-    python benchmarks/drafts_window.py [--spec off|ngram|mtp] [--concurrency 4]
+    python benchmarks/drafts_window.py [--spec off|ngram|mtp] [--concurrency 4] [--profile]
+
+With --profile the timed run is not synchronised but profiled instead: the device's kernels by total time,
+and how many ran a window.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from engine_helpers import make_core, random_prompt, request, run
 
 from app.default_model import default_model_dir
 from app.engine.core import EngineCore
+from app.engine.cuda_graphs import WindowGraphs
 from app.engine.mtp_drafts import MtpDrafter
 from app.engine.runner import ModelRunner
 from app.models.gdn import GatedDeltaNet
@@ -31,6 +35,7 @@ SECTIONS = [
     (EngineCore, "step", "step"),
     (ModelRunner, "launch", "launch"),
     (ModelRunner, "_eager", "eager forward"),
+    (WindowGraphs, "run", "replayed window"),
     (GatedDeltaNet, "forward", "Gated DeltaNet layer"),
     (MtpDrafter, "guess", "MTP head's pass"),
 ]
@@ -58,6 +63,7 @@ def main() -> None:
     parser.add_argument("--spec", default="mtp")
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
     core = make_core(
         default_model_dir(), device="cuda", dtype="bfloat16", parallel=8, kv_memory=1 << 30, spec=args.spec
@@ -75,6 +81,9 @@ def main() -> None:
         ]
 
     run(core, requests(0))  # the graphs are captured: the timers go in after the first run (no sync there)
+    if args.profile:
+        profile(core, requests(100))
+        return
     spent: dict[str, list[float]] = collections.defaultdict(list)
     for owner, name, key in SECTIONS:
         timed(owner, name, key, spent)
@@ -83,6 +92,24 @@ def main() -> None:
     print(f"{args.spec}: {len(windows)} windows in {time.perf_counter() - began:.3f} s")
     for key, times in spent.items():
         print(f"  {key}: {len(times)} calls, {1000 * sum(times) / len(times):.2f} ms each")
+
+
+def profile(core: EngineCore, arrivals: list) -> None:
+    """Run `arrivals` under the torch profiler; print the device's kernels by total time."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        _, windows = run(core, arrivals)
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.key_averages() if e.device_time_total > 0 and e.device_type.name == "CUDA"]
+    kernels.sort(key=lambda e: e.device_time_total, reverse=True)
+    busy = sum(e.device_time_total for e in kernels)
+    launches = sum(e.count for e in kernels)
+    each = launches / len(windows)
+    print(f"{len(windows)} windows: device busy {busy / 1000:.1f} ms, {each:.0f} kernels a window")
+    for e in kernels[:25]:
+        print(f"  {e.device_time_total / 1000:8.2f} ms {e.count:6d}x  {e.key[:90]}")
 
 
 if __name__ == "__main__":

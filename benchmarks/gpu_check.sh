@@ -16,6 +16,8 @@
 # decode: the fused decode steps' GPU tests and the end-to-end ones, then the decode windows of Qwen3-Next's
 # shapes cut to 12 layers profiled with the fused steps off and on (STRATA_FUSED_DECODE).
 # decode-bench: benchmarks/gpu_bench.py on qnext at 12 layers, at the most that fit, and on q30-half.
+# drafts: the drafts' and Gated DeltaNet kernels' GPU tests, then benchmarks/drafts.py on the demo model at 1, 4
+# and 8 slots (no drafts, n-gram, MTP head; 256 tokens each).
 # Wheels the machine's image lacks can sit in .whl/ (installed to /tmp/site first).
 # Results go to $OUT (or ./gpu-results): pytest log, bench.jsonl.
 set -uo pipefail
@@ -86,6 +88,12 @@ if [[ $what == split ]]; then
             done
         done
     done
+fi
+if [[ $what == drafts ]]; then
+    python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_drafts_gpu.py tests/gpu/test_triton_gdn_gpu.py 2>&1 \
+        | tee "$out/gpu-tests.log" || status=1
+    python3 benchmarks/drafts.py --concurrency 1 4 8 --output-len 256 --out "$out/drafts.jsonl" 2>&1 \
+        | grep -v Warning | tee "$out/drafts.log" || status=1
 fi
 if [[ $what == tier ]]; then
     python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_fast_path_gpu.py -k tier 2>&1 \

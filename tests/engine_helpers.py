@@ -10,6 +10,7 @@ import torch
 
 from app.engine.config import EngineConfig
 from app.engine.core import EngineCore
+from app.engine.cuda_graphs import Bucket, WindowGraphs
 from app.engine.protocol import AddRequest, PositionLogprobs, SamplingParams, WindowStats
 
 _ids = itertools.count()
@@ -83,3 +84,24 @@ def complete(core: EngineCore, prompt: list[int], **params: object) -> Completio
     """Run one request alone to its end."""
     add = request(prompt, **params)
     return run(core, [(0, add)])[0][add.request_id]
+
+
+def with_window_graphs(core: EngineCore, draft_rows: int = 0) -> list[Bucket]:
+    """Give the core's runner window graphs (not captured on the CPU: each window runs the forward over the
+    graphs' padded static inputs), scoring up to `draft_rows` draft rows a window; returns the list of
+    buckets its windows ran in."""
+    config, state = core.config, core.runner.state
+    max_blocks = -(-core.max_model_len // config.block_size)
+    tokens = config.max_batched_tokens
+    model, slots = core.runner.model, config.parallel
+    graphs = WindowGraphs(model, state, slots, max_blocks, tokens, draft_rows=draft_rows)
+    used: list[Bucket] = []
+    run_bucket = graphs.run
+
+    def run_and_record(chunks: list, bucket: Bucket, fed: object = None) -> torch.Tensor:
+        used.append(bucket)
+        return run_bucket(chunks, bucket, fed)
+
+    graphs.run = run_and_record  # type: ignore[method-assign]
+    core.runner.graphs = graphs
+    return used

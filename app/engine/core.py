@@ -16,6 +16,7 @@ from app.engine.cuda_graphs import WindowGraphs
 from app.engine.drafts import MtpGuesses, accepted
 from app.engine.expert_report import ExpertReporter, joined
 from app.engine.grammar import Grammars
+from app.engine.head_graphs import HeadGraphs
 from app.engine.mtp_drafts import MtpDrafter, MtpSpan
 from app.engine.paged_state import PagedState, kv_block_bytes, slot_state_bytes
 from app.engine.parking import ConversationPark
@@ -206,7 +207,9 @@ class EngineCore:
                 tier.keep_slot_heat(config.parallel + 1)
         graphs = self._window_graphs(state)
         self.runner = ModelRunner(model, state, Sampler(config.seed), graphs, self.park, self.pipeline)
-        self.mtp = MtpDrafter(model, state) if config.spec == "mtp" else None
+        self.mtp = None
+        if config.spec == "mtp":
+            self.mtp = MtpDrafter(model, state, self._head_graphs(state, graphs))
         self.runner.warm_up()
         if self.park is not None:
             self.park.reserve_pinned()
@@ -284,9 +287,10 @@ class EngineCore:
 
     @property
     def _draft_slots(self) -> int:
-        """State slots where drafting slots keep their state while drafts are verified (one a slot, with
-        `--spec` on a model with recurrent state), after the prefix cache's."""
-        return self.config.parallel if self.recurrent and self.config.spec != "off" else 0
+        """State slots where drafting slots keep the state after each verified row but the last
+        (`--spec-tokens` a slot, with `--spec` on a model with recurrent state), after the prefix cache's."""
+        config = self.config
+        return config.parallel * config.spec_tokens if self.recurrent and config.spec != "off" else 0
 
     @property
     def _drafts_refused(self) -> str | None:
@@ -352,9 +356,23 @@ class EngineCore:
         # a prompt piece may pass the token budget to reach its next chunk multiple (scheduler.py)
         max_tokens = config.max_batched_tokens + (CHUNK if self.recurrent else 0)
         model, keep = self.loaded.model, config.spec == "mtp"
-        graphs = WindowGraphs(model, state, config.parallel, max_blocks, max_tokens, keep_hidden=keep)
+        drafts = config.parallel * config.spec_tokens if config.spec != "off" else 0
+        graphs = WindowGraphs(
+            model, state, config.parallel, max_blocks, max_tokens, keep_hidden=keep, draft_rows=drafts
+        )
         graphs.capture()
         return graphs
+
+    def _head_graphs(self, state: PagedState, graphs: WindowGraphs | None) -> HeadGraphs | None:
+        """The MTP head's pass captured for windows of verified rows, where windows replay graphs (an expert
+        tier's windows are captured piecewise: its head passes run eagerly)."""
+        config = self.config
+        if graphs is None or graphs.tiers or config.spec_tokens < 1:
+            return None
+        max_blocks = -(-self.max_model_len // config.block_size)
+        head = HeadGraphs(self.loaded.model, state, config.parallel, config.spec_tokens, max_blocks)
+        head.capture()
+        return head
 
     def _conversation_park(self, state: PagedState) -> ConversationPark | None:
         """The park of finished conversations, when the prefix cache is on and RAM or disk is given to it."""

@@ -11,12 +11,17 @@ Two kinds of bucket share one set of static input buffers and one memory pool:
 
 Padding rows are not counted as routed tokens (`live` is 0 there). A window larger than every bucket runs
 eagerly, and `--enforce-eager` turns graphs off.
+
+Windows that verify draft tokens replay mixed buckets too: a drafting chunk is a stepwise sequence of 1 + K
+rows (its recurrent layers read it token by token, leaving the state after each row in its draft slots: the
+static `stepwise` and `row_saves`), and the graph scores every row a chunk samples at (`sample_rows`, room for
+`draft_rows` more than one a sequence).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,8 +29,10 @@ import torch
 
 from app.engine.paged_state import PagedState
 from app.engine.scheduler import Chunk
+from app.engine.transfer import device_tensor
 from app.models.batch import ForwardBatch, PagedLayout, SequenceSpan
 from app.models.expert_tier import TieredExperts
+from app.models.gdn import GatedDeltaNet
 from app.models.pieces import Pieces
 from app.models.qwen3 import CausalLM
 
@@ -51,6 +58,26 @@ class Bucket:
     def decode(self) -> bool:
         """A decode bucket: one row per sequence."""
         return self.longest == 1
+
+
+def warm_up_on_side(run: Callable[[], object]) -> torch.cuda.Stream:
+    """Run `run` twice on a side stream, as a capture needs first (its allocations and compiles done outside
+    the graph); the stream, which the current one then waits for."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            run()
+    torch.cuda.current_stream().wait_stream(side)
+    return side
+
+
+def capture_graph(run: Callable[[], torch.Tensor], pool: object) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """`run` captured in a graph on the memory `pool` (None: a new one), and the tensor it returned."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = run()
+    return graph, out
 
 
 def buckets_up_to(rows: int) -> list[int]:
@@ -79,7 +106,8 @@ class WindowGraphs:
     `slots` batch slots; `max_blocks` block-table columns a request can need; `max_tokens` the most rows of a
     window the scheduler plans (token budget plus the alignment overrun of a prompt piece). With
     `keep_hidden` (the MTP head drafts) every replay also leaves its rows' final hidden states in one static
-    buffer (`hidden_rows`).
+    buffer (`hidden_rows`). `draft_rows`: the most draft tokens a window verifies (slots times the engine's
+    draft tokens; 0 without drafts), which its mixed buckets score beside one row a sequence.
 
     A model with an expert tier gets decode windows only, each captured piecewise (app/models/pieces.py): a
     graph up to each tiered layer's resident experts, the layer's misses computed by the host between two
@@ -94,12 +122,17 @@ class WindowGraphs:
         max_blocks: int,
         max_tokens: int,
         keep_hidden: bool = False,
+        draft_rows: int = 0,
     ) -> None:
         self.model = model
         self.state = state
         self.slots = slots
         seqs = slots + 1  # the chunks' sequences and one of padding
         self.tiers = [m for m in model.modules() if isinstance(m, TieredExperts)]
+        # drafting chunks replay mixed buckets where recurrent layers read them token by token in one launch
+        recurrent = any(isinstance(m, GatedDeltaNet) for m in model.modules())
+        self.draft_rows = draft_rows if model.backends.stepwise_spans or not recurrent else 0
+        self.stepping = recurrent and self.draft_rows > 0  # the layout carries stepwise spans
         mixed = [] if self.tiers else mixed_buckets(max_tokens, seqs)
         self.buckets = mixed + [Bucket(n, n, 1) for n in buckets_up_to(slots)]
         self.max_tokens = max(b.tokens for b in self.buckets)
@@ -109,8 +142,8 @@ class WindowGraphs:
         tokens, seqs = self.max_tokens, self.max_seqs
         device = state.device
         # Static inputs: int64 ones in one tensor, int32 ones in another, each filled by one copy per window.
-        self._long_sizes = [tokens] * 5 + [seqs] * 3
-        self._int_sizes = [seqs + 1, seqs, seqs, seqs * self.width]
+        self._long_sizes = [tokens] * 6 + [seqs] * 2 + [seqs + self.draft_rows]
+        self._int_sizes = [seqs + 1, seqs, seqs, seqs, seqs * self.width]
         self._long = torch.zeros(sum(self._long_sizes), dtype=torch.int64, device=device)
         self._int = torch.zeros(sum(self._int_sizes), dtype=torch.int32, device=device)
         self._long_host = torch.zeros_like(self._long, device="cpu")
@@ -127,11 +160,12 @@ class WindowGraphs:
             self.slot_mapping,
             self.live,
             self.row_slots,
+            self.row_saves,
             self.state_slots,
             self.save_slots,
             self.sample_rows,
         ) = self._long.split(self._long_sizes)
-        self.query_start, self.seq_lens, self.save_at, table = self._int.split(self._int_sizes)
+        self.query_start, self.seq_lens, self.save_at, self.stepwise, table = self._int.split(self._int_sizes)
         self.block_table = table.view(seqs, self.width)
         # numpy views of the pinned host buffers, made once: a window fills them without torch calls
         self._long_views = np.split(self._long_host.numpy(), np.cumsum(self._long_sizes)[:-1])
@@ -152,12 +186,15 @@ class WindowGraphs:
 
     def bucket(self, chunks: Sequence[Chunk]) -> Bucket | None:
         """The smallest bucket that holds the window's chunks, or None when it must run eagerly: windows
-        that verify draft tokens (their graphs would score only each chunk's last row) or read accepted ones
-        again (decode chunks of several rows, which recurrent layers take one row at a time)."""
-        if not chunks or len(chunks) > self.slots or any(c.decode and len(c.tokens) > 1 for c in chunks):
+        with more draft tokens than `draft_rows` (among them every drafting window where the recurrent
+        layers' kernels do not read stepwise spans in one launch)."""
+        if not chunks or len(chunks) > self.slots:
+            return None
+        stepwise = [c for c in chunks if c.decode and len(c.tokens) > 1]
+        if stepwise and sum(c.sampled_rows - 1 for c in chunks if c.sampled_rows) > self.draft_rows:
             return None
         rows = sum(len(c.tokens) for c in chunks)
-        if all(c.decode for c in chunks):
+        if not stepwise and all(c.decode for c in chunks):
             return next((b for b in self.buckets if b.decode and b.tokens >= rows), None)
         longest = max(len(c.tokens) for c in chunks)
         return next(
@@ -182,8 +219,10 @@ class WindowGraphs:
             lengths[n:] = 1
         elif n < bucket.seqs:
             lengths[n] = bucket.tokens - real  # one padding sequence (the rest stay empty)
-        ids, positions, mapping, live, row_slots, state_slots, save_slots, sample_rows = self._long_views
-        query_start, seq_lens, save_at, table = self._int_views
+        ids, positions, mapping, live, row_slots, row_saves, state_slots, save_slots, sample_rows = (
+            self._long_views
+        )
+        query_start, seq_lens, save_at, stepwise, table = self._int_views
         table = table.reshape(self.max_seqs, self.width)
         starts = np.zeros(bucket.seqs + 1, np.int64)
         np.cumsum(lengths, out=starts[1:])
@@ -209,10 +248,21 @@ class WindowGraphs:
         row_slots[: bucket.tokens] = state_slots[seq]
         save_at[: bucket.seqs] = 0
         save_slots[: bucket.seqs] = -1
+        stepwise[: bucket.seqs] = 0
+        row_saves[: bucket.tokens] = -1
+        sampled = 0
         for i, chunk in enumerate(chunks):
-            if chunk.save is not None:
+            start, end = int(starts[i]), int(starts[i + 1])
+            if chunk.decode and len(chunk.tokens) > 1:  # verifies drafts: read token by token
+                stepwise[i] = 1
+                row_saves[start : start + len(chunk.step_saves)] = chunk.step_saves
+                if chunk.save is not None:
+                    row_saves[start + chunk.save[0] - chunk.past - 1] = chunk.save[1]
+            elif chunk.save is not None:
                 save_at[i], save_slots[i] = chunk.save
-        sample_rows[: bucket.seqs] = np.maximum(starts[1:] - 1, 0)
+            sample_rows[sampled : sampled + chunk.sampled_rows] = np.arange(end - chunk.sampled_rows, end)
+            sampled += chunk.sampled_rows
+        sample_rows[sampled : bucket.seqs + self.draft_rows] = 0
         self._long.copy_(self._long_host, non_blocking=True)
         self._int[: -self._int_sizes[-1]].copy_(self._int_host[: -self._int_sizes[-1]], non_blocking=True)
         # Rows read only the columns their length covers: copy no more than the widest row needs.
@@ -236,17 +286,20 @@ class WindowGraphs:
             row_slots=self.row_slots[:tokens],
             save_at=None if bucket.decode else self.save_at[:seqs],
             save_slots=None if bucket.decode else self.save_slots[:seqs],
+            stepwise=self.stepwise[:seqs] if self.stepping and not bucket.decode else None,
+            row_saves=self.row_saves[:tokens] if self.stepping and not bucket.decode else None,
         )
         spans = [SequenceSpan(seq=self.state.scratch_slot, start=0, length=0, past=0)] * seqs
         return ForwardBatch(self.input_ids[:tokens], self.positions[:tokens], spans, self.state, layout)
 
     def forward(self, bucket: Bucket) -> torch.Tensor:
-        """The bucket's forward over the static inputs: logits [seqs, vocab] of each sequence's last row."""
+        """The bucket's forward over the static inputs: logits of every row of a decode bucket, of the rows
+        in `sample_rows` of a mixed one."""
         hidden = self.model(self._batch(bucket))
         if self._hidden is not None:
             self._hidden[: bucket.tokens].copy_(hidden)
         if not bucket.decode:
-            hidden = hidden[self.sample_rows[: bucket.seqs]]
+            hidden = hidden[self.sample_rows[: bucket.seqs + self.draft_rows]]
         return self.model.logits(hidden)
 
     def hidden_rows(self, rows: torch.Tensor) -> torch.Tensor:
@@ -260,19 +313,12 @@ class WindowGraphs:
         pool = torch.cuda.graph_pool_handle() if self.tiers else None
         for bucket in sorted(self.buckets, key=lambda b: (b.tokens, b.longest), reverse=True):
             self._fill([], bucket)
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    self.forward(bucket)
-            torch.cuda.current_stream().wait_stream(side)
+            side = warm_up_on_side(lambda bucket=bucket: self.forward(bucket))
             if self.tiers:
                 assert pool is not None
                 self._capture_pieces(bucket, Pieces(pool), side)
                 continue
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.logits[bucket] = self.forward(bucket)
+            graph, self.logits[bucket] = capture_graph(lambda bucket=bucket: self.forward(bucket), pool)
             pool = graph.pool()
             self.graphs[bucket] = graph
         torch.cuda.synchronize()
@@ -317,7 +363,8 @@ class WindowGraphs:
         return timings
 
     def run(self, chunks: Sequence[Chunk], bucket: Bucket, fed: Fed | None = None) -> torch.Tensor:
-        """Replay `bucket` for the chunks; returns logits [chunks, vocab] (fp32) of their last rows.
+        """Replay `bucket` for the chunks; returns logits [rows, vocab] (fp32) of the rows they sample at, in
+        order (`Chunk.sampled_rows` of each).
 
         `fed` replaces the input tokens of some rows with tokens on the device (drawn by the window before).
         Without a captured graph (CPU tests) the same forward runs eagerly over the same static inputs.
@@ -325,12 +372,18 @@ class WindowGraphs:
         self._fill(chunks, bucket)
         if fed is not None:
             self.input_ids[fed[0]] = fed[1]
-        pieces = self.pieces.get(bucket)
+        pieces, graph = self.pieces.get(bucket), self.graphs.get(bucket)
         if pieces is not None:
             pieces.replay()
-            return self.logits[bucket][: len(chunks)]
-        graph = self.graphs.get(bucket)
-        if graph is None:
-            return self.forward(bucket)[: len(chunks)]
-        graph.replay()
-        return self.logits[bucket][: len(chunks)]
+            logits = self.logits[bucket]
+        elif graph is not None:
+            graph.replay()
+            logits = self.logits[bucket]
+        else:
+            logits = self.forward(bucket)
+        if not bucket.decode:
+            return logits[: sum(c.sampled_rows for c in chunks)]
+        if all(c.samples for c in chunks):
+            return logits[: len(chunks)]
+        rows = [i for i, c in enumerate(chunks) if c.samples]
+        return logits[device_tensor(rows, torch.long, logits.device)]

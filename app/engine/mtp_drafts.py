@@ -13,7 +13,8 @@ proposals, and verification keeps every request's own distribution whatever they
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,6 +22,9 @@ from app.engine.paged_state import PagedState
 from app.engine.transfer import device_tensor
 from app.models.batch import ForwardBatch
 from app.models.qwen3 import CausalLM
+
+if TYPE_CHECKING:
+    from app.engine.head_graphs import HeadGraphs
 
 
 @dataclass(frozen=True)
@@ -38,13 +42,15 @@ class MtpSpan:
 
 
 class MtpDrafter:
-    """Runs the MTP head over windows' kept hidden states and returns its guesses."""
+    """Runs the MTP head over windows' kept hidden states and returns its guesses; with `graphs`, a pass
+    they hold replays its captured graph (app/engine/head_graphs.py)."""
 
-    def __init__(self, model: CausalLM, state: PagedState) -> None:
+    def __init__(self, model: CausalLM, state: PagedState, graphs: HeadGraphs | None = None) -> None:
         if model.mtp is None:
             raise ValueError("the model has no MTP head")
         self.model = model
         self.state = state
+        self.graphs = graphs
         self.paged = model.backends.paged_attention is not None
         self.device = model.model.embed_tokens.weight.device
 
@@ -54,17 +60,47 @@ class MtpDrafter:
             batch.layout = self.state.layout(batch.spans)
         return batch
 
+    def _read(self, hidden: torch.Tensor, spans: list[MtpSpan]) -> tuple[torch.Tensor, ForwardBatch]:
+        """The head's pass over the spans' rows (their keys and values written): its output and batch."""
+        for span in spans:
+            self.state.set_block_table(span.slot, span.blocks)
+        batch = self._batch([(s.slot, s.next_ids, s.past) for s in spans])
+        rows = device_tensor([r for s in spans for r in s.rows], torch.long, self.device)
+        return self.model.mtp_forward(hidden[rows], batch.input_ids, batch), batch
+
+    def _graphed(self, hidden: torch.Tensor, spans: list[MtpSpan]) -> list[list[int]] | None:
+        """The guesses through the captured pass, or None where it holds too few spans. A span of more rows
+        than it takes (a prompt's) has all its rows but the last read eagerly first, and only the last one
+        in the capture: the head's chained steps then run eagerly only for requests that ask for more
+        guesses than were captured."""
+        assert self.graphs is not None
+        taken = self.graphs.rows_per
+        long = [s for s in spans if len(s.rows) > taken]
+        if len(spans) > self.graphs.buckets[-1] or any(s.guesses > self.graphs.guesses for s in spans):
+            return None
+        if long:
+            self._read(hidden, [replace(s, rows=s.rows[:-1], next_ids=s.next_ids[:-1]) for s in long])
+            spans = [
+                replace(s, past=s.past + len(s.rows) - 1, rows=s.rows[-1:], next_ids=s.next_ids[-1:])
+                if len(s.rows) > taken
+                else s
+                for s in spans
+            ]
+        bucket = self.graphs.bucket(spans)
+        assert bucket is not None, "a span the captured pass does not take"
+        return self.graphs.run(hidden, spans, bucket)
+
     @torch.inference_mode()
     def guess(self, hidden: torch.Tensor, spans: list[MtpSpan]) -> list[list[int]]:
         """Read `spans` (their rows of `hidden`, the final hidden states a window kept) into the head's keys
         and values; the guesses of each span, in order (empty where it asks for none)."""
         if not spans:
             return []
-        for span in spans:
-            self.state.set_block_table(span.slot, span.blocks)
-        batch = self._batch([(s.slot, s.next_ids, s.past) for s in spans])
-        rows = device_tensor([r for s in spans for r in s.rows], torch.long, self.device)
-        out = self.model.mtp_forward(hidden[rows], batch.input_ids, batch)
+        if self.graphs is not None:
+            graphed = self._graphed(hidden, spans)
+            if graphed is not None:
+                return graphed
+        out, batch = self._read(hidden, spans)
         guessing = [i for i, s in enumerate(spans) if s.guesses]
         if not guessing:
             return [[] for _ in spans]

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from app.kernels import kv_quant
-from app.models.batch import PagedLayout, SequenceSpan
+from app.models.batch import PagedLayout, SequenceSpan, row_save
 from app.models.config import ATTENTION, LINEAR_ATTENTION, ModelConfig
 
 STATE_DTYPE = torch.float32  # Gated DeltaNet recurrent state is carried in fp32
@@ -136,8 +136,21 @@ class PagedState:
             positions = torch.arange(span.past, span.past + span.length)
             slot_mapping.append(tables[i, positions // size] * size + positions % size)
             starts.append(starts[-1] + span.length)
-        saving = any(s.save_slot is not None for s in spans)
-        saves = [*(s.save_at for s in spans), *(-1 if s.save_slot is None else s.save_slot for s in spans)]
+        held = [s for s in spans if not s.stepwise]  # a stepwise span's checkpoint is one of its row saves
+        saving = any(s.save_slot is not None for s in held)
+        saves = [
+            *(0 if s.stepwise else s.save_at for s in spans),
+            *(-1 if s.save_slot is None or s.stepwise else s.save_slot for s in spans),
+        ]
+        stepping = any(s.stepwise for s in spans)
+        steps = np.zeros(seqs if stepping else 0, np.int64)
+        row_saves = np.full(starts[-1] if stepping else 0, -1, np.int64)
+        for i, span in enumerate(spans):
+            if span.stepwise:
+                steps[i] = 1
+                for j in range(span.length):
+                    for slot in row_save(span, j):
+                        row_saves[span.start + j] = slot
         small = torch.tensor(
             [
                 *starts,
@@ -148,19 +161,24 @@ class PagedState:
             dtype=torch.int64,
         )
         row_slots = torch.from_numpy(np.repeat([s.seq for s in spans], [s.length for s in spans]))
-        packed = torch.cat((small, tables.flatten(), *slot_mapping, row_slots))
+        stepped = torch.from_numpy(np.concatenate((steps, row_saves)))
+        packed = torch.cat((small, tables.flatten(), *slot_mapping, row_slots, stepped))
         packed = packed.to(self.device, non_blocking=True)
-        query_start, seq_lens, state_slots, save_at, save_slots, table, mapping, rows = packed.split(
-            [
-                seqs + 1,
-                seqs,
-                seqs,
-                seqs if saving else 0,
-                seqs if saving else 0,
-                seqs * width,
-                starts[-1],
-                starts[-1],
-            ]
+        query_start, seq_lens, state_slots, save_at, save_slots, table, mapping, rows, stepwise, saved = (
+            packed.split(
+                [
+                    seqs + 1,
+                    seqs,
+                    seqs,
+                    seqs if saving else 0,
+                    seqs if saving else 0,
+                    seqs * width,
+                    starts[-1],
+                    starts[-1],
+                    len(steps),
+                    len(row_saves),
+                ]
+            )
         )
         return PagedLayout(
             query_start=query_start.to(torch.int32),
@@ -172,7 +190,14 @@ class PagedState:
             row_slots=rows,
             save_at=save_at.to(torch.int32) if saving else None,
             save_slots=save_slots if saving else None,
+            stepwise=stepwise.to(torch.int32) if stepping else None,
+            row_saves=saved if stepping else None,
         )
+
+    def holds_layer(self, layer: int) -> bool:
+        """Whether the state has keys and values of attention layer `layer` (an MTP head's, beyond the
+        decoder's, only where it drafts)."""
+        return layer in self._kv_layer
 
     def kv_cache(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         kv = self._kv_layer[layer]

@@ -119,13 +119,10 @@ class ModelRunner:
         kept_chunks, kept_rows = _kept(chunks)
         kept = None
         if graphs is not None and bucket is not None:
-            sampling = [c for c in chunks if c.samples]
+            sampling = [c for c in chunks for _ in range(c.sampled_rows)]
             logits = graphs.run(chunks, bucket, fed)
             if kept_rows:
                 kept = graphs.hidden_rows(device_tensor(kept_rows, torch.long, self.device))
-            if sampling and len(sampling) < len(chunks):
-                rows = [i for i, c in enumerate(chunks) if c.samples]
-                logits = logits[device_tensor(rows, torch.long, self.device)]
         else:
             sampling, logits, kept = self._eager(chunks, fed, kept_rows)
         self._drawn = None
@@ -182,7 +179,7 @@ class ModelRunner:
             saves={c.slot: c.save for c in chunks if c.save is not None},
             tables={c.slot: c.request.blocks for c in chunks},
             copies=copies,
-            stepwise=stepwise_slots(chunks) if self.recurrent else set(),
+            stepwise=stepwise_rows(chunks) if self.recurrent else {},
         )
         kept_chunks, kept_rows = _kept(chunks)
         self.pipeline.send(batch, last_rows + kept_rows, work)
@@ -247,13 +244,14 @@ class ModelRunner:
             self.state,
             self.device,
             saves={c.slot: c.save for c in chunks if c.save is not None},
+            stepwise=stepwise_rows(chunks) if self.recurrent else None,
         )
         if fed is not None:
             batch.input_ids[fed[0]] = fed[1]
         if self.paged:
             batch.layout = self.state.layout(batch.spans)
-        if self.recurrent:
-            batch.in_steps(stepwise_slots(chunks), self.state.layout if self.paged else None)
+        if self.recurrent and not (self.paged and self.model.backends.stepwise_spans):
+            batch.in_steps(self.state.layout if self.paged else None)
         ends = [(span.start + span.length, chunk) for span, chunk in zip(batch.spans, chunks, strict=True)]
         last_rows = [end - chunk.sampled_rows + j for end, chunk in ends for j in range(chunk.sampled_rows)]
         return batch, [chunk for _, chunk in ends for _ in range(chunk.sampled_rows)], last_rows
@@ -283,10 +281,11 @@ def _kept(chunks: list[Chunk]) -> tuple[list[Chunk], list[int]]:
     return kept, rows
 
 
-def stepwise_slots(chunks: list[Chunk]) -> set[int]:
-    """The slots of the decode chunks of more than one row (draft tokens, or tokens re-read after drafts
-    were rolled back), whose rows recurrent layers take one at a time, as one token a window would be."""
-    return {c.slot for c in chunks if c.decode and len(c.tokens) > 1}
+def stepwise_rows(chunks: list[Chunk]) -> dict[int, tuple[int, ...]]:
+    """The slots of the decode chunks of more than one row (draft tokens being verified), whose rows
+    recurrent layers read one at a time, as one token a window would be, to the draft slots that keep the
+    state after each of their rows (`Chunk.step_saves`)."""
+    return {c.slot: c.step_saves for c in chunks if c.decode and len(c.tokens) > 1}
 
 
 def _row_sampling(sampling: list[Chunk], copied: bool = False) -> list[RowSampling]:

@@ -79,7 +79,7 @@ class Request:
     park_missed: bool = False  # no parked conversation continued it when it was first looked up
     held_since: float | None = None  # its prompt was read while others' waited: it decodes after them
     drafter: DraftSource | None = None  # its draft source, while it drafts
-    rollback: bool = False  # its slot's recurrent state went past `computed`; its draft slot holds it
+    rollback: int | None = None  # its slot's recurrent state went past `computed`; this draft slot holds it
     matcher: object | None = None  # with a grammar: where its output is in it (app/engine/grammar.py)
 
     @property
@@ -115,7 +115,10 @@ class Chunk:
     token; `fresh` when the slot's recurrent state must start empty; `decode` for a decode row (a token the
     request just generated), as opposed to prompt (or re-read context) tokens; `save` (position, checkpoint
     slot) when the recurrent state inside the chunk is checkpointed on the way. A decode chunk's last
-    `drafts` tokens are guesses (app/engine/drafts.py): it samples at its last 1 + `drafts` rows.
+    `drafts` tokens are guesses (app/engine/drafts.py): it samples at its last 1 + `drafts` rows. On a model
+    with recurrent state its rows are read one at a time and `step_saves` holds a draft slot for each row
+    before the last: the state after row j is kept there, where the request continues from if guess j + 1
+    is wrong.
     """
 
     request: Request
@@ -127,6 +130,7 @@ class Chunk:
     decode: bool
     save: tuple[int, int] | None = None
     drafts: int = 0
+    step_saves: tuple[int, ...] = ()
 
     @property
     def sampled_rows(self) -> int:
@@ -182,8 +186,10 @@ class SchedulerConfig:
     one group only, so that the stages of a layer split each run another group's window (pipelined groups).
     `spec_tokens`: draft tokens a decoding request adds to its row (a request's `spec_tokens` overrides
     it), up to what `max_length` (tokens a request may hold) and its max_tokens leave. With `recurrent`
-    state, slot s drafts only with a `draft_slots[s]`: the state slot its state is saved in before a window
-    verifies its drafts, and restored from when some were wrong (the window's later rows moved it on).
+    state, slot s drafts only with draft slots, as many guesses a window as it has (`draft_slots` holds
+    the same number for each slot, slot s's after slot s - 1's): the state slots that keep the state after
+    each verified row but the last, one of which is restored when a guess was wrong (the window's later
+    rows moved the slot's own state on).
     """
 
     parallel: int
@@ -286,7 +292,7 @@ class Scheduler:
                 continue
             if len(request.output) >= request.params.max_tokens:
                 continue  # its last token is still being drawn: it ends when that is read
-            take = request.pending  # 1, or the tokens after a rollback
+            take = request.pending
             while not self.pool.grow(request.blocks, request.computed + take):
                 victim = next(r for r in reversed(ours) if r.phase is not Phase.WAITING)  # still running
                 self._preempt(victim)
@@ -294,10 +300,10 @@ class Scheduler:
                 if victim is request:
                     break
             if request.phase is Phase.DECODE:
-                if request.rollback:
+                if request.rollback is not None:
                     assert request.slot is not None
-                    window.restores.append((self.config.draft_slots[request.slot], request.slot))
-                    request.rollback = False
+                    window.restores.append((request.rollback, request.slot))
+                    request.rollback = None
                 chunk = self._with_drafts(self._chunk(request, take))
                 window.chunks.append(chunk)
                 budget -= len(chunk.tokens)
@@ -474,26 +480,32 @@ class Scheduler:
     def _with_drafts(self, chunk: Chunk) -> Chunk:
         """A decode chunk with the draft tokens its request's drafter guesses, where it drafts, knows its
         newest token (not a placeholder) and has room left, and the KV blocks they need. With recurrent
-        state, the window leaves the slot's state after the chunk's known tokens (before the guesses) in
-        its draft slot: where the request continues from if a guess is wrong."""
+        state, the window leaves the slot's state after each row but the last in the slot's draft slots
+        (`Chunk.step_saves`): where the request continues from if the guess after that row is wrong."""
         request = chunk.request
         params = request.params
         room = min(params.max_tokens - len(request.output), self.config.max_length - request.length) - 1
         k = min(self.spec_tokens(request), room)
+        saves: tuple[int, ...] = ()
+        if self.config.recurrent:
+            assert request.slot is not None
+            saves = self._draft_slots(request.slot)
+            k = min(k, len(saves))
         if k <= 0 or not request.output or request.output[-1] < 0 or params.grammar is not None:
-            return chunk
-        if self.config.recurrent and not self.config.draft_slots:
             return chunk
         if request.drafter is None:
             request.drafter = NgramDrafter()
         drafts = request.drafter.draft(request.tokens, k)
         if not drafts or not self.pool.grow(request.blocks, chunk.past + len(chunk.tokens) + len(drafts)):
             return chunk
-        save = None
-        if self.config.recurrent:
-            assert request.slot is not None
-            save = (chunk.past + len(chunk.tokens), self.config.draft_slots[request.slot])
-        return replace(chunk, tokens=chunk.tokens + drafts, drafts=len(drafts), save=save)
+        return replace(
+            chunk, tokens=chunk.tokens + drafts, drafts=len(drafts), step_saves=saves[: len(drafts)]
+        )
+
+    def _draft_slots(self, slot: int) -> tuple[int, ...]:
+        """The draft slots of batch slot `slot` (none without recurrent state or `--spec`)."""
+        each = len(self.config.draft_slots) // self.config.parallel
+        return self.config.draft_slots[slot * each : (slot + 1) * each]
 
     def spec_tokens(self, request: Request) -> int:
         """Draft tokens a request asks for a window: its own `spec_tokens`, else the engine's (0 without
@@ -504,12 +516,11 @@ class Scheduler:
     def accept(self, chunk: Chunk, taken: int) -> None:
         """A window verified `taken` of a decode chunk's draft tokens as its request's next tokens. Without
         recurrent state they are in the model state (the rows after them hold what no later window reads);
-        with it, unless all were right, the state went past them: the request continues from its known
-        tokens, whose state the window left in its draft slot, and reads the accepted ones again."""
+        with it, unless all were right, the state went past them: the request continues from the state the
+        window left after its last accepted row, in that row's draft slot, restored before its next window."""
         request = chunk.request
         if self.config.recurrent and taken < chunk.drafts:
-            request.rollback = True
-            return
+            request.rollback = chunk.step_saves[taken]
         request.computed += taken
         if self.pool.caching:
             self._commit(request)
@@ -526,7 +537,7 @@ class Scheduler:
         rollback), or None without a slot."""
         if request.slot is None:
             return None
-        return self.config.draft_slots[request.slot] if request.rollback else request.slot
+        return request.slot if request.rollback is None else request.rollback
 
     def _admit(self, request: Request, group: int) -> None:
         slot = self._free_slot(group)
@@ -542,7 +553,7 @@ class Scheduler:
         """Free a running request's slot and blocks; it waits at the head of the queue to be read again."""
         self._release(request)
         request.computed = 0
-        request.rollback = False
+        request.rollback = None
         request.cached_blocks, request.chain_key = 0, ROOT
         request.phase = Phase.WAITING
         self.waiting.appendleft(request)

@@ -121,14 +121,15 @@ class StageWork:
     """One window for the stages after the first: each chunk's (slot, rows, past), the checkpoints spans
     leave (slot -> (position, checkpoint slot)), the chunks' block tables, the state copies before the
     forward, the rows whose final hidden states the last stage sends back, and the slots whose rows the
-    recurrent layers take one at a time (`ForwardBatch.in_steps`). `stop` ends the workers."""
+    recurrent layers read one at a time, to their row saves (`SequenceSpan.stepwise`). `stop` ends the
+    workers."""
 
     chunks: list[tuple[int, int, int]] = field(default_factory=list)
     saves: dict[int, tuple[int, int]] = field(default_factory=dict)
     tables: dict[int, list[int]] = field(default_factory=dict)
     copies: StateCopies = field(default_factory=StateCopies)
     rows: list[int] = field(default_factory=list)
-    stepwise: set[int] = field(default_factory=set)
+    stepwise: dict[int, tuple[int, ...]] = field(default_factory=dict)
     stop: bool = False
     stages: list[tuple[float, float]] = field(default_factory=list)  # (busy, wait) of the workers so far
     experts: list[ExpertUsage] = field(default_factory=list)  # routing reports of the workers so far

@@ -175,12 +175,12 @@ def _serve(
         work.copies.apply(state)
         for slot, blocks in work.tables.items():
             state.set_block_table(slot, blocks)
-        batch = ForwardBatch.build(
-            [(slot, [0] * rows, past) for slot, rows, past in work.chunks], state, state.device, work.saves
-        )
+        chunks = [(slot, [0] * rows, past) for slot, rows, past in work.chunks]
+        batch = ForwardBatch.build(chunks, state, state.device, work.saves, work.stepwise)
         if paged:
             batch.layout = state.layout(batch.spans)
-        batch.in_steps(work.stepwise, state.layout if paged else None)
+        if not (paged and model.backends.stepwise_spans):
+            batch.in_steps(state.layout if paged else None)
         tiers.before()
         x, pending = model.model.run_layers(batch, part.layers, x, pending)
         reporter.swaps += tiers.after()

@@ -3,8 +3,8 @@
 Triton compiles a kernel on first use for each specialisation (tile sizes, whether sizes are multiples of
 16); without a warm-up the first windows that read a prompt would stall every decoding slot while they
 compile (on an H200 the first 512-token prompt of a fresh eager process took 2.4 s). Windows replayed from
-CUDA graphs were compiled when captured; this covers the eager ones, and each stage of a layer split, whose
-windows all run eagerly.
+CUDA graphs were compiled when captured; this covers the eager ones, each stage of a layer split, whose
+windows all run eagerly, and the MTP head's eager pass over prompt rows.
 """
 
 from __future__ import annotations
@@ -40,7 +40,9 @@ def warm_up_kernels(
         layout = state.layout(batch.spans)
         batch.layout = dataclasses.replace(layout, live_rows=torch.zeros_like(layout.slot_mapping))
         if part is None:
-            model.logits(model(batch)[-1:])
+            hidden = model(batch)
+            model.logits(hidden[-1:])
+            _warm_up_head(model, state, hidden, batch)
             continue
         if part.first:
             x, pending = decoder.embed_tokens(batch.input_ids), None
@@ -51,8 +53,16 @@ def warm_up_kernels(
         x, pending = decoder.run_layers(batch, part.layers, x, pending)
         if part.first:
             model.logits(x[-1:])
+            _warm_up_head(model, state, torch.zeros_like(x), batch)
         if part.last:
             decoder.final_norm(x, pending)
     state.reset_slot(scratch)
     if state.device.type == "cuda":
         torch.cuda.synchronize()
+
+
+def _warm_up_head(model: CausalLM, state: PagedState, hidden: torch.Tensor, batch: ForwardBatch) -> None:
+    """The MTP head's eager pass over the window's rows, where it drafts (its layers then have keys and
+    values in the state; `--spec mtp` reads each prompt's rows with it as soon as they are read)."""
+    if model.mtp is not None and state.holds_layer(model.config.num_hidden_layers):
+        model.logits(model.mtp_forward(hidden, batch.input_ids, batch)[-1:])

@@ -61,6 +61,7 @@ def triton_backends() -> Backends:
         held_linear=True,
         held_apart=True,
         attention_gate=True,
+        stepwise_spans=True,
     )
 
 

@@ -52,7 +52,7 @@ AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.
 DeltaRuleFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 ExpertsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 PagedAttentionFn = Callable[..., torch.Tensor]  # (q, key_cache, value_cache, layout, scale[, gate])
-ConvVarlenFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+ConvVarlenFn = Callable[..., torch.Tensor]
 DeltaRuleVarlenFn = Callable[..., torch.Tensor]
 QKNormRopeFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 QKNormRopeStoreFn = Callable[..., torch.Tensor]
@@ -135,6 +135,10 @@ class Backends:
     attention_decode(x, weights, cos, sin, key_cache, value_cache, layout) -> an attention layer's whole step
     for a window of one decode row per sequence (its keys and values written to the caches), or None as
     gdn_decode.
+    `stepwise_spans`: its conv_varlen (given the batch's layout, `layout=`) and delta_rule_varlen read a
+    layout's stepwise spans themselves, token by token with their row saves, and the conv leaves the
+    layout's checkpoints itself; the recurrent layers of other sets take such spans a row at a time
+    (`ForwardBatch.in_steps`) and save the conv state of checkpoints with torch operations.
     `attention_gate`: its paged_attention also takes a gated attention layer's output gate (`gate=`, q's
     shape) and multiplies each output by its sigmoid in the same launch.
     `exact` marks a set whose kernels never choose their tiles by the batch. `bf16_weights` marks a set
@@ -171,3 +175,4 @@ class Backends:
     held_linear: bool = False
     held_apart: bool = False
     attention_gate: bool = False
+    stepwise_spans: bool = False

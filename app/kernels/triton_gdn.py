@@ -40,6 +40,24 @@ CARRY_PRECISION = "tf32"
 
 
 @triton.jit
+def _conv_state_after(
+    x_ptr, state_row, start, t, c, col, keep, stride_xt, stride_xc, stride_sk, KERNEL: tl.constexpr
+):
+    """The conv state [BLOCK_C, STATE_PAD] after a sequence's row t (-1: before its first): its inputs
+    t-(KERNEL-2) .. t, reaching back into the carried state `state_row` for positions before the sequence."""
+    p = t + 2 - KERNEL + col
+    from_x = tl.load(
+        x_ptr + (start + p[None, :]) * stride_xt + c[:, None] * stride_xc,
+        mask=keep & (p >= 0)[None, :],
+        other=0.0,
+    )
+    from_state = tl.load(
+        state_row[:, None] + (KERNEL - 1 + p)[None, :] * stride_sk, mask=keep & (p < 0)[None, :], other=0.0
+    )
+    return tl.where((p >= 0)[None, :], from_x.to(state_row.dtype.element_ty), from_state)
+
+
+@triton.jit
 def _causal_conv_kernel(
     x_ptr,
     w_ptr,
@@ -47,6 +65,11 @@ def _causal_conv_kernel(
     out_ptr,
     query_start_ptr,
     slots_ptr,
+    seq_lens_ptr,
+    save_at_ptr,
+    save_slots_ptr,
+    stepwise_ptr,
+    row_saves_ptr,
     channels,
     stride_xt,
     stride_xc,
@@ -61,12 +84,17 @@ def _causal_conv_kernel(
     STATE_PAD: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    HAS_SAVES: tl.constexpr,
+    STEPWISE: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """SiLU(depthwise causal conv) of one sequence over BLOCK_C channels, then its new conv state.
 
     Position p of the sequence reads input p - (KERNEL-1) + j for tap j; negative positions come from the
-    carried state, whose column KERNEL-1+p holds input p.
+    carried state, whose column KERNEL-1+p holds input p. With HAS_SAVES, a sequence with a `save_at`
+    position also leaves the conv state there in its save slot (a checkpoint); with STEPWISE, a stepwise
+    sequence (`stepwise`) leaves the conv state after each of its rows that has a save slot (`row_saves`)
+    in that slot.
     """
     follow_previous(PDL)
     seq = tl.program_id(0)
@@ -100,18 +128,24 @@ def _causal_conv_kernel(
         )
     # The new state: the last KERNEL-1 inputs, reaching back into the old state for short sequences.
     col = tl.arange(0, STATE_PAD)
-    p = length - (KERNEL - 1) + col
     keep = c_ok[:, None] & (col < KERNEL - 1)[None, :]
-    from_x = tl.load(
-        x_ptr + (start + p[None, :]) * stride_xt + c[:, None] * stride_xc,
-        mask=keep & (p >= 0)[None, :],
-        other=0.0,
-    )
-    from_state = tl.load(
-        state_row[:, None] + (length + col)[None, :] * stride_sk, mask=keep & (p < 0)[None, :], other=0.0
-    )
-    new_state = tl.where((p >= 0)[None, :], from_x.to(state_ty), from_state)
-    # Every thread has read the old state (above and in the loop) before any thread overwrites it.
+    strides = stride_xt, stride_xc, stride_sk
+    new_state = _conv_state_after(x_ptr, state_row, start, length - 1, c, col, keep, *strides, KERNEL)
+    kept = state_ptr + c[:, None] * stride_sc + col[None, :] * stride_sk  # a slot's state, less its offset
+    if HAS_SAVES:
+        save_at = tl.load(save_at_ptr + seq)
+        if save_at > 0:
+            t = save_at - (tl.load(seq_lens_ptr + seq) - length) - 1  # the row before position save_at
+            saved = _conv_state_after(x_ptr, state_row, start, t, c, col, keep, *strides, KERNEL)
+            tl.store(kept + tl.load(save_slots_ptr + seq) * stride_ss, saved, mask=keep)
+    if STEPWISE:  # noqa: SIM102 (a constexpr branch: without it the flags are never read)
+        if tl.load(stepwise_ptr + seq) != 0:
+            for t in range(0, length):
+                target = tl.load(row_saves_ptr + start + t)
+                if target >= 0:
+                    saved = _conv_state_after(x_ptr, state_row, start, t, c, col, keep, *strides, KERNEL)
+                    tl.store(kept + target * stride_ss, saved, mask=keep)
+    # Every thread has read the old state (above) before any thread overwrites it.
     tl.debug_barrier()
     tl.store(state_row[:, None] + col[None, :] * stride_sk, new_state, mask=keep)
 
@@ -141,6 +175,8 @@ def _gated_delta_rule_kernel(
     out_ptr,
     query_start_ptr,
     slots_ptr,
+    stepwise_ptr,
+    row_saves_ptr,
     stride_qt,
     stride_qh,
     stride_qd,
@@ -167,13 +203,16 @@ def _gated_delta_rule_kernel(
     DK: tl.constexpr,
     BLOCK_V: tl.constexpr,
     SINGLE_ROWS_ONLY: tl.constexpr,
+    STEPWISE: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """The gated delta rule of one sequence and value head over BLOCK_V value columns, token by token.
 
     The [DK, BLOCK_V] slice of the state stays in registers in fp32 for the whole sequence; q and k are
     l2-normalised here (q also scaled), value head h reading key head h // HEAD_RATIO. With
-    SINGLE_ROWS_ONLY, sequences of more than one row are left to the chunked kernels.
+    SINGLE_ROWS_ONLY, sequences of more than one row are left to the chunked kernels, except (with STEPWISE)
+    stepwise ones (`stepwise`), whose rows are read one by one as decode rows are. With STEPWISE, the state
+    after each row that has a save slot (`row_saves`) is also stored in that slot.
     """
     follow_previous(PDL)
     seq = tl.program_id(0)
@@ -182,7 +221,10 @@ def _gated_delta_rule_kernel(
     start = tl.load(query_start_ptr + seq).to(tl.int64)
     end = tl.load(query_start_ptr + seq + 1).to(tl.int64)
     if SINGLE_ROWS_ONLY and end - start > 1:
-        return
+        if not STEPWISE:
+            return
+        if tl.load(stepwise_ptr + seq) == 0:
+            return
     slot = tl.load(slots_ptr + seq).to(tl.int64)
     dk = tl.arange(0, DK)
     dv = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -217,6 +259,11 @@ def _gated_delta_rule_kernel(
         next_beta = tl.load(beta_row + row * stride_bt)
         state, out = rule_token(state, q, k, v, decay, beta, scale, eps)
         tl.store(out_row + t * stride_ot, out)
+        if STEPWISE:
+            target = tl.load(row_saves_ptr + t)
+            if target >= 0:
+                saved = state_ptr + target * stride_ss + head * stride_sh
+                tl.store(saved + dk[:, None] * stride_sk + dv[None, :] * stride_sv, state)
     # Every thread has read the old state before any thread overwrites it.
     tl.debug_barrier()
     tl.store(state_base + dk[:, None] * stride_sk + dv[None, :] * stride_sv, state)
@@ -246,6 +293,7 @@ def _chunk_prepare_kernel(
     decay_ptr,
     query_start_ptr,
     seq_lens_ptr,
+    stepwise_ptr,
     stride_qt,
     stride_qh,
     stride_qd,
@@ -269,6 +317,7 @@ def _chunk_prepare_kernel(
     LOG2_C: tl.constexpr,
     PRECISION: tl.constexpr,
     SOLVE_PRECISION: tl.constexpr,
+    STEPWISE: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Everything of one chunk and value head that does not need the state carried into the chunk.
@@ -289,6 +338,9 @@ def _chunk_prepare_kernel(
     base, lo, hi = _chunk_bounds(past, length, chunk, C)
     if (length <= 1) | (lo >= hi):
         return
+    if STEPWISE:  # noqa: SIM102 (a constexpr branch: without it the flags are never read)
+        if tl.load(stepwise_ptr + seq) != 0:  # read token by token
+            return
     i = tl.arange(0, C)
     live = (base + i >= lo) & (base + i < hi)
     row = tl.where(live, start + base + i - past, start).to(tl.int64)
@@ -354,6 +406,7 @@ def _chunk_carry_kernel(
     slots_ptr,
     save_at_ptr,
     save_slots_ptr,
+    stepwise_ptr,
     v_heads,
     stride_ss,
     stride_sh,
@@ -368,6 +421,7 @@ def _chunk_carry_kernel(
     C: tl.constexpr,
     PRECISION: tl.constexpr,
     HAS_SAVES: tl.constexpr,
+    STEPWISE: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """One sequence's chunks in order for one value head and BLOCK_V value columns of the state.
@@ -383,6 +437,9 @@ def _chunk_carry_kernel(
     length = tl.load(query_start_ptr + seq + 1) - start
     if length <= 1:
         return
+    if STEPWISE:  # noqa: SIM102 (a constexpr branch: without it the flags are never read)
+        if tl.load(stepwise_ptr + seq) != 0:  # read token by token
+            return
     past = tl.load(seq_lens_ptr + seq) - length
     slot = tl.load(slots_ptr + seq).to(tl.int64)
     i = tl.arange(0, C)
@@ -443,13 +500,17 @@ def causal_conv_varlen(
     conv_state: torch.Tensor,
     query_start: torch.Tensor,
     state_slots: torch.Tensor,
+    layout: PagedLayout | None = None,
 ) -> torch.Tensor:
     """SiLU of the depthwise causal conv of every sequence in a flat batch, continuing each one's state.
 
     x [tokens, channels] (the mixed qkv projections); weight [channels, kernel]; conv_state
     [slots, channels, kernel-1], where each sequence's slot is read and then overwritten in place with its
-    last kernel-1 inputs; query_start [seqs + 1] int32; state_slots [seqs] int64.
-    Returns [tokens, channels] in the dtype of x: per sequence `causal_conv`, accumulated in fp32.
+    last kernel-1 inputs; query_start [seqs + 1] int32; state_slots [seqs] int64. With the batch's
+    `layout` (whose rows and slots those are), a sequence with a `save_at` position also leaves the conv
+    state there in its save slot, and each row of a stepwise sequence that has a row save leaves the conv
+    state after it there (what the sequence's slot would hold had it ended at that row). Returns
+    [tokens, channels] in the dtype of x: per sequence `causal_conv`, accumulated in fp32.
     """
     seqs = _check_layout(query_start, state_slots)
     channels, kernel = weight.shape
@@ -458,6 +519,8 @@ def causal_conv_varlen(
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if seqs == 0 or x.shape[0] == 0:
         return out
+    saving = layout is not None and layout.save_at is not None and layout.save_slots is not None
+    stepping = layout is not None and layout.stepwise is not None and layout.row_saves is not None
     grid = (seqs, triton.cdiv(channels, CONV_BLOCK_C))
     _causal_conv_kernel[grid](
         x,
@@ -466,6 +529,11 @@ def causal_conv_varlen(
         out,
         query_start,
         state_slots,
+        layout.seq_lens if saving else query_start,
+        layout.save_at if saving else query_start,
+        layout.save_slots if saving else state_slots,
+        layout.stepwise if stepping else query_start,
+        layout.row_saves if stepping else state_slots,
         channels,
         x.stride(0),
         x.stride(1),
@@ -480,6 +548,8 @@ def causal_conv_varlen(
         STATE_PAD=triton.next_power_of_2(kernel - 1),
         BLOCK_T=CONV_BLOCK_T,
         BLOCK_C=CONV_BLOCK_C,
+        HAS_SAVES=saving,
+        STEPWISE=stepping,
         num_warps=CONV_WARPS,
         **pdl(x.device, grid),
     )
@@ -548,7 +618,9 @@ def gated_delta_rule_paged(
     is read in chunks ending at multiples of CHUNK positions (`delta_rule_chunked` with its offset, to fp32
     rounding), so a prompt read in pieces cut at those multiples is computed as in one piece. A sequence
     with a `save_at` position in the layout also leaves its recurrent state there in its save slot (the
-    caller saves the conv state).
+    caller saves the conv state). The layout's stepwise sequences (`stepwise`) are read token by token
+    whatever their length, as that many decode rows would be, each row with a save slot (`row_saves`)
+    leaving the state after it there.
     """
     query_start, state_slots = layout.query_start, layout.state_slots
     seqs = _check_layout(query_start, state_slots)
@@ -578,6 +650,7 @@ def gated_delta_rule_paged(
             decay,
             query_start,
             layout.seq_lens,
+            layout.stepwise if layout.stepwise is not None else query_start,
             *q.stride(),
             *k.stride(),
             *v.stride(),
@@ -593,6 +666,7 @@ def gated_delta_rule_paged(
             LOG2_C=CHUNK.bit_length() - 1,
             PRECISION=PREPARE_PRECISION,
             SOLVE_PRECISION=SOLVE_PRECISION,
+            STEPWISE=layout.stepwise is not None,
             num_warps=PREPARE_WARPS,
             **pdl(q.device, grid),
         )
@@ -612,6 +686,7 @@ def gated_delta_rule_paged(
             state_slots,
             layout.save_at if layout.save_at is not None else query_start,
             layout.save_slots if layout.save_slots is not None else state_slots,
+            layout.stepwise if layout.stepwise is not None else query_start,
             v_heads,
             *state.stride(),
             *out.stride(),
@@ -621,11 +696,15 @@ def gated_delta_rule_paged(
             C=CHUNK,
             PRECISION=CARRY_PRECISION,
             HAS_SAVES=layout.save_at is not None,
+            STEPWISE=layout.stepwise is not None,
             num_warps=CARRY_WARPS,
             num_stages=CARRY_STAGES,
             **pdl(w.device, grid),
         )
-    _step_rows(q, k, v, g, beta, state, out, query_start, state_slots, seqs, single_rows_only=chunked)
+    stepwise = None
+    if layout.stepwise is not None and layout.row_saves is not None:
+        stepwise = (layout.stepwise, layout.row_saves)
+    _step_rows(q, k, v, g, beta, state, out, query_start, state_slots, seqs, chunked, stepwise)
     return out
 
 
@@ -641,8 +720,11 @@ def _step_rows(
     state_slots: torch.Tensor,
     seqs: int,
     single_rows_only: bool,
+    stepwise: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
-    """The token-by-token kernel over the batch's sequences (only its single rows, if asked), into `out`."""
+    """The token-by-token kernel over the batch's sequences (only its single rows and the sequences flagged
+    in `stepwise`'s first tensor, if asked), into `out`; rows with a slot in its second leave their state
+    there."""
     tokens, k_heads, dk = q.shape
     v_heads, dv = v.shape[1], v.shape[2]
     if seqs == 0 or tokens == 0:
@@ -659,6 +741,8 @@ def _step_rows(
         out,
         query_start,
         state_slots,
+        stepwise[0] if stepwise is not None else query_start,
+        stepwise[1] if stepwise is not None else state_slots,
         *q.stride(),
         *k.stride(),
         *v.stride(),
@@ -672,6 +756,7 @@ def _step_rows(
         DK=dk,
         BLOCK_V=block_v,
         SINGLE_ROWS_ONLY=single_rows_only,
+        STEPWISE=stepwise is not None,
         num_warps=RULE_WARPS,
         **pdl(q.device, grid),
     )

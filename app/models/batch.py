@@ -16,6 +16,10 @@ class SequenceSpan:
     `past` is how many tokens of this sequence the state already holds; the rows continue it. When `save_slot`
     is set, the recurrent layers also leave their state after position `save_at` (inside the span, a multiple
     of the delta rule's chunk, at least one chunk after `past`) in that state slot: a checkpoint.
+
+    A `stepwise` span's rows are tokens the sequence generated (draft tokens being verified): the recurrent
+    layers read them one at a time, each as a decode row, and leave the state after row j in `row_saves[j]`
+    (fewer entries than rows: the later rows keep nothing; -1: that row keeps nothing).
     """
 
     seq: int
@@ -24,6 +28,8 @@ class SequenceSpan:
     past: int
     save_at: int = 0
     save_slot: int | None = None
+    stepwise: bool = False
+    row_saves: tuple[int, ...] = ()
 
     @property
     def rows(self) -> slice:
@@ -66,7 +72,10 @@ class PagedLayout:
     padding is not counted as routed tokens;
     row_slots [tokens] int64 or None: each row's state slot (its sequence's), for counts kept per slot;
     save_at [seqs] int32 and save_slots [seqs] int64, or None when no span saves: each span's `save_at` (0:
-    none) and `save_slot`.
+    none) and `save_slot`;
+    stepwise [seqs] int32 and row_saves [tokens] int64, or None (both) when no span is stepwise: 1 for the
+    spans whose rows the recurrent layers read one at a time, as decode rows (`SequenceSpan.stepwise`), and
+    for each row of those the state slot that keeps the recurrent state after it (-1: none).
     """
 
     query_start: torch.Tensor
@@ -79,6 +88,8 @@ class PagedLayout:
     row_slots: torch.Tensor | None = None
     save_at: torch.Tensor | None = None
     save_slots: torch.Tensor | None = None
+    stepwise: torch.Tensor | None = None
+    row_saves: torch.Tensor | None = None
 
 
 class PagedStatePools(SequenceState, Protocol):
@@ -117,15 +128,17 @@ class ForwardBatch:
         state: SequenceState,
         device: torch.device | str = "cpu",
         saves: dict[int, tuple[int, int]] | None = None,
+        stepwise: dict[int, tuple[int, ...]] | None = None,
     ) -> ForwardBatch:
         """Lay out (seq, token ids, past length) chunks back to back; positions continue each past.
 
-        `saves` maps a seq to (position, state slot) of the checkpoint its span leaves (`SequenceSpan`).
+        `saves` maps a seq to (position, state slot) of the checkpoint its span leaves, `stepwise` the seqs of
+        stepwise spans to their row saves (`SequenceSpan`).
         """
         ids: list[int] = []
         positions: list[int] = []
         spans = []
-        saves = saves or {}
+        saves, stepwise = saves or {}, stepwise or {}
         for seq, tokens, past in chunks:
             save_at, save_slot = saves.get(seq, (0, None))
             spans.append(
@@ -136,6 +149,8 @@ class ForwardBatch:
                     past=past,
                     save_at=save_at,
                     save_slot=save_slot,
+                    stepwise=seq in stepwise and len(tokens) > 1,
+                    row_saves=stepwise.get(seq, ()),
                 )
             )
             ids.extend(tokens)
@@ -147,16 +162,13 @@ class ForwardBatch:
             state=state,
         )
 
-    def in_steps(
-        self, stepwise: set[int], layout: Callable[[list[SequenceSpan]], PagedLayout] | None = None
-    ) -> None:
-        """Let the recurrent layers take the spans of the seqs in `stepwise` one row at a time, as generated
-        tokens are read (draft tokens being verified, or re-read after a rollback): step 0 holds every other
-        span whole and their first rows, step j their row j, each a batch of its own (with `layout`'s
-        layout of its spans). Each step's rows are then computed as in a window of single decode rows. A
-        stepwise span's checkpoint (`save_at` tokens into `save_slot`) is left after the step that reads its
-        token `save_at` - 1 (`step_saves`)."""
-        longest = max((s.length for s in self.spans if s.seq in stepwise), default=0)
+    def in_steps(self, layout: Callable[[list[SequenceSpan]], PagedLayout] | None = None) -> None:
+        """Let the recurrent layers take the stepwise spans one row at a time, for backends whose kernels
+        do not read them in one launch: step 0 holds every other span whole and their first rows, step j
+        their row j, each a batch of its own (with `layout`'s layout of its spans). Each step's rows are then
+        computed as in a window of single decode rows. A stepwise span's row saves, and its checkpoint
+        (`save_at` tokens into `save_slot`), are left after the step that reads that row (`step_saves`)."""
+        longest = max((s.length for s in self.spans if s.stepwise), default=0)
         if longest <= 1:
             return
         steps = []
@@ -164,12 +176,12 @@ class ForwardBatch:
             rows: list[int] = []
             spans = []
             for span in self.spans:
-                if span.seq in stepwise and j < span.length:
+                if span.stepwise and j < span.length:
                     taken, past = [span.start + j], span.past + j
-                    if span.save_slot is not None and span.save_at == past + 1:
-                        self.step_saves.setdefault(j, []).append((span.seq, span.save_slot))
-                    span = replace(span, save_at=0, save_slot=None)
-                elif span.seq not in stepwise and j == 0:
+                    for slot in row_save(span, j):
+                        self.step_saves.setdefault(j, []).append((span.seq, slot))
+                    span = replace(span, save_at=0, save_slot=None, stepwise=False, row_saves=())
+                elif not span.stepwise and j == 0:
                     taken, past = list(range(span.start, span.start + span.length)), span.past
                 else:
                     continue
@@ -185,3 +197,12 @@ class ForwardBatch:
     def last_rows(self) -> torch.Tensor:
         """Index of each span's last row: where its next-token logits come from."""
         return torch.tensor([s.start + s.length - 1 for s in self.spans], device=self.input_ids.device)
+
+
+def row_save(span: SequenceSpan, row: int) -> list[int]:
+    """The state slots that keep a stepwise span's recurrent state after its `row`: its row save there, and
+    its checkpoint when that ends at the row."""
+    slots = [span.row_saves[row]] if row < len(span.row_saves) and span.row_saves[row] >= 0 else []
+    if span.save_slot is not None and span.save_at == span.past + row + 1:
+        slots.append(span.save_slot)
+    return slots

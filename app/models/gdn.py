@@ -68,6 +68,7 @@ class GatedDeltaNet(nn.Module):
         self.conv_varlen = backends.conv_varlen
         self.rule_varlen = backends.delta_rule_varlen
         self.decode_step = backends.gdn_decode
+        self.conv_saves = backends.stepwise_spans
         self.layer = layer
         self.k_heads = config.linear_num_key_heads
         self.v_heads = config.linear_num_value_heads
@@ -179,7 +180,8 @@ class GatedDeltaNet(nn.Module):
         weight = self.conv1d.weight[:, 0, :]
         if batch.layout is not None and self.conv_varlen is not None and self.rule_varlen is not None:
             out = self._whole_batch(mixed, weight, g, beta, batch.layout, cast(PagedStatePools, batch.state))
-            self._save_conv(mixed, weight.shape[1], batch)
+            if not self.conv_saves:
+                self._save_conv(mixed, weight.shape[1], batch)
             return out
         if len(batch.spans) > 1 and all(s.length == 1 and s.save_slot is None for s in batch.spans):
             return self._decode_rows(mixed, weight, g, beta, batch)
@@ -203,7 +205,12 @@ class GatedDeltaNet(nn.Module):
         tokens = mixed.shape[0]
         conv_state, recurrent = state.linear_pools(self.layer)
         assert self.conv_varlen is not None and self.rule_varlen is not None
-        conv_out = self.conv_varlen(mixed, weight, conv_state, layout.query_start, layout.state_slots)
+        if self.conv_saves:  # the conv kernel leaves the checkpoints and row saves itself
+            conv_out = self.conv_varlen(
+                mixed, weight, conv_state, layout.query_start, layout.state_slots, layout=layout
+            )
+        else:
+            conv_out = self.conv_varlen(mixed, weight, conv_state, layout.query_start, layout.state_slots)
         q, k, v = conv_out.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         return self.rule_varlen(
             q.view(tokens, self.k_heads, self.dk),

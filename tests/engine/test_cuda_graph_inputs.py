@@ -44,7 +44,19 @@ def _chunk(tokens: list[int], past: int, slot: int, blocks: list[int], **flags: 
     request = Request(f"r{slot}", [1] * (past + len(tokens)), SamplingParams(), 0.0, blocks=blocks)
     decode = bool(flags.get("decode", False))
     save = flags.get("save")
-    return Chunk(request, slot, tokens, past, samples=True, fresh=past == 0, decode=decode, save=save)
+    drafts, step_saves = int(flags.get("drafts", 0)), tuple(flags.get("step_saves", ()))
+    return Chunk(
+        request,
+        slot,
+        tokens,
+        past,
+        samples=True,
+        fresh=past == 0,
+        decode=decode,
+        save=save,
+        drafts=drafts,
+        step_saves=step_saves,
+    )
 
 
 def test_a_window_picks_the_smallest_bucket_that_holds_it(graphs: WindowGraphs) -> None:
@@ -54,6 +66,20 @@ def test_a_window_picks_the_smallest_bucket_that_holds_it(graphs: WindowGraphs) 
     assert graphs.bucket(mixed) == Bucket(32, 7, 32)
     assert graphs.bucket([_chunk([1] * 41, 0, 1, [4] * 11)]) is None  # beyond every bucket: eager
     assert graphs.bucket([]) is None
+    # the CPU set's recurrent layers read draft rows a window each: a drafting window runs eagerly
+    assert graphs.bucket([_chunk([7, 8, 9], 5, 3, [9, 2, 3], decode=True, drafts=2)]) is None
+
+
+def test_a_drafting_window_fills_its_stepwise_rows_and_every_row_it_samples(graphs: WindowGraphs) -> None:
+    chunks = [
+        _chunk([7, 8, 9, 10], 5, 3, [9, 2, 3], decode=True, drafts=3, step_saves=(9, 10, 11)),
+        _chunk([21, 22, 23, 24, 25, 26], 2, 0, [5, 6]),
+    ]
+    graphs._fill(chunks, Bucket(12, 7, 12))
+    assert graphs.stepwise[:3].tolist() == [1, 0, 0]
+    assert graphs.row_saves[:12].tolist() == [9, 10, 11] + [-1] * 9  # the state after each row but the last
+    assert graphs.sample_rows[:6].tolist() == [0, 1, 2, 3, 9, 0]  # each verified row, then the prompt's last
+    assert graphs.positions[:4].tolist() == [5, 6, 7, 8]
 
 
 def test_decode_rows_fill_the_static_inputs_and_padding_goes_to_scratch(graphs: WindowGraphs) -> None:
@@ -95,5 +121,5 @@ def test_prompt_chunks_fill_the_static_inputs_with_one_padding_sequence(graphs: 
     assert graphs.state_slots[:7].tolist() == [3, 0, 6, 6, 6, 6, 6]
     assert graphs.save_at[:7].tolist() == [0, 4, 0, 0, 0, 0, 0]
     assert graphs.save_slots[:7].tolist() == [-1, 8, -1, -1, -1, -1, -1]
-    assert graphs.sample_rows[:7].tolist() == [0, 6, 11, 11, 11, 11, 11]
+    assert graphs.sample_rows[:3].tolist() == [0, 6, 0]  # the rows the chunks sample at, then unused
     assert graphs.block_table[1, :2].tolist() == [5, 6] and graphs.block_table[2, :2].tolist() == [20, 20]

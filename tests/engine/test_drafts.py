@@ -14,13 +14,16 @@ import pytest
 import torch
 from checkpoints import write_checkpoint
 from contiguous_state import ContiguousState
-from engine_helpers import complete, make_core, random_prompt, request, run
+from engine_helpers import complete, make_core, random_prompt, request, run, with_window_graphs
 from tokenizers import Tokenizer
 
 from app.default_model import default_model_dir
 from app.engine.drafts import MtpGuesses, NgramDrafter, accepted
+from app.engine.head_graphs import HeadGraphs
+from app.engine.mtp_drafts import MtpSpan
 from app.engine.protocol import InvalidRequest, SamplingParams
 from app.engine.sampler import RowSampling, Sampler
+from app.engine.warm_up import warm_up_kernels
 from app.errors import StrataError
 from app.models.batch import ForwardBatch
 
@@ -338,3 +341,121 @@ def test_drafts_with_the_reference_kernels_give_the_tokens_of_decoding_one_at_a_
     plain, _ = _tokens(make_core(headed, **settings), {"temperature": 0}, 3)
     drafted, windows = _tokens(make_core(headed, spec="mtp", **settings), {"temperature": 0}, 3)
     assert drafted == plain and any(w.drafts for w in windows)
+
+
+def test_drafting_windows_through_the_graphs_give_the_tokens_of_one_token_a_window(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The Triton kernels (interpreter) with the tiles fixed: verifying windows padded to the graphs' mixed
+    buckets, whose Gated DeltaNet layers read each drafting chunk token by token in one launch and keep the
+    state after each row in a draft slot, give the tokens of one token a window, with guesses all right,
+    partly right and all wrong."""
+    hybrid = write_checkpoint(tmp_path, "qwen3_next", num_hidden_layers=2, full_attention_interval=2)
+    settings = {"backend": "triton", "exact": True, "parallel": 2, "max_batched_tokens": 32}
+    params = {"temperature": 0, "max_tokens": 10, "ignore_eos": True}
+    prompts = [random_prompt(9, 4), random_prompt(5, 5)]
+    arrivals = [(0, request(p, **params)) for p in prompts]
+    plain, _ = run(make_core(hybrid, **settings), arrivals)
+    answers = {tuple(a.prompt_token_ids): plain[a.request_id].token_ids for _, a in arrivals}
+    _oracle(monkeypatch, answers, lambda position, token, first: position % 4 == 2 or position == 5)
+    drafting = make_core(hybrid, spec="ngram", spec_tokens=3, **settings)
+    with_window_graphs(drafting, draft_rows=2 * 3)
+    graphs = drafting.runner.graphs
+    assert graphs is not None
+    verified: list[int] = []  # draft tokens of each window run over the graphs' static inputs
+    run_bucket = graphs.run
+
+    def run_and_count(chunks: list, bucket: object, fed: object = None) -> torch.Tensor:
+        verified.append(sum(c.drafts for c in chunks))
+        return run_bucket(chunks, bucket, fed)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(graphs, "run", run_and_count)
+    drafted, windows = run(drafting, [(0, request(p, **params)) for p in prompts])
+    assert [r.token_ids for r in drafted.values()] == [plain[a.request_id].token_ids for _, a in arrivals]
+    outcomes = [(k, n) for w in windows for _, k, n in w.drafts]
+    assert any(n == k for k, n in outcomes) and any(0 < n < k for k, n in outcomes)
+    assert any(n == 0 for k, n in outcomes)
+    assert sum(verified) == sum(k for k, _ in outcomes) > 0  # every drafting window went through them
+
+
+def test_the_heads_captured_pass_guesses_what_its_eager_pass_guesses(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The demo model's head over the static inputs of its graphs (run eagerly on the CPU) against its eager
+    pass, on every pass of a run with three slots: verified rows all, partly and not accepted, spans padded
+    to the span counts captured."""
+    demo = default_model_dir()
+    core = make_core(demo, parallel=3, max_batched_tokens=48, decode_share=0.01, spec="mtp", spec_tokens=3)
+    drafter = core.mtp
+    assert drafter is not None and drafter.graphs is None  # no graphs on the CPU
+    max_blocks = -(-core.max_model_len // core.config.block_size)
+    head = HeadGraphs(core.loaded.model, core.runner.state, 3, 3, max_blocks)
+    eager_guess = drafter.guess
+    compared: list[int] = []
+
+    def both(hidden: torch.Tensor, spans: list[MtpSpan]) -> list[list[int]]:
+        eager = eager_guess(hidden, spans)  # its keys and values first: the graphs' pass writes the same
+        bucket = head.bucket(spans)
+        if bucket is not None:
+            assert head.run(hidden, spans, bucket) == eager
+            compared.append(len(spans))
+        return eager
+
+    monkeypatch.setattr(drafter, "guess", both)
+    tokenizer = Tokenizer.from_file(str(demo / "tokenizer.json"))
+    texts = ["def add(a, b):", "class Queue:\n    def __init__(self):", "for name in names:"]
+    params = {"max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    arrivals = [(i, request(tokenizer.encode(t).ids, **params)) for i, t in enumerate(texts)]
+    _, windows = run(core, arrivals)
+    assert len(compared) > 3 and max(compared) == 3
+    outcomes = [(k, n) for w in windows for _, k, n in w.drafts]
+    assert any(n == k for k, n in outcomes) and any(0 < n < k for k, n in outcomes)
+    assert any(n == 0 for k, n in outcomes)
+
+
+def test_the_kernel_warm_up_runs_the_drafting_head_and_leaves_conversations_alone(
+    headed: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    core = make_core(headed, parallel=2, spec="mtp", spec_tokens=3)
+    prompt = random_prompt(40, 5)
+    first = complete(core, prompt, max_tokens=12, temperature=0, ignore_eos=True)
+    model = core.runner.model
+    passes: list[int] = []
+    head_forward = model.mtp_forward
+
+    def counted(hidden: torch.Tensor, *args: object) -> torch.Tensor:
+        passes.append(len(hidden))
+        return head_forward(hidden, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(model, "mtp_forward", counted)
+    warm_up_kernels(model, core.runner.state)
+    assert passes  # the head's eager pass over prompt rows is compiled before the first request
+    again = complete(core, prompt, max_tokens=12, temperature=0, ignore_eos=True)
+    assert again.token_ids == first.token_ids
+
+
+def test_mtp_drafts_through_the_heads_captured_pass_give_the_tokens_of_one_token_a_window(
+    headed: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every head pass through the captured pass's static inputs (run eagerly on the CPU), a prompt's rows
+    but its last read eagerly before it: the tokens of decoding one token a window."""
+    settings = {"parallel": 3, "max_batched_tokens": 48, "decode_share": 0.01}
+    plain, _ = _tokens(make_core(headed, **settings), {"temperature": 0}, 3)
+    core = make_core(headed, spec="mtp", spec_tokens=3, **settings)
+    assert core.mtp is not None
+    max_blocks = -(-core.max_model_len // core.config.block_size)
+    head = HeadGraphs(core.loaded.model, core.runner.state, 3, 3, max_blocks)
+    core.mtp.graphs = head
+    passes: list[int] = []
+    run_head = head.run
+
+    def counted(hidden: torch.Tensor, spans: list[MtpSpan], bucket: int) -> list[list[int]]:
+        passes.append(len(spans))
+        return run_head(hidden, spans, bucket)
+
+    monkeypatch.setattr(head, "run", counted)
+    guesses = core.mtp.guess
+    calls: list[int] = []
+    monkeypatch.setattr(core.mtp, "guess", lambda hidden, spans: calls.append(1) or guesses(hidden, spans))
+    drafted, windows = _tokens(core, {"temperature": 0}, 3)
+    assert drafted == plain
+    assert len(passes) == len(calls) > 0  # none ran eagerly
+    assert any(w.drafts for w in windows)

@@ -7,10 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from checkpoints import write_checkpoint
-from engine_helpers import complete, make_core, request, run
-
-from app.engine.core import EngineCore
-from app.engine.cuda_graphs import Bucket, WindowGraphs
+from engine_helpers import complete, make_core, request, run, with_window_graphs
 
 # The interpreter runs every program of every kernel in Python: two layers a model, the hybrid one of each
 # kind (a Gated DeltaNet layer, then an attention layer), which covers every kernel the engine runs.
@@ -106,24 +103,6 @@ def test_a_shared_prompt_start_is_continued_from_the_cache(hybrid: Path) -> None
     assert results[last.request_id].token_ids == complete(fresh, last.prompt_token_ids, **params).token_ids
 
 
-def _with_window_graphs(core: EngineCore) -> list[Bucket]:
-    """Give the core's runner window graphs (not captured on the CPU: each window runs the forward over the
-    graphs' padded static inputs); returns the list of buckets its windows ran in."""
-    config, state = core.config, core.runner.state
-    max_blocks = -(-core.max_model_len // config.block_size)
-    graphs = WindowGraphs(core.runner.model, state, config.parallel, max_blocks, config.max_batched_tokens)
-    used: list[Bucket] = []
-    run_bucket = graphs.run
-
-    def run_and_record(chunks: list, bucket: Bucket, fed: object = None) -> torch.Tensor:
-        used.append(bucket)
-        return run_bucket(chunks, bucket, fed)
-
-    graphs.run = run_and_record  # type: ignore[method-assign]
-    core.runner.graphs = graphs
-    return used
-
-
 def test_windows_through_the_graphs_static_inputs_give_the_eager_windows_tokens(hybrid: Path) -> None:
     """Decode rows, prompt pieces, fresh slots, a checkpoint saved inside a chunk and a follow-up from it,
     padded to buckets: the same tokens (and logprobs to rounding) as every window run eagerly."""
@@ -136,7 +115,7 @@ def test_windows_through_the_graphs_static_inputs_give_the_eager_windows_tokens(
         (2, request([*shared, *_prompt(6, 3)], **params)),
     ]
     graphed = make_core(hybrid, **settings)
-    used = _with_window_graphs(graphed)
+    used = with_window_graphs(graphed)
     padded, windows = run(graphed, arrivals)
     eager, _ = run(make_core(hybrid, **settings), arrivals)
     assert {b.decode for b in used} == {True, False} and any(

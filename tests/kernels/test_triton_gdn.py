@@ -357,3 +357,83 @@ def test_a_prompt_chunk_leaves_its_state_at_a_save_position() -> None:
     plain_state = state.clone()
     plain = _run_paged(sizes, (mixed, g, beta), plain_state, slice(0, 140), _paged([140], [10], [5]))
     assert torch.equal(whole, plain) and torch.equal(whole_state[5], plain_state[5])
+
+
+def test_stepwise_sequences_are_read_as_decode_rows_leaving_the_state_after_each_row() -> None:
+    """Draft rows being verified (stepwise sequences) beside a prompt chunk and a decode row: one launch of
+    the conv and of the rule gives, bit for bit, what reading them one row a window gives, and leaves the
+    state after each row that has a save slot there."""
+    generator = torch.Generator().manual_seed(10)
+    sizes = SIZES[0]
+    lengths, pasts, slots = [70, 4, 1, 3], [0, 9, 5, 2], [0, 3, 6, 2]
+    stepwise = [False, True, False, True]
+    saves = {1: [7, 8, 9], 3: [-1, 10]}  # sequence -> the save slot after each of its rows
+    mixed, weight, g, beta = _inputs(sizes, sum(lengths), generator)
+    conv = torch.randn(12, sizes.conv_dim, KERNEL - 1, generator=generator)
+    state = 0.3 * torch.randn(12, sizes.v_heads, sizes.dk, sizes.dv, generator=generator)
+    bounds = _layout(lengths, slots)[0].tolist()
+    row_saves = torch.full((sum(lengths),), -1, dtype=torch.int64)
+    for seq, targets in saves.items():
+        row_saves[bounds[seq] : bounds[seq] + len(targets)] = torch.tensor(targets)
+    layout = dataclasses.replace(
+        _paged(lengths, pasts, slots),
+        stepwise=torch.tensor(stepwise, dtype=torch.int32),
+        row_saves=row_saves,
+    )
+    got_conv, got_state = conv.clone(), state.clone()
+    query_start, slots = layout.query_start, layout.state_slots
+    conv_out = causal_conv_varlen(mixed, weight, got_conv, query_start, slots, layout=layout)
+    got = gated_delta_rule_paged(*_split(sizes, conv_out), g, beta, got_state, layout)
+
+    # One row of each stepwise sequence a window (the first beside every other sequence whole).
+    want_conv, want_state = conv.clone(), state.clone()
+    want_conv_out, want = torch.empty_like(conv_out), torch.empty_like(got)
+    for j in range(max(lengths[s] for s in range(4) if stepwise[s])):
+        rows: list[int] = []
+        step_lengths, step_pasts, step_slots = [], [], []
+        for seq in range(4):
+            if stepwise[seq] and j < lengths[seq]:
+                taken = [bounds[seq] + j]
+                step_pasts.append(pasts[seq] + j)
+            elif not stepwise[seq] and j == 0:
+                taken = list(range(bounds[seq], bounds[seq + 1]))
+                step_pasts.append(pasts[seq])
+            else:
+                continue
+            rows += taken
+            step_lengths.append(len(taken))
+            step_slots.append(slots[seq])
+        index = torch.tensor(rows)
+        step = _paged(step_lengths, step_pasts, step_slots)
+        part = causal_conv_varlen(mixed[index], weight, want_conv, step.query_start, step.state_slots)
+        want_conv_out[index] = part
+        want[index] = gated_delta_rule_paged(*_split(sizes, part), g[index], beta[index], want_state, step)
+        for seq, targets in saves.items():
+            if j < len(targets) and targets[j] >= 0:
+                want_conv[targets[j]], want_state[targets[j]] = want_conv[slots[seq]], want_state[slots[seq]]
+    assert torch.equal(conv_out, want_conv_out)
+    assert torch.equal(got, want)
+    assert torch.equal(got_conv, want_conv)
+    assert torch.equal(got_state, want_state)
+
+
+def test_the_conv_leaves_its_state_at_a_save_position() -> None:
+    """The conv state a 140-row chunk saves at position 128 is the state after reading only up to it; the
+    chunk's outputs and final state are those of reading it without the save."""
+    generator = torch.Generator().manual_seed(11)
+    sizes = SIZES[0]
+    mixed, weight, _, _ = _inputs(sizes, 140, generator)
+    conv, _ = _states(sizes, generator, torch.float32)
+    alone = conv.clone()
+    causal_conv_varlen(mixed[:118].clone(), weight, alone, *_layout([118], [5]))
+    layout = dataclasses.replace(
+        _paged([140], [10], [5]),
+        save_at=torch.tensor([128], dtype=torch.int32),
+        save_slots=torch.tensor([6], dtype=torch.int64),
+    )
+    saving = conv.clone()
+    out = causal_conv_varlen(mixed, weight, saving, layout.query_start, layout.state_slots, layout=layout)
+    assert torch.equal(saving[6], alone[5])
+    plain = conv.clone()
+    assert torch.equal(out, causal_conv_varlen(mixed, weight, plain, *_layout([140], [5])))
+    assert torch.equal(saving[5], plain[5])
