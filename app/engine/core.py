@@ -519,7 +519,9 @@ class EngineCore:
         flights = self._flights
         done: _Flight | None = None
         resolved: list[_Drawn] = []
-        if flights and self._drafting():  # drafts are guessed from a request's tokens: all of them read
+        if flights and self.pipeline is None and self._drafting():
+            # drafts are guessed from a request's tokens: all of them read (on a layer split the next window
+            # is another slot group's, whose last one was handed out before it was planned)
             done = flights.popleft()
             resolved = self._resolve(done)
         window = self.scheduler.schedule(self._busy_groups())

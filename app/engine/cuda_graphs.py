@@ -321,6 +321,9 @@ class WindowGraphs:
             graph, self.logits[bucket] = capture_graph(lambda bucket=bucket: self.forward(bucket), pool)
             pool = graph.pool()
             self.graphs[bucket] = graph
+        for bucket, graph in self.graphs.items():  # a graph uploads on its first launch: at start
+            self._fill([], bucket)
+            graph.replay()
         torch.cuda.synchronize()
         decode = [b.tokens for b in self.buckets if b.decode]
         log.info("captured window graphs: decode %s rows; mixed %s rows", decode, list(self.mixed_rows))

@@ -202,6 +202,9 @@ class HeadGraphs:
             graph, self.out[bucket] = capture_graph(lambda bucket=bucket: self.forward(bucket), pool)
             pool = graph.pool()
             self.graphs[bucket] = graph
+        for bucket, graph in self.graphs.items():  # a graph uploads on its first launch: at start
+            self._fill([], bucket)
+            graph.replay()
         torch.cuda.synchronize()
         log.info("captured the MTP head's pass: %s spans, %d guesses", self.buckets, self.guesses)
 

@@ -185,19 +185,29 @@ def test_drafts_need_room_to_roll_back_on_a_recurrent_model(tmp_path: Path) -> N
 def test_drafts_on_a_two_stage_split_give_the_tokens_of_the_whole_model(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # The hybrid model: its stage 1 holds recurrent layers whose state a wrong guess rolls back.
+    # The hybrid model: its stage 1 holds recurrent layers whose state a wrong guess rolls back; two slot
+    # groups pipelined down the stages, each drafting from its own tokens.
     model = write_checkpoint(tmp_path, "qwen3_next", max_position_embeddings=4096)
     settings = {"parallel": 4, "max_batched_tokens": 128, "decode_share": 0.01}
     whole, _ = _tokens(make_core(model, **settings), {"temperature": 0}, 4)
     prompts = [_repetitive(20 + 9 * i, i) for i in range(4)]
     _oracle(monkeypatch, {tuple(p): answer for p, answer in zip(prompts, whole, strict=True)})
-    core = make_core(model, spec="ngram", layer_split="2", **settings)
+    core = make_core(model, spec="ngram", layer_split="2", batch_groups=2, **settings)
+    in_flight: list[int] = []
+    launch = core._launch
+
+    def counted(window: object, began: float) -> object:
+        in_flight.append(len(core._flights))
+        return launch(window, began)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(core, "_launch", counted)
     try:
         split, windows = _tokens(core, {"temperature": 0}, 4)
     finally:
         core.close()
     outcomes = [(k, n) for w in windows for _, k, n in w.drafts]
     assert split == whole and any(n == k for k, n in outcomes) and any(n < k for k, n in outcomes)
+    assert max(in_flight) == 1  # pipelined groups: one group's window launched while the other's runs
 
 
 def test_a_follow_up_continues_from_what_a_drafting_turn_left(
