@@ -55,9 +55,12 @@ class MtpDrafter:
         self.device = model.model.embed_tokens.weight.device
 
     def _batch(self, chunks: list[tuple[int, list[int], int]]) -> ForwardBatch:
+        """An eager pass's batch. Its rows are marked live (`live_rows`, every one real): the kernels then
+        run the variants the warm-up compiled (app/engine/warm_up.py marks its rows not live)."""
         batch = ForwardBatch.build(chunks, self.state, self.device)
         if self.paged:
-            batch.layout = self.state.layout(batch.spans)
+            layout = self.state.layout(batch.spans)
+            batch.layout = replace(layout, live_rows=torch.ones_like(layout.slot_mapping))
         return batch
 
     def _read(self, hidden: torch.Tensor, spans: list[MtpSpan]) -> tuple[torch.Tensor, ForwardBatch]:
