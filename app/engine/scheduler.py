@@ -116,9 +116,10 @@ class Chunk:
     request just generated), as opposed to prompt (or re-read context) tokens; `save` (position, checkpoint
     slot) when the recurrent state inside the chunk is checkpointed on the way. A decode chunk's last
     `drafts` tokens are guesses (app/engine/drafts.py): it samples at its last 1 + `drafts` rows. On a model
-    with recurrent state its rows are read one at a time and `step_saves` holds a draft slot for each row
-    before the last: the state after row j is kept there, where the request continues from if guess j + 1
-    is wrong.
+    with recurrent state its rows are read one at a time and `step_saves` holds a state slot for each row
+    before the last (-1 for rows before the newest token, a draft slot from it on): the state after the
+    newest token and j guesses is kept in a draft slot, where the request continues from if guess j + 1 is
+    wrong.
     """
 
     request: Request
@@ -498,8 +499,9 @@ class Scheduler:
         drafts = request.drafter.draft(request.tokens, k)
         if not drafts or not self.pool.grow(request.blocks, chunk.past + len(chunk.tokens) + len(drafts)):
             return chunk
+        known = (-1,) * (len(chunk.tokens) - 1) if saves else ()  # rows before the newest token keep nothing
         return replace(
-            chunk, tokens=chunk.tokens + drafts, drafts=len(drafts), step_saves=saves[: len(drafts)]
+            chunk, tokens=chunk.tokens + drafts, drafts=len(drafts), step_saves=known + saves[: len(drafts)]
         )
 
     def _draft_slots(self, slot: int) -> tuple[int, ...]:
@@ -520,7 +522,7 @@ class Scheduler:
         window left after its last accepted row, in that row's draft slot, restored before its next window."""
         request = chunk.request
         if self.config.recurrent and taken < chunk.drafts:
-            request.rollback = chunk.step_saves[taken]
+            request.rollback = chunk.step_saves[len(chunk.tokens) - chunk.drafts - 1 + taken]
         request.computed += taken
         if self.pool.caching:
             self._commit(request)

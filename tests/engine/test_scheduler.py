@@ -402,3 +402,30 @@ def test_pipelined_groups_take_turns_and_a_busy_groups_slots_wait() -> None:
     third = scheduler.schedule(busy=frozenset({1}))
     assert [c.request for c in third.chunks] == [c.request for c in first.chunks]
     assert all(c.decode for c in third.chunks)
+
+
+class _Guesses:
+    """A draft source that always guesses the same tokens."""
+
+    def draft(self, tokens: list[int], k: int) -> list[int]:
+        return [1, 2, 3][:k]
+
+
+def test_a_wrong_guess_restores_the_state_after_the_last_accepted_row_and_reads_nothing_again() -> None:
+    # Two batch slots, three draft slots each (slot 1's after slot 0's): the state after the newest token
+    # and j guesses goes to draft slot j.
+    scheduler = _scheduler(parallel=2, recurrent=True, spec_tokens=3, draft_slots=(10, 11, 12, 13, 14, 15))
+    request = _request("a", 5)
+    scheduler.add(request)
+    _run(scheduler)
+    request.drafter = _Guesses()  # type: ignore[assignment]
+    window = _run(scheduler)
+    [chunk] = window.chunks
+    assert chunk.tokens == [7, 1, 2, 3] and chunk.step_saves == (10, 11, 12)
+    scheduler.accept(chunk, 1)  # the first guess right, the second wrong
+    request.output[-1:] = [1, 9]  # the guess accepted and the token drawn at the miss
+    assert request.computed == 7 and scheduler.state_slot(request) == 11
+    window = _run(scheduler)
+    assert window.restores == [(11, 0)]  # draft slot 1 into the request's slot, before the window
+    assert window.chunks[0].tokens[0] == 9 and window.chunks[0].past == 7  # only the token drawn at the miss
+    assert scheduler.state_slot(request) == 0
