@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -44,6 +45,7 @@ LONGEST_BUCKETS = (128, 512, 2048)
 MAX_GRAPH_TOKENS = 4096  # windows with more rows run eagerly: their GPU time dwarfs the host's
 
 Fed = tuple[torch.Tensor, torch.Tensor]  # rows of a window and the device tokens they are fed instead
+K = TypeVar("K")
 
 
 @dataclass(frozen=True)
@@ -72,12 +74,29 @@ def warm_up_on_side(run: Callable[[], object]) -> torch.cuda.Stream:
     return side
 
 
-def capture_graph(run: Callable[[], torch.Tensor], pool: object) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-    """`run` captured in a graph on the memory `pool` (None: a new one), and the tensor it returned."""
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        out = run()
-    return graph, out
+def capture_each(
+    keys: Sequence[K], fill: Callable[[K], None], forward: Callable[[K], torch.Tensor]
+) -> tuple[dict[K, torch.cuda.CUDAGraph], dict[K, torch.Tensor]]:
+    """`forward(key)` warmed up and captured for each key in order, its static inputs filled by `fill(key)`
+    first, all graphs on one memory pool (each later one reusing the earlier's memory: largest first); then
+    each launched once, since a graph uploads at its first launch (at start, not in a request's time). The
+    graphs and the tensor each forward returned."""
+    graphs: dict[K, torch.cuda.CUDAGraph] = {}
+    outs: dict[K, torch.Tensor] = {}
+    pool = None
+    for key in keys:
+        fill(key)
+        warm_up_on_side(lambda key=key: forward(key))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            outs[key] = forward(key)
+        pool = graph.pool()
+        graphs[key] = graph
+    for key, graph in graphs.items():
+        fill(key)
+        graph.replay()
+    torch.cuda.synchronize()
+    return graphs, outs
 
 
 def buckets_up_to(rows: int) -> list[int]:
@@ -190,7 +209,7 @@ class WindowGraphs:
         layers' kernels do not read stepwise spans in one launch)."""
         if not chunks or len(chunks) > self.slots:
             return None
-        stepwise = [c for c in chunks if c.decode and len(c.tokens) > 1]
+        stepwise = any(c.stepwise for c in chunks)
         if stepwise and sum(c.sampled_rows - 1 for c in chunks if c.sampled_rows) > self.draft_rows:
             return None
         rows = sum(len(c.tokens) for c in chunks)
@@ -248,21 +267,23 @@ class WindowGraphs:
         row_slots[: bucket.tokens] = state_slots[seq]
         save_at[: bucket.seqs] = 0
         save_slots[: bucket.seqs] = -1
-        stepwise[: bucket.seqs] = 0
-        row_saves[: bucket.tokens] = -1
-        sampled = 0
         for i, chunk in enumerate(chunks):
-            start, end = int(starts[i]), int(starts[i + 1])
-            if chunk.decode and len(chunk.tokens) > 1:  # verifies drafts: read token by token
-                stepwise[i] = 1
-                row_saves[start : start + len(chunk.step_saves)] = chunk.step_saves
-                if chunk.save is not None:
-                    row_saves[start + chunk.save[0] - chunk.past - 1] = chunk.save[1]
-            elif chunk.save is not None:
+            if chunk.save is not None:
                 save_at[i], save_slots[i] = chunk.save
-            sample_rows[sampled : sampled + chunk.sampled_rows] = np.arange(end - chunk.sampled_rows, end)
-            sampled += chunk.sampled_rows
-        sample_rows[sampled : bucket.seqs + self.draft_rows] = 0
+        if not bucket.decode:  # a decode bucket scores every row and holds no stepwise chunk
+            stepwise[: bucket.seqs] = 0
+            row_saves[: bucket.tokens] = -1
+            for i, chunk in enumerate(chunks):
+                if chunk.stepwise:  # verifies drafts: read token by token
+                    stepwise[i] = 1
+                    row_saves[starts[i] : starts[i] + len(chunk.step_saves)] = chunk.step_saves
+            # the rows each chunk samples at (its last `sampled_rows`), in order, then unused ones
+            counts = np.fromiter((c.sampled_rows for c in chunks), np.int64, n)
+            total = int(counts.sum())
+            firsts = np.cumsum(counts) - counts
+            within = np.arange(total) - np.repeat(firsts, counts)
+            sample_rows[:total] = np.repeat(starts[1 : n + 1] - counts, counts) + within
+            sample_rows[total : bucket.seqs + self.draft_rows] = 0
         self._long.copy_(self._long_host, non_blocking=True)
         self._int[: -self._int_sizes[-1]].copy_(self._int_host[: -self._int_sizes[-1]], non_blocking=True)
         # Rows read only the columns their length covers: copy no more than the widest row needs.
@@ -310,21 +331,16 @@ class WindowGraphs:
     @torch.inference_mode()
     def capture(self) -> None:
         """Warm up and capture every bucket, largest first (so smaller ones reuse its memory)."""
-        pool = torch.cuda.graph_pool_handle() if self.tiers else None
-        for bucket in sorted(self.buckets, key=lambda b: (b.tokens, b.longest), reverse=True):
-            self._fill([], bucket)
-            side = warm_up_on_side(lambda bucket=bucket: self.forward(bucket))
-            if self.tiers:
-                assert pool is not None
+        order = sorted(self.buckets, key=lambda b: (b.tokens, b.longest), reverse=True)
+        if not self.tiers:
+            self.graphs, self.logits = capture_each(order, lambda b: self._fill([], b), self.forward)
+        else:
+            pool = torch.cuda.graph_pool_handle()
+            for bucket in order:
+                self._fill([], bucket)
+                side = warm_up_on_side(lambda bucket=bucket: self.forward(bucket))
                 self._capture_pieces(bucket, Pieces(pool), side)
-                continue
-            graph, self.logits[bucket] = capture_graph(lambda bucket=bucket: self.forward(bucket), pool)
-            pool = graph.pool()
-            self.graphs[bucket] = graph
-        for bucket, graph in self.graphs.items():  # a graph uploads on its first launch: at start
-            self._fill([], bucket)
-            graph.replay()
-        torch.cuda.synchronize()
+            torch.cuda.synchronize()
         decode = [b.tokens for b in self.buckets if b.decode]
         log.info("captured window graphs: decode %s rows; mixed %s rows", decode, list(self.mixed_rows))
 

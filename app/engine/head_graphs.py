@@ -11,8 +11,8 @@ inputs filled on the host in one go and copied over in two copies; each step's a
 device, and the K guesses of every span come back in one copy.
 
 A chained step past what a span asks for (its guesses, capped where its blocks end) writes its keys and
-values to the scratch block and its guesses are dropped. Passes that read longer spans (a prompt's rows) run
-eagerly.
+values to the scratch block and its guesses are dropped. A span of more rows (a prompt's) has all its rows but
+the last read by an eager pass first (app/engine/mtp_drafts.py), the last one here.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import logging
 import numpy as np
 import torch
 
-from app.engine.cuda_graphs import buckets_up_to, capture_graph, warm_up_on_side
+from app.engine.cuda_graphs import buckets_up_to, capture_each
 from app.engine.mtp_drafts import MtpSpan
 from app.engine.paged_state import PagedState
 from app.engine.transfer import device_tensor
@@ -195,17 +195,7 @@ class HeadGraphs:
     @torch.inference_mode()
     def capture(self) -> None:
         """Warm up and capture every span count, largest first (smaller ones reuse its memory)."""
-        pool = None
-        for bucket in reversed(self.buckets):
-            self._fill([], bucket)
-            warm_up_on_side(lambda bucket=bucket: self.forward(bucket))
-            graph, self.out[bucket] = capture_graph(lambda bucket=bucket: self.forward(bucket), pool)
-            pool = graph.pool()
-            self.graphs[bucket] = graph
-        for bucket, graph in self.graphs.items():  # a graph uploads on its first launch: at start
-            self._fill([], bucket)
-            graph.replay()
-        torch.cuda.synchronize()
+        self.graphs, self.out = capture_each(self.buckets[::-1], lambda b: self._fill([], b), self.forward)
         log.info("captured the MTP head's pass: %s spans, %d guesses", self.buckets, self.guesses)
 
     @torch.inference_mode()

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from app.kernels import kv_quant
-from app.models.batch import PagedLayout, SequenceSpan, row_save
+from app.models.batch import PagedLayout, SequenceSpan
 from app.models.config import ATTENTION, LINEAR_ATTENTION, ModelConfig
 
 STATE_DTYPE = torch.float32  # Gated DeltaNet recurrent state is carried in fp32
@@ -136,21 +136,15 @@ class PagedState:
             positions = torch.arange(span.past, span.past + span.length)
             slot_mapping.append(tables[i, positions // size] * size + positions % size)
             starts.append(starts[-1] + span.length)
-        held = [s for s in spans if not s.stepwise]  # a stepwise span's checkpoint is one of its row saves
-        saving = any(s.save_slot is not None for s in held)
-        saves = [
-            *(0 if s.stepwise else s.save_at for s in spans),
-            *(-1 if s.save_slot is None or s.stepwise else s.save_slot for s in spans),
-        ]
+        saving = any(s.save_slot is not None for s in spans)
+        saves = [*(s.save_at for s in spans), *(-1 if s.save_slot is None else s.save_slot for s in spans)]
         stepping = any(s.stepwise for s in spans)
         steps = np.zeros(seqs if stepping else 0, np.int64)
         row_saves = np.full(starts[-1] if stepping else 0, -1, np.int64)
         for i, span in enumerate(spans):
             if span.stepwise:
                 steps[i] = 1
-                for j in range(span.length):
-                    for slot in row_save(span, j):
-                        row_saves[span.start + j] = slot
+                row_saves[span.start : span.start + len(span.row_saves)] = span.row_saves
         small = torch.tensor(
             [
                 *starts,

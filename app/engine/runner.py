@@ -282,10 +282,9 @@ def _kept(chunks: list[Chunk]) -> tuple[list[Chunk], list[int]]:
 
 
 def stepwise_rows(chunks: list[Chunk]) -> dict[int, tuple[int, ...]]:
-    """The slots of the decode chunks of more than one row (draft tokens being verified), whose rows
-    recurrent layers read one at a time, as one token a window would be, to the draft slots that keep the
-    state after each of their rows (`Chunk.step_saves`)."""
-    return {c.slot: c.step_saves for c in chunks if c.decode and len(c.tokens) > 1}
+    """The slots of the stepwise chunks (`Chunk.stepwise`) to the state slots that keep the state after
+    each of their rows (`Chunk.step_saves`)."""
+    return {c.slot: c.step_saves for c in chunks if c.stepwise}
 
 
 def _row_sampling(sampling: list[Chunk], copied: bool = False) -> list[RowSampling]:

@@ -134,6 +134,12 @@ class Chunk:
     step_saves: tuple[int, ...] = ()
 
     @property
+    def stepwise(self) -> bool:
+        """A decode chunk of more than one row (draft tokens being verified), whose rows recurrent layers
+        read one at a time, as one token a window would be."""
+        return self.decode and len(self.tokens) > 1
+
+    @property
     def sampled_rows(self) -> int:
         """Rows the chunk samples at: its last 1 + `drafts`, or none."""
         return 1 + self.drafts if self.samples else 0

@@ -19,7 +19,8 @@ class SequenceSpan:
 
     A `stepwise` span's rows are tokens the sequence generated (draft tokens being verified): the recurrent
     layers read them one at a time, each as a decode row, and leave the state after row j in `row_saves[j]`
-    (fewer entries than rows: the later rows keep nothing; -1: that row keeps nothing).
+    (fewer entries than rows: the later rows keep nothing; -1: that row keeps nothing). It has no checkpoint
+    (`save_slot`): its row saves are its checkpoints.
     """
 
     seq: int
@@ -166,8 +167,8 @@ class ForwardBatch:
         """Let the recurrent layers take the stepwise spans one row at a time, for backends whose kernels
         do not read them in one launch: step 0 holds every other span whole and their first rows, step j
         their row j, each a batch of its own (with `layout`'s layout of its spans). Each step's rows are then
-        computed as in a window of single decode rows. A stepwise span's row saves, and its checkpoint
-        (`save_at` tokens into `save_slot`), are left after the step that reads that row (`step_saves`)."""
+        computed as in a window of single decode rows. A stepwise span's row saves are left after the step
+        that reads that row (`step_saves`)."""
         longest = max((s.length for s in self.spans if s.stepwise), default=0)
         if longest <= 1:
             return
@@ -178,9 +179,9 @@ class ForwardBatch:
             for span in self.spans:
                 if span.stepwise and j < span.length:
                     taken, past = [span.start + j], span.past + j
-                    for slot in row_save(span, j):
-                        self.step_saves.setdefault(j, []).append((span.seq, slot))
-                    span = replace(span, save_at=0, save_slot=None, stepwise=False, row_saves=())
+                    if j < len(span.row_saves) and span.row_saves[j] >= 0:
+                        self.step_saves.setdefault(j, []).append((span.seq, span.row_saves[j]))
+                    span = replace(span, stepwise=False, row_saves=())
                 elif not span.stepwise and j == 0:
                     taken, past = list(range(span.start, span.start + span.length)), span.past
                 else:
@@ -197,12 +198,3 @@ class ForwardBatch:
     def last_rows(self) -> torch.Tensor:
         """Index of each span's last row: where its next-token logits come from."""
         return torch.tensor([s.start + s.length - 1 for s in self.spans], device=self.input_ids.device)
-
-
-def row_save(span: SequenceSpan, row: int) -> list[int]:
-    """The state slots that keep a stepwise span's recurrent state after its `row`: its row save there, and
-    its checkpoint when that ends at the row."""
-    slots = [span.row_saves[row]] if row < len(span.row_saves) and span.row_saves[row] >= 0 else []
-    if span.save_slot is not None and span.save_at == span.past + row + 1:
-        slots.append(span.save_slot)
-    return slots
