@@ -5,7 +5,9 @@ synchronised around them (so the figures add host and device time; the totals ar
     python benchmarks/drafts_window.py [--spec off|ngram|mtp] [--concurrency 4] [--profile]
 
 With --profile the timed run is not synchronised but profiled instead: the device's kernels by total time,
-and how many ran a window.
+and how many ran a window. With --first the first run after the engine's start is looked at instead (where
+a stall at the first requests would be): its first windows' times, every Triton kernel compiled during it,
+and the host's functions by cumulative time.
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--first", action="store_true")
     args = parser.parse_args()
     core = make_core(
         default_model_dir(), device="cuda", dtype="bfloat16", parallel=8, kv_memory=1 << 30, spec=args.spec
@@ -80,6 +83,9 @@ def main() -> None:
             for i in range(args.concurrency)
         ]
 
+    if args.first:
+        first_run(core, requests(0))
+        return
     run(core, requests(0))  # the graphs are captured: the timers go in after the first run (no sync there)
     if args.profile:
         profile(core, requests(100))
@@ -92,6 +98,37 @@ def main() -> None:
     print(f"{args.spec}: {len(windows)} windows in {time.perf_counter() - began:.3f} s")
     for key, times in spent.items():
         print(f"  {key}: {len(times)} calls, {1000 * sum(times) / len(times):.2f} ms each")
+
+
+def first_run(core: EngineCore, arrivals: list) -> None:
+    """The first run after the start: its first windows' times, the Triton kernels compiled during it, and
+    the host's 25 costliest functions by cumulative time."""
+    import cProfile
+    import pstats
+
+    import triton
+
+    compiled: list[str] = []
+
+    def on_compile(**kwargs: object) -> bool:
+        compiled.append(f"{kwargs.get('fn')}: {kwargs.get('repr')}")
+        return False
+
+    triton.knobs.runtime.jit_cache_hook = on_compile
+    profiler = cProfile.Profile()
+    began = time.perf_counter()
+    profiler.enable()
+    _, windows = run(core, arrivals)
+    torch.cuda.synchronize()
+    profiler.disable()
+    print(f"first run: {len(windows)} windows in {time.perf_counter() - began:.3f} s")
+    for w in windows[:8]:
+        rows = f"{w.prompt_tokens} prompt + {w.decode_tokens} decode rows"
+        print(f"  window {w.window}: {1000 * w.duration_s:.2f} ms, {rows}")
+    print(f"{len(compiled)} Triton compiles:")
+    for line in compiled:
+        print("  " + line)
+    pstats.Stats(profiler).sort_stats("cumulative").print_stats(25)
 
 
 def profile(core: EngineCore, arrivals: list) -> None:

@@ -13,7 +13,7 @@ import torch
 from app.default_model import default_model_dir
 from app.engine.config import EngineConfig
 from app.engine.cuda_graphs import WindowGraphs
-from app.engine.drafts import MtpGuesses, accepted
+from app.engine.drafts import GuessSource, MtpGuesses, accepted, guess_index
 from app.engine.expert_report import ExpertReporter, joined
 from app.engine.grammar import Grammars
 from app.engine.head_graphs import HeadGraphs
@@ -85,6 +85,7 @@ class _Flight:
     stages: list[StageTimes] | None = None  # on a layer split: each stage's times for it
     slots: list[tuple[Request, SlotStats]] = field(default_factory=list)  # as the window left them
     drafts: list[tuple[int, int, int]] = field(default_factory=list)  # (slot, guesses, accepted) a chunk
+    guessed: GuessSource | None = None  # the head's guesses on the device when it was launched
 
     @property
     def replayed(self) -> bool:
@@ -210,7 +211,7 @@ class EngineCore:
         self.mtp = None
         if config.spec == "mtp":
             self.mtp = MtpDrafter(model, state, self._head_graphs(state, graphs))
-        self.runner.warm_up()
+        self.runner.warm_up(self.config.max_batched_tokens)
         if self.park is not None:
             self.park.reserve_pinned()
         self.scheduler = Scheduler(self._scheduler_config(state, graphs), parked=self.park)
@@ -221,6 +222,7 @@ class EngineCore:
         # windows launched and not yet handed out, oldest first: at most one beside the window being planned
         # (overlapped), none (--no-overlap), or one per other slot group on a layer split
         self._flights: deque[_Flight] = deque()
+        self._guessed: GuessSource | None = None  # the head's latest guesses left on the device
         self._in_flight = (self.groups - 1) if self.pipeline is not None else int(config.overlap)
         self._emitted_at = 0.0  # when the last window's tokens were handed out (perf_counter)
         self.experts = ExpertReporter(model, self.tiers, self.device)  # this stage's layers
@@ -596,7 +598,7 @@ class EngineCore:
         for row, chunk in enumerate(launched.sampling if launched is not None else []):
             chunk.request.output.append(placeholder(row))
             indices.append(len(chunk.request.output) - 1)
-        return _Flight(window, launched, indices, began, started)
+        return _Flight(window, launched, indices, began, started, guessed=self._guessed)
 
     def _resolve(self, flight: _Flight) -> list[_Drawn]:
         """Wait for a flight's tokens and put them in place of its placeholders (requests that ended since
@@ -617,7 +619,7 @@ class EngineCore:
             if request.phase is Phase.FINISHED:
                 continue
             if chunk.drafts:
-                guesses = chunk.tokens[len(chunk.tokens) - chunk.drafts :]
+                guesses = self._guess_values(chunk.tokens[len(chunk.tokens) - chunk.drafts :], flight)
                 taken = accepted(guesses, [s.token_id for s, _ in rows])
                 taken_of[id(chunk)] = taken
                 self.scheduler.accept(chunk, taken)
@@ -633,9 +635,24 @@ class EngineCore:
             self._guess(flight.launched, taken_of)
         return resolved
 
+    @staticmethod
+    def _guess_values(guesses: list[int], flight: _Flight) -> list[int]:
+        """A chunk's draft tokens, its guess placeholders replaced by the guesses they stood for when the
+        flight was launched."""
+        values = []
+        for token in guesses:
+            index = guess_index(token)
+            if index is not None:
+                assert flight.guessed is not None, "a guess placeholder with no guesses on the device"
+                token = flight.guessed.value(index)
+            values.append(token)
+        return values
+
     def _guess(self, launched: Launched, taken_of: dict[int, int]) -> None:
         """The MTP head reads a window's rows of the requests it drafts for, now that the token after each
-        is known, and guesses the tokens after each one's newest (`MtpGuesses.offer`)."""
+        is known, and guesses the tokens after each one's newest (`MtpGuesses.offer`). Its captured pass
+        leaves them on the device for the next window to feed, unless a request's sampling reads its
+        draft tokens on the host (penalties) or a layer split sends windows down its stages."""
         assert self.mtp is not None and launched.kept is not None
         spans, guessed = [], []
         size, start = self.config.block_size, 0
@@ -656,10 +673,15 @@ class EngineCore:
                 continue
             spans.append(MtpSpan(chunk.slot, chunk.past, list(rows[:valid]), nexts, request.blocks, guesses))
             guessed.append(request)
-        for request, guesses in zip(guessed, self.mtp.guess(launched.kept, spans), strict=True):
+        on_device = self.pipeline is None and not any(r.params.penalised for r in guessed)
+        guesses_of, source = self.mtp.guess(launched.kept, spans, on_device)
+        if source is not None:
+            self._guessed = source
+            self.runner.guesses = source.flat
+        for request, guesses in zip(guessed, guesses_of, strict=True):
             if guesses:
                 assert isinstance(request.drafter, MtpGuesses)
-                request.drafter.offer(request.length, guesses)
+                request.drafter.offer(request.length, guesses, source)
 
     def _drafting(self) -> bool:
         """Whether a decoding request drafts (`--spec`, or its own `spec_tokens`)."""

@@ -10,7 +10,9 @@ miss the token drawn from the rest of the distribution: rejection sampling of a 
 `NgramDrafter` (`--spec ngram`) guesses from the conversation itself: the tokens that followed the last
 time its newest few tokens occurred (prompt lookup). It is pure Python, in the scheduler's process.
 `MtpGuesses` (`--spec mtp`) holds what the model's MTP head guessed after the request's last window read
-(app/engine/mtp_drafts.py runs the head on the device); the scheduler only takes them.
+(app/engine/mtp_drafts.py runs the head on the device); the scheduler only takes them. A captured pass of the
+head leaves its guesses on the device: the request then holds `guess_placeholder`s, which the next window
+feeds from there (app/engine/runner.py) while the host plans it, and whose values its verification reads.
 """
 
 from __future__ import annotations
@@ -18,6 +20,30 @@ from __future__ import annotations
 from typing import Protocol
 
 NGRAM_MAX, NGRAM_MIN = 4, 1  # the longest and shortest suffixes looked up
+# Guess placeholders lie at and below this; a window's placeholders (scheduler.placeholder) lie above it.
+GUESS_PLACEHOLDER = -(1 << 40)
+
+
+def guess_placeholder(index: int) -> int:
+    """The stand-in for guess `index` (row-major over spans and guesses) of the head's latest pass whose
+    guesses stayed on the device."""
+    return GUESS_PLACEHOLDER - index
+
+
+def guess_index(token: int) -> int | None:
+    """The index of the guess that `token` stands for, or None where it is a token (or a window's
+    placeholder)."""
+    return GUESS_PLACEHOLDER - token if token <= GUESS_PLACEHOLDER else None
+
+
+class GuessSource(Protocol):
+    """Where guess placeholders' values are: a pass of the head whose guesses stayed on the device."""
+
+    stale: bool  # a later pass has replaced it: its placeholders stand for nothing any more
+
+    def value(self, index: int) -> int:
+        """Guess `index`'s value (waits for its copy to the host)."""
+        ...
 
 
 class DraftSource(Protocol):
@@ -34,14 +60,19 @@ class MtpGuesses:
     def __init__(self) -> None:
         self._after = -1  # the request's length when the guesses were made
         self._guesses: list[int] = []
+        self._source: GuessSource | None = None
 
-    def offer(self, length: int, guesses: list[int]) -> None:
-        """Guesses of the tokens after the first `length` tokens of the request."""
-        self._after, self._guesses = length, guesses
+    def offer(self, length: int, guesses: list[int], source: GuessSource | None = None) -> None:
+        """Guesses of the tokens after the first `length` tokens of the request (placeholders of `source`'s
+        guesses, where it is given)."""
+        self._after, self._guesses, self._source = length, guesses, source
 
     def draft(self, tokens: list[int], k: int) -> list[int]:
-        """The first `k` guesses, if they follow `tokens` as they are now; else none."""
-        return self._guesses[:k] if len(tokens) == self._after else []
+        """The first `k` guesses, if they follow `tokens` as they are now and still stand for guesses;
+        else none."""
+        if len(tokens) != self._after or (self._source is not None and self._source.stale):
+            return []
+        return self._guesses[:k]
 
 
 class NgramDrafter:

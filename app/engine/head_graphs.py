@@ -13,6 +13,10 @@ device, and the K guesses of every span come back in one copy.
 A chained step past what a span asks for (its guesses, capped where its blocks end) writes its keys and
 values to the scratch block and its guesses are dropped. A span of more rows (a prompt's) has all its rows but
 the last read by an eager pass first (app/engine/mtp_drafts.py), the last one here.
+
+With `on_device` the guesses stay where the pass left them (`DeviceGuesses`): the next window feeds them from
+there, so the host plans and queues it while the device runs the head, and their copy to the host comes
+behind them, read when that window's tokens are.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import numpy as np
 import torch
 
 from app.engine.cuda_graphs import buckets_up_to, capture_each
+from app.engine.drafts import guess_placeholder
 from app.engine.mtp_drafts import MtpSpan
 from app.engine.paged_state import PagedState
 from app.engine.transfer import device_tensor
@@ -49,6 +54,30 @@ class _Segments:
 
     def send(self) -> None:
         self.device.copy_(self.host, non_blocking=True)
+
+
+class DeviceGuesses:
+    """The guesses of one captured pass of the head, [spans, guesses] on the device (`flat`: what guess
+    placeholders stand for, row-major) and copied to `host` behind them; `stale` once a later pass replaced
+    them (they may since have been overwritten)."""
+
+    def __init__(self, guesses: torch.Tensor, host: torch.Tensor) -> None:
+        self.flat = guesses.reshape(-1)
+        self._host = host.reshape(-1)[: self.flat.numel()]
+        self._host.copy_(self.flat, non_blocking=True)
+        self._copied = torch.cuda.Event() if guesses.device.type == "cuda" else None
+        if self._copied is not None:
+            self._copied.record()
+        self._values: list[int] | None = None
+        self.stale = False
+
+    def value(self, index: int) -> int:
+        """Guess `index`'s value, once its copy to the host is done."""
+        if self._values is None:
+            if self._copied is not None:
+                self._copied.synchronize()
+            self._values = self._host.tolist()
+        return self._values[index]
 
 
 class HeadGraphs:
@@ -81,6 +110,10 @@ class HeadGraphs:
         self.hidden = torch.zeros(tokens, model.config.hidden_size, dtype=dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.out: dict[int, torch.Tensor] = {}
+        self._out_host = torch.zeros(top * guesses, dtype=torch.int64)
+        if device.type == "cuda":
+            self._out_host = self._out_host.pin_memory()
+        self.latest: DeviceGuesses | None = None  # the last pass's guesses left on the device
 
     def bucket(self, spans: list[MtpSpan]) -> int | None:
         """The span count of the smallest capture that holds the spans, or None when they need the eager pass
@@ -199,10 +232,16 @@ class HeadGraphs:
         log.info("captured the MTP head's pass: %s spans, %d guesses", self.buckets, self.guesses)
 
     @torch.inference_mode()
-    def run(self, hidden: torch.Tensor, spans: list[MtpSpan], bucket: int) -> list[list[int]]:
+    def run(
+        self, hidden: torch.Tensor, spans: list[MtpSpan], bucket: int, on_device: bool = False
+    ) -> list[list[int]]:
         """The guesses of each span (as many as it asks for) after reading its rows of `hidden` (the final
-        hidden states a window kept). Without a captured graph (CPU tests) the same pass runs eagerly over
-        the same static inputs."""
+        hidden states a window kept); with `on_device`, their placeholders, the guesses left on the device
+        as `latest`. Without a captured graph (CPU tests) the same pass runs eagerly over the same static
+        inputs."""
+        if self.latest is not None:
+            self.latest.stale = True  # the replay below may overwrite its guesses
+            self.latest = None
         self._fill(spans, bucket)
         rows = device_tensor([r for s in spans for r in s.rows], torch.long, self.device)
         self.hidden[: len(rows)] = hidden[rows]
@@ -212,5 +251,10 @@ class HeadGraphs:
         else:
             graph.replay()
             guesses = self.out[bucket]
-        table = guesses[: len(spans)].tolist()
+        guesses = guesses[: len(spans)]
+        if on_device:
+            self.latest = DeviceGuesses(guesses, self._out_host)
+            width = self.guesses
+            return [[guess_placeholder(i * width + j) for j in range(s.guesses)] for i, s in enumerate(spans)]
+        table = guesses.tolist()
         return [row[: s.guesses] for row, s in zip(table, spans, strict=True)]

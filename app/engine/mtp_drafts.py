@@ -8,7 +8,8 @@ values going into the request's own KV blocks under the head's layer numbers, so
 whole conversation as it did in training. From the last row's output it guesses the token after the newest
 one; each further guess is one more step of the head on its own output and the guess before (a step's keys
 and values sit where the next window's pass writes the true ones). Guesses are the head's argmax: they are
-proposals, and verification keeps every request's own distribution whatever they are.
+proposals, and verification keeps every request's own distribution whatever they are. A captured pass can
+leave them on the device (`on_device`, app/engine/head_graphs.py): what it returns are then placeholders.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from app.models.batch import ForwardBatch
 from app.models.qwen3 import CausalLM
 
 if TYPE_CHECKING:
-    from app.engine.head_graphs import HeadGraphs
+    from app.engine.head_graphs import DeviceGuesses, HeadGraphs
 
 
 @dataclass(frozen=True)
@@ -71,11 +72,11 @@ class MtpDrafter:
         rows = device_tensor([r for s in spans for r in s.rows], torch.long, self.device)
         return self.model.mtp_forward(hidden[rows], batch.input_ids, batch), batch
 
-    def _graphed(self, hidden: torch.Tensor, spans: list[MtpSpan]) -> list[list[int]] | None:
-        """The guesses through the captured pass, or None where it holds too few spans. A span of more rows
-        than it takes (a prompt's) has all its rows but the last read eagerly first, and only the last one
-        in the capture: the head's chained steps then run eagerly only for requests that ask for more
-        guesses than were captured."""
+    def _graphed(self, hidden: torch.Tensor, spans: list[MtpSpan], on_device: bool) -> list[list[int]] | None:
+        """The guesses through the captured pass (`on_device`: their placeholders), or None where it holds
+        too few spans. A span of more rows than it takes (a prompt's) has all its rows but the last read
+        eagerly first, and only the last one in the capture: the head's chained steps then run eagerly only
+        for requests that ask for more guesses than were captured."""
         assert self.graphs is not None
         taken = self.graphs.rows_per
         long = [s for s in spans if len(s.rows) > taken]
@@ -91,22 +92,26 @@ class MtpDrafter:
             ]
         bucket = self.graphs.bucket(spans)
         assert bucket is not None, "a span the captured pass does not take"
-        return self.graphs.run(hidden, spans, bucket)
+        return self.graphs.run(hidden, spans, bucket, on_device)
 
     @torch.inference_mode()
-    def guess(self, hidden: torch.Tensor, spans: list[MtpSpan]) -> list[list[int]]:
+    def guess(
+        self, hidden: torch.Tensor, spans: list[MtpSpan], on_device: bool = False
+    ) -> tuple[list[list[int]], DeviceGuesses | None]:
         """Read `spans` (their rows of `hidden`, the final hidden states a window kept) into the head's keys
-        and values; the guesses of each span, in order (empty where it asks for none)."""
+        and values; the guesses of each span, in order (empty where it asks for none). With `on_device` a
+        captured pass leaves them on the device: they are then placeholders of the source returned (else
+        None)."""
         if not spans:
-            return []
+            return [], None
         if self.graphs is not None:
-            graphed = self._graphed(hidden, spans)
+            graphed = self._graphed(hidden, spans, on_device)
             if graphed is not None:
-                return graphed
+                return graphed, self.graphs.latest
         out, batch = self._read(hidden, spans)
         guessing = [i for i, s in enumerate(spans) if s.guesses]
         if not guessing:
-            return [[] for _ in spans]
+            return [[] for _ in spans], None
         ends = [batch.spans[i].start + batch.spans[i].length - 1 for i in guessing]
         out = out[device_tensor(ends, torch.long, self.device)]
         tokens = self.model.logits(out).argmax(-1)
@@ -130,4 +135,4 @@ class MtpDrafter:
         guesses: list[list[int]] = [[] for _ in spans]
         for g, i in enumerate(guessing):
             guesses[i] = table[g][: spans[i].guesses]
-        return guesses
+        return guesses, None

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from app.engine.cuda_graphs import Fed, WindowGraphs
-from app.engine.drafts import MtpGuesses
+from app.engine.drafts import MtpGuesses, guess_index
 from app.engine.grammar import Grammars, TokenMask
 from app.engine.paged_state import PagedState, StateCopies
 from app.engine.parking import ConversationPark, Parked
@@ -87,21 +87,24 @@ class ModelRunner:
         self.last_stages: list[StageTimes] | None = None  # a split's stage times for the last window read
         self.last_reports: list[ExpertUsage] = []  # and the other stages' routing reports that came with it
         self._drawn: torch.Tensor | None = None  # the tokens of the last window launched, on the device
+        self.guesses: torch.Tensor | None = None  # the MTP head's guesses left on the device, flat (core.py)
         self.grammars: Grammars | None = None  # set by the engine once a request has a grammar
         self.device = model.model.embed_tokens.weight.device
 
-    def warm_up(self) -> None:
-        """Compile the kernel variants of eager windows on a GPU before the first request arrives
-        (`warm_up_kernels`; on a layer split, stage 0's part, as every stage does its own)."""
+    def warm_up(self, most_rows: int) -> None:
+        """Compile the kernel variants of eager windows of up to `most_rows` rows on a GPU before the first
+        request arrives (`warm_up_kernels`; on a layer split, stage 0's part, as every stage does its own)."""
         if self.paged and self.device.type == "cuda":
-            warm_up_kernels(self.model, self.state, self.pipeline.part if self.pipeline else None)
+            part = self.pipeline.part if self.pipeline else None
+            warm_up_kernels(self.model, self.state, most_rows, part)
 
     @torch.inference_mode()
     def launch(self, window: Window) -> Launched:
         """Queue the window's state copies, forward pass and sampling on the device; return without waiting.
 
         A chunk whose last token is a placeholder (`scheduler.placeholder`) is fed the token drawn on the
-        device for that row of the window launched before, which the host has not read yet.
+        device for that row of the window launched before, which the host has not read yet; a draft token
+        that is a guess placeholder (`drafts.guess_placeholder`), the head's guess it stands for.
         """
         chunks, graphs = window.chunks, self.graphs
         copies = StateCopies(
@@ -218,18 +221,32 @@ class ModelRunner:
 
     def _fed(self, chunks: list[Chunk]) -> Fed | None:
         """The rows whose token is a placeholder and the device tokens that replace them, or None."""
-        rows, sources, end = [], [], 0
+        rows, sources, guessed, guesses, end = [], [], [], [], 0
         for chunk in chunks:
             end += len(chunk.tokens)
-            if chunk.tokens[-1] < 0:  # only a request's newest token can be one
+            if chunk.drafts:  # its newest token is known; its guesses may be on the device
+                for row in range(end - chunk.drafts, end):
+                    index = guess_index(chunk.tokens[row - end])
+                    if index is not None:
+                        guessed.append(row)
+                        guesses.append(index)
+            elif chunk.tokens[-1] < 0:  # only a request's newest token can be one
                 rows.append(end - 1)
                 sources.append(placeholder_row(chunk.tokens[-1]))
-        if not rows:
+        if not rows and not guessed:
             return None
-        if self._drawn is None:
-            raise RuntimeError("a window feeds placeholder tokens but no window was launched before it")
-        index = device_tensor(rows + sources, torch.long, self.device)
-        return index[: len(rows)], self._drawn[index[len(rows) :]]
+        n, g = len(rows), len(guessed)
+        index = device_tensor(rows + guessed + sources + guesses, torch.long, self.device)
+        feeds = []
+        if rows:
+            if self._drawn is None:
+                raise RuntimeError("a window feeds placeholder tokens but no window was launched before it")
+            feeds.append(self._drawn[index[n + g : n + g + n]])
+        if guessed:
+            if self.guesses is None:
+                raise RuntimeError("a window feeds guess placeholders but the head left no guesses")
+            feeds.append(self.guesses[index[n + g + n :]])
+        return index[: n + g], feeds[0] if len(feeds) == 1 else torch.cat(feeds)
 
     def _batch(self, chunks: list[Chunk], fed: Fed | None) -> tuple[ForwardBatch, list[Chunk], list[int]]:
         """The window's flat batch (its rows' block tables set), the chunks that sample, one entry a row they

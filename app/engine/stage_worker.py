@@ -113,7 +113,7 @@ def run_stage(
         kv_dtype=kv_quant.cache_dtype(config.kv_dtype, dtype),  # checked by the engine before the setup
     )
     if where.type == "cuda" and model.backends.paged_attention is not None:
-        warm_up_kernels(model, state, part, dtype)
+        warm_up_kernels(model, state, config.max_batched_tokens, part, dtype)
     try:
         with torch.inference_mode():
             reporter = ExpertReporter(model, tiers, where.type)

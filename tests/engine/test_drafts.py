@@ -18,11 +18,19 @@ from engine_helpers import complete, make_core, random_prompt, request, run, wit
 from tokenizers import Tokenizer
 
 from app.default_model import default_model_dir
-from app.engine.drafts import MtpGuesses, NgramDrafter, accepted
+from app.engine.drafts import (
+    GuessSource,
+    MtpGuesses,
+    NgramDrafter,
+    accepted,
+    guess_index,
+    guess_placeholder,
+)
 from app.engine.head_graphs import HeadGraphs
 from app.engine.mtp_drafts import MtpSpan
 from app.engine.protocol import InvalidRequest, SamplingParams
 from app.engine.sampler import RowSampling, Sampler
+from app.engine.scheduler import placeholder
 from app.engine.warm_up import warm_up_kernels
 from app.errors import StrataError
 from app.models.batch import ForwardBatch
@@ -248,14 +256,33 @@ def headed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
 
 
+class _Source:
+    stale = False
+
+    def value(self, index: int) -> int:
+        return 100 + index
+
+
+def test_guesses_left_on_the_device_are_drafted_as_placeholders_until_a_later_pass_replaces_them() -> None:
+    source, guesses = _Source(), MtpGuesses()
+    guesses.offer(5, [guess_placeholder(3), guess_placeholder(4)], source)
+    drafts = guesses.draft([1, 2, 3, 4, 5], 3)
+    assert [source.value(guess_index(t) or 0) for t in drafts] == [103, 104]
+    assert guess_index(placeholder(0)) is None and guess_index(7) is None  # a window's, and a token
+    assert guesses.draft([1, 2, 3, 4], 3) == []  # they follow five tokens
+    source.stale = True
+    assert guesses.draft([1, 2, 3, 4, 5], 3) == []  # another pass may have overwritten them
+
+
 def _offers(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, list[int]]]:
     """Every (length, guesses) the MTP head offers, as it offers them."""
     offered: list[tuple[int, list[int]]] = []
     offer = MtpGuesses.offer
 
-    def record(self: MtpGuesses, length: int, guesses: list[int]) -> None:
-        offered.append((length, list(guesses)))
-        offer(self, length, guesses)
+    def record(self: MtpGuesses, length: int, guesses: list[int], source: GuessSource | None = None) -> None:
+        values = [t if (i := guess_index(t)) is None or source is None else source.value(i) for t in guesses]
+        offered.append((length, values))
+        offer(self, length, guesses, source)
 
     monkeypatch.setattr(MtpGuesses, "offer", record)
     return offered
@@ -401,13 +428,17 @@ def test_the_heads_captured_pass_guesses_what_its_eager_pass_guesses(monkeypatch
     eager_guess = drafter.guess
     compared: list[int] = []
 
-    def both(hidden: torch.Tensor, spans: list[MtpSpan]) -> list[list[int]]:
-        eager = eager_guess(hidden, spans)  # its keys and values first: the graphs' pass writes the same
+    def both(hidden: torch.Tensor, spans: list[MtpSpan], on_device: bool) -> tuple[list[list[int]], None]:
+        eager, _ = eager_guess(hidden, spans)  # its keys and values first: the graphs' pass writes the same
         bucket = head.bucket(spans)
         if bucket is not None:
             assert head.run(hidden, spans, bucket) == eager
+            held = head.run(hidden, spans, bucket, on_device=True)  # left on the device: placeholders
+            source = head.latest
+            assert source is not None
+            assert [[source.value(guess_index(t) or 0) for t in row] for row in held] == eager
             compared.append(len(spans))
-        return eager
+        return eager, None
 
     monkeypatch.setattr(drafter, "guess", both)
     tokenizer = Tokenizer.from_file(str(demo / "tokenizer.json"))
@@ -436,36 +467,40 @@ def test_the_kernel_warm_up_runs_the_drafting_head_and_leaves_conversations_alon
         return head_forward(hidden, *args)  # type: ignore[arg-type]
 
     monkeypatch.setattr(model, "mtp_forward", counted)
-    warm_up_kernels(model, core.runner.state)
+    warm_up_kernels(model, core.runner.state, 128)
     assert passes  # the head's eager pass over prompt rows is compiled before the first request
     again = complete(core, prompt, max_tokens=12, temperature=0, ignore_eos=True)
     assert again.token_ids == first.token_ids
 
 
+@SAMPLINGS
 def test_mtp_drafts_through_the_heads_captured_pass_give_the_tokens_of_one_token_a_window(
-    headed: Path, monkeypatch: pytest.MonkeyPatch
+    headed: Path, monkeypatch: pytest.MonkeyPatch, params: dict
 ) -> None:
     """Every head pass through the captured pass's static inputs (run eagerly on the CPU), a prompt's rows
-    but its last read eagerly before it: the tokens of decoding one token a window."""
+    but its last read eagerly before it: the tokens of decoding one token a window. The guesses stay on the
+    device and the windows feed them from there, unless penalties read them on the host."""
     settings = {"parallel": 3, "max_batched_tokens": 48, "decode_share": 0.01}
-    plain, _ = _tokens(make_core(headed, **settings), {"temperature": 0}, 3)
+    plain, _ = _tokens(make_core(headed, **settings), params, 3)
     core = make_core(headed, spec="mtp", spec_tokens=3, **settings)
     assert core.mtp is not None
     max_blocks = -(-core.max_model_len // core.config.block_size)
     head = HeadGraphs(core.loaded.model, core.runner.state, 3, 3, max_blocks)
     core.mtp.graphs = head
-    passes: list[int] = []
+    passes: list[bool] = []
     run_head = head.run
 
-    def counted(hidden: torch.Tensor, spans: list[MtpSpan], bucket: int) -> list[list[int]]:
-        passes.append(len(spans))
-        return run_head(hidden, spans, bucket)
+    def counted(hidden: torch.Tensor, spans: list[MtpSpan], bucket: int, on_device: bool) -> list[list[int]]:
+        passes.append(on_device)
+        return run_head(hidden, spans, bucket, on_device)
 
     monkeypatch.setattr(head, "run", counted)
     guesses = core.mtp.guess
     calls: list[int] = []
-    monkeypatch.setattr(core.mtp, "guess", lambda hidden, spans: calls.append(1) or guesses(hidden, spans))
-    drafted, windows = _tokens(core, {"temperature": 0}, 3)
+    monkeypatch.setattr(core.mtp, "guess", lambda *args: calls.append(1) or guesses(*args))
+    drafted, windows = _tokens(core, params, 3)
     assert drafted == plain
     assert len(passes) == len(calls) > 0  # none ran eagerly
+    penalised = SamplingParams(**params).penalised
+    assert all(not on for on in passes) if penalised else all(passes)
     assert any(w.drafts for w in windows)

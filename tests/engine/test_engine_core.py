@@ -277,6 +277,6 @@ def test_a_kernel_warm_up_of_the_model_or_a_stages_part_leaves_conversations_alo
     model, state = core.runner.model, core.runner.state
     layers = model.config.num_hidden_layers
     for part in (None, ModelPart(range(0, 1), True, False), ModelPart(range(1, layers), False, True)):
-        warm_up_kernels(model, state, part, torch.float32)
+        warm_up_kernels(model, state, 128, part, torch.float32)
     again = complete(core, prompt, max_tokens=12, temperature=0, ignore_eos=True)
     assert again.token_ids == first.token_ids  # read again from the cached blocks, which survived
