@@ -2,14 +2,16 @@
 Strata's engine (its blocks dequantized in the kernels' programs) and timed as llama.cpp is on the same file.
 
     python benchmarks/gguf_bench.py write --kind Q4_K --out /tmp/q30-Q4_K.gguf [--layers 24]
-    python benchmarks/gguf_bench.py strata --model /tmp/q30-Q4_K.gguf [--out results.jsonl]
+    python benchmarks/gguf_bench.py strata --model /tmp/q30-Q4_K.gguf [--expert-cache 32] [--out out.jsonl]
 
 `write`: every matrix of the shape as random blocks of the type (values about +-0.05; the router and the
 norms in F32, as llama.cpp's converter keeps them), a byte-level BPE tokenizer of the shape's vocabulary, the
 metadata llama.cpp's `qwen3moe` reads. `strata`: the file loaded as `strata serve` loads it, then decode
 tok/s at batch 1, 8 and 32 and an 8K-token prompt read in one window (benchmarks/gpu_bench.py's timings),
 beside the roofline of the bytes a step reads at the measured copy bandwidth (a figure above the card's
-specified bandwidth stops the run). benchmarks/llama_cpp.sh times llama.cpp.
+specified bandwidth stops the run). With `--expert-cache N` every MoE layer keeps N experts on the card (an
+expert tier: the others' blocks in pinned host RAM, misses computed by the CPU pool or copied over PCIe), and
+each figure says where its routed entries were served. benchmarks/llama_cpp.sh times llama.cpp.
 """
 
 from __future__ import annotations
@@ -143,18 +145,31 @@ def step_bytes(core: EngineCore, batch: int) -> float:
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     total -= embed.numel() * embed.element_size()
     experts = 0
-    for layer in model.model.layers:
-        routed = layer.mlp.experts
-        experts += sum(p.numel() * p.element_size() for p in (routed.gate_up, routed.down))
+    for layer in model.model.layers:  # a tier's experts in host RAM too: a step reads them from there
+        experts += sum(p.numel() * p.element_size() for p in layer.mlp.experts.parameters())
     share = 1 - (1 - config.num_experts_per_tok / config.num_experts) ** batch
     return total - experts * (1 - share)
 
 
-def run_strata(path: Path) -> dict[str, Any]:
-    """Load the file into an engine core on the GPU and time decode and an 8K prompt."""
+def _served(core: EngineCore) -> dict[str, float]:
+    """The shares of the routed entries the tiers served from VRAM, the CPU and over PCIe since the last
+    call (none without a tier)."""
+    counts = [t.take_counts().served for t in core.tiers]
+    total = sum(map(sum, counts))
+    if not total:
+        return {}
+    places = ("vram", "cpu", "pcie")  # TierCounts.served's order
+    return {f"{where}_share": sum(c[i] for c in counts) / total for i, where in enumerate(places)}
+
+
+def run_strata(path: Path, expert_cache: int | None = None) -> dict[str, Any]:
+    """Load the file into an engine core on the GPU (`expert_cache` experts a layer on it, frozen) and time
+    decode and an 8K prompt."""
     began = time.perf_counter()
     engine = EngineConfig(
         model=str(path),
+        expert_cache=expert_cache,
+        adapt_every=0,
         device="cuda",
         dtype="bfloat16",
         parallel=max(DECODE_BATCHES),
@@ -175,12 +190,13 @@ def run_strata(path: Path) -> dict[str, Any]:
         "copy_gb_s": bandwidth / 1e9,
     }
     for batch in DECODE_BATCHES:
-        timed = _decode(core, batch, vocab)
+        _served(core)
+        timed = _decode(core, batch, vocab) | _served(core)
         timed["roofline_tok_s"] = batch * bandwidth / step_bytes(core, batch)
         if timed["tok_s"] > batch * H200_HBM_BANDWIDTH / step_bytes(core, batch):
             raise RuntimeError(f"batch {batch}: {timed['tok_s']:.0f} tok/s reads faster than the card can")
         result[f"decode_bs{batch}"] = timed
-    result["prefill_8k"] = _prefill(core, vocab)
+    result["prefill_8k"] = _prefill(core, vocab) | _served(core)
     return result
 
 
@@ -194,6 +210,7 @@ def main() -> None:
     write.add_argument("--layers", type=int, default=24)
     strata = sub.add_parser("strata")
     strata.add_argument("--model", type=Path, required=True)
+    strata.add_argument("--expert-cache", type=int, help="experts a layer on the card (an expert tier)")
     strata.add_argument("--out", type=Path)
     args = parser.parse_args()
     if args.command == "write":
@@ -206,7 +223,8 @@ def main() -> None:
         "model": args.model.name,
         "device": torch.cuda.get_device_name(),
         "date": time.strftime("%Y-%m-%d"),
-        **run_strata(args.model),
+        "expert_cache": args.expert_cache,
+        **run_strata(args.model, args.expert_cache),
     }
     text = json.dumps(line)
     print(text, flush=True)

@@ -138,7 +138,9 @@ class EngineCore:
             resident = config.expert_cache
             if config.expert_vram is not None:
                 part = parts[0] if parts is not None else None
-                resident = experts_within(path, config.dtype, config.expert_vram, self.device, part)
+                resident = experts_within(
+                    path, config.dtype, config.expert_vram, self.device, part, self.backends
+                )
                 log.info(
                     "--expert-vram holds %s experts a layer",
                     "every one of the" if resident is None else resident,

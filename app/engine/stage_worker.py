@@ -78,7 +78,7 @@ def run_stage(
         assert config.model is not None
         resident = config.expert_cache
         if config.expert_vram is not None:
-            resident = experts_within(config.model, config.dtype, config.expert_vram, where, part)
+            resident = experts_within(config.model, config.dtype, config.expert_vram, where, part, backends)
         model, checkpoint = load_model(
             config.model,
             config.dtype,

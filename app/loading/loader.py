@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from app.kernels.backends import CPU_HELD_BLOCKS
 from app.kernels.cpu_experts import experts_swiglu_sum
 from app.kernels.interface import Backends, held_row_bytes
 from app.kernels.reference import REFERENCE
@@ -74,10 +75,12 @@ def experts_within(
     budget: int,
     device: torch.device | str = "cuda",
     part: ModelPart | None = None,
+    backends: Backends | None = None,
 ) -> int | None:
     """How many experts of each MoE layer (MTP layers included) fit `budget` bytes of `device` memory in the
-    weights' dtype: the `--expert-vram` form of `--expert-cache`; None when every expert fits. With `part`
-    (a stage of a layer split, on its own card) only its layers count."""
+    weights' dtype, or as the file's blocks where `backends` hold a tier's experts so (`_held_expert_bytes`):
+    the `--expert-vram` form of `--expert-cache`; None when every expert fits. With `part` (a stage of a
+    layer split, on its own card) only its layers count."""
     checkpoint = open_checkpoint(path)
     config = checkpoint.config
     held = range(config.num_hidden_layers) if part is None else part.layers
@@ -86,9 +89,28 @@ def experts_within(
     if not layers:
         return None
     element = torch.empty((), dtype=resolve_dtype(dtype, checkpoint, device)).element_size()
-    expert = 3 * config.hidden_size * config.moe_intermediate_size * element
+    expert = _held_expert_bytes(checkpoint, backends)
+    expert = expert or 3 * config.hidden_size * config.moe_intermediate_size * element
     fits = budget // (layers * expert)
     return None if fits >= config.num_experts else fits
+
+
+def _held_expert_bytes(checkpoint: Checkpoint, backends: Backends | None) -> int | None:
+    """An expert's bytes as the file's blocks, where its projections are blocks of one type that `backends`
+    and the CPU pool's kernel read in place (an expert tier then holds them so, `_hold_tier_alike`); else
+    None."""
+    reads = getattr(checkpoint, "held_blocks", None)
+    config = checkpoint.config
+    if reads is None or backends is None or not any(config.moe_layers):
+        return None
+    layer = config.moe_layers.index(True)
+    found = {reads(f"model.layers.{layer}.mlp.experts.0.{p}_proj.weight") for p in ("gate", "up", "down")}
+    kinds = {None if f is None else f[0] for f in found}
+    kind = kinds.pop() if len(kinds) == 1 else None
+    if kind is None or kind not in CPU_HELD_BLOCKS or kind not in backends.held_blocks:
+        return None
+    hidden, inter = config.hidden_size, config.moe_intermediate_size
+    return 2 * inter * held_row_bytes(kind, hidden) + hidden * held_row_bytes(kind, inter)
 
 
 def mtp_layer_count(checkpoint: Checkpoint) -> int:
@@ -191,15 +213,19 @@ def load_model(
 
 def _holders(model: CausalLM, backends: Backends) -> dict[str, tuple[nn.Module, str]]:
     """The parameters whose kernels read a file's blocks in place on these backends: parameter name ->
-    (its module, its name there). The routed experts (not those of an expert tier; both projections of one
-    quant type) where the set's experts kernel reads blocks; with `held_linear`, the weights of the
-    projections that go through its linear kernel."""
+    (its module, its name there). The routed experts where the set's experts kernel reads blocks (an expert
+    tier's on the device and in host RAM alike); with `held_linear`, the weights of the projections that go
+    through its linear kernel."""
     holders: dict[str, tuple[nn.Module, str]] = {}
     if not backends.held_blocks:
         return holders
     for prefix, module in model.named_modules():
         if type(module) is RoutedExperts:
             holders |= {f"{prefix}.{name}": (module, name) for name in ("gate_up", "down")}
+        elif isinstance(module, TieredExperts):
+            resident = ("gate_up", "down") if module.gate_up is not None else ()
+            names = (*TieredExperts.HOST_PARAMETERS, *resident)
+            holders |= {f"{prefix}.{name}": (module, name) for name in names}
         elif backends.held_linear and isinstance(module, Linear) and module.kernel is not None:
             holders[f"{prefix}.weight"] = (module, "weight")
         elif backends.held_linear and isinstance(module, Attention) and module.linear_kernel is not None:
@@ -236,10 +262,24 @@ def _hold_blocks(
         if isinstance(module, RoutedExperts) and name == "gate_up" and pair[0] != pair[1] and not apart:
             chosen.pop(param, None)  # this set's experts kernel takes both projections in one kind
             chosen.pop(down, None)
+        if isinstance(module, TieredExperts) and name == "host_gate_up":
+            prefix = param.removesuffix(name)
+            names = ("host_gate_up", "host_down", "gate_up", "down")
+            _hold_tier_alike(chosen, [prefix + n for n in names if prefix + n in holders])
     for param, kind in chosen.items():
         module, name = holders[param]
         hold_blocks(module, name, kind)
     return chosen
+
+
+def _hold_tier_alike(chosen: dict[str, str], names: list[str]) -> None:
+    """Keep a tier's parameters `names` held only where all are of one quant type that the CPU pool's kernel
+    reads too (`CPU_HELD_BLOCKS`): its experts then move between the device and host RAM as they lie, and a
+    miss is computed from them on either."""
+    kinds = {chosen.get(name) for name in names}
+    if len(kinds) != 1 or kinds.pop() not in CPU_HELD_BLOCKS:
+        for name in names:
+            chosen.pop(name, None)
 
 
 def _bf16_weights(

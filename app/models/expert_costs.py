@@ -101,7 +101,7 @@ def measure(
     target.copy_(gate_up[:count], non_blocking=True)
     torch.cuda.synchronize(device)
     pcie_bytes_s = gate_up[0].nbytes * count / (time.perf_counter() - began)
-    x = torch.randn(rows, gate_up.shape[2])
+    x = torch.randn(rows, down.shape[1])  # down's rows: the hidden size, also of weights held as blocks
 
     def run(expert: int, count: int) -> float:
         one = torch.tensor([expert])

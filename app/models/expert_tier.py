@@ -917,7 +917,7 @@ def use_staging(
     staging.allocate(first.host_gate_up, first.host_down, device)
     held = first.experts - first.resident  # host slots with an expert in them (the last one is free)
     costs = measure(first.host_kernel, first.host_gate_up[:held], first.host_down[:held], device)
-    link = HostLink(HOST_READ_ENTRIES, first.host_gate_up.shape[2], first.experts)
+    link = HostLink(HOST_READ_ENTRIES, first.host_down.shape[1], first.experts)  # rows: hidden, held or not
     for tier in tiers:
         tier.staging, tier.costs, tier.pcie_frac, tier.link = staging, costs, pcie_frac, link
     layers = tiers if layers is None else layers

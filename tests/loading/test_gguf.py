@@ -23,6 +23,8 @@ from app.kernels.gguf_quants import DEQUANTIZE, dequantize
 from app.kernels.interface import held_kind
 from app.loading.checkpoint import open_checkpoint
 from app.loading.gguf_file import GGUFCheckpoint
+from app.loading.loader import experts_within
+from app.models.expert_tier import TieredExperts
 from app.text.tokenizer import Tokenizer
 
 
@@ -287,3 +289,29 @@ def test_strata_serves_a_gguf_file_over_http(next_dir: Path, tmp_path: Path) -> 
     (gguf_id, gguf_text, gguf_usage), (_, hf_text, hf_usage) = answers
     assert gguf_id == "tiny-Q8_0"
     assert gguf_text == hf_text and gguf_usage == hf_usage
+
+
+@pytest.mark.parametrize("adapt_every", [0, 2])
+def test_an_expert_tier_over_a_files_blocks_holds_them_on_the_device_and_in_host_ram(
+    next_dir: Path, tmp_path: Path, adapt_every: int
+) -> None:
+    """A tier over a Q8_0 file's experts keeps the file's blocks where each expert lives (the CPU pool reads
+    the host's in place), frozen or following the routing: the greedy tokens of the whole model; and
+    `--expert-vram` counts an expert's blocks, not its widened bytes."""
+    path = write_gguf(next_dir, tmp_path / "next-Q8_0.gguf", "Q8_0")
+    prompt = [5, 17, 99, 230, 31, 8, 400, 12] * 3
+    params = {"max_tokens": 16, "temperature": 0, "ignore_eos": True}
+    whole = complete(make_core(path), prompt, **params).token_ids
+    core = make_core(path, expert_cache=2, adapt_every=adapt_every)
+    tier = core.loaded.model.model.layers[0].mlp.experts
+    assert isinstance(tier, TieredExperts)
+    assert tier.gate_up is not None and tier.gate_up.dtype == tier.host_down.dtype == torch.uint8
+    name = "model.layers.0.mlp.experts.5.down_proj.weight"
+    assert torch.equal(tier.host_down[tier.host_of[5]], GGUFCheckpoint(path).held_blocks(name)[1])
+    assert complete(core, prompt, **params).token_ids == whole
+    if adapt_every:
+        assert any(tier.slots[e] >= 0 for e in range(2, 8))  # a host expert moved onto the device
+    config = core.loaded.model.config
+    blocks = 3 * config.hidden_size * config.moe_intermediate_size // 32 * 34
+    layers = sum(config.moe_layers) + 1  # the MTP layer's too
+    assert experts_within(path, "auto", 3 * layers * blocks, "cpu", backends=core.backends) == 3
