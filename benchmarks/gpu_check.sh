@@ -10,7 +10,8 @@
 # concurrent, whole on one GPU, split in two with one slot group, and with pipelined groups (on a machine of
 # one GPU both stages share it: --stage-gpus 0,0).
 # gguf: the held-weight GPU tests, then benchmarks/gguf_bench.py on a random q30 file of each quant type
-# named (default Q4_K) and llama.cpp on the same files (benchmarks/llama_cpp.sh).
+# named (default Q4_K), also with the expert tier at a 25% budget (--expert-cache 32), and llama.cpp on the
+# same files (benchmarks/llama_cpp.sh), also with 18 of 24 layers' experts on the CPU (CPU_MOE=18).
 # kv: the 8-bit KV GPU tests, then benchmarks/kv_dtype_bench.py on the shape (32K and 128K-token prompts and
 # the decode after them, KV bf16 / fp8 / int8).
 # decode: the fused decode steps' GPU tests and the end-to-end ones, then the decode windows of Qwen3-Next's
@@ -125,13 +126,16 @@ if [[ $what == gguf ]]; then
         python3 benchmarks/gguf_bench.py write --kind "$kind" --out "$file" || status=1
         python3 benchmarks/gguf_bench.py strata --model "$file" --out "$out/gguf.jsonl" 2>&1 \
             | tee -a "$out/gguf.log" || status=1
+        # the expert tier at a 25% budget: 32 of 128 experts a layer on the card, the file's blocks
+        python3 benchmarks/gguf_bench.py strata --model "$file" --expert-cache 32 --out "$out/gguf-tier.jsonl" \
+            2>&1 | tee -a "$out/gguf.log" || status=1
         files+=("$file")
     done
     wait $builder || { status=1; tail -30 $build/ninja.log $build/cmake.log; }
     if [[ ! -f .llama/llama-bin.tar.xz && -x $build/bin/llama-bench ]]; then
         tar cJf "$out/llama-bin.tar.xz" -C $build bin && ls -la "$out/llama-bin.tar.xz"
     fi
-    bash benchmarks/llama_cpp.sh .llama/llama-src.tar.xz $build "${files[@]}" 2>&1 | tee "$out/llama.jsonl" \
-        || status=1
+    CPU_MOE=18 bash benchmarks/llama_cpp.sh .llama/llama-src.tar.xz $build "${files[@]}" 2>&1 \
+        | tee "$out/llama.jsonl" || status=1
 fi
 exit $status
