@@ -22,6 +22,7 @@ import torch
 from app.engine.paged_state import PagedState
 from app.kernels.triton_moe import DECODE_TOKENS
 from app.models.batch import ForwardBatch
+from app.models.expert_tier import TieredExperts
 from app.models.qwen3 import CausalLM, ModelPart
 
 # Windows of prompt chunks beside decode rows, and of decode rows alone: the shapes whose kernels differ.
@@ -75,6 +76,9 @@ def warm_up_kernels(
         if part.last:
             decoder.final_norm(x, pending)
     state.reset_slot(scratch)
+    for module in model.modules():
+        if isinstance(module, TieredExperts):
+            module.take_counts()  # the warm-up's routed entries and copies are nobody's: dropped
     if state.device.type == "cuda":
         torch.cuda.synchronize()
 

@@ -280,3 +280,14 @@ def test_a_kernel_warm_up_of_the_model_or_a_stages_part_leaves_conversations_alo
         warm_up_kernels(model, state, 128, part, torch.float32)
     again = complete(core, prompt, max_tokens=12, temperature=0, ignore_eos=True)
     assert again.token_ids == first.token_ids  # read again from the cached blocks, which survived
+
+
+def test_a_kernel_warm_up_leaves_no_count_in_an_expert_tiers_figures(checkpoint: Path) -> None:
+    # what /metrics reports as routed entries and bytes copied comes from requests only
+    core = make_core(checkpoint, parallel=2, expert_cache=2, adapt_every=0)
+    if not core.runner.paged or not core.tiers:
+        pytest.skip("needs the paged state and an expert tier")
+    for tier in core.tiers:
+        tier.take_counts()
+    warm_up_kernels(core.runner.model, core.runner.state, 128)
+    assert all(tier.take_counts().served == [0, 0, 0] for tier in core.tiers)
