@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from app.engine.config import EngineConfig
 from app.engine.core import EngineCore
-from app.kernels.gguf_quants import random_blocks
+from app.kernels.gguf_quants import DEQUANTIZE, random_blocks
 from benchmarks.byte_tokenizer import write_byte_tokenizer
 from benchmarks.gpu_bench import DECODE_BATCHES, PREFILL_LEN, _decode, _prefill
 from benchmarks.roofline import H200_HBM_BANDWIDTH, measure_copy_bandwidth
@@ -205,7 +205,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
     sub = parser.add_subparsers(dest="command", required=True)
     write = sub.add_parser("write")
-    write.add_argument("--kind", choices=["Q8_0", "Q4_K", "Q6_K", "Q4_K_M"], required=True)
+    write.add_argument("--kind", choices=[*DEQUANTIZE, "Q4_K_M"], required=True)
     write.add_argument("--out", type=Path, required=True)
     write.add_argument("--layers", type=int, default=24)
     strata = sub.add_parser("strata")

@@ -16,6 +16,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from app.kernels.gguf_quants import i_quant_tables
+
 _NAMES = {
     "model.embed_tokens.weight": "token_embd.weight",
     "model.norm.weight": "output_norm.weight",
@@ -54,7 +56,8 @@ _LAYER = re.compile(r"(model|mtp)\.layers\.(\d+)\.(.+)")
 _MTP_HEAD = re.compile(r"mtp\.(fc|pre_fc_norm_embedding|pre_fc_norm_hidden|norm)\.weight")
 
 
-BLOCK = {"Q8_0": 32, "Q4_K": 256, "Q6_K": 256}  # values a block of the quant types the writer knows
+BLOCK = {"Q8_0": 32, **dict.fromkeys(("Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ3_XXS", "IQ3_S"), 256)}  # the
+# values a block of the quant types the writer knows
 # A mix's type for most matrices and for the down projections (llama.cpp's Q4_K_M gives ffn_down Q6_K).
 MIXES = {"Q4_K_M": ("Q4_K", "Q6_K")}
 
@@ -95,14 +98,14 @@ def quantize_q6_k(values: np.ndarray) -> np.ndarray:
     return np.concatenate(parts, axis=1).reshape(*rows, -1)
 
 
-def quantize_q4_k(values: np.ndarray) -> np.ndarray:
-    """Q4_K blocks [..., columns / 256 * 144] uint8 of float values [..., columns]: per group of 32 an
-    unsigned 4-bit code between its minimum (at most 0) and its maximum, the groups' scales and minimums in
-    6 bits of a super-block's d and dmin (a plain quantizer; llama.cpp's searches for better scales)."""
-    rows = values.shape[:-1]
+def _k_codes(values: np.ndarray, top: int) -> tuple[np.ndarray, ...]:
+    """Q4_K's and Q5_K's codes of float values [..., columns]: per group of 32 an unsigned code up to `top`
+    between its minimum (at most 0) and its maximum, the groups' scales and minimums in 6 bits of a
+    super-block's d and dmin (a plain quantizer; llama.cpp's searches for better scales). Returns d, dmin
+    [blocks] fp16, the 12 packed bytes of scales and minimums [blocks, 12] and the codes [blocks, 8, 32]."""
     x = values.reshape(-1, 8, 32).astype(np.float32)
     low, high = np.minimum(x.min(-1), 0), x.max(-1)
-    scale, least = (high - low) / 15, -low
+    scale, least = (high - low) / top, -low
     d = (scale.max(-1) / 63).astype(np.float16)
     dmin = (least.max(-1) / 63).astype(np.float16)
     safe = np.where(d == 0, 1, d).astype(np.float32)[:, None]
@@ -111,30 +114,123 @@ def quantize_q4_k(values: np.ndarray) -> np.ndarray:
     m = np.clip(np.rint(least / safe_min), 0, 63).astype(np.uint8)
     step = (d.astype(np.float32)[:, None] * sc)[..., None]
     shift = (dmin.astype(np.float32)[:, None] * m)[..., None]
-    q = np.clip(np.rint((x + shift) / np.where(step == 0, 1, step)), 0, 15).astype(np.uint8)
-    q = q.reshape(-1, 4, 2, 32)  # stretches of 64: low nibbles the first 32, high nibbles the next
+    q = np.clip(np.rint((x + shift) / np.where(step == 0, 1, step)), 0, top).astype(np.uint8)
     packed = np.zeros((x.shape[0], 12), dtype=np.uint8)
     packed[:, 0:4] = (sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6)
     packed[:, 4:8] = (m[:, :4] & 63) | ((m[:, 4:] >> 4) << 6)
     packed[:, 8:12] = (sc[:, 4:] & 15) | ((m[:, 4:] & 15) << 4)
-    blocks = np.concatenate(
-        [
-            d.reshape(-1, 1).view(np.uint8),
-            dmin.reshape(-1, 1).view(np.uint8),
-            packed,
-            (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(-1, 128),
-        ],
-        axis=1,
+    return d, dmin, packed, q
+
+
+def _k_blocks(d: np.ndarray, dmin: np.ndarray, packed: np.ndarray, *rest: np.ndarray) -> np.ndarray:
+    """A K-quant's blocks: d, dmin, the packed scales, then `rest` (bytes [blocks, n] each)."""
+    return np.concatenate(
+        [d.reshape(-1, 1).view(np.uint8), dmin.reshape(-1, 1).view(np.uint8), packed, *rest], 1
     )
-    return blocks.reshape(*rows, -1)
+
+
+def _nibble_bytes(q: np.ndarray) -> np.ndarray:
+    """Codes [blocks, 8, 32] as 128 bytes a block: per stretch of 64, the first 32 in the low nibbles."""
+    q = (q & 15).reshape(-1, 4, 2, 32)
+    return (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(-1, 128)
+
+
+def quantize_q4_k(values: np.ndarray) -> np.ndarray:
+    """Q4_K blocks [..., columns / 256 * 144] uint8 of float values [..., columns] (`_k_codes` up to 15)."""
+    d, dmin, packed, q = _k_codes(values, 15)
+    return _k_blocks(d, dmin, packed, _nibble_bytes(q)).reshape(*values.shape[:-1], -1)
+
+
+def quantize_q5_k(values: np.ndarray) -> np.ndarray:
+    """Q5_K blocks [..., columns / 256 * 176] uint8 (`_k_codes` up to 31): the fifth bits (bit g of byte l:
+    code l of group g), then the nibbles as Q4_K's."""
+    d, dmin, packed, q = _k_codes(values, 31)
+    fifth = ((q >> 4) << np.arange(8, dtype=np.uint8)[None, :, None]).sum(1).astype(np.uint8)
+    return _k_blocks(d, dmin, packed, fifth, _nibble_bytes(q)).reshape(*values.shape[:-1], -1)
+
+
+def _nearest(x: np.ndarray, levels: np.ndarray) -> np.ndarray:
+    """The index of the nearest row of `levels` [n, width] to each row of x [..., width]."""
+    return np.abs(x[..., None, :] - levels).sum(-1).argmin(-1)
+
+
+def quantize_iq4_xs(values: np.ndarray) -> np.ndarray:
+    """IQ4_XS blocks [..., columns / 256 * 136] uint8: per group of 32 a scale (0..31 steps of d above 32)
+    and each value's nearest of IQ4_NL's levels (a plain quantizer)."""
+    levels = i_quant_tables()["iq4"].numpy()
+    x = values.reshape(-1, 8, 32).astype(np.float32)
+    group = np.abs(x).max(-1) / 113
+    d = (group.max(-1) / 31).astype(np.float16)
+    sc = np.clip(np.rint(group / np.where(d == 0, 1, d).astype(np.float32)[:, None]), 1, 31).astype(np.int64)
+    step = d.astype(np.float32)[:, None, None] * sc[..., None]
+    codes = _nearest((x / np.where(step == 0, 1, step))[..., None], levels[:, None])  # [blocks, 8, 32]
+    biased = sc + 32
+    high = ((biased >> 4) << (2 * np.arange(8))).sum(1).astype(np.uint16)
+    low = (biased[:, 0::2] & 15) | ((biased[:, 1::2] & 15) << 4)
+    qs = (codes[:, :, :16] | (codes[:, :, 16:] << 4)).reshape(-1, 128)
+    parts = [d.reshape(-1, 1).view(np.uint8), high.reshape(-1, 1).view(np.uint8), low, qs]
+    return np.concatenate([p.astype(np.uint8) for p in parts], 1).reshape(*values.shape[:-1], -1)
+
+
+def _grid_codes(x: np.ndarray, multiplier: np.ndarray, grid: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Values x [blocks, 8, 32] under a multiplier a group [blocks, 8]: each 4 values' nearest grid entry
+    [blocks, 8, 8] and the sign bits [blocks, 8, 4] of each 8 values (bit j: value j negative)."""
+    scaled = np.abs(x) / np.where(multiplier == 0, 1, multiplier)[..., None]
+    ids = _nearest(scaled.reshape(*x.shape[:2], 8, 4), grid)
+    negative = (x < 0).reshape(*x.shape[:2], 4, 8)
+    return ids, (negative << np.arange(8)).sum(-1)
+
+
+def quantize_iq3_xxs(values: np.ndarray) -> np.ndarray:
+    """IQ3_XXS blocks [..., columns / 256 * 98] uint8: per group of 32 a 4-bit scale, each 4 magnitudes'
+    nearest grid entry, and signs whose count of negatives in each 8 is made even (the smallest one
+    flipped)."""
+    grid = i_quant_tables()["IQ3_XXS"].numpy()
+    x = values.reshape(-1, 8, 32).astype(np.float32)
+    group = np.abs(x).max(-1) / 62
+    d = (group.max(-1) / 7.75).astype(np.float16)
+    wide = np.where(d == 0, 1, d).astype(np.float32)[:, None]
+    s = np.clip(np.rint(group / wide * 2 - 0.5), 0, 15).astype(np.int64)
+    parts = x.reshape(-1, 8, 4, 8).copy()
+    odd = ((parts < 0).sum(-1) % 2 == 1)[..., None]
+    smallest = np.abs(parts).argmin(-1)[..., None] == np.arange(8)
+    parts = np.where(odd & smallest, -parts, parts)
+    ids, signs = _grid_codes(parts.reshape(-1, 8, 32), d.astype(np.float32)[:, None] * (0.5 + s) * 0.5, grid)
+    words = (((signs & 127) << (7 * np.arange(4))).sum(-1) | (s << 28)).astype(np.uint32)
+    parts_out = [d.reshape(-1, 1).view(np.uint8), ids.reshape(-1, 64).astype(np.uint8), words.view(np.uint8)]
+    return np.concatenate(parts_out, 1).reshape(*values.shape[:-1], -1)
+
+
+def quantize_iq3_s(values: np.ndarray) -> np.ndarray:
+    """IQ3_S blocks [..., columns / 256 * 110] uint8: per group of 32 a 4-bit scale s (1 + 2 s steps of d),
+    each 4 magnitudes' nearest of the 512 grid entries, and the signs."""
+    grid = i_quant_tables()["IQ3_S"].numpy()
+    x = values.reshape(-1, 8, 32).astype(np.float32)
+    group = np.abs(x).max(-1) / 15
+    d = (group.max(-1) / 31).astype(np.float16)
+    wide = np.where(d == 0, 1, d).astype(np.float32)[:, None]
+    s = np.clip(np.rint((group / wide - 1) / 2), 0, 15).astype(np.int64)
+    ids, signs = _grid_codes(x, d.astype(np.float32)[:, None] * (1 + 2 * s), grid)
+    ninth = ((ids >> 8) << np.arange(8)).sum(-1)
+    scales = s[:, 0::2] | (s[:, 1::2] << 4)
+    parts = [d.reshape(-1, 1).view(np.uint8), ids.reshape(-1, 64) & 255, ninth, signs.reshape(-1, 32), scales]
+    return np.concatenate([p.astype(np.uint8) for p in parts], 1).reshape(*values.shape[:-1], -1)
+
+
+_QUANTIZERS = {
+    "Q4_K": quantize_q4_k,
+    "Q5_K": quantize_q5_k,
+    "Q6_K": quantize_q6_k,
+    "IQ4_XS": quantize_iq4_xs,
+    "IQ3_XXS": quantize_iq3_xxs,
+    "IQ3_S": quantize_iq3_s,
+}  # the gguf package quantizes Q8_0 only of these
 
 
 def _quantize(value: np.ndarray, kind: str) -> np.ndarray:
     """A matrix as `kind`'s blocks (uint8 rows)."""
-    if kind == "Q4_K":
-        return quantize_q4_k(value)
-    if kind == "Q6_K":
-        return quantize_q6_k(value)
+    if kind in _QUANTIZERS:
+        return _QUANTIZERS[kind](value)
     return gguf.quants.quantize(value, gguf.GGMLQuantizationType[kind])
 
 
@@ -208,11 +304,11 @@ def _tensors(hf_dir: Path, config: dict[str, Any], whole_qkvz: bool = False) -> 
 def write_gguf(
     hf_dir: Path, path: Path, quant: str = "F32", split: int = 0, whole_qkvz: bool = False
 ) -> Path:
-    """Write the tiny qwen3_moe or qwen3_next checkpoint in `hf_dir` as one GGUF file; with `quant` "Q8_0",
-    "Q4_K" or "Q6_K" its matrices of whole blocks are of that type, with "Q4_K_M" Q4_K and the down
-    projections Q6_K (norms, vectors and the rest stay F32, as llama.cpp keeps them); with `split`, as
-    files of at most that many tensors (`NAME-0000i-of-0000N.gguf`, as llama.cpp's gguf-split names them;
-    returns the first)."""
+    """Write the tiny qwen3_moe or qwen3_next checkpoint in `hf_dir` as one GGUF file; with `quant` "Q8_0"
+    or a type of `_QUANTIZERS` (plain quantizers) its matrices of whole blocks are of that type, with
+    "Q4_K_M" Q4_K and the down projections Q6_K (norms, vectors and the rest stay F32, as llama.cpp keeps
+    them); with `split`, as files of at most that many tensors (`NAME-0000i-of-0000N.gguf`, as llama.cpp's
+    gguf-split names them; returns the first)."""
     config = json.loads((hf_dir / "config.json").read_text())
     nxt = config["model_type"] == "qwen3_next"
     mtp = len({n.split(".")[2] for n in _safetensor_names(hf_dir) if n.startswith("mtp.layers.")})
@@ -288,7 +384,7 @@ def _add_tokenizer(writer: gguf.GGUFWriter, hf_dir: Path) -> None:
 
 def same_values_copy(hf_dir: Path, out_dir: Path, quant: str = "F32") -> Path:
     """A copy of the HF checkpoint holding the values a GGUF of it holds, as the loader reads them back: with
-    `quant` "Q8_0", "Q4_K", "Q6_K" or the mix "Q4_K_M" its quantized matrices' values; for qwen3next the
+    `quant` a type `write_gguf` takes or the mix "Q4_K_M" its quantized matrices' values; for qwen3next the
     converter's changes undone in float32 ((1 + w) - 1 for the norms, log(exp(A_log))), which need not give
     back the same bits."""
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -84,7 +84,7 @@ def q6_k(blocks: torch.Tensor) -> torch.Tensor:
 
 
 @functools.cache
-def _tables() -> dict[str, torch.Tensor]:
+def i_quant_tables() -> dict[str, torch.Tensor]:
     """llama.cpp's i-quant tables, from the gguf package: grids, sign bytes, IQ4's levels."""
     from gguf import quants
 
@@ -111,14 +111,14 @@ def iq4_xs(blocks: torch.Tensor) -> torch.Tensor:
     low = blocks[:, 4:8].long()
     group = torch.arange(8)
     scale = ((low[:, group // 2] >> (4 * (group % 2))) & 0xF) | (((high[:, None] >> (2 * group)) & 3) << 4)
-    levels = _tables()["iq4"][_nibbles(blocks[:, 8:136], 16).reshape(-1, 8, 32)]
+    levels = i_quant_tables()["iq4"][_nibbles(blocks[:, 8:136], 16).reshape(-1, 8, 32)]
     return ((d * (scale - 32).float())[..., None] * levels).reshape(-1, QK_K)
 
 
 def iq3_xxs(blocks: torch.Tensor) -> torch.Tensor:
     """IQ3_XXS: d, 64 grid ids (4 values each), then per group of 32 a word: four 7-bit sign ids and a 4-bit
     scale."""
-    tables = _tables()
+    tables = i_quant_tables()
     d = _f16(blocks, 0)
     grid = tables["IQ3_XXS"][blocks[:, 2:66].long()].reshape(-1, 8, 4, 8)  # [blocks, group, 4 x 8 values]
     words = _u32(blocks[:, 66:98])  # [blocks, group]
@@ -131,7 +131,7 @@ def iq3_xxs(blocks: torch.Tensor) -> torch.Tensor:
 def iq3_s(blocks: torch.Tensor) -> torch.Tensor:
     """IQ3_S: d, 64 low bytes of 9-bit grid ids (their ninth bits in 8 bytes), 32 sign bytes, 4 bytes of
     4-bit scales (odd ones: 1 + 2 * scale)."""
-    tables = _tables()
+    tables = i_quant_tables()
     d = _f16(blocks, 0)
     low = blocks[:, 2:66].long()
     high = blocks[:, 66:74].long()
@@ -157,7 +157,7 @@ DEQUANTIZE = {
 def random_blocks(
     kind: str, shape: tuple[int, ...], seed: int = 0, scale: float = 0.05, device: str | torch.device = "cpu"
 ) -> torch.Tensor:
-    """Random whole blocks of `kind` (Q8_0, Q4_K or Q6_K) for a weight of `shape` [..., columns], as uint8
+    """Random whole blocks of `kind` (any type of DEQUANTIZE) for a weight of `shape` [..., columns], as uint8
     [..., columns / values * bytes]: random quants under finite scales, values within about +-`scale` and
     centred near 0 (random-weight models for tests and benchmarks)."""
     values, size, _ = DEQUANTIZE[kind]
@@ -174,8 +174,20 @@ def random_blocks(
         d = jitter * scale / (32 * 8)
         blocks[..., 0:2] = d.half().unsqueeze(-1).view(torch.uint8)
         blocks[..., 2:4] = (d * 7.5).half().unsqueeze(-1).view(torch.uint8)
+    elif kind == "Q5_K":  # as Q4_K with q up to 31
+        d = jitter * scale / (32 * 16)
+        blocks[..., 0:2] = d.half().unsqueeze(-1).view(torch.uint8)
+        blocks[..., 2:4] = (d * 15.5).half().unsqueeze(-1).view(torch.uint8)
     elif kind == "Q6_K":  # value = d * scale * (q - 32): int8 scales, q up to 63
         blocks[..., 208:210] = (jitter * scale / 2048).half().unsqueeze(-1).view(torch.uint8)
+    elif kind in (
+        "IQ4_XS",
+        "IQ3_XXS",
+        "IQ3_S",
+    ):  # d * (scale - 32) * level up to 127; d * ~4 * grid up to 62;
+        # d * (1 + 2 * scale) * grid up to 15
+        d = jitter * scale / {"IQ4_XS": 1024, "IQ3_XXS": 128, "IQ3_S": 128}[kind]
+        blocks[..., 0:2] = d.half().unsqueeze(-1).view(torch.uint8)
     else:
         raise ValueError(f"no random blocks of {kind}")
     return blocks.reshape(*rows, -1)

@@ -17,7 +17,7 @@ CHUNK = 64
 
 # GGUF quant types whose blocks kernels may read in place (`Backends.held_blocks`): a held weight is a uint8
 # tensor whose rows are the file's blocks, values a block and bytes a block as here
-HELD_BLOCKS = {kind: DEQUANTIZE[kind][:2] for kind in ("Q8_0", "Q4_K", "Q6_K")}
+HELD_BLOCKS = {kind: size[:2] for kind, size in DEQUANTIZE.items()}
 
 
 def held_row_bytes(kind: str, columns: int) -> int:

@@ -21,15 +21,15 @@ import triton.language as tl
 from app.kernels.interface import held_kind
 from app.kernels.triton_launch import follow_previous, pdl
 from app.kernels.triton_quant import (
+    held_values,
     q4_k_columns,
     q4_k_groups,
     q4_k_row,
     q4_k_tiles,
-    q6_k_values,
     q8_0_groups,
     q8_0_row,
-    q8_0_tile,
     quant_step,
+    quant_tables,
 )
 
 
@@ -299,7 +299,11 @@ HELD_CODES = {
     "Q8_0": 1,
     "Q4_K": 2,
     "Q6_K": 3,
-}  # the HELD argument of `_grouped_matmul` for a held weight's blocks
+    "Q5_K": 4,
+    "IQ4_XS": 5,
+    "IQ3_XXS": 6,
+    "IQ3_S": 7,
+}  # the HELD argument of `_grouped_matmul` for a held weight's blocks (`triton_quant.held_values`)
 
 # How a grouped-matmul program finds its rows and its expert (the MODE argument).
 TILED = 0  # tile t holds rows[t * BLOCK_M:...] of expert block_expert[t] (`align_routes`)
@@ -332,6 +336,7 @@ def _grouped_matmul(
     rows_ptr,
     block_expert_ptr,
     scale_ptr,
+    table_ptr,
     pairs,
     n,
     k,
@@ -353,8 +358,9 @@ def _grouped_matmul(
 ):
     """out[pair, cols] = act(x[pair // X_ROW_DIV] @ w[expert].T) for one tile of pairs and BLOCK_N columns.
 
-    HELD: 0 for weights of the activations' kind, 1 (Q8_0), 2 (Q4_K) or 3 (Q6_K) for rows of GGUF blocks
-    (`triton_quant`), whose strides are in bytes and whose k is a multiple of BLOCK_K."""
+    HELD: 0 for weights of the activations' kind, else a held type's code (HELD_CODES) for rows of GGUF blocks
+    (`triton_quant`; `table_ptr`: its `quant_tables`), whose strides are in bytes and whose k is a multiple of
+    BLOCK_K."""
     follow_previous(PDL)
     tile = tl.program_id(0)
     rows, expert = _tile_rows(rows_ptr, block_expert_ptr, tile, pairs, MODE, BLOCK_M)
@@ -384,19 +390,13 @@ def _grouped_matmul(
                 u_lo, u_hi = q4_k_tiles(up_rows, col_ok, start, BLOCK_K, BLOCK_N)
                 acc_up = tl.dot(a_lo, u_lo.to(a_lo.dtype), acc_up, input_precision=PRECISION)
                 acc_up = tl.dot(a_hi, u_hi.to(a_hi.dtype), acc_up, input_precision=PRECISION)
-        elif HELD == 1 or HELD == 3:
+        elif HELD != 0:
             ks = start + tl.arange(0, BLOCK_K)
             a = tl.load(x_ptr + x_rows[:, None] * stride_xm + ks[None, :], mask=valid[:, None], other=0.0)
-            if HELD == 1:
-                b = q8_0_tile(w_rows, col_ok, start, BLOCK_K, BLOCK_N)
-            else:
-                b = q6_k_values(w_rows, col_ok, start, BLOCK_K, BLOCK_N)
+            b = held_values(HELD, w_rows, col_ok, start, table_ptr, BLOCK_K, BLOCK_N)
             acc = tl.dot(a, b.to(a.dtype), acc, input_precision=PRECISION)
             if SWIGLU:
-                if HELD == 1:
-                    b_up = q8_0_tile(up_rows, col_ok, start, BLOCK_K, BLOCK_N)
-                else:
-                    b_up = q6_k_values(up_rows, col_ok, start, BLOCK_K, BLOCK_N)
+                b_up = held_values(HELD, up_rows, col_ok, start, table_ptr, BLOCK_K, BLOCK_N)
                 acc_up = tl.dot(a, b_up.to(a.dtype), acc_up, input_precision=PRECISION)
         else:
             ks = start + tl.arange(0, BLOCK_K)
@@ -443,6 +443,7 @@ def _held_rowwise(
     rows_ptr,
     block_expert_ptr,
     scale_ptr,
+    table_ptr,
     pairs,
     n,
     k,
@@ -461,7 +462,7 @@ def _held_rowwise(
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """`_grouped_matmul`'s result for weights held as GGUF blocks (HELD 1: Q8_0, 2: Q4_K, 3: Q6_K), each of
+    """`_grouped_matmul`'s result for weights held as GGUF blocks (HELD: HELD_CODES), each of
     the tile's rows summed with the program's dequantized step by itself in fp32 on the CUDA cores, padding
     rows skipped: a few rows read the blocks once, at the arithmetic of one row's products."""
     follow_previous(PDL)
@@ -489,9 +490,9 @@ def _held_rowwise(
             if SWIGLU:
                 u_codes, u_d = q8_0_groups(up_rows, col_ok, start, BLOCK_K, BLOCK_N)
         else:
-            values = q6_k_values(w_rows, col_ok, start, BLOCK_K, BLOCK_N)
+            values = held_values(HELD, w_rows, col_ok, start, table_ptr, BLOCK_K, BLOCK_N)
             if SWIGLU:
-                u_values = q6_k_values(up_rows, col_ok, start, BLOCK_K, BLOCK_N)
+                u_values = held_values(HELD, up_rows, col_ok, start, table_ptr, BLOCK_K, BLOCK_N)
         for m in tl.static_range(BLOCK_M):
             row = _tile_row(rows_ptr, tile, m, pairs, MODE, BLOCK_M)
             if row < pairs:
@@ -578,6 +579,7 @@ def _launch(
         routes.rows,
         routes.block_expert,
         scale if scale is not None else out,
+        quant_tables(x.device) if held > 4 else out,
         routes.pairs,
         n,
         x.shape[-1],

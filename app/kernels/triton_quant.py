@@ -1,4 +1,5 @@
-"""Weight tiles of GGUF's Q8_0, Q4_K and Q6_K blocks, dequantized in registers by the matmul programs.
+"""Weight tiles of GGUF's blocks (Q8_0, the K-quants Q4_K, Q5_K, Q6_K and the i-quants IQ4_XS, IQ3_XXS,
+IQ3_S), dequantized in registers by the matmul programs.
 
 A held weight is a uint8 tensor whose rows are the file's blocks as they lie (`interface.held_kind` names the
 type by the row's width). A program reads the blocks of its columns and of one step of k, widens each value
@@ -15,6 +16,21 @@ dtype. A step of k lies within one Q4_K super-block (256 values), or covers whol
   group of 32), then 128 bytes of 4-bit q: a 64-value stretch is 32 bytes, their low nibbles its first 32
   values and their high nibbles the next 32; value = (d * scale) * q - dmin * min. `q4_k_tiles` gives the
   two halves of a step apart (low nibbles, high nibbles), each multiplied by its own columns of x.
+- Q5_K (176 bytes a 256 values): Q4_K's d, dmin and packed scales and mins, 32 bytes of fifth bits (bit g
+  of byte l: value l of group g), then Q4_K's 128 bytes of nibbles; value = (d * scale) * (q + 16 b) - dmin
+  * min.
+- IQ4_XS (136 bytes): fp16 d, 2 bytes of the eight scales' high bit pairs, 4 of their low nibbles, then per
+  group of 32 16 bytes (low nibbles the first 16 values, high ones the next 16) naming one of IQ4_NL's 16
+  levels; value = (d * (scale - 32)) * level.
+- IQ3_XXS (98 bytes): fp16 d, 64 grid ids (a grid entry is 4 magnitudes), then a little-endian word a group
+  of 32: four 7-bit sign ids (the eighth sign is the parity of the seven) and a 4-bit scale s; value =
+  (d * (0.5 + s) * 0.5) * magnitude * sign.
+- IQ3_S (110 bytes): fp16 d, 64 low bytes of 9-bit grid ids (the ninth bits in 8 bytes, one a group), 32
+  sign bytes (bit j: value j of 8 negative) and 4 bytes of 4-bit scales; value = (d * (1 + 2 s)) * magnitude
+  * sign.
+The i-quants' levels and grids are llama.cpp's tables, read from the `gguf` package into one fp32 tensor on
+the device (`quant_tables`) whose offsets are IQ4_LEVELS, IQ3_XXS_GRID and IQ3_S_GRID. Every product is exact
+in fp32, so these are the reference dequantizer's values whatever the order.
 
 For one or two rows on the CUDA cores (`q8_0_groups`, `q4_k_groups` and their row sums) a group's codes
 are summed with x first and the group's scale and offset applied to that sum; there the codes become fp32
@@ -24,12 +40,32 @@ taken away, exact).
 
 from __future__ import annotations
 
+import functools
+
+import torch
 import triton
 import triton.language as tl
 
 # a step's smallest and largest k: on tiles, and for sums on the CUDA cores (`rowwise`)
-STEP_LIMITS = {"Q8_0": (32, 1 << 12), "Q4_K": (64, 256), "Q6_K": (32, 128)}
-ROWWISE_STEP_LIMITS = {"Q8_0": (32, 1 << 12), "Q4_K": (256, 1024), "Q6_K": (32, 128)}
+_WITHIN_HALF = (32, 128)  # a step within half a super-block
+STEP_LIMITS = {
+    "Q8_0": (32, 1 << 12),
+    "Q4_K": (64, 256),
+    **{kind: _WITHIN_HALF for kind in ("Q5_K", "Q6_K", "IQ4_XS", "IQ3_XXS", "IQ3_S")},
+}
+ROWWISE_STEP_LIMITS = {**STEP_LIMITS, "Q4_K": (256, 1024)}
+IQ4_LEVELS, IQ3_XXS_GRID, IQ3_S_GRID = 0, 16, 16 + 256 * 4  # offsets into `quant_tables`
+
+
+@functools.cache
+def quant_tables(device: torch.device) -> torch.Tensor:
+    """IQ4_NL's 16 levels, then IQ3_XXS's 256 and IQ3_S's 512 grid entries of 4 magnitudes: fp32 on
+    `device`."""
+    from app.kernels.gguf_quants import i_quant_tables
+
+    tables = i_quant_tables()
+    parts = (tables["iq4"], tables["IQ3_XXS"].reshape(-1), tables["IQ3_S"].reshape(-1))
+    return torch.cat(parts).to(device)
 
 
 def quant_step(kind: str, columns: int, wanted: int, rowwise: bool = False) -> int:
@@ -193,3 +229,109 @@ def q6_k_values(rows, col_ok, start, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexp
     multiplier = scale.to(tl.int8, bitcast=True).to(tl.float32) * d[None, None, None, :]
     values = (q - 32).to(tl.float32) * multiplier
     return tl.reshape(values, (BLOCK_K, BLOCK_N))
+
+
+@triton.jit
+def _group_lanes(rows, start, size: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A step's groups of 32 (within one super-block of `size` bytes): the super-blocks' byte pointers
+    [1, 1, BLOCK_N], each group's index in its super-block [G, 1, 1] and the lanes 0..31 [1, 32, 1]."""
+    block = (rows + (start // 256) * size)[None, None, :]
+    j = ((start % 256) // 32 + tl.arange(0, BLOCK_K // 32))[:, None, None]
+    return block, j, tl.arange(0, 32)[None, :, None]
+
+
+@triton.jit
+def q5_k_values(rows, col_ok, start, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Values [BLOCK_K, BLOCK_N] fp32 of k in start..start + BLOCK_K (within a super-block) from Q5_K rows."""
+    block, j, lane = _group_lanes(rows, start, 176, BLOCK_K)
+    mask = col_ok[None, None, :]
+    d = tl.load(block.to(tl.pointer_type(tl.float16)), mask=mask, other=0.0).to(tl.float32)
+    dmin = tl.load((block + 2).to(tl.pointer_type(tl.float16)), mask=mask, other=0.0).to(tl.float32)
+    scale, least = _k4_scales(block + 4, j, mask)  # [G, 1, N]
+    q = tl.load(block + 48 + 32 * (j // 2) + lane, mask=mask, other=0).to(tl.int32)
+    fifth = tl.load(block + 16 + lane, mask=mask, other=0).to(tl.int32)
+    code = tl.where(j % 2 == 0, q & 15, q >> 4) + 16 * ((fifth >> j) & 1)
+    values = code.to(tl.float32) * (d * scale) - dmin * least
+    return tl.reshape(values, (BLOCK_K, BLOCK_N))
+
+
+@triton.jit
+def iq4_xs_values(rows, col_ok, start, table, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Values [BLOCK_K, BLOCK_N] fp32 (within a super-block) from IQ4_XS rows; `table`: `quant_tables`."""
+    block, j, lane = _group_lanes(rows, start, 136, BLOCK_K)
+    mask = col_ok[None, None, :]
+    d = tl.load(block.to(tl.pointer_type(tl.float16)), mask=mask, other=0.0).to(tl.float32)
+    high = tl.load(block + 2, mask=mask, other=0).to(tl.int32) | (
+        tl.load(block + 3, mask=mask, other=0).to(tl.int32) << 8
+    )
+    low = tl.load(block + 4 + j // 2, mask=mask, other=0).to(tl.int32)
+    scale = ((low >> (4 * (j % 2))) & 15) | (((high >> (2 * j)) & 3) << 4)
+    q = tl.load(block + 8 + 16 * j + lane % 16, mask=mask, other=0).to(tl.int32)
+    level = tl.load(table + IQ4_LEVELS + tl.where(lane < 16, q & 15, q >> 4))
+    values = (d * (scale - 32).to(tl.float32)) * level
+    return tl.reshape(values, (BLOCK_K, BLOCK_N))
+
+
+@triton.jit
+def _grid_values(table, ids, signs, lane, multiplier):
+    """A group's 32 values: the magnitude of lane % 4 of each 4-lane entry's grid entry `ids` (offsets into
+    `table`), times `multiplier`, negated where bit lane % 8 of `signs` is set."""
+    magnitude = tl.load(table + ids * 4 + lane % 4)
+    negative = ((signs >> (lane % 8)) & 1) == 1
+    values = multiplier * magnitude
+    return tl.where(negative, -values, values)
+
+
+@triton.jit
+def iq3_xxs_values(rows, col_ok, start, table, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Values [BLOCK_K, BLOCK_N] fp32 (within a super-block) from IQ3_XXS rows; `table`: `quant_tables`."""
+    block, j, lane = _group_lanes(rows, start, 98, BLOCK_K)
+    mask = col_ok[None, None, :]
+    d = tl.load(block.to(tl.pointer_type(tl.float16)), mask=mask, other=0.0).to(tl.float32)
+    word = block + 66 + 4 * j
+    bits = tl.load(word, mask=mask, other=0).to(tl.int32)
+    for byte in tl.static_range(1, 4):
+        bits |= tl.load(word + byte, mask=mask, other=0).to(tl.int32) << (8 * byte)
+    multiplier = d * (0.5 + ((bits >> 28) & 15).to(tl.float32)) * 0.5
+    ids = tl.load(block + 2 + 8 * j + lane // 4, mask=mask, other=0).to(tl.int32)
+    sign_id = (bits >> (7 * (lane // 8))) & 127
+    parity = sign_id ^ (sign_id >> 4)
+    parity ^= parity >> 2
+    parity ^= parity >> 1
+    values = _grid_values(table + IQ3_XXS_GRID, ids, sign_id | ((parity & 1) << 7), lane, multiplier)
+    return tl.reshape(values, (BLOCK_K, BLOCK_N))
+
+
+@triton.jit
+def iq3_s_values(rows, col_ok, start, table, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Values [BLOCK_K, BLOCK_N] fp32 (within a super-block) from IQ3_S rows; `table`: `quant_tables`."""
+    block, j, lane = _group_lanes(rows, start, 110, BLOCK_K)
+    mask = col_ok[None, None, :]
+    d = tl.load(block.to(tl.pointer_type(tl.float16)), mask=mask, other=0.0).to(tl.float32)
+    packed = tl.load(block + 106 + j // 2, mask=mask, other=0).to(tl.int32)
+    multiplier = d * (1 + 2 * ((packed >> (4 * (j % 2))) & 15)).to(tl.float32)
+    entry = lane // 4
+    ninth = (tl.load(block + 66 + j, mask=mask, other=0).to(tl.int32) >> entry) & 1
+    ids = tl.load(block + 2 + 8 * j + entry, mask=mask, other=0).to(tl.int32) | (ninth << 8)
+    signs = tl.load(block + 74 + 4 * j + lane // 8, mask=mask, other=0).to(tl.int32)
+    values = _grid_values(table + IQ3_S_GRID, ids, signs, lane, multiplier)
+    return tl.reshape(values, (BLOCK_K, BLOCK_N))
+
+
+@triton.jit
+def held_values(HELD: tl.constexpr, rows, col_ok, start, table, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Values [BLOCK_K, BLOCK_N] fp32 of a step of held rows of any type but Q4_K (`HELD`: triton_moe's
+    HELD_CODES)."""
+    if HELD == 1:
+        values = q8_0_tile(rows, col_ok, start, BLOCK_K, BLOCK_N)
+    elif HELD == 3:
+        values = q6_k_values(rows, col_ok, start, BLOCK_K, BLOCK_N)
+    elif HELD == 4:
+        values = q5_k_values(rows, col_ok, start, BLOCK_K, BLOCK_N)
+    elif HELD == 5:
+        values = iq4_xs_values(rows, col_ok, start, table, BLOCK_K, BLOCK_N)
+    elif HELD == 6:
+        values = iq3_xxs_values(rows, col_ok, start, table, BLOCK_K, BLOCK_N)
+    else:
+        values = iq3_s_values(rows, col_ok, start, table, BLOCK_K, BLOCK_N)
+    return values

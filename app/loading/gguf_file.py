@@ -8,9 +8,9 @@ for `qwen3next` its norms hold 1 + weight, `ssm_a` holds -exp(A_log), the conv w
 `in_proj_qkvz` is split into `attn_qkv` (every head's q, then k, then v) and `attn_gate` (z), and the MTP
 layer is the block after the last. F32, F16 and BF16 tensors are views of the mapped file; Q8_0, Q4_K, Q5_K,
 Q6_K, IQ4_XS, IQ3_XXS and IQ3_S tensors are dequantized when read (app/kernels/gguf_quants.py), so the model
-holds them widened to its dtype, except where the loader holds a Q8_0, Q4_K or Q6_K tensor as its blocks
-(`held_blocks`: a view of the mapped file, read in place by the kernels). Other quant types, and
-architectures other than `qwen3moe` and `qwen3next`, are refused with a one-line error.
+holds them widened to its dtype, except where the loader holds a tensor as its blocks (`held_blocks`: a view
+of the mapped file, read in place by the kernels of a backend set that reads that type). Other quant types,
+and architectures other than `qwen3moe` and `qwen3next`, are refused with a one-line error.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Weights held as GGUF's Q8_0, Q4_K and Q6_K blocks on the GPU: the grouped matmul's programs dequantize
+"""Weights held as GGUF blocks of every held type on the GPU: the grouped matmul's programs dequantize
 them at Qwen3-30B-A3B's shapes in bf16 as the reference does on their values, a row's bits do not depend on
 its batch, and a GGUF file's model (a Q4_K_M one's down projections Q6_K) gives the tokens of the HF
 directory holding the same values."""
@@ -14,6 +14,7 @@ from engine_helpers import complete, make_core
 from gguf_files import same_values_copy, write_gguf
 
 from app.kernels.gguf_quants import dequantize, random_blocks
+from app.kernels.interface import HELD_BLOCKS
 from app.kernels.reference import experts_reference
 from app.kernels.triton_linear import few_rows_linear
 from app.kernels.triton_moe import exact_fused_experts, exact_linear, fused_experts
@@ -36,7 +37,7 @@ def _close(got: torch.Tensor, expected: torch.Tensor) -> None:
     torch.testing.assert_close(got.float() / scale, expected / scale, atol=1e-2, rtol=0)
 
 
-@pytest.mark.parametrize("kind", ["Q8_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("kind", list(HELD_BLOCKS))
 @pytest.mark.parametrize("tokens", [1, 200])
 def test_held_experts_at_full_shape_match_the_reference(kind: str, tokens: int) -> None:
     g = torch.Generator(device="cuda").manual_seed(tokens)
@@ -51,7 +52,7 @@ def test_held_experts_at_full_shape_match_the_reference(kind: str, tokens: int) 
     assert torch.equal(exact[-1:], exact_fused_experts(x[-1:], ids[-1:], weights[-1:], gate_up, down))
 
 
-@pytest.mark.parametrize("kind", ["Q8_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("kind", list(HELD_BLOCKS))
 @pytest.mark.parametrize("shape", [(4096, HIDDEN), (HIDDEN, 4096), (151936, HIDDEN)])
 def test_held_projections_at_full_shape_match_the_reference(kind: str, shape: tuple[int, int]) -> None:
     weight, values = _held(kind, shape, 3)
@@ -68,7 +69,7 @@ def wide_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_wide_checkpoint(tmp_path_factory.mktemp("wide"))
 
 
-@pytest.mark.parametrize("quant", ["Q8_0", "Q4_K", "Q4_K_M"])
+@pytest.mark.parametrize("quant", ["Q8_0", "Q4_K", "Q4_K_M", "Q5_K", "IQ4_XS", "IQ3_XXS", "IQ3_S"])
 def test_a_quantized_file_on_the_gpu_gives_the_tokens_of_its_values(
     wide_dir: Path, tmp_path: Path, quant: str
 ) -> None:
@@ -82,7 +83,7 @@ def test_a_quantized_file_on_the_gpu_gives_the_tokens_of_its_values(
     assert got.token_ids == complete(same, prompt, max_tokens=12, temperature=0, ignore_eos=True).token_ids
 
 
-@pytest.mark.parametrize("quant", ["Q8_0", "Q4_K"])
+@pytest.mark.parametrize("quant", ["Q8_0", "Q4_K", "IQ3_S"])
 @pytest.mark.parametrize("pcie_frac", [None, 1.0])
 def test_an_expert_tier_over_a_quantized_file_on_the_gpu_gives_the_tokens_of_the_whole_model(
     wide_dir: Path, tmp_path: Path, quant: str, pcie_frac: float | None

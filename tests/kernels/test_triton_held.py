@@ -1,5 +1,6 @@
-"""Weights held as GGUF's Q8_0 and Q4_K blocks, dequantized in the grouped matmul's programs (Triton's
-interpreter on CPU tensors), against the reference on the values the `gguf` package's dequantizer gives."""
+"""Weights held as GGUF blocks (every type of HELD_BLOCKS), dequantized in the grouped matmul's programs
+(Triton's interpreter on CPU tensors), against the reference on the values the `gguf` package's dequantizer
+gives."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 from app.kernels.gguf_quants import dequantize, random_blocks
-from app.kernels.interface import held_kind, held_row_bytes
+from app.kernels.interface import HELD_BLOCKS, held_kind, held_row_bytes
 from app.kernels.reference import experts_reference
 from app.kernels.triton_linear import few_rows_linear, held_tiles
 from app.kernels.triton_moe import (
@@ -20,7 +21,10 @@ from app.kernels.triton_moe import (
 )
 from app.kernels.triton_quant import quant_step
 
-KINDS = ["Q8_0", "Q4_K", "Q6_K"]
+KINDS = list(HELD_BLOCKS)
+# a type of each form of the sums on the CUDA cores (Q8_0's and Q4_K's own; every other type widens its
+# values as Q6_K does, and the projections' test below runs each of them there)
+ROWWISE_FORMS = ["Q8_0", "Q4_K", "Q6_K"]
 HIDDEN, INTER = 256, 256  # whole Q4_K super-blocks
 # fp16 activations: Triton's interpreter does not compute bf16 dots (the GPU test runs bf16)
 DTYPE = torch.float16
@@ -48,6 +52,10 @@ def test_a_held_weights_type_is_told_by_its_row_width() -> None:
     assert quant_step("Q6_K", 512, 512, rowwise=True) == quant_step("Q6_K", 512, 512) == 128
     assert held_kind(torch.empty(3, 272, dtype=torch.uint8), 256) == "Q8_0"
     assert held_kind(torch.empty(3, 144, dtype=torch.uint8), 256) == "Q4_K"
+    widths = {"Q5_K": 176, "IQ4_XS": 136, "IQ3_XXS": 98, "IQ3_S": 110}
+    assert all(
+        held_kind(torch.empty(3, 2 * width, dtype=torch.uint8), 512) == k for k, width in widths.items()
+    )
     with pytest.raises(ValueError, match="hold no known blocks"):
         held_kind(torch.empty(3, 100, dtype=torch.uint8), 256)
     assert quant_step("Q4_K", 768, 128) == 128 and quant_step("Q4_K", 256, 512) == 256
@@ -85,7 +93,7 @@ def test_held_dense_projections_match_their_dequantized_values(kind: str, rows: 
     assert torch.equal(exact_linear(x, weight)[-1:], exact_linear(x[-1:], weight))
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", ROWWISE_FORMS)
 def test_a_lone_rows_held_experts_are_summed_on_the_cuda_cores_with_the_bits_of_a_pair_of_rows(
     kind: str,
 ) -> None:
