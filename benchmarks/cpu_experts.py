@@ -1,13 +1,14 @@
 """The CPU expert pool's native kernel against this host's memory bandwidth.
 
     python benchmarks/cpu_experts.py [--hidden 2048] [--inter 768] [--experts 48] [--rows 1 4 16]
+                                     [--kinds fp32 bf16 int8 q8_0 q4_k q5_k q6_k iq4_xs iq3_xxs iq3_s]
 
 Measures the host's copy bandwidth (a 512 MiB tensor copied, bytes read plus written; the best of before and
 after the kernels), and runs one expert's SwiGLU for each expert of a layer in turn (more expert bytes than
-the caches hold, so every call reads its weights from RAM) for fp32, bf16, int8 and GGUF Q8_0 and Q4_K
-weights, and reports per call: time, bytes of weights read per second and that as a share of the copy
-bandwidth. Fails when a figure is above the measured bandwidth (a cache, not RAM, would have served it).
-Prints one JSON line.
+the caches hold, so every call reads its weights from RAM) for each kind of weights asked for (default: all
+of fp32, bf16, int8 and the GGUF block types the kernel reads in place, random blocks), and reports per
+call: time, bytes of weights read per second and that as a share of the copy bandwidth. Fails when a figure
+is above the measured bandwidth (a cache, not RAM, would have served it). Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -22,8 +23,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from app.kernels.backends import CPU_HELD_BLOCKS
 from app.kernels.cpu_experts import expert_swiglu, native_available, threads
 from app.kernels.gguf_quants import random_blocks
+
+# the kinds measured, by the name the figures carry: torch dtypes, or GGUF types' names (random blocks)
+KINDS: dict[str, torch.dtype | str] = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "int8": torch.int8,
+    **{held.lower(): held for held in CPU_HELD_BLOCKS},
+}
 
 
 def copy_bandwidth(megabytes: int = 512, repeats: int = 10) -> float:
@@ -79,17 +89,12 @@ def main() -> None:
     parser.add_argument("--inter", type=int, default=768)
     parser.add_argument("--experts", type=int, default=48)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--kinds", nargs="+", choices=list(KINDS), default=list(KINDS))
     args = parser.parse_args()
     bandwidth = copy_bandwidth()
     timings = {}
-    for name, kind in (
-        ("fp32", torch.float32),
-        ("bf16", torch.bfloat16),
-        ("int8", torch.int8),
-        ("q8_0", "Q8_0"),
-        ("q4_k", "Q4_K"),
-    ):
-        weights = expert_weights(kind, args.experts, args.hidden, args.inter)
+    for name in args.kinds:
+        weights = expert_weights(KINDS[name], args.experts, args.hidden, args.inter)
         per_expert = sum(t.nbytes for t in weights[0])
         timings[name] = (per_expert, {rows: time_kernel(weights, rows, args.hidden) for rows in args.rows})
         del weights

@@ -5,7 +5,8 @@
 //   y[t, i] = down_i . h_t                            i < hidden
 //
 // x [n, hidden] and y [n, hidden] are fp32; the weights fp32, bf16, int8 with one fp32 scale per output row, or
-// GGUF's Q8_0 or Q4_K blocks.
+// GGUF's blocks of Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS, IQ3_XXS or IQ3_S (the i-quants read the tables `set_tables`
+// hands over).
 // A call's experts run together in one OpenMP team, in two passes (gate and up, then down) whose work units
 // are (expert, a few output rows) pairs; dot products as native/dot.h computes them, so a row's result never
 // depends on what else shares the call. Registered with the native module (native/module.cpp); called from
@@ -32,6 +33,8 @@ using dot::Kind;
 using dot::Matrix;
 using dot::silu;
 using dot::TILE;
+
+constexpr const char* BLOCKS = "Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS, IQ3_XXS or IQ3_S";  // GGUF types read, for messages
 
 // One SwiGLU MLP (gate, up [inter, hidden], down [hidden, inter]) and the entries [first, last) it takes.
 struct Group {
@@ -162,7 +165,25 @@ Kind checked_kind(int kind_code, uintptr_t gate_up_scales_ptr, uintptr_t down_sc
     if (kind == Kind::I8 && (gate_up_scales_ptr == 0 || down_scales_ptr == 0)) {
         throw std::invalid_argument("int8 weights need their scales");
     }
+    if (dot::reads_tables(kind) && !dot::tables.loaded) {
+        throw std::invalid_argument("i-quant weights need their tables: set_tables first");
+    }
     return kind;
+}
+
+// dot::tables from their bytes: IQ4_NL's 16 levels (int8), the IQ3_XXS grid [256, 4] and the IQ3_S grid [512, 4]
+// (uint8), llama.cpp's as the gguf package carries them. Once, before the first call on i-quant weights.
+void set_tables(const pybind11::bytes& iq4_levels, const pybind11::bytes& iq3_xxs_grid,
+                const pybind11::bytes& iq3_s_grid) {
+    const std::string levels = iq4_levels, xxs = iq3_xxs_grid, s = iq3_s_grid;
+    dot::Tables& t = dot::tables;
+    if (levels.size() != sizeof t.iq4 || xxs.size() != sizeof t.iq3_xxs || s.size() != sizeof t.iq3_s) {
+        throw pybind11::value_error("tables: 16 IQ4_NL levels, 256 IQ3_XXS and 512 IQ3_S grid points of 4 bytes");
+    }
+    std::memcpy(t.iq4, levels.data(), sizeof t.iq4);
+    std::memcpy(t.iq3_xxs, xxs.data(), sizeof t.iq3_xxs);
+    std::memcpy(t.iq3_s, s.data(), sizeof t.iq3_s);
+    t.loaded = true;
 }
 
 // Expert `expert` of stacked gate_up [E, 2 * inter, hidden] / down [E, hidden, inter] (scales [E, rows]).
@@ -328,7 +349,9 @@ void routed_experts(uintptr_t x_ptr, uintptr_t gate_up_ptr, uintptr_t down_ptr, 
                     int64_t inter, int kind_code, int threads, uintptr_t ids_ptr, uintptr_t top_weights_ptr,
                     int64_t n, int64_t top_k, int64_t total) {
     const Kind kind = checked_kind(kind_code, 0, 0);
-    if (kind == Kind::I8) throw pybind11::value_error("routed experts take fp32, bf16, Q8_0 or Q4_K weights");
+    if (kind == Kind::I8) {
+        throw pybind11::value_error(std::string("routed experts take fp32 or bf16 weights, or blocks of ") + BLOCKS);
+    }
     const auto* ids = reinterpret_cast<const int64_t*>(ids_ptr);
     const auto* top_weights = reinterpret_cast<const float*>(top_weights_ptr);
     const int64_t entries = n * top_k;
@@ -358,7 +381,8 @@ void moe_block(uintptr_t x_ptr, uintptr_t y_ptr, int64_t n, int64_t hidden, uint
     const Kind router_kind = checked_kind(router_kind_code, 0, 0);
     const auto plain = [](Kind k) { return k == Kind::F32 || k == Kind::BF16; };
     if (kind == Kind::I8 || !plain(shared_kind) || !plain(router_kind)) {
-        throw pybind11::value_error("MoE blocks take fp32 or bf16 weights (and Q8_0 or Q4_K routed experts)");
+        const std::string routed = std::string("(routed experts also blocks of ") + BLOCKS + ")";
+        throw pybind11::value_error("MoE blocks take fp32 or bf16 weights " + routed);
     }
     if (top_k < 1 || top_k > total) throw pybind11::value_error("top_k must be in [1, experts]");
     const float* x = reinterpret_cast<const float*>(x_ptr);
@@ -474,5 +498,6 @@ void register_expert_kernels(pybind11::module_& m) {
     m.def("moe_block", &moe_block, "a sparse MoE block: router, routed and shared experts; see cpu_experts.py");
     m.def("dense", &dense, "y = x @ weight.T (+ bias) for a few rows; raw pointers, see cpu_experts.py");
     m.def("route", &route, "softmax, top-k and counts of router logits; raw pointers, see cpu_experts.py");
+    m.def("set_tables", &set_tables, "the i-quants' lookup tables, once before their first call; see cpu_experts.py");
     m.def("rms_norm", &rms_norm, "RMSNorm of rows (after a residual add, or gated); raw pointers, see cpu_experts.py");
 }

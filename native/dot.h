@@ -1,9 +1,13 @@
 // Dot products of weight rows with token vectors, fp32 arithmetic, for the native CPU kernels.
 //
-// Weights are fp32, bf16, int8 with one fp32 scale per row (weight = int8 * scale), or GGUF's Q8_0 (blocks of
-// 32 weights: an fp16 scale, then 32 int8; weight = int8 * scale) or Q4_K (super-blocks of 256: fp16 d and
-// dmin, eight 6-bit scales and mins, 4-bit q; weight = d * scale * q - dmin * min), widened to fp32 exactly
-// as GGUF's own dequantizer does (every product is exact), read row by row from contiguous memory. A pass takes R weight rows and C token vectors at once (R * C sums kept in registers),
+// Weights are fp32, bf16, int8 with one fp32 scale per row (weight = int8 * scale), or GGUF's blocks as the
+// file holds them: Q8_0 (blocks of 32 weights: an fp16 scale, then 32 int8; weight = int8 * scale), the K-quants
+// Q4_K, Q5_K (super-blocks of 256: fp16 d and dmin, eight 6-bit scales and mins, 4- or 5-bit q; weight =
+// d * scale * q - dmin * min) and Q6_K (sixteen int8 scales, 6-bit q; weight = d * scale * (q - 32)), and the
+// i-quants IQ4_XS, IQ3_XXS and IQ3_S (levels or grid points of llama.cpp's tables, `Tables`, under 4- or 6-bit
+// scales and sign bits). Each is widened to fp32 exactly as GGUF's own dequantizer does (every product is
+// exact; app/kernels/gguf_quants.py is the reference), read row by row from contiguous memory. A pass takes R
+// weight rows and C token vectors at once (R * C sums kept in registers),
 // so each weight is read and widened once per C tokens and each token element once per R rows. Every product
 // of a (row, token) pair goes to lane (column % LANES), and the lanes are added in one fixed tree at the end:
 // a pair's result is the same whatever R and C were, so a token's result never depends on which other tokens
@@ -16,20 +20,34 @@
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
+#include <string>
 #include <type_traits>
 
-#if defined(__F16C__) || defined(__AVX2__)
+#if defined(__SSE2__)
 #include <immintrin.h>
 #endif
 
 namespace dot {
 
-enum class Kind : int { F32 = 0, BF16 = 1, I8 = 2, Q8_0 = 3, Q4_K = 4 };
+// Weight kinds, codes 0 to 9 in this order (app/kernels/cpu_experts.py's _KINDS and _HELD_KINDS).
+enum class Kind : int { F32, BF16, I8, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS, IQ3_XXS, IQ3_S };
 
 constexpr int TILE = 4;    // token vectors per pass (C at most)
 constexpr int LANES = 16;  // partial sums of one dot product: one AVX-512 register, two AVX2 ones
-constexpr int64_t Q8_BLOCK = 32, Q8_BLOCK_BYTES = 34;  // Q8_0: weights a block, its bytes (fp16 + 32 int8)
-constexpr int64_t Q4K_BLOCK = 256, Q4K_BLOCK_BYTES = 144;  // Q4_K: weights a super-block, its bytes
+constexpr int64_t Q8_BLOCK = 32;  // Q8_0: weights a block
+constexpr int64_t QK_K = 256;     // the K- and i-quants: weights a super-block
+// Bytes a block of each GGUF type.
+constexpr int64_t Q8_0_BYTES = 34, Q4_K_BYTES = 144, Q5_K_BYTES = 176, Q6_K_BYTES = 210, IQ4_XS_BYTES = 136,
+                  IQ3_XXS_BYTES = 98, IQ3_S_BYTES = 110;
+
+// The bytes of `cols` weights held as whole blocks of `values` weights and `bytes` bytes (of type `name`).
+inline int64_t block_bytes(int64_t cols, int64_t values, int64_t bytes, const char* name) {
+    if (cols % values) {
+        throw std::invalid_argument(std::string(name) + " rows hold whole blocks of " + std::to_string(values) +
+                                    " weights");
+    }
+    return cols / values * bytes;
+}
 
 // The bytes of one weight row of `cols` columns.
 inline int64_t row_bytes(Kind kind, int64_t cols) {
@@ -37,15 +55,30 @@ inline int64_t row_bytes(Kind kind, int64_t cols) {
         case Kind::F32: return 4 * cols;
         case Kind::BF16: return 2 * cols;
         case Kind::I8: return cols;
-        case Kind::Q8_0:
-            if (cols % Q8_BLOCK) throw std::invalid_argument("Q8_0 rows hold whole blocks of 32 weights");
-            return cols / Q8_BLOCK * Q8_BLOCK_BYTES;
-        case Kind::Q4_K:
-            if (cols % Q4K_BLOCK) throw std::invalid_argument("Q4_K rows hold whole super-blocks of 256 weights");
-            return cols / Q4K_BLOCK * Q4K_BLOCK_BYTES;
+        case Kind::Q8_0: return block_bytes(cols, Q8_BLOCK, Q8_0_BYTES, "Q8_0");
+        case Kind::Q4_K: return block_bytes(cols, QK_K, Q4_K_BYTES, "Q4_K");
+        case Kind::Q5_K: return block_bytes(cols, QK_K, Q5_K_BYTES, "Q5_K");
+        case Kind::Q6_K: return block_bytes(cols, QK_K, Q6_K_BYTES, "Q6_K");
+        case Kind::IQ4_XS: return block_bytes(cols, QK_K, IQ4_XS_BYTES, "IQ4_XS");
+        case Kind::IQ3_XXS: return block_bytes(cols, QK_K, IQ3_XXS_BYTES, "IQ3_XXS");
+        case Kind::IQ3_S: return block_bytes(cols, QK_K, IQ3_S_BYTES, "IQ3_S");
     }
     throw std::invalid_argument("unknown weight kind");
 }
+
+// The i-quants' lookup tables, llama.cpp's as the gguf package carries them, handed over once by `set_tables`
+// (native/cpu_experts.cpp, called from app/kernels/cpu_experts.py) before any i-quant weight is read: IQ4_NL's
+// 16 levels (IQ4_XS's values) and the grid points of IQ3_XXS (256) and IQ3_S (512), four values (bytes) each.
+struct Tables {
+    int8_t iq4[16];
+    unsigned char iq3_xxs[256][4];
+    unsigned char iq3_s[512][4];
+    bool loaded = false;
+};
+inline Tables tables;
+
+// Whether weights of `kind` read `tables`.
+inline bool reads_tables(Kind kind) { return kind == Kind::IQ4_XS || kind == Kind::IQ3_XXS || kind == Kind::IQ3_S; }
 
 inline float widen(float v) { return v; }
 inline float widen(int8_t v) { return static_cast<float>(v); }
@@ -125,22 +158,24 @@ struct Elements {
     const void* at(int r, int64_t col) const { return row[r] + col; }
 };
 
-// LANES (16) codes widened to fp32 in registers: int8 times a scale (Q8_0), or the nibble at `bits` (0 or 4)
-// of 16 bytes times a step less a shift (Q4_K). The products are exact, so the fused form gives the bits of
-// the plain one; where the compiler's own vectorisation of these loops stays with 16-byte vectors, the
-// intrinsics widen 16 bytes to a whole register at once.
-inline void widen_int8(const int8_t* q, float scale, float* wide) {
+// LANES (16) codes widened to fp32 in registers: int8 codes times a step less a shift (every GGUF type but
+// Q4_K), or the nibble at `bits` (0 or 4) of 16 bytes times a step less a shift (Q4_K). The products are exact,
+// so the fused form gives the bits of the plain one (and a shift of 0 those of the bare product); where the
+// compiler's own vectorisation of these loops stays with 16-byte vectors, the intrinsics widen 16 bytes to a
+// whole register at once.
+inline void widen_int8(const int8_t* q, float step, float shift, float* wide) {
 #if defined(__AVX512F__)
     const __m512i ints = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
-    _mm512_storeu_ps(wide, _mm512_mul_ps(_mm512_cvtepi32_ps(ints), _mm512_set1_ps(scale)));
-#elif defined(__AVX2__)
+    _mm512_storeu_ps(wide, _mm512_fmsub_ps(_mm512_cvtepi32_ps(ints), _mm512_set1_ps(step), _mm512_set1_ps(shift)));
+#elif defined(__AVX2__) && defined(__FMA__)
     for (int h = 0; h < LANES; h += 8) {
         const __m256i ints = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + h)));
-        _mm256_storeu_ps(wide + h, _mm256_mul_ps(_mm256_cvtepi32_ps(ints), _mm256_set1_ps(scale)));
+        const __m256 v = _mm256_fmsub_ps(_mm256_cvtepi32_ps(ints), _mm256_set1_ps(step), _mm256_set1_ps(shift));
+        _mm256_storeu_ps(wide + h, v);
     }
 #else
 #pragma omp simd
-    for (int l = 0; l < LANES; ++l) wide[l] = static_cast<float>(q[l]) * scale;
+    for (int l = 0; l < LANES; ++l) wide[l] = static_cast<float>(q[l]) * step - shift;
 #endif
 }
 
@@ -162,36 +197,102 @@ inline void widen_nibbles(const unsigned char* q, int bits, float step, float sh
 #endif
 }
 
-// R Q8_0 rows: a block's weights widened with its scale (int8 * scale, in fp32), the values GGUF's own
-// dequantizer gives, so a row sums as its dequantized fp32 copy does. Rows hold whole blocks, and LANES
-// divides a block: a pass's weights share one scale.
-template <int R>
-struct Q8Blocks {
+// The int8 codes of a pass, LANES (16) at a time, for widen_int8. Q5_K's and Q6_K's: the nibble at `low_bits`
+// (0 or 4) of 16 bytes `low`, under the field `high_mask` (1 or 3) at `high_bits` of 16 bytes `high`, less
+// `offset`.
+inline void split_codes(const unsigned char* low, int low_bits, const unsigned char* high, int high_bits,
+                        int high_mask, int offset, int8_t* codes) {
+#if defined(__SSE2__)
+    const auto field = [](const unsigned char* bytes, int bits, int mask) {
+        const __m128i all = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes));
+        return _mm_and_si128(_mm_srl_epi16(all, _mm_cvtsi32_si128(bits)), _mm_set1_epi8(static_cast<char>(mask)));
+    };
+    const __m128i q = _mm_or_si128(field(low, low_bits, 15), _mm_slli_epi16(field(high, high_bits, high_mask), 4));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes), _mm_sub_epi8(q, _mm_set1_epi8(static_cast<char>(offset))));
+#else
+    for (int l = 0; l < LANES; ++l) {
+        const int q = ((low[l] >> low_bits) & 15) | (((high[l] >> high_bits) & high_mask) << 4);
+        codes[l] = static_cast<int8_t>(q - offset);
+    }
+#endif
+}
+
+// IQ4_XS's codes: the IQ4_NL levels that the nibbles at `bits` (0 or 4) of 16 bytes q pick.
+inline void level_codes(const unsigned char* q, int bits, int8_t* codes) {
+#if defined(__SSSE3__)
+    const __m128i all = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+    const __m128i ids = _mm_and_si128(_mm_srl_epi16(all, _mm_cvtsi32_si128(bits)), _mm_set1_epi8(15));
+    const __m128i levels = _mm_loadu_si128(reinterpret_cast<const __m128i*>(tables.iq4));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes), _mm_shuffle_epi8(levels, ids));
+#else
+    for (int l = 0; l < LANES; ++l) codes[l] = tables.iq4[(q[l] >> bits) & 15];
+#endif
+}
+
+// The IQ3 types' codes: value l % 4 of grid point ids[l / 4] (of `grid`), negated where bit l of `signs` is set.
+inline void grid_codes(const unsigned char (*grid)[4], const int* ids, unsigned signs, int8_t* codes) {
+#if defined(__SSSE3__)
+    const auto point = [&](int e) {
+        int32_t bytes;
+        std::memcpy(&bytes, grid[ids[e]], sizeof bytes);
+        return bytes;
+    };
+    const __m128i q = _mm_setr_epi32(point(0), point(1), point(2), point(3));
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    const __m128i v = _mm_mask_sub_epi8(q, static_cast<__mmask16>(signs), _mm_setzero_si128(), q);
+#else
+    const __m128i bit = _mm_setr_epi8(1, 2, 4, 8, 16, 32, 64, -128, 1, 2, 4, 8, 16, 32, 64, -128);
+    const __m128i spread = _mm_shuffle_epi8(_mm_cvtsi32_si128(static_cast<int>(signs)),
+                                            _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1));
+    const __m128i negative = _mm_cmpeq_epi8(_mm_and_si128(spread, bit), bit);  // all ones where the bit is set
+    const __m128i v = _mm_sub_epi8(_mm_xor_si128(q, negative), negative);
+#endif
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes), v);
+#else
+    for (int l = 0; l < LANES; ++l) {
+        const int value = grid[ids[l / 4]][l % 4];
+        codes[l] = static_cast<int8_t>((signs >> l) & 1 ? -value : value);
+    }
+#endif
+}
+
+// IQ3_XXS's sign byte of a 7-bit sign id: the id, its eighth bit set where the id has an odd number of bits
+// (llama.cpp's ksigns table, computed).
+inline unsigned xxs_signs(unsigned id) { return id | (static_cast<unsigned>(__builtin_popcount(id)) & 1u) << 7; }
+
+// R rows of GGUF blocks of VALUES weights and BYTES bytes each, widened LANES weights at a time by Reader's
+// `widen` (row r, from column `col`, a multiple of LANES: LANES divides every group of weights that shares a
+// scale, so a pass's weights share one). A pass prefetches the bytes of its share of the row; rows hold whole
+// blocks, so passes are whole and `one` (a pass's weight alone) serves only the generic tail they never reach.
+template <int R, int64_t VALUES, int64_t BYTES, typename Reader>
+struct Blocks {
     const unsigned char* row[R];
 
-    const unsigned char* block(int r, int64_t col) const { return row[r] + col / Q8_BLOCK * Q8_BLOCK_BYTES; }
-    void widen(int r, int64_t col, float* wide) const {
-        const unsigned char* b = block(r, col);
-        const float scale = half(b);
-        widen_int8(reinterpret_cast<const int8_t*>(b + 2 + col % Q8_BLOCK), scale, wide);
-    }
+    const unsigned char* block(int r, int64_t col) const { return row[r] + col / VALUES * BYTES; }
+    const void* at(int r, int64_t col) const { return row[r] + col * BYTES / VALUES; }
     float one(int r, int64_t col) const {
-        const unsigned char* b = block(r, col);
-        return static_cast<float>(reinterpret_cast<const int8_t*>(b + 2)[col % Q8_BLOCK]) * half(b);
+        float wide[LANES];
+        static_cast<const Reader*>(this)->widen(r, col - col % LANES, wide);
+        return wide[col % LANES];
     }
-    const void* at(int r, int64_t col) const { return block(r, col); }
+};
+
+// R Q8_0 rows: a block's weights widened with its scale (int8 * scale, in fp32), the values GGUF's own
+// dequantizer gives, so a row sums as its dequantized fp32 copy does.
+template <int R>
+struct Q8Blocks : Blocks<R, Q8_BLOCK, Q8_0_BYTES, Q8Blocks<R>> {
+    void widen(int r, int64_t col, float* wide) const {
+        const unsigned char* b = this->block(r, col);
+        widen_int8(reinterpret_cast<const int8_t*>(b + 2 + col % Q8_BLOCK), half(b), 0.0f, wide);
+    }
 };
 
 // R Q4_K rows: a group of 32 weights widened with its super-block's d * scale and dmin * min (fp32; the
 // products are exact, so these are GGUF's dequantized values). The group's 32 weights are the low nibbles (the
-// first 32 of a 64-weight stretch) or the high nibbles (the next 32) of the stretch's 32 bytes; LANES divides a
-// group, so a pass's weights share one scale and min.
+// first 32 of a 64-weight stretch) or the high nibbles (the next 32) of the stretch's 32 bytes.
 template <int R>
-struct Q4KBlocks {
-    const unsigned char* row[R];
-
-    const unsigned char* block(int r, int64_t col) const { return row[r] + col / Q4K_BLOCK * Q4K_BLOCK_BYTES; }
-    // The step (d * scale) and shift (dmin * min) of group j (0..7) of super-block b.
+struct Q4KBlocks : Blocks<R, QK_K, Q4_K_BYTES, Q4KBlocks<R>> {
+    // The step (d * scale) and shift (dmin * min) of group j (0..7) of super-block b (Q4_K's and Q5_K's).
     static void group(const unsigned char* b, int j, float& step, float& shift) {
         const unsigned char* p = b + 4;
         int scale, least;
@@ -206,20 +307,97 @@ struct Q4KBlocks {
         shift = half(b + 2) * static_cast<float>(least);
     }
     void widen(int r, int64_t col, float* wide) const {
-        const unsigned char* b = block(r, col);
-        const int in = static_cast<int>(col % Q4K_BLOCK), stretch = in / 64, high = (in % 64) / 32;
+        const unsigned char* b = this->block(r, col);
+        const int in = static_cast<int>(col % QK_K), stretch = in / 64, high = (in % 64) / 32;
         float step, shift;
         group(b, 2 * stretch + high, step, shift);
         widen_nibbles(b + 16 + stretch * 32 + in % 32, 4 * high, step, shift, wide);
     }
-    float one(int r, int64_t col) const {
-        const unsigned char* b = block(r, col);
-        const int in = static_cast<int>(col % Q4K_BLOCK), stretch = in / 64, high = (in % 64) / 32;
+};
+
+// R Q5_K rows: super-blocks as Q4_K's (d, dmin, the same 6-bit scales and mins: `Q4KBlocks::group`), with 32
+// bytes of fifth bits before the nibbles (bit j of byte l: weight l of group j); weight = d * scale * q -
+// dmin * min for q of 5 bits.
+template <int R>
+struct Q5KBlocks : Blocks<R, QK_K, Q5_K_BYTES, Q5KBlocks<R>> {
+    void widen(int r, int64_t col, float* wide) const {
+        const unsigned char* b = this->block(r, col);
+        const int in = static_cast<int>(col % QK_K), j = in / 32;
         float step, shift;
-        group(b, 2 * stretch + high, step, shift);
-        return static_cast<float>((b[16 + stretch * 32 + in % 32] >> (4 * high)) & 15) * step - shift;
+        Q4KBlocks<R>::group(b, j, step, shift);
+        int8_t codes[LANES];
+        split_codes(b + 48 + j / 2 * 32 + in % 32, 4 * (j % 2), b + 16 + in % 32, j, 1, 0, codes);
+        widen_int8(codes, step, shift, wide);
     }
-    const void* at(int r, int64_t col) const { return block(r, col); }
+};
+
+// R Q6_K rows: super-blocks of 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales (groups of 16
+// weights) and an fp16 d; weight = (d * scale) * (q - 32). Each half of 128 weights has 64 low bytes and 32
+// high ones: its quarter k (32 weights) takes the low nibbles (k < 2) or high ones of the first (k even) or
+// second 32 low bytes, under bit pair k of the high bytes.
+template <int R>
+struct Q6KBlocks : Blocks<R, QK_K, Q6_K_BYTES, Q6KBlocks<R>> {
+    void widen(int r, int64_t col, float* wide) const {
+        const unsigned char* b = this->block(r, col);
+        const int in = static_cast<int>(col % QK_K), part = in / 128, k = in % 128 / 32, l = in % 32;
+        int8_t codes[LANES];
+        split_codes(b + 64 * part + 32 * (k % 2) + l, 4 * (k / 2), b + 128 + 32 * part + l, 2 * k, 3, 32, codes);
+        const float step = half(b + 208) * static_cast<float>(reinterpret_cast<const int8_t*>(b + 192)[in / 16]);
+        widen_int8(codes, step, 0.0f, wide);
+    }
+};
+
+// R IQ4_XS rows: super-blocks of an fp16 d, the high bit pairs of eight 6-bit scales (16 bits), their low
+// nibbles (4 bytes), and per group j of 32 weights 16 bytes of 4-bit ids of IQ4_NL levels (low nibbles: its
+// first 16 weights, high: the next 16); weight = (d * (scale - 32)) * level.
+template <int R>
+struct IQ4XSBlocks : Blocks<R, QK_K, IQ4_XS_BYTES, IQ4XSBlocks<R>> {
+    void widen(int r, int64_t col, float* wide) const {
+        const unsigned char* b = this->block(r, col);
+        const int in = static_cast<int>(col % QK_K), j = in / 32, high = b[2] | b[3] << 8;
+        const int scale = ((b[4 + j / 2] >> 4 * (j % 2)) & 15) | ((high >> 2 * j) & 3) << 4;
+        int8_t codes[LANES];
+        level_codes(b + 8 + 16 * j, 4 * (in % 32 / 16), codes);
+        widen_int8(codes, half(b) * static_cast<float>(scale - 32), 0.0f, wide);
+    }
+};
+
+// R IQ3_XXS rows: super-blocks of an fp16 d, 64 ids of IQ3_XXS grid points (four weights each), and per group j
+// of 32 weights a 32-bit word: four 7-bit sign ids (eight weights each, `xxs_signs`) and a 4-bit scale s;
+// weight = (d * (0.5 + s) * 0.5) * point value, negated by its sign bit.
+template <int R>
+struct IQ3XXSBlocks : Blocks<R, QK_K, IQ3_XXS_BYTES, IQ3XXSBlocks<R>> {
+    void widen(int r, int64_t col, float* wide) const {
+        const unsigned char* b = this->block(r, col);
+        const int in = static_cast<int>(col % QK_K), first = in / 4, k = in % 32 / 8;
+        uint32_t word;
+        std::memcpy(&word, b + 66 + 4 * (in / 32), sizeof word);
+        const unsigned signs = xxs_signs((word >> 7 * k) & 127) | xxs_signs((word >> 7 * (k + 1)) & 127) << 8;
+        const int ids[4] = {b[2 + first], b[3 + first], b[4 + first], b[5 + first]};
+        int8_t codes[LANES];
+        grid_codes(tables.iq3_xxs, ids, signs, codes);
+        widen_int8(codes, half(b) * (0.5f + static_cast<float>(word >> 28)) * 0.5f, 0.0f, wide);
+    }
+};
+
+// R IQ3_S rows: super-blocks of an fp16 d, the low bytes of 64 9-bit ids of IQ3_S grid points (four weights
+// each), their ninth bits (8 bytes: bit i of byte g for id 8g + i), a sign bit per weight (32 bytes) and a 4-bit
+// scale s per group of 32 (4 bytes: low nibble, then high); weight = (d * (1 + 2s)) * point value, negated by
+// its sign bit.
+template <int R>
+struct IQ3SBlocks : Blocks<R, QK_K, IQ3_S_BYTES, IQ3SBlocks<R>> {
+    void widen(int r, int64_t col, float* wide) const {
+        const unsigned char* b = this->block(r, col);
+        const int in = static_cast<int>(col % QK_K), first = in / 4, j = in / 32;
+        const int ninth = b[66 + first / 8] >> (first % 8);
+        int ids[4];
+        for (int e = 0; e < 4; ++e) ids[e] = b[2 + first + e] | ((ninth >> e) & 1) << 8;
+        const unsigned signs = b[74 + in / 8] | b[75 + in / 8] << 8;
+        const int scale = (b[106 + j / 2] >> 4 * (j % 2)) & 15;
+        int8_t codes[LANES];
+        grid_codes(tables.iq3_s, ids, signs, codes);
+        widen_int8(codes, half(b) * static_cast<float>(1 + 2 * scale), 0.0f, wide);
+    }
 };
 
 // out[r][c] = w[r] . xs[c] over `cols` columns, for R rows and C token vectors. With `ahead` (R rows of the
@@ -287,19 +465,30 @@ inline void dot_as(const char* const* rows, int64_t cols, const float* const* xs
     }
 }
 
+// f called with an unset reader of R rows of `kind`: a generic f thus runs with the reader's type.
+template <int R, typename F>
+inline void by_kind(Kind kind, F f) {
+    switch (kind) {
+        case Kind::F32: return f(Elements<R, float>{});
+        case Kind::BF16: return f(Elements<R, uint16_t>{});
+        case Kind::I8: return f(Elements<R, int8_t>{});
+        case Kind::Q8_0: return f(Q8Blocks<R>{});
+        case Kind::Q4_K: return f(Q4KBlocks<R>{});
+        case Kind::Q5_K: return f(Q5KBlocks<R>{});
+        case Kind::Q6_K: return f(Q6KBlocks<R>{});
+        case Kind::IQ4_XS: return f(IQ4XSBlocks<R>{});
+        case Kind::IQ3_XXS: return f(IQ3XXSBlocks<R>{});
+        case Kind::IQ3_S: return f(IQ3SBlocks<R>{});
+    }
+    throw std::invalid_argument("unknown weight kind");
+}
+
 // out[r][c] = rows[r] . xs[c] for R weight rows of one kind (unscaled) and `count` (1 to TILE) token vectors,
 // prefetching the R rows `ahead` (null: none) meanwhile.
 template <int R>
 inline void dot_rows(Kind kind, const char* const* rows, int64_t cols, const float* const* xs, int count,
                      float (*out)[TILE], const char* const* ahead = nullptr) {
-    switch (kind) {
-        case Kind::F32: return dot_as<R, Elements<R, float>>(rows, cols, xs, count, out, ahead);
-        case Kind::BF16: return dot_as<R, Elements<R, uint16_t>>(rows, cols, xs, count, out, ahead);
-        case Kind::I8: return dot_as<R, Elements<R, int8_t>>(rows, cols, xs, count, out, ahead);
-        case Kind::Q8_0: return dot_as<R, Q8Blocks<R>>(rows, cols, xs, count, out, ahead);
-        case Kind::Q4_K: return dot_as<R, Q4KBlocks<R>>(rows, cols, xs, count, out, ahead);
-    }
-    throw std::invalid_argument("unknown weight kind");
+    by_kind<R>(kind, [&](auto w) { dot_as<R, decltype(w)>(rows, cols, xs, count, out, ahead); });
 }
 
 template <int R, typename Rows>
@@ -320,13 +509,7 @@ inline void widen_all(const char** rows, int64_t cols, float* buffer) {
 template <int R>
 inline Kind widen_rows(Kind kind, const char** rows, int64_t cols, int64_t readers, float* buffer) {
     if (kind == Kind::F32 || readers <= TILE) return kind;
-    switch (kind) {
-        case Kind::BF16: widen_all<R, Elements<R, uint16_t>>(rows, cols, buffer); break;
-        case Kind::I8: widen_all<R, Elements<R, int8_t>>(rows, cols, buffer); break;
-        case Kind::Q8_0: widen_all<R, Q8Blocks<R>>(rows, cols, buffer); break;
-        case Kind::Q4_K: widen_all<R, Q4KBlocks<R>>(rows, cols, buffer); break;
-        default: throw std::invalid_argument("unknown weight kind");
-    }
+    by_kind<R>(kind, [&](auto w) { widen_all<R, decltype(w)>(rows, cols, buffer); });
     return Kind::F32;
 }
 

@@ -17,7 +17,8 @@ from app.errors import StrataError
 from app.kernels.interface import HELD_BLOCKS, Backends
 from app.kernels.reference import REFERENCE, causal_attention, delta_rule_chunked, delta_rule_recurrent
 
-CPU_HELD_BLOCKS = ("Q8_0", "Q4_K")  # the block types the native CPU expert kernel reads in place
+# the block types the native CPU expert kernel reads in place
+CPU_HELD_BLOCKS = ("Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ3_XXS", "IQ3_S")
 
 
 def triton_backends() -> Backends:

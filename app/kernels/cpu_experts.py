@@ -4,8 +4,10 @@
 rows: a window's whole CPU share in one call) run the native kernel (native/cpu_experts.cpp: OpenMP threads,
 vectorised for the machine it was built on) when the install could build it, else the torch references
 (`expert_swiglu_reference`, `experts_swiglu_sum_reference`), and say so once. Weights are fp32, bf16, int8
-with one fp32 scale per output row, or GGUF's Q8_0 or Q4_K blocks as they lie in the file (uint8 rows, their
-type told by their width: app/kernels/interface.py's `held_kind`); activations and results are fp32.
+with one fp32 scale per output row, or GGUF's blocks of Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS, IQ3_XXS or IQ3_S as
+they lie in the file (uint8 rows, their type told by their width: app/kernels/interface.py's `held_kind`;
+the i-quants' lookup tables handed to the native kernel once, `_hand_over_tables`); activations and results
+are fp32.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import os
 
 import torch
 
-from app.kernels.gguf_quants import dequantize
+from app.kernels.gguf_quants import dequantize, i_quant_tables
 from app.kernels.interface import held_kind
 
 try:
@@ -26,7 +28,10 @@ except ImportError:
 
 log = logging.getLogger("strata.kernels")
 _KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
-_HELD_KINDS = {"Q8_0": 3, "Q4_K": 4}  # uint8 weights: GGUF blocks of these types
+# uint8 weights: GGUF blocks of these types; the i-quants' values come from lookup tables
+_HELD_KINDS = {"Q8_0": 3, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6, "IQ4_XS": 7, "IQ3_XXS": 8, "IQ3_S": 9}
+_TABLED = ("IQ4_XS", "IQ3_XXS", "IQ3_S")
+_NAMES = "fp32, bf16, int8, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS, IQ3_XXS or IQ3_S"  # all the above, for messages
 _warned = False
 
 
@@ -47,15 +52,30 @@ def threads() -> int:
 
 def kind(weight: torch.Tensor, columns: int) -> int:
     """The native kernel's code for `weight`'s kind, its rows holding `columns` weights (a uint8 weight:
-    GGUF blocks of the type its rows' width tells); a ValueError for any other."""
+    GGUF blocks of the type its rows' width tells; for an i-quant, the kernel has its tables from here on); a
+    ValueError for any other."""
     if weight.dtype == torch.uint8:
         found = held_kind(weight, columns)
         if found not in _HELD_KINDS:
             raise ValueError(f"no native kernel reads {found} blocks")
+        if found in _TABLED:
+            _hand_over_tables()
         return _HELD_KINDS[found]
     if weight.dtype not in _KINDS:
-        raise ValueError(f"weights of {weight.dtype}: fp32, bf16, int8, Q8_0 or Q4_K")
+        raise ValueError(f"weights of {weight.dtype}: {_NAMES}")
     return _KINDS[weight.dtype]
+
+
+@functools.cache
+def _hand_over_tables() -> None:
+    """Gives the native kernel the i-quants' lookup tables (IQ4_NL's levels, the IQ3_XXS and IQ3_S grids: the
+    gguf package's, as the torch reference reads them), once a process, before its first i-quant call."""
+    tables = i_quant_tables()
+    _native.set_tables(
+        tables["iq4"].to(torch.int8).numpy().tobytes(),
+        tables["IQ3_XXS"].to(torch.uint8).numpy().tobytes(),
+        tables["IQ3_S"].to(torch.uint8).numpy().tobytes(),
+    )
 
 
 def expert_sizes(gate_up: torch.Tensor, down: torch.Tensor) -> tuple[int, int]:
@@ -189,7 +209,7 @@ def expert_swiglu(
     down_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One expert's SwiGLU of x [n, hidden] (fp32 result): gate_up [2 * inter, hidden] (gate rows first),
-    down [hidden, inter], both fp32, bf16 or int8 (with fp32 `*_scales` [rows] for int8); on the CPU."""
+    down [hidden, inter], both fp32, bf16, int8 (with fp32 `*_scales` [rows]) or GGUF blocks; on the CPU."""
     if _native is None:
         _warn_once()
         return expert_swiglu_reference(x, gate_up, down, gate_up_scales, down_scales)
@@ -235,7 +255,7 @@ def routed_experts(
     """The routed experts' weighted sum (the `experts` contract of app/kernels/interface.py) on the CPU
     through the native kernel in one call, which groups the entries by expert itself: the experts in expert
     order, each row's result independent of its batch, fp32 inside, returned in x's dtype. Weights fp32,
-    bf16, Q8_0 or Q4_K (int8 goes through `experts_swiglu_sum`). The CPU backend set's experts kernel."""
+    bf16 or GGUF blocks (int8 goes through `experts_swiglu_sum`). The CPU backend set's experts kernel."""
     if _native is None or gate_up.dtype == torch.int8:
         experts, offsets, rows, weights = by_expert(top_ids, top_weights)
         return experts_swiglu_sum(x, experts, offsets, rows, weights, gate_up, down).to(x.dtype)
@@ -307,7 +327,7 @@ def moe_block(
     """A sparse MoE block (the `moe_block` contract of app/kernels/interface.py) in one native call:
     router logits (router [experts, hidden]), softmax and top-k picks (renormalised with `renormalize`,
     each real row's picks added to `counts`), the routed experts' weighted SwiGLU (stacked gate_up / down,
-    fp32, bf16, Q8_0 or Q4_K) and the shared expert's (gate, up [inter, hidden], down [hidden, inter], router
+    fp32, bf16 or GGUF blocks) and the shared expert's (gate, up [inter, hidden], down [hidden, inter], router
     [1, hidden]) behind its sigmoid, for fp32 rows in host memory; the torch reference otherwise."""
     native = _native is not None and x.dtype == torch.float32 and x.device.type == "cpu"
     plain = [router, *(shared or ())]
@@ -533,7 +553,7 @@ def _check(
     except ValueError:
         same = False
     if not same:
-        raise ValueError(f"weights of {gate_up.dtype} and {down.dtype}: both fp32, bf16, int8, Q8_0 or Q4_K")
+        raise ValueError(f"weights of {gate_up.dtype} and {down.dtype}: both {_NAMES}")
     tensors = [gate_up, down]
     if gate_up.dtype == torch.int8:
         if gate_up_scales is None or down_scales is None:

@@ -1,4 +1,5 @@
-"""The CPU expert pool's native kernel against its torch reference: fp32, bf16, int8 and Q8_0 weights."""
+"""The CPU expert pool's native kernel against its torch reference: fp32, bf16 and int8 weights, and GGUF
+blocks read in place."""
 
 from __future__ import annotations
 
@@ -141,11 +142,12 @@ def _blocks(kind: str, experts: int, rows: int, cols: int, seed: int) -> tuple[t
 
 
 @pytest.mark.parametrize("rows", [1, 3, 9])
-@pytest.mark.parametrize("kind", ["Q8_0", "Q4_K"])
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ3_XXS", "IQ3_S"])
 def test_held_experts_give_the_bits_of_their_dequantized_fp32_copy(kind: str, rows: int) -> None:
-    """GGUF's Q8_0 and Q4_K blocks read in place: the routed experts, a window's CPU share and a whole MoE
-    block give bit for bit what the same kernels give on the fp32 values GGUF's own dequantizer makes of them
-    (9 rows: some expert's rows are widened once for several passes), and the torch reference's result."""
+    """GGUF's blocks read in place (Q8_0, the K-quants, the i-quants through the tables the kernel is handed):
+    the routed experts, a window's CPU share and a whole MoE block give bit for bit what the same kernels give
+    on the fp32 values GGUF's own dequantizer makes of them (9 rows: some expert's rows are widened once for
+    several passes), and the torch reference's result."""
     hidden, inter = (HIDDEN, 64) if kind == "Q8_0" else (256, 256)
     gate_up, gate_up_values = _blocks(kind, 6, 2 * inter, hidden, rows)
     down, down_values = _blocks(kind, 6, hidden, inter, rows + 1)
@@ -283,7 +285,9 @@ def test_bad_weights_are_refused_before_the_native_kernel_reads_them() -> None:
     x = torch.randn(2, HIDDEN)
     with pytest.raises(ValueError, match="shapes"):
         expert_swiglu(x[:, :-1], gate_up, down)
-    with pytest.raises(ValueError, match="both fp32, bf16, int8, Q8_0 or Q4_K"):
+    with pytest.raises(
+        ValueError, match="both fp32, bf16, int8, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS, IQ3_XXS or IQ3_S"
+    ):
         expert_swiglu(x, gate_up, down.bfloat16())
     with pytest.raises(ValueError, match="contiguous"):
         expert_swiglu(x, gate_up.T.contiguous().T, down)
