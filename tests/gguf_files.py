@@ -150,8 +150,9 @@ def quantize_q5_k(values: np.ndarray) -> np.ndarray:
 
 
 def _nearest(x: np.ndarray, levels: np.ndarray) -> np.ndarray:
-    """The index of the nearest row of `levels` [n, width] to each row of x [..., width]."""
-    return np.abs(x[..., None, :] - levels).sum(-1).argmin(-1)
+    """The index of the nearest row of `levels` [n, width] to each row of x [..., width] (squared distance,
+    less x's own squares: one matrix product)."""
+    return ((levels * levels).sum(-1) - 2 * x @ levels.T).argmin(-1)
 
 
 def quantize_iq4_xs(values: np.ndarray) -> np.ndarray:

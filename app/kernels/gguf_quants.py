@@ -100,7 +100,7 @@ def i_quant_tables() -> dict[str, torch.Tensor]:
 
 def _signs(bytes_: torch.Tensor) -> torch.Tensor:
     """Sign bytes [..., n] -> +-1 [..., n, 8] (bit j set: value j is negative)."""
-    bits = (bytes_[..., None] >> torch.arange(8)) & 1
+    bits = (bytes_[..., None] >> torch.arange(8, device=bytes_.device)) & 1
     return 1.0 - 2.0 * bits.float()
 
 
@@ -109,21 +109,21 @@ def iq4_xs(blocks: torch.Tensor) -> torch.Tensor:
     d = _f16(blocks, 0)
     high = blocks[:, 2].long() | (blocks[:, 3].long() << 8)
     low = blocks[:, 4:8].long()
-    group = torch.arange(8)
+    group = torch.arange(8, device=blocks.device)
     scale = ((low[:, group // 2] >> (4 * (group % 2))) & 0xF) | (((high[:, None] >> (2 * group)) & 3) << 4)
-    levels = i_quant_tables()["iq4"][_nibbles(blocks[:, 8:136], 16).reshape(-1, 8, 32)]
+    levels = i_quant_tables()["iq4"].to(blocks.device)[_nibbles(blocks[:, 8:136], 16).reshape(-1, 8, 32)]
     return ((d * (scale - 32).float())[..., None] * levels).reshape(-1, QK_K)
 
 
 def iq3_xxs(blocks: torch.Tensor) -> torch.Tensor:
     """IQ3_XXS: d, 64 grid ids (4 values each), then per group of 32 a word: four 7-bit sign ids and a 4-bit
     scale."""
-    tables = i_quant_tables()
+    tables = {name: table.to(blocks.device) for name, table in i_quant_tables().items()}
     d = _f16(blocks, 0)
     grid = tables["IQ3_XXS"][blocks[:, 2:66].long()].reshape(-1, 8, 4, 8)  # [blocks, group, 4 x 8 values]
     words = _u32(blocks[:, 66:98])  # [blocks, group]
     scale = d * (0.5 + (words >> 28).float()) * 0.5
-    sign_ids = (words[..., None] >> (7 * torch.arange(4))) & 127
+    sign_ids = (words[..., None] >> (7 * torch.arange(4, device=blocks.device))) & 127
     signs = _signs(tables["signs"][sign_ids])  # [blocks, group, 4, 8]
     return (scale[..., None, None] * grid * signs).reshape(-1, QK_K)
 
@@ -131,11 +131,13 @@ def iq3_xxs(blocks: torch.Tensor) -> torch.Tensor:
 def iq3_s(blocks: torch.Tensor) -> torch.Tensor:
     """IQ3_S: d, 64 low bytes of 9-bit grid ids (their ninth bits in 8 bytes), 32 sign bytes, 4 bytes of
     4-bit scales (odd ones: 1 + 2 * scale)."""
-    tables = i_quant_tables()
+    tables = {name: table.to(blocks.device) for name, table in i_quant_tables().items()}
     d = _f16(blocks, 0)
     low = blocks[:, 2:66].long()
     high = blocks[:, 66:74].long()
-    ninth = ((high[:, :, None] >> torch.arange(8)) & 1).reshape(-1, 64)  # bit i of high byte g: id 8g + i
+    ninth = ((high[:, :, None] >> torch.arange(8, device=blocks.device)) & 1).reshape(
+        -1, 64
+    )  # bit i of high byte g: id 8g + i
     grid = tables["IQ3_S"][low | (ninth << 8)].reshape(-1, 8, 4, 8)
     signs = _signs(blocks[:, 74:106].long()).reshape(-1, 8, 4, 8)
     packed = blocks[:, 106:110].long()

@@ -47,14 +47,16 @@ import triton
 import triton.language as tl
 
 # a step's smallest and largest k: on tiles, and for sums on the CUDA cores (`rowwise`)
-_WITHIN_HALF = (32, 128)  # a step within half a super-block
+# a K-quant's step within half a super-block, an i-quant's within a quarter (more shared memory a value)
 STEP_LIMITS = {
     "Q8_0": (32, 1 << 12),
     "Q4_K": (64, 256),
-    **{kind: _WITHIN_HALF for kind in ("Q5_K", "Q6_K", "IQ4_XS", "IQ3_XXS", "IQ3_S")},
+    **dict.fromkeys(("Q5_K", "Q6_K"), (32, 128)),
+    **dict.fromkeys(("IQ4_XS", "IQ3_XXS", "IQ3_S"), (32, 64)),
 }
 ROWWISE_STEP_LIMITS = {**STEP_LIMITS, "Q4_K": (256, 1024)}
-IQ4_LEVELS, IQ3_XXS_GRID, IQ3_S_GRID = 0, 16, 16 + 256 * 4  # offsets into `quant_tables`
+# offsets into `quant_tables` (constexpr: the compiled kernels read them)
+IQ4_LEVELS, IQ3_XXS_GRID, IQ3_S_GRID = tl.constexpr(0), tl.constexpr(16), tl.constexpr(16 + 256 * 4)
 
 
 @functools.cache

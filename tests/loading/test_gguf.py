@@ -117,17 +117,21 @@ def test_the_gpu_kernels_read_a_files_blocks_where_they_lie(wide_dir: Path, tmp_
     assert got.token_ids == complete(same, prompt, max_tokens=2, temperature=0, ignore_eos=True).token_ids
 
 
-def test_a_q4_k_files_experts_stay_its_blocks_on_the_cpu(wide_dir: Path, tmp_path: Path) -> None:
-    """On the CPU set a Q4_K file's routed experts are read in place by the native kernels (the dense
+@pytest.mark.parametrize("quant", ["Q4_K", "Q5_K", "IQ4_XS", "IQ3_XXS", "IQ3_S"])
+def test_a_quantized_files_experts_stay_its_blocks_on_the_cpu(
+    wide_dir: Path, tmp_path: Path, quant: str
+) -> None:
+    """On the CPU set a quantized file's routed experts are read in place by the native kernels (the dense
     projections widened): the greedy tokens of the HF directory holding the file's values."""
-    path = write_gguf(wide_dir, tmp_path / "wide-Q4_K.gguf", "Q4_K")
+    path = write_gguf(wide_dir, tmp_path / f"wide-{quant}.gguf", quant)
     core = make_core(path)
     layer = core.loaded.model.model.layers[0]
     assert layer.mlp.experts.gate_up.dtype == torch.uint8
+    assert held_kind(layer.mlp.experts.gate_up, core.loaded.model.config.hidden_size) == quant
     assert layer.self_attn.qkv_weight.dtype == torch.float32
     prompt = [5, 17, 99, 230, 31, 8]
     got = complete(core, prompt, max_tokens=8, temperature=0, ignore_eos=True)
-    same = make_core(same_values_copy(wide_dir, tmp_path / "same", "Q4_K"))
+    same = make_core(same_values_copy(wide_dir, tmp_path / "same", quant))
     assert got.token_ids == complete(same, prompt, max_tokens=8, temperature=0, ignore_eos=True).token_ids
 
 
