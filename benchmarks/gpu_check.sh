@@ -9,9 +9,10 @@
 # split: the split's GPU tests, then `strata bench` on each shape's random checkpoint at 1, 8 and 32
 # concurrent, whole on one GPU, split in two with one slot group, and with pipelined groups (on a machine of
 # one GPU both stages share it: --stage-gpus 0,0).
-# gguf: the held-weight GPU tests, then benchmarks/gguf_bench.py on a random q30 file of each quant type
-# named (default Q4_K), also with the expert tier at a 25% budget (--expert-cache 32), and llama.cpp on the
-# same files (benchmarks/llama_cpp.sh), also with 18 of 24 layers' experts on the CPU (CPU_MOE=18).
+# gguf: the held-weight GPU tests (GGUF_TESTS=0 skips them, GGUF_TESTS_K selects as pytest -k), then benchmarks/gguf_bench.py on a random q30
+# file of each quant type named (default Q4_K), also with the expert tier at a 25% budget (--expert-cache 32)
+# for the types in TIER_KINDS (default: every one named), and llama.cpp on the same files
+# (benchmarks/llama_cpp.sh), with 18 of 24 layers' experts on the CPU (CPU_MOE=18) where a tier ran.
 # kv: the 8-bit KV GPU tests, then benchmarks/kv_dtype_bench.py on the shape (32K and 128K-token prompts and
 # the decode after them, KV bf16 / fp8 / int8).
 # decode: the fused decode steps' GPU tests and the end-to-end ones, then the decode windows of Qwen3-Next's
@@ -110,32 +111,42 @@ if [[ $what == tier-large ]]; then
 fi
 if [[ $what == gguf ]]; then
     # the kinds to time are the arguments (default Q4_K); llama.cpp builds (niced) beside Strata's runs from
-    # .llama/llama-src.tar.xz, or comes prebuilt as .llama/llama-bin.tar.xz (packed into $out after a build)
+    # .llama/llama-src.tar.xz, or comes prebuilt as .llama/llama-bin.tar.xz.part-* (packed into $out in parts
+    # of 15 MB after a build)
     kinds=${*:-Q4_K}
     build=/tmp/llama-build
-    if [[ -f .llama/llama-bin.tar.xz ]]; then
-        mkdir -p $build && tar xJf .llama/llama-bin.tar.xz -C $build
+    if compgen -G ".llama/llama-bin.tar.xz.part-*" >/dev/null; then
+        mkdir -p $build && cat .llama/llama-bin.tar.xz.part-* | tar xJf - -C $build
     fi
     nice -n 19 bash benchmarks/llama_cpp.sh .llama/llama-src.tar.xz $build >"$out/llama-build.log" 2>&1 &
     builder=$!
-    python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_held_gpu.py 2>&1 | tee "$out/gpu-tests.log" \
-        || status=1
-    files=()
+    if [[ ${GGUF_TESTS:-1} != 0 ]]; then
+        python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_held_gpu.py -k "${GGUF_TESTS_K:-}" 2>&1 \
+            | tee "$out/gpu-tests.log" || status=1
+    fi
+    files=() tiered=()
     for kind in $kinds; do
         file=/tmp/q30-$kind.gguf
         python3 benchmarks/gguf_bench.py write --kind "$kind" --out "$file" || status=1
         python3 benchmarks/gguf_bench.py strata --model "$file" --out "$out/gguf.jsonl" 2>&1 \
             | tee -a "$out/gguf.log" || status=1
-        # the expert tier at a 25% budget: 32 of 128 experts a layer on the card, the file's blocks
-        python3 benchmarks/gguf_bench.py strata --model "$file" --expert-cache 32 --out "$out/gguf-tier.jsonl" \
-            2>&1 | tee -a "$out/gguf.log" || status=1
         files+=("$file")
+        if [[ " ${TIER_KINDS:-$kinds} " == *" $kind "* ]]; then
+            # the expert tier at a 25% budget: 32 of 128 experts a layer on the card, the file's blocks
+            python3 benchmarks/gguf_bench.py strata --model "$file" --expert-cache 32 \
+                --out "$out/gguf-tier.jsonl" 2>&1 | tee -a "$out/gguf.log" || status=1
+            tiered+=("$file")
+        fi
     done
     wait $builder || { status=1; tail -30 $build/ninja.log $build/cmake.log; }
-    if [[ ! -f .llama/llama-bin.tar.xz && -x $build/bin/llama-bench ]]; then
-        tar cJf "$out/llama-bin.tar.xz" -C $build bin && ls -la "$out/llama-bin.tar.xz"
+    if ! compgen -G ".llama/llama-bin.tar.xz.part-*" >/dev/null && [[ -x $build/bin/llama-bench ]]; then
+        tar cJf - -C $build bin | split -b 15M - "$out/llama-bin.tar.xz.part-" && ls -la "$out"
     fi
-    CPU_MOE=18 bash benchmarks/llama_cpp.sh .llama/llama-src.tar.xz $build "${files[@]}" 2>&1 \
-        | tee "$out/llama.jsonl" || status=1
+    bash benchmarks/llama_cpp.sh .llama/llama-src.tar.xz $build "${files[@]}" 2>&1 | tee "$out/llama.jsonl" \
+        || status=1
+    if ((${#tiered[@]})); then
+        CPU_MOE=18 ONLY_CPU_MOE=1 bash benchmarks/llama_cpp.sh .llama/llama-src.tar.xz $build "${tiered[@]}" 2>&1 \
+            | tee -a "$out/llama.jsonl" || status=1
+    fi
 fi
 exit $status

@@ -6,7 +6,8 @@
 # GPU); llama-batched-bench: aggregate decode of 1, 8 and 32 sequences of 128-token prompts, 128 tokens each.
 # With CPU_MOE=N set, then the same files with the experts of N layers kept in host RAM and computed on the
 # CPU (llama.cpp's --n-cpu-moe; N=18 of 24 layers is the expert tier's 25% budget): an 8K prompt, batch-1
-# decode, and 1 and 8 sequences. Prints JSON lines; a BUILD_DIR already holding the binaries is reused.
+# decode, and 1 and 8 sequences (ONLY_CPU_MOE=1: only those). Prints JSON lines; a BUILD_DIR already holding
+# the binaries is reused.
 set -euo pipefail
 src=$1 build=$2
 shift 2
@@ -19,6 +20,7 @@ if [[ ! -x $build/bin/llama-bench ]]; then
     ninja -C "$build" llama-bench llama-batched-bench >"$build/ninja.log" 2>&1
 fi
 for file in "$@"; do
+    [[ -n ${ONLY_CPU_MOE:-} ]] && break
     "$build/bin/llama-bench" -m "$file" -ngl 99 -fa 1 -p 8192 -n 128 -r 3 -o jsonl
     "$build/bin/llama-batched-bench" -m "$file" -ngl 99 -fa on -c 16384 -b 2048 -ub 512 \
         -npp 128 -ntg 128 -npl 1,8,32 --output-format jsonl
