@@ -378,16 +378,16 @@ def _grouped_matmul(
         w_rows = w_base + cols.to(tl.int64) * stride_wn
         up_rows = w_base + (cols + up_offset).to(tl.int64) * stride_wn
     for start in range(0, k, BLOCK_K):
-        if HELD == 2:
+        if HELD == 2 or HELD == 4:
             k_lo = q4_k_columns(start, BLOCK_K)
             x_at = x_ptr + x_rows[:, None] * stride_xm + k_lo[None, :]
             a_lo = tl.load(x_at, mask=valid[:, None], other=0.0)
             a_hi = tl.load(x_at + 32, mask=valid[:, None], other=0.0)
-            w_lo, w_hi = q4_k_tiles(w_rows, col_ok, start, BLOCK_K, BLOCK_N)
+            w_lo, w_hi = q4_k_tiles(w_rows, col_ok, start, HELD == 4, BLOCK_K, BLOCK_N)
             acc = tl.dot(a_lo, w_lo.to(a_lo.dtype), acc, input_precision=PRECISION)
             acc = tl.dot(a_hi, w_hi.to(a_hi.dtype), acc, input_precision=PRECISION)
             if SWIGLU:
-                u_lo, u_hi = q4_k_tiles(up_rows, col_ok, start, BLOCK_K, BLOCK_N)
+                u_lo, u_hi = q4_k_tiles(up_rows, col_ok, start, HELD == 4, BLOCK_K, BLOCK_N)
                 acc_up = tl.dot(a_lo, u_lo.to(a_lo.dtype), acc_up, input_precision=PRECISION)
                 acc_up = tl.dot(a_hi, u_hi.to(a_hi.dtype), acc_up, input_precision=PRECISION)
         elif HELD != 0:
@@ -479,11 +479,13 @@ def _held_rowwise(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for start in range(0, k, BLOCK_K):
-        if HELD == 2:
-            low, high, mul_lo, off_lo, mul_hi, off_hi = q4_k_groups(w_rows, col_ok, start, BLOCK_K, BLOCK_N)
+        if HELD == 2 or HELD == 4:
+            low, high, mul_lo, off_lo, mul_hi, off_hi = q4_k_groups(
+                w_rows, col_ok, start, HELD == 4, BLOCK_K, BLOCK_N
+            )
             if SWIGLU:
                 u_low, u_high, u_mul_lo, u_off_lo, u_mul_hi, u_off_hi = q4_k_groups(
-                    up_rows, col_ok, start, BLOCK_K, BLOCK_N
+                    up_rows, col_ok, start, HELD == 4, BLOCK_K, BLOCK_N
                 )
         elif HELD == 1:
             codes, d = q8_0_groups(w_rows, col_ok, start, BLOCK_K, BLOCK_N)
@@ -497,7 +499,7 @@ def _held_rowwise(
             row = _tile_row(rows_ptr, tile, m, pairs, MODE, BLOCK_M)
             if row < pairs:
                 x_row = x_ptr + (row // X_ROW_DIV).to(tl.int64) * stride_xm
-                if HELD == 2:
+                if HELD == 2 or HELD == 4:
                     part = q4_k_row(low, high, mul_lo, off_lo, mul_hi, off_hi, x_row, start, BLOCK_K)
                 elif HELD == 1:
                     part = q8_0_row(codes, d, x_row, start, BLOCK_K)
@@ -506,7 +508,7 @@ def _held_rowwise(
                     part = tl.sum(values * x[:, None], axis=0)
                 acc = tl.where(lanes == m, acc + part[None, :], acc)
                 if SWIGLU:
-                    if HELD == 2:
+                    if HELD == 2 or HELD == 4:
                         part = q4_k_row(
                             u_low, u_high, u_mul_lo, u_off_lo, u_mul_hi, u_off_hi, x_row, start, BLOCK_K
                         )

@@ -50,11 +50,11 @@ import triton.language as tl
 # a K-quant's step within half a super-block, an i-quant's within a quarter (more shared memory a value)
 STEP_LIMITS = {
     "Q8_0": (32, 1 << 12),
-    "Q4_K": (64, 256),
-    **dict.fromkeys(("Q5_K", "Q6_K"), (32, 128)),
+    **dict.fromkeys(("Q4_K", "Q5_K"), (64, 256)),
+    "Q6_K": (32, 128),
     **dict.fromkeys(("IQ4_XS", "IQ3_XXS", "IQ3_S"), (32, 64)),
 }
-ROWWISE_STEP_LIMITS = {**STEP_LIMITS, "Q4_K": (256, 1024)}
+ROWWISE_STEP_LIMITS = {**STEP_LIMITS, "Q4_K": (256, 1024), "Q5_K": (256, 1024)}
 # offsets into `quant_tables` (constexpr: the compiled kernels read them)
 IQ4_LEVELS, IQ3_XXS_GRID, IQ3_S_GRID = tl.constexpr(0), tl.constexpr(16), tl.constexpr(16 + 256 * 4)
 
@@ -126,22 +126,58 @@ def _k4_scales(packed, j, mask):
 
 
 @triton.jit
-def q4_k_tiles(rows, col_ok, start, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The values of k in start..start + BLOCK_K from Q4_K rows (byte pointers `rows` [BLOCK_N]) as two
-    [BLOCK_K // 2, BLOCK_N] fp32 tiles: the low nibbles (k = start + 64 g + i, i < 32) and the high ones
-    (k + 32). The step lies within one super-block."""
+def _k_size(FIFTH: tl.constexpr):
+    """The bytes of a Q4_K super-block, or of a Q5_K one (FIFTH)."""
+    if FIFTH:
+        size = 176
+    else:
+        size = 144
+    return size
+
+
+@triton.jit
+def _k_codes_at(FIFTH: tl.constexpr):
+    """Where a Q4_K super-block's nibbles begin, or a Q5_K one's (FIFTH: after its 32 bytes of fifth bits)."""
+    if FIFTH:
+        at = 48
+    else:
+        at = 16
+    return at
+
+
+@triton.jit
+def _fifth_bits(block, stretch, lanes, mask):
+    """Q5_K's fifth bits of a stretch's low and high groups (2 s and 2 s + 1) at `lanes` of super-blocks
+    `block` (all four broadcast to one shape, that of the results), as int32 0 or 1."""
+    bits = tl.load(block + 16 + lanes, mask=mask, other=0).to(tl.int32)
+    return (bits >> (2 * stretch)) & 1, (bits >> (2 * stretch + 1)) & 1
+
+
+@triton.jit
+def q4_k_tiles(rows, col_ok, start, FIFTH: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The values of k in start..start + BLOCK_K from Q4_K rows (Q5_K's with FIFTH; byte pointers `rows`
+    [BLOCK_N]) as two [BLOCK_K // 2, BLOCK_N] fp32 tiles: the low nibbles (k = start + 64 g + i, i < 32) and
+    the high ones (k + 32). The step lies within one super-block."""
     stretches: tl.constexpr = BLOCK_K // 64
-    block = rows + (start // 256) * 144  # [BLOCK_N]
+    block = rows + (start // 256) * _k_size(FIFTH)  # [BLOCK_N]
     d = tl.load(block.to(tl.pointer_type(tl.float16)), mask=col_ok, other=0.0).to(tl.float32)
     dmin = tl.load((block + 2).to(tl.pointer_type(tl.float16)), mask=col_ok, other=0.0).to(tl.float32)
     stretch = (start % 256) // 64 + tl.arange(0, stretches)  # [stretches]
     mask = col_ok[None, :]
     scale_lo, min_lo = _k4_scales(block[None, :] + 4, (2 * stretch)[:, None], mask)
     scale_hi, min_hi = _k4_scales(block[None, :] + 4, (2 * stretch + 1)[:, None], mask)
-    at = block[None, None, :] + 16 + (stretch * 32)[:, None, None] + tl.arange(0, 32)[None, :, None]
+    lanes = tl.arange(0, 32)[None, :, None]
+    at = block[None, None, :] + _k_codes_at(FIFTH) + (stretch * 32)[:, None, None] + lanes
     q = tl.load(at, mask=col_ok[None, None, :], other=0).to(tl.int32)  # [stretches, 32, BLOCK_N]
-    lo = (q & 15).to(tl.float32) * (d[None, :] * scale_lo)[:, None, :] - (dmin[None, :] * min_lo)[:, None, :]
-    hi = (q >> 4).to(tl.float32) * (d[None, :] * scale_hi)[:, None, :] - (dmin[None, :] * min_hi)[:, None, :]
+    code_lo, code_hi = q & 15, q >> 4
+    if FIFTH:
+        fifth_lo, fifth_hi = _fifth_bits(
+            block[None, None, :], stretch[:, None, None], lanes, col_ok[None, None, :]
+        )
+        code_lo += fifth_lo << 4
+        code_hi += fifth_hi << 4
+    lo = code_lo.to(tl.float32) * (d[None, :] * scale_lo)[:, None, :] - (dmin[None, :] * min_lo)[:, None, :]
+    hi = code_hi.to(tl.float32) * (d[None, :] * scale_hi)[:, None, :] - (dmin[None, :] * min_hi)[:, None, :]
     return tl.reshape(lo, (BLOCK_K // 2, BLOCK_N)), tl.reshape(hi, (BLOCK_K // 2, BLOCK_N))
 
 
@@ -173,13 +209,14 @@ def q8_0_row(codes, d, x_row, start, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def q4_k_groups(rows, col_ok, start, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    """A step of k (S = BLOCK_K / 256 whole super-blocks) of Q4_K rows (byte pointers `rows` [BLOCK_N])
-    for sums on the CUDA cores: the codes [BLOCK_N, S, 4, 32] fp32 of each 64-value stretch's low nibbles
-    (k = start + 256 s + 64 j + i) and of its high nibbles times 16 (k + 32), and each group's multiplier
-    and offset [BLOCK_N, S, 4] (low groups', then high groups', whose multiplier is a sixteenth)."""
+def q4_k_groups(rows, col_ok, start, FIFTH: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A step of k (S = BLOCK_K / 256 whole super-blocks) of Q4_K rows (Q5_K's with FIFTH; byte pointers
+    `rows` [BLOCK_N]) for sums on the CUDA cores: the codes [BLOCK_N, S, 4, 32] fp32 of each 64-value
+    stretch's low nibbles (k = start + 256 s + 64 j + i) and of its high nibbles times 16 (k + 32), Q5_K's
+    fifth bits added, and each group's multiplier and offset [BLOCK_N, S, 4] (low groups', then high
+    groups', whose multiplier is a sixteenth)."""
     supers: tl.constexpr = BLOCK_K // 256
-    block = rows[:, None] + ((start // 256 + tl.arange(0, supers)) * 144)[None, :]  # [BLOCK_N, S]
+    block = rows[:, None] + ((start // 256 + tl.arange(0, supers)) * _k_size(FIFTH))[None, :]  # [BLOCK_N, S]
     ok = col_ok[:, None]
     d = tl.load(block.to(tl.pointer_type(tl.float16)), mask=ok, other=0.0).to(tl.float32)[:, :, None]
     dmin = tl.load((block + 2).to(tl.pointer_type(tl.float16)), mask=ok, other=0.0).to(tl.float32)[:, :, None]
@@ -187,8 +224,15 @@ def q4_k_groups(rows, col_ok, start, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexp
     packed = block[:, :, None] + 4
     scale_lo, min_lo = _k4_scales(packed, 2 * stretch, ok[:, :, None])
     scale_hi, min_hi = _k4_scales(packed, 2 * stretch + 1, ok[:, :, None])
-    at = block[:, :, None, None] + 16 + (stretch * 32)[:, :, :, None] + tl.arange(0, 32)[None, None, None, :]
+    lanes = tl.arange(0, 32)[None, None, None, :]
+    at = block[:, :, None, None] + _k_codes_at(FIFTH) + (stretch * 32)[:, :, :, None] + lanes
     low, high = nibble_codes(tl.load(at, mask=ok[:, :, None, None], other=0).to(tl.int32))
+    if FIFTH:
+        fifth_lo, fifth_hi = _fifth_bits(
+            block[:, :, None, None], stretch[:, :, :, None], lanes, ok[:, :, None, None]
+        )
+        low += (fifth_lo << 4).to(tl.float32)
+        high += (fifth_hi << 8).to(tl.float32)
     return low, high, d * scale_lo, dmin * min_lo, d * scale_hi * 0.0625, dmin * min_hi
 
 
@@ -240,21 +284,6 @@ def _group_lanes(rows, start, size: tl.constexpr, BLOCK_K: tl.constexpr):
     block = (rows + (start // 256) * size)[None, None, :]
     j = ((start % 256) // 32 + tl.arange(0, BLOCK_K // 32))[:, None, None]
     return block, j, tl.arange(0, 32)[None, :, None]
-
-
-@triton.jit
-def q5_k_values(rows, col_ok, start, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Values [BLOCK_K, BLOCK_N] fp32 of k in start..start + BLOCK_K (within a super-block) from Q5_K rows."""
-    block, j, lane = _group_lanes(rows, start, 176, BLOCK_K)
-    mask = col_ok[None, None, :]
-    d = tl.load(block.to(tl.pointer_type(tl.float16)), mask=mask, other=0.0).to(tl.float32)
-    dmin = tl.load((block + 2).to(tl.pointer_type(tl.float16)), mask=mask, other=0.0).to(tl.float32)
-    scale, least = _k4_scales(block + 4, j, mask)  # [G, 1, N]
-    q = tl.load(block + 48 + 32 * (j // 2) + lane, mask=mask, other=0).to(tl.int32)
-    fifth = tl.load(block + 16 + lane, mask=mask, other=0).to(tl.int32)
-    code = tl.where(j % 2 == 0, q & 15, q >> 4) + 16 * ((fifth >> j) & 1)
-    values = code.to(tl.float32) * (d * scale) - dmin * least
-    return tl.reshape(values, (BLOCK_K, BLOCK_N))
 
 
 @triton.jit
@@ -322,14 +351,12 @@ def iq3_s_values(rows, col_ok, start, table, BLOCK_K: tl.constexpr, BLOCK_N: tl.
 
 @triton.jit
 def held_values(HELD: tl.constexpr, rows, col_ok, start, table, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Values [BLOCK_K, BLOCK_N] fp32 of a step of held rows of any type but Q4_K (`HELD`: triton_moe's
-    HELD_CODES)."""
+    """Values [BLOCK_K, BLOCK_N] fp32 of a step of held rows of any type but Q4_K and Q5_K (`HELD`:
+    triton_moe's HELD_CODES)."""
     if HELD == 1:
         values = q8_0_tile(rows, col_ok, start, BLOCK_K, BLOCK_N)
     elif HELD == 3:
         values = q6_k_values(rows, col_ok, start, BLOCK_K, BLOCK_N)
-    elif HELD == 4:
-        values = q5_k_values(rows, col_ok, start, BLOCK_K, BLOCK_N)
     elif HELD == 5:
         values = iq4_xs_values(rows, col_ok, start, table, BLOCK_K, BLOCK_N)
     elif HELD == 6:
