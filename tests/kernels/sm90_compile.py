@@ -1,0 +1,51 @@
+"""Compiles the held-weight kernels for an H100/H200 (sm_90) with no GPU, down to the binary (Triton's own
+ptxas): `python tests/kernels/sm90_compile.py KIND [KIND ...]`, in a process without TRITON_INTERPRET (whose
+kernels are not compiled at all). Prints each kernel's shared memory; exits non-zero on a compile error."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from app.kernels.triton_moe import HELD_CODES, _grouped_matmul, _held_rowwise
+from app.kernels.triton_quant import ROWWISE_STEP_LIMITS, STEP_LIMITS
+
+POINTERS = {
+    "x_ptr": "*bf16",
+    "w_ptr": "*u8",
+    "out_ptr": "*bf16",
+    "rows_ptr": "*i32",
+    "block_expert_ptr": "*i32",
+    "scale_ptr": "*bf16",
+    "table_ptr": "*fp32",
+}
+INTEGERS = ("pairs", "n", "k", "up_offset", "stride_xm", "stride_we", "stride_wn", "stride_om")
+
+
+def compile_for_sm_90(kernel: triton.JITFunction, constants: dict, num_warps: int) -> int:
+    """Compile `kernel` with these constexprs for sm_90; returns its shared memory in bytes."""
+    signature = {**POINTERS, **dict.fromkeys(INTEGERS, "i32"), **dict.fromkeys(constants, "constexpr")}
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constants)
+    options = {"num_warps": num_warps, "num_stages": 3}
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).metadata.shared
+
+
+def compile_held(kind: str) -> None:
+    """A held type's tiles (16 rows, two steps' worth of its smallest step) and row sums (two rows)."""
+    common = {"MODE": 1, "X_ROW_DIV": 1, "HELD": HELD_CODES[kind], "SWIGLU": True, "SCALE": False}
+    common["PDL"] = True
+    tiles = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 2 * STEP_LIMITS[kind][0], "PRECISION": "tf32"}
+    rowwise = {"BLOCK_M": 2, "BLOCK_N": 4, "BLOCK_K": ROWWISE_STEP_LIMITS[kind][0]}
+    shared = compile_for_sm_90(_grouped_matmul, common | tiles, num_warps=4)
+    print(kind, "tiles", shared, "rows", compile_for_sm_90(_held_rowwise, common | rowwise, num_warps=1))
+
+
+if __name__ == "__main__":
+    for name in sys.argv[1:]:
+        compile_held(name)
