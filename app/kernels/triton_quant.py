@@ -128,21 +128,13 @@ def _k4_scales(packed, j, mask):
 @triton.jit
 def _k_size(FIFTH: tl.constexpr):
     """The bytes of a Q4_K super-block, or of a Q5_K one (FIFTH)."""
-    if FIFTH:
-        size = 176
-    else:
-        size = 144
-    return size
+    return 176 if FIFTH else 144
 
 
 @triton.jit
 def _k_codes_at(FIFTH: tl.constexpr):
     """Where a Q4_K super-block's nibbles begin, or a Q5_K one's (FIFTH: after its 32 bytes of fifth bits)."""
-    if FIFTH:
-        at = 48
-    else:
-        at = 16
-    return at
+    return 48 if FIFTH else 16
 
 
 @triton.jit
