@@ -26,7 +26,7 @@ recurrent state) give `Settings`, each with the reason it was chosen. The rules,
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -36,6 +36,7 @@ from app.models.placement import spare_slots
 if TYPE_CHECKING:
     import torch
 
+    from app.kernels.interface import Backends
     from app.models.qwen3 import CausalLM
 
 GIB = 1 << 30
@@ -99,7 +100,9 @@ class ModelFacts:
     routed experts', `expert_bytes` one routed expert's, `moe_layers` × `experts` of them (MTP layers
     included), `layers` decoder layers, `kv_token_bytes` the KV a token adds on every attention layer,
     `slot_state_bytes` one slot's recurrent state, `max_len` the model's context, `ends_bytes` the part of
-    `dense_bytes` outside the decoder layers (the embedding and LM head, on a split's first stage)."""
+    `dense_bytes` outside the decoder layers (the embedding and LM head, on a split's first stage),
+    `tier_expert_bytes` one routed expert's under an expert tier where that differs (a GGUF file's experts
+    whose projections are of two types stay its blocks on a card alone, and are widened in a tier)."""
 
     dense_bytes: int
     expert_bytes: int
@@ -110,6 +113,7 @@ class ModelFacts:
     slot_state_bytes: int
     max_len: int
     ends_bytes: int = 0  # of `dense_bytes`, the embedding and LM head's (outside the decoder layers)
+    tier_expert_bytes: int | None = None
 
     @property
     def weight_bytes(self) -> int:
@@ -258,21 +262,20 @@ def _tiered(facts: ModelFacts, rooms: list[int], minimum: int, machine: Machine)
     stages = len(rooms)
     moe_layers = facts.moe_layers / stages  # each stage holds its share of the MoE layers
     dense = _stage_shares(facts, facts.dense_bytes, stages)
+    expert_bytes = facts.tier_expert_bytes or facts.expert_bytes
 
     def used(resident: int) -> list[int]:
         """Each stage's bytes with `resident` experts a layer: its other weights, those experts and the
         asynchronous swaps' spare slots, and the staging area for one layer's host slots."""
         spare = spare_slots(resident)
         experts = (resident + spare) * moe_layers + (facts.experts - resident + 1)
-        return [d + int(experts * facts.expert_bytes) for d in dense]
+        return [d + int(experts * expert_bytes) for d in dense]
 
-    resident = min(
-        facts.experts - 1, max(0, (min(rooms) - max(dense)) // int(moe_layers * facts.expert_bytes))
-    )
+    resident = min(facts.experts - 1, max(0, (min(rooms) - max(dense)) // int(moe_layers * expert_bytes)))
     while resident and any(u + minimum > r for u, r in zip(used(resident), rooms, strict=True)):
         resident -= 1
     free = min(r - u for r, u in zip(rooms, used(resident), strict=True))
-    host = (facts.experts - resident) * facts.moe_layers * facts.expert_bytes
+    host = (facts.experts - resident) * facts.moe_layers * expert_bytes
     weights = facts.weight_bytes / GIB
     if free < minimum or host > machine.ram * HOST_SHARE:
         raise StrataError(
@@ -328,20 +331,32 @@ def _size(count: int) -> str:
     return f"{count / GIB:.1f} GiB" if count >= GIB else f"{count >> 20} MiB"
 
 
-def facts_of(path: Path | str, dtype: str = "bfloat16") -> ModelFacts:
+def facts_of(path: Path | str, dtype: str = "bfloat16", backends: Backends | None = None) -> ModelFacts:
     """A model's `ModelFacts` from its checkpoint's config, its weights in `dtype`: the model is built on the
-    meta device and its parameters counted, the routed experts apart."""
+    meta device and its parameters counted, the routed experts apart. On `backends` (the set it will run
+    on), a GGUF file's tensors that the set reads as they lie count at the file's bytes, as `load_model`
+    holds them (`hold_file_blocks`), and a tier's experts as the loader holds them there."""
     import torch
 
     from app.kernels.reference import REFERENCE
     from app.loading.checkpoint import open_checkpoint
-    from app.loading.loader import mtp_layer_count
+    from app.loading.loader import held_expert_bytes, hold_file_blocks, mtp_layer_count
     from app.models.qwen3 import CausalLM
 
     checkpoint = open_checkpoint(path)
     with torch.device("meta"):
-        model = CausalLM(checkpoint.config, mtp_layers=mtp_layer_count(checkpoint), backends=REFERENCE)
-    return facts_of_model(model, getattr(torch, dtype))
+        model = CausalLM(
+            checkpoint.config, mtp_layers=mtp_layer_count(checkpoint), backends=backends or REFERENCE
+        )
+    if backends is None or not hold_file_blocks(model, checkpoint, backends):
+        return facts_of_model(model, getattr(torch, dtype))
+    target = getattr(torch, dtype)
+    config = checkpoint.config
+    widened = (
+        3 * config.hidden_size * config.moe_intermediate_size * torch.empty((), dtype=target).element_size()
+    )
+    tier = held_expert_bytes(checkpoint, backends) or widened
+    return replace(facts_of_model(model, target), tier_expert_bytes=tier)
 
 
 def facts_of_model(model: CausalLM, dtype: torch.dtype) -> ModelFacts:
@@ -353,29 +368,37 @@ def facts_of_model(model: CausalLM, dtype: torch.dtype) -> ModelFacts:
 
     config = model.config
     item = torch.empty((), dtype=dtype).element_size()
+
+    def size(weight: torch.Tensor) -> int:
+        """A weight's bytes in `dtype`, or as its blocks where it is held (uint8)."""
+        return weight.numel() * (1 if weight.dtype == torch.uint8 else item)
+
     routed = [m for m in model.modules() if isinstance(m, RoutedExperts)]
-    expert_values = sum(m.gate_up.numel() + m.down.numel() for m in routed)
-    total = sum(p.numel() for p in model.parameters())
-    ends = model.model.embed_tokens.weight.numel()
+    expert_total = sum(size(m.gate_up) + size(m.down) for m in routed)
+    total = sum(size(p) for p in model.parameters())
+    ends = size(model.model.embed_tokens.weight)
     if model.lm_head is not None:
-        ends += model.lm_head.weight.numel()
+        ends += size(model.lm_head.weight)
     return ModelFacts(
-        dense_bytes=(total - expert_values) * item,
-        expert_bytes=expert_values // (len(routed) * config.num_experts) * item if routed else 0,
+        dense_bytes=total - expert_total,
+        expert_bytes=expert_total // (len(routed) * config.num_experts) if routed else 0,
         experts=config.num_experts if routed else 0,
         moe_layers=len(routed),
         layers=config.num_hidden_layers,
         kv_token_bytes=kv_block_bytes(config, 1, dtype),
         slot_state_bytes=slot_state_bytes(config, dtype),
         max_len=config.max_position_embeddings,
-        ends_bytes=ends * item,
+        ends_bytes=ends,
     )
 
 
 def for_model(model: Path | str, dtype: str = "bfloat16") -> tuple[Machine, Settings]:
     """This machine and the settings `choose` picks on it for the model at `model` in `dtype`."""
+    from app.kernels.backends import select_backends
+
     machine = detect_machine()
-    return machine, choose(machine, facts_of(model, dtype))
+    backends = select_backends("auto", "cuda" if machine.cards else "cpu")
+    return machine, choose(machine, facts_of(model, dtype, backends))
 
 
 def detect_machine() -> Machine:

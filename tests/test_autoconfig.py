@@ -4,11 +4,13 @@ reads, and `strata autoconfig` on this machine."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
-from checkpoints import write_checkpoint
+from checkpoints import write_checkpoint, write_wide_checkpoint
+from gguf_files import write_gguf
 
 from app.autoconfig import (
     GIB,
@@ -26,6 +28,8 @@ from app.autoconfig import (
 )
 from app.cli import build_parser, main
 from app.errors import StrataError
+from app.kernels.backends import cpu_backends, triton_backends
+from app.kernels.interface import held_row_bytes
 from app.kernels.reference import REFERENCE
 from app.models.config import ModelConfig
 from app.models.qwen3 import CausalLM
@@ -111,6 +115,39 @@ def test_the_facts_are_the_models_own_parameter_counts(tmp_path: Path) -> None:
     assert facts.moe_layers == sum(config.moe_layers) and facts.slot_state_bytes > 0
     attention = sum(t == "full_attention" for t in config.layer_types)
     assert facts.kv_token_bytes == 2 * attention * config.num_key_value_heads * config.head_dim * 4
+
+
+def test_a_gguf_files_facts_count_the_blocks_its_backends_hold(tmp_path: Path) -> None:
+    """A quantized file's weights count at the file's bytes where the set that runs it holds them (the
+    Triton set: experts and projections; the CPU set: experts), not widened to the dtype; a Q4_K_M file's
+    experts (Q6_K downs) count widened under a tier, which holds only experts of one type as blocks."""
+    hf = write_wide_checkpoint(tmp_path / "wide")
+    config = ModelConfig.from_dict(json.loads((hf / "config.json").read_text()))
+    hidden, inter = config.hidden_size, config.moe_intermediate_size
+    widened = facts_of(hf, "bfloat16")
+    q4_k = write_gguf(hf, tmp_path / "q4_k.gguf", "Q4_K")
+    on_card = facts_of(q4_k, "bfloat16", triton_backends())
+    assert on_card.expert_bytes == on_card.tier_expert_bytes == 3 * held_row_bytes("Q4_K", hidden) * inter
+    assert on_card.dense_bytes < widened.dense_bytes / 2 and on_card.ends_bytes < widened.ends_bytes
+    on_cpu = facts_of(q4_k, "float32", cpu_backends())
+    assert on_cpu.expert_bytes == on_card.expert_bytes
+    assert on_cpu.dense_bytes == facts_of(hf, "float32").dense_bytes
+    mix = facts_of(write_gguf(hf, tmp_path / "m.gguf", "Q4_K_M"), "bfloat16", triton_backends())
+    assert mix.expert_bytes == 2 * inter * held_row_bytes("Q4_K", hidden) + hidden * held_row_bytes(
+        "Q6_K", inter
+    )
+    assert mix.tier_expert_bytes == widened.expert_bytes == 3 * hidden * inter * 2
+
+
+def test_a_tier_counts_its_experts_bytes_as_the_tier_holds_them(
+    models: tuple[ModelFacts, ModelFacts],
+) -> None:
+    q30 = models[0]
+    machine = Machine((Card(24 * GIB),), 128 * GIB, 16)
+    widened_in_tier = replace(q30, tier_expert_bytes=2 * q30.expert_bytes)
+    resident = choose(machine, widened_in_tier).expert_cache
+    assert resident is not None and resident < choose(machine, q30).expert_cache  # type: ignore[operator]
+    assert resident == choose(machine, replace(q30, expert_bytes=2 * q30.expert_bytes)).expert_cache
 
 
 def test_strata_autoconfig_prints_the_reasons_and_a_serve_command(

@@ -78,7 +78,7 @@ def experts_within(
     backends: Backends | None = None,
 ) -> int | None:
     """How many experts of each MoE layer (MTP layers included) fit `budget` bytes of `device` memory in the
-    weights' dtype, or as the file's blocks where `backends` hold a tier's experts so (`_held_expert_bytes`):
+    weights' dtype, or as the file's blocks where `backends` hold a tier's experts so (`held_expert_bytes`):
     the `--expert-vram` form of `--expert-cache`; None when every expert fits. With `part` (a stage of a
     layer split, on its own card) only its layers count."""
     checkpoint = open_checkpoint(path)
@@ -89,13 +89,13 @@ def experts_within(
     if not layers:
         return None
     element = torch.empty((), dtype=resolve_dtype(dtype, checkpoint, device)).element_size()
-    expert = _held_expert_bytes(checkpoint, backends)
+    expert = held_expert_bytes(checkpoint, backends)
     expert = expert or 3 * config.hidden_size * config.moe_intermediate_size * element
     fits = budget // (layers * expert)
     return None if fits >= config.num_experts else fits
 
 
-def _held_expert_bytes(checkpoint: Checkpoint, backends: Backends | None) -> int | None:
+def held_expert_bytes(checkpoint: Checkpoint, backends: Backends | None) -> int | None:
     """An expert's bytes as the file's blocks, where its projections are blocks of one type that `backends`
     and the CPU pool's kernel read in place (an expert tier then holds them so, `_hold_tier_alike`); else
     None."""
@@ -209,6 +209,12 @@ def load_model(
         if isinstance(module, TieredExperts):
             module.place(torch.device(device))
     return model.eval(), checkpoint
+
+
+def hold_file_blocks(model: CausalLM, checkpoint: Checkpoint, backends: Backends) -> dict[str, str]:
+    """Make the parameters of `model` (built on the meta device) that `load_model` would fill with the file's
+    blocks on `backends` held weights (`_hold_blocks`), as sizes: parameter name -> quant type."""
+    return _hold_blocks(model, checkpoint, tensor_sources(model), backends)
 
 
 def _holders(model: CausalLM, backends: Backends) -> dict[str, tuple[nn.Module, str]]:
