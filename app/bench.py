@@ -1,6 +1,7 @@
 """`strata bench`: synthetic requests through the engine process, summarised as one JSON object.
 
-The default scenario: request 0 starts alone; once it decodes, the other `concurrency - 1` arrive together.
+The default scenario: request 0 starts alone; once it has SOLO_TOKENS tokens (its first, then some decoded
+alone), the other `concurrency - 1` arrive together.
 The summary has the aggregate and per-request speed, time to first token and inter-token latency, and how
 fast request 0 decoded alone and while its peers' prompts were read (the share `--decode-share` protects).
 
@@ -30,6 +31,7 @@ from app.engine.protocol import EXPERT_SOURCES, Grammar, Ready, SamplingParams, 
 from app.errors import StrataError
 
 VECTOR_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
+SOLO_TOKENS = 4  # request 0's tokens before its peers arrive: its first, then windows where it decodes alone
 
 
 def host() -> dict[str, object]:
@@ -101,7 +103,7 @@ def run_bench(
         ]
         start = time.perf_counter()
         threads[0].start()
-        while not timelines[0].token_times and threads[0].is_alive():
+        while len(timelines[0].token_times) < min(SOLO_TOKENS, output_len) and threads[0].is_alive():
             time.sleep(0.001)
         for thread in threads[1:]:
             thread.start()
