@@ -340,7 +340,7 @@ def facts_of(path: Path | str, dtype: str = "bfloat16", backends: Backends | Non
 
     from app.kernels.reference import REFERENCE
     from app.loading.checkpoint import open_checkpoint
-    from app.loading.loader import held_expert_bytes, hold_file_blocks, mtp_layer_count
+    from app.loading.loader import hold_file_blocks, mtp_layer_count, tier_expert_bytes
     from app.models.qwen3 import CausalLM
 
     checkpoint = open_checkpoint(path)
@@ -351,11 +351,7 @@ def facts_of(path: Path | str, dtype: str = "bfloat16", backends: Backends | Non
     if backends is None or not hold_file_blocks(model, checkpoint, backends):
         return facts_of_model(model, getattr(torch, dtype))
     target = getattr(torch, dtype)
-    config = checkpoint.config
-    widened = (
-        3 * config.hidden_size * config.moe_intermediate_size * torch.empty((), dtype=target).element_size()
-    )
-    tier = held_expert_bytes(checkpoint, backends) or widened
+    tier = tier_expert_bytes(checkpoint, backends, torch.empty((), dtype=target).element_size())
     return replace(facts_of_model(model, target), tier_expert_bytes=tier)
 
 

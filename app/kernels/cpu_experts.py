@@ -18,7 +18,7 @@ import os
 
 import torch
 
-from app.kernels.gguf_quants import dequantize, i_quant_tables
+from app.kernels.gguf_quants import I_QUANTS, dequantize, i_quant_tables
 from app.kernels.interface import held_kind
 
 try:
@@ -30,7 +30,6 @@ log = logging.getLogger("strata.kernels")
 _KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 # uint8 weights: GGUF blocks of these types; the i-quants' values come from lookup tables
 _HELD_KINDS = {"Q8_0": 3, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6, "IQ4_XS": 7, "IQ3_XXS": 8, "IQ3_S": 9}
-_TABLED = ("IQ4_XS", "IQ3_XXS", "IQ3_S")
 _NAMES = "fp32, bf16, int8, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS, IQ3_XXS or IQ3_S"  # all the above, for messages
 _warned = False
 
@@ -58,7 +57,7 @@ def kind(weight: torch.Tensor, columns: int) -> int:
         found = held_kind(weight, columns)
         if found not in _HELD_KINDS:
             raise ValueError(f"no native kernel reads {found} blocks")
-        if found in _TABLED:
+        if found in I_QUANTS:
             _hand_over_tables()
         return _HELD_KINDS[found]
     if weight.dtype not in _KINDS:

@@ -145,6 +145,8 @@ def iq3_s(blocks: torch.Tensor) -> torch.Tensor:
     return ((d * (1 + 2 * scale).float())[..., None, None] * grid * signs).reshape(-1, QK_K)
 
 
+I_QUANTS = ("IQ4_XS", "IQ3_XXS", "IQ3_S")  # the types whose values come from lookup tables (`i_quant_tables`)
+
 DEQUANTIZE = {
     "Q8_0": (32, 34, q8_0),
     "Q4_K": (QK_K, 144, q4_k),

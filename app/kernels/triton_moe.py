@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from app.kernels.gguf_quants import I_QUANTS
 from app.kernels.interface import held_kind
 from app.kernels.triton_launch import follow_previous, pdl
 from app.kernels.triton_quant import (
@@ -564,10 +565,11 @@ def _launch(
     tile per pair; ONE_GROUP: `tile_count` tiles of expert 0, the routing tensors unread)."""
     if x.stride(-1) != 1 or w.stride(-1) != 1:
         raise ValueError("grouped matmul needs rows with unit stride")
-    held, block_k = 0, tiles.block_k
+    held, block_k, table = 0, tiles.block_k, out  # `table`: the i-quants' lookup tables (unread otherwise)
     if w.dtype == torch.uint8:
         kind = held_kind(w, x.shape[-1])
         held, block_k = HELD_CODES[kind], quant_step(kind, x.shape[-1], tiles.block_k, tiles.rowwise)
+        table = quant_tables(x.device) if kind in I_QUANTS else out
     grid = (tile_count or routes.block_expert.numel(), triton.cdiv(n, tiles.block_n))
     if grid[1] > MAX_GRID_Y:
         raise ValueError(f"{n} columns in blocks of {tiles.block_n}: more than {MAX_GRID_Y} blocks")
@@ -581,7 +583,7 @@ def _launch(
         routes.rows,
         routes.block_expert,
         scale if scale is not None else out,
-        quant_tables(x.device) if held > 4 else out,
+        table,
         routes.pairs,
         n,
         x.shape[-1],

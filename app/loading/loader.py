@@ -78,7 +78,7 @@ def experts_within(
     backends: Backends | None = None,
 ) -> int | None:
     """How many experts of each MoE layer (MTP layers included) fit `budget` bytes of `device` memory in the
-    weights' dtype, or as the file's blocks where `backends` hold a tier's experts so (`held_expert_bytes`):
+    weights' dtype, or as the file's blocks where `backends` hold a tier's experts so (`tier_expert_bytes`):
     the `--expert-vram` form of `--expert-cache`; None when every expert fits. With `part` (a stage of a
     layer split, on its own card) only its layers count."""
     checkpoint = open_checkpoint(path)
@@ -89,16 +89,21 @@ def experts_within(
     if not layers:
         return None
     element = torch.empty((), dtype=resolve_dtype(dtype, checkpoint, device)).element_size()
-    expert = held_expert_bytes(checkpoint, backends)
-    expert = expert or 3 * config.hidden_size * config.moe_intermediate_size * element
-    fits = budget // (layers * expert)
+    fits = budget // (layers * tier_expert_bytes(checkpoint, backends, element))
     return None if fits >= config.num_experts else fits
 
 
-def held_expert_bytes(checkpoint: Checkpoint, backends: Backends | None) -> int | None:
-    """An expert's bytes as the file's blocks, where its projections are blocks of one type that `backends`
-    and the CPU pool's kernel read in place (an expert tier then holds them so, `_hold_tier_alike`); else
-    None."""
+def tier_expert_bytes(checkpoint: Checkpoint, backends: Backends | None, element: int) -> int:
+    """An expert's bytes in an expert tier: the file's blocks, where its projections are blocks of one type
+    that `backends` and the CPU pool's kernel read in place (the tier then holds them so, `_hold_tier_alike`);
+    else widened to weights of `element` bytes."""
+    config = checkpoint.config
+    held = _held_expert_bytes(checkpoint, backends)
+    return held or 3 * config.hidden_size * config.moe_intermediate_size * element
+
+
+def _held_expert_bytes(checkpoint: Checkpoint, backends: Backends | None) -> int | None:
+    """`tier_expert_bytes` where the tier holds the file's blocks; else None."""
     reads = getattr(checkpoint, "held_blocks", None)
     config = checkpoint.config
     if reads is None or backends is None or not any(config.moe_layers):
