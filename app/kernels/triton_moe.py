@@ -40,6 +40,8 @@ class MoeTiles:
 
     `rowwise` (weights held as GGUF blocks only): each row of a tile summed by itself in fp32 on the CUDA
     cores (`_held_rowwise`), so a row's bits depend on block_n, block_k and num_warps, not on block_m.
+    `columns_first` (Q8_0 blocks only): the widened weights [block_n, block_k] are the dot's left operand
+    and the tile's rows its right one, so that the tensor cores take the weights from registers.
     """
 
     block_m: int
@@ -48,6 +50,7 @@ class MoeTiles:
     num_warps: int = 4
     num_stages: int = 3
     rowwise: bool = False
+    columns_first: bool = False
 
 
 # From benchmarks/tune_moe.py on an H200 (docs/KERNELS.md): 16-row tiles read decode batches' experts at
@@ -59,23 +62,30 @@ EXACT_TILES = MoeTiles(block_m=16, block_n=64, block_k=128, num_warps=4, num_sta
 # distinct experts, so nothing is read twice, and the two alignment launches are saved.
 PER_PAIR_TOKENS = 2
 
-# A lone decode row's held experts (benchmarks/tune_held.py on an H200, docs/KERNELS.md): its sums on the
-# CUDA cores read Q4_K's blocks at 0.82 TB/s where a 16-row tile, which widens every value for one real row
-# and hands it to the tensor cores, reads them at 0.44; from a few rows on the tiles are faster.
+# Held experts (benchmarks/tune_held.py on an H200, docs/KERNELS.md): windows of up to HELD_PER_PAIR_TOKENS
+# tokens sum each pair on the CUDA cores by itself (Q4_K's experts at 8 tokens 131 us a layer against the
+# 16-row tiles' 156, Q8_0's 219 against 426: a tile widens every value for its one or two real rows).
 HELD_ROWWISE_TILES = MoeTiles(block_m=1, block_n=4, block_k=256, num_warps=1, num_stages=2, rowwise=True)
+HELD_PER_PAIR_TOKENS = 8
+# Q8_0's experts from 9 tokens on: the widened weights the dot's left operand, held in registers (at 32
+# tokens 458 us a layer against 770 for the 16-row tiles)
+Q8_0_DECODE_TILES = MoeTiles(
+    block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=4, columns_first=True
+)
 DECODE_TOKENS = 64  # windows of up to this many tokens take the decode tiles (a row's bits the same in all)
 
 
-def moe_tiles(tokens: int, exact: bool, held: bool = False) -> MoeTiles:
-    """The tiles for a batch of `tokens` rows (`held`: of weights held as GGUF blocks); with `exact` the
-    same for every batch size. A row's bits are the same in every window of one range: held weights'
-    windows of up to PER_PAIR_TOKENS tokens (rowwise sums), up to DECODE_TOKENS (16-row tiles), beyond."""
+def moe_tiles(tokens: int, exact: bool, held: str | None = None) -> MoeTiles:
+    """The tiles for a batch of `tokens` rows (`held`: the type of weights held as GGUF blocks); with
+    `exact` the same for every batch size. A row's bits are the same in every window of one range: held
+    weights' windows of up to HELD_PER_PAIR_TOKENS tokens (rowwise sums), up to DECODE_TOKENS (16-row
+    tiles), beyond."""
     if exact:
         return EXACT_TILES
-    if held and tokens <= PER_PAIR_TOKENS:
+    if held and tokens <= HELD_PER_PAIR_TOKENS:
         return HELD_ROWWISE_TILES
     if tokens <= DECODE_TOKENS:
-        return EXACT_TILES
+        return Q8_0_DECODE_TILES if held == "Q8_0" else EXACT_TILES
     return MoeTiles(block_m=128, block_n=128, block_k=64, num_warps=8)
 
 
@@ -330,6 +340,17 @@ def _tile_rows(rows_ptr, block_expert_ptr, tile, pairs, MODE: tl.constexpr, BLOC
 
 
 @triton.jit
+def _columns_first_dot(
+    a, rows, col_ok, start, acc, PRECISION: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr
+):
+    """acc [BLOCK_N, BLOCK_M] + a step of Q8_0 rows (`rows`: byte pointers [BLOCK_N]) widened [BLOCK_N,
+    BLOCK_K] times the tile's activations a [BLOCK_M, BLOCK_K], transposed."""
+    codes, d = q8_0_groups(rows, col_ok, start, BLOCK_K, BLOCK_N)
+    values = tl.reshape(codes * d[:, :, None], (BLOCK_N, BLOCK_K))
+    return tl.dot(values.to(a.dtype), tl.trans(a), acc, input_precision=PRECISION)
+
+
+@triton.jit
 def _grouped_matmul(
     x_ptr,
     w_ptr,
@@ -356,12 +377,14 @@ def _grouped_matmul(
     BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr,
     PDL: tl.constexpr,
+    COLUMNS_FIRST: tl.constexpr = False,
 ):
     """out[pair, cols] = act(x[pair // X_ROW_DIV] @ w[expert].T) for one tile of pairs and BLOCK_N columns.
 
     HELD: 0 for weights of the activations' kind, else a held type's code (HELD_CODES) for rows of GGUF blocks
     (`triton_quant`; `table_ptr`: its `quant_tables`), whose strides are in bytes and whose k is a multiple of
-    BLOCK_K."""
+    BLOCK_K. COLUMNS_FIRST (Q8_0): w[expert] @ x.T, the accumulators [BLOCK_N, BLOCK_M], transposed at the
+    end."""
     follow_previous(PDL)
     tile = tl.program_id(0)
     rows, expert = _tile_rows(rows_ptr, block_expert_ptr, tile, pairs, MODE, BLOCK_M)
@@ -372,8 +395,11 @@ def _grouped_matmul(
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < n
     w_base = w_ptr + expert.to(tl.int64) * stride_we
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if SWIGLU:
+    if COLUMNS_FIRST:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if HELD != 0:
         w_rows = w_base + cols.to(tl.int64) * stride_wn
@@ -391,6 +417,12 @@ def _grouped_matmul(
                 u_lo, u_hi = q4_k_tiles(up_rows, col_ok, start, HELD == 4, BLOCK_K, BLOCK_N)
                 acc_up = tl.dot(a_lo, u_lo.to(a_lo.dtype), acc_up, input_precision=PRECISION)
                 acc_up = tl.dot(a_hi, u_hi.to(a_hi.dtype), acc_up, input_precision=PRECISION)
+        elif COLUMNS_FIRST:
+            ks = start + tl.arange(0, BLOCK_K)
+            a = tl.load(x_ptr + x_rows[:, None] * stride_xm + ks[None, :], mask=valid[:, None], other=0.0)
+            acc = _columns_first_dot(a, w_rows, col_ok, start, acc, PRECISION, BLOCK_K, BLOCK_N)
+            if SWIGLU:
+                acc_up = _columns_first_dot(a, up_rows, col_ok, start, acc_up, PRECISION, BLOCK_K, BLOCK_N)
         elif HELD != 0:
             ks = start + tl.arange(0, BLOCK_K)
             a = tl.load(x_ptr + x_rows[:, None] * stride_xm + ks[None, :], mask=valid[:, None], other=0.0)
@@ -412,6 +444,9 @@ def _grouped_matmul(
                     w_base + (cols[None, :] + up_offset) * stride_wn + ks[:, None], mask=w_mask, other=0.0
                 )
                 acc_up = tl.dot(a, b_up, acc_up, input_precision=PRECISION)
+    if COLUMNS_FIRST:
+        acc = tl.trans(acc)
+        acc_up = tl.trans(acc_up)
     if SWIGLU:
         acc = acc * tl.sigmoid(acc) * acc_up
     if SCALE:
@@ -575,7 +610,13 @@ def _launch(
         raise ValueError(f"{n} columns in blocks of {tiles.block_n}: more than {MAX_GRID_Y} blocks")
     if tiles.rowwise and not held:
         raise ValueError("rowwise tiles read weights held as GGUF blocks only")
-    kernel, extra = (_held_rowwise, {}) if tiles.rowwise else (_grouped_matmul, {"PRECISION": _precision(x)})
+    if tiles.columns_first and held != HELD_CODES["Q8_0"]:
+        raise ValueError("tiles widened columns first read Q8_0 blocks only")
+    kernel, extra = (
+        (_held_rowwise, {})
+        if tiles.rowwise
+        else (_grouped_matmul, {"PRECISION": _precision(x), "COLUMNS_FIRST": tiles.columns_first})
+    )
     kernel[grid](
         x,
         w,
@@ -646,12 +687,13 @@ def expert_pairs(
     tokens, hidden = x.shape
     top_k = top_ids.shape[1]
     experts, intermediate = gate_up.shape[0], gate_up.shape[1] // 2
-    tiles = tiles or moe_tiles(tokens, exact, gate_up.dtype == down.dtype == torch.uint8)
+    held = held_kind(gate_up, hidden) if gate_up.dtype == down.dtype == torch.uint8 else None
+    tiles = tiles or moe_tiles(tokens, exact, held)
     pairs = tokens * top_k
     x = x.contiguous()
     scale = top_weights.flatten().contiguous()
     act = x.new_empty(pairs, intermediate)
-    if tokens <= PER_PAIR_TOKENS:
+    if tokens <= PER_PAIR_TOKENS or (tiles.rowwise and tokens <= HELD_PER_PAIR_TOKENS):
         ids = top_ids.flatten().contiguous()
         routes, mode = Routes(rows=ids, block_expert=ids, pairs=pairs, block_m=tiles.block_m), PER_PAIR
     else:

@@ -38,7 +38,7 @@ def _close(got: torch.Tensor, expected: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("kind", list(HELD_BLOCKS))
-@pytest.mark.parametrize("tokens", [1, 200])
+@pytest.mark.parametrize("tokens", [1, 8, 32, 200])  # one of each range of tiles (`moe_tiles`)
 def test_held_experts_at_full_shape_match_the_reference(kind: str, tokens: int) -> None:
     g = torch.Generator(device="cuda").manual_seed(tokens)
     x = torch.randn(tokens, HIDDEN, device="cuda", generator=g).bfloat16()

@@ -40,10 +40,20 @@ def compile_held(kind: str) -> None:
     """A held type's tiles (16 rows, two steps' worth of its smallest step) and row sums (two rows)."""
     common = {"MODE": 1, "X_ROW_DIV": 1, "HELD": HELD_CODES[kind], "SWIGLU": True, "SCALE": False}
     common["PDL"] = True
-    tiles = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 2 * STEP_LIMITS[kind][0], "PRECISION": "tf32"}
+    tiles = {
+        "BLOCK_M": 16,
+        "BLOCK_N": 64,
+        "BLOCK_K": 2 * STEP_LIMITS[kind][0],
+        "PRECISION": "tf32",
+        "COLUMNS_FIRST": False,
+    }
     rowwise = {"BLOCK_M": 2, "BLOCK_N": 4, "BLOCK_K": ROWWISE_STEP_LIMITS[kind][0]}
     shared = compile_for_sm_90(_grouped_matmul, common | tiles, num_warps=4)
-    print(kind, "tiles", shared, "rows", compile_for_sm_90(_held_rowwise, common | rowwise, num_warps=1))
+    line = f"{kind} tiles {shared} rows {compile_for_sm_90(_held_rowwise, common | rowwise, num_warps=1)}"
+    if kind == "Q8_0":  # its decode tiles widen columns first (triton_moe.Q8_0_DECODE_TILES)
+        first = common | tiles | {"COLUMNS_FIRST": True, "BLOCK_K": 256}
+        line += f" columns-first {compile_for_sm_90(_grouped_matmul, first, num_warps=4)}"
+    print(line)
 
 
 if __name__ == "__main__":

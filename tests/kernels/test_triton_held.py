@@ -12,6 +12,7 @@ from app.kernels.interface import HELD_BLOCKS, held_kind, held_row_bytes
 from app.kernels.reference import experts_reference
 from app.kernels.triton_linear import few_rows_linear, held_tiles
 from app.kernels.triton_moe import (
+    HELD_PER_PAIR_TOKENS,
     MoeTiles,
     exact_fused_experts,
     exact_linear,
@@ -94,16 +95,31 @@ def test_held_dense_projections_match_their_dequantized_values(kind: str, rows: 
 
 
 @pytest.mark.parametrize("kind", ROWWISE_FORMS)
-def test_a_lone_rows_held_experts_are_summed_on_the_cuda_cores_with_the_bits_of_a_pair_of_rows(
+def test_up_to_eight_rows_held_experts_are_summed_on_the_cuda_cores_with_the_bits_of_a_lone_row(
     kind: str,
 ) -> None:
-    x, ids, weights, (gate_up, gate_up_values), (down, down_values) = _inputs(2, 4, 2, kind, seed=5)
-    assert moe_tiles(2, exact=False, held=True).rowwise and not moe_tiles(3, exact=False, held=True).rowwise
-    pair = fused_experts(x, ids, weights, gate_up, down)
-    assert torch.equal(pair[1:], fused_experts(x[1:], ids[1:], weights[1:], gate_up, down))
+    x, ids, weights, (gate_up, gate_up_values), (down, down_values) = _inputs(3, 4, 1, kind, seed=5)
+    assert moe_tiles(HELD_PER_PAIR_TOKENS, exact=False, held=kind).rowwise
+    assert not moe_tiles(HELD_PER_PAIR_TOKENS + 1, exact=False, held=kind).rowwise
+    window = fused_experts(x, ids, weights, gate_up, down)
+    assert torch.equal(window[2:3], fused_experts(x[2:3], ids[2:3], weights[2:3], gate_up, down))
     expected = experts_reference(x.float(), ids, weights.float(), gate_up_values.float(), down_values.float())
     scale = expected.abs().max()
-    torch.testing.assert_close(pair.float() / scale, expected / scale, atol=2e-3, rtol=0)
+    torch.testing.assert_close(window.float() / scale, expected / scale, atol=2e-3, rtol=0)
+
+
+def test_q8_0_experts_of_nine_to_64_tokens_are_widened_columns_first_with_the_same_bits() -> None:
+    x, ids, weights, (gate_up, gate_up_values), (down, down_values) = _inputs(12, 6, 2, "Q8_0", seed=7)
+    assert moe_tiles(12, exact=False, held="Q8_0").columns_first
+    assert not moe_tiles(12, exact=False, held="Q4_K").columns_first
+    window = fused_experts(x, ids, weights, gate_up, down)
+    assert torch.equal(window[:9], fused_experts(x[:9], ids[:9], weights[:9], gate_up, down))
+    expected = experts_reference(x.float(), ids, weights.float(), gate_up_values.float(), down_values.float())
+    scale = expected.abs().max()
+    torch.testing.assert_close(window.float() / scale, expected / scale, atol=2e-2, rtol=0)
+    (q4_k_gate_up, _), (q4_k_down, _) = _inputs(12, 6, 2, "Q4_K")[3:]
+    with pytest.raises(ValueError, match="Q8_0 blocks only"):
+        fused_experts(x, ids, weights, q4_k_gate_up, q4_k_down, tiles=moe_tiles(12, False, "Q8_0"))
 
 
 @pytest.mark.parametrize("kind", KINDS)
