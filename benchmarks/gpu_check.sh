@@ -12,7 +12,8 @@
 # gguf: the held-weight GPU tests (GGUF_TESTS=0 skips them, GGUF_TESTS_K selects as pytest -k), then benchmarks/gguf_bench.py on a random q30
 # file of each quant type named (default Q4_K), also with the expert tier at a 25% budget (--expert-cache 32)
 # for the types in TIER_KINDS (default: every one named), and llama.cpp on the same files
-# (benchmarks/llama_cpp.sh), with 18 of 24 layers' experts on the CPU (CPU_MOE=18) where a tier ran.
+# (benchmarks/llama_cpp.sh), with 18 of 24 layers' experts on the CPU (CPU_MOE=18) where a tier ran
+# (LLAMA=0: Strata alone, no llama.cpp build).
 # kv: the 8-bit KV GPU tests, then benchmarks/kv_dtype_bench.py on the shape (32K and 128K-token prompts and
 # the decode after them, KV bf16 / fp8 / int8).
 # decode: the fused decode steps' GPU tests and the end-to-end ones, then the decode windows of Qwen3-Next's
@@ -111,15 +112,14 @@ if [[ $what == tier-large ]]; then
 fi
 if [[ $what == gguf ]]; then
     # the kinds to time are the arguments (default Q4_K); llama.cpp builds (niced) beside Strata's runs from
-    # .llama/llama-src.tar.xz, or comes prebuilt as .llama/llama-bin.tar.xz.part-* (packed into $out in parts
-    # of 15 MB after a build)
+    # .llama/llama-src.tar.xz (its binaries, 42 MB packed, cannot travel with the tree, so every call builds)
     kinds=${*:-Q4_K}
     build=/tmp/llama-build
-    if compgen -G ".llama/llama-bin.tar.xz.part-*" >/dev/null; then
-        mkdir -p $build && cat .llama/llama-bin.tar.xz.part-* | tar xJf - -C $build
+    builder=
+    if [[ ${LLAMA:-1} != 0 ]]; then
+        nice -n 19 bash benchmarks/llama_cpp.sh .llama/llama-src.tar.xz $build >"$out/llama-build.log" 2>&1 &
+        builder=$!
     fi
-    nice -n 19 bash benchmarks/llama_cpp.sh .llama/llama-src.tar.xz $build >"$out/llama-build.log" 2>&1 &
-    builder=$!
     if [[ ${GGUF_TESTS:-1} != 0 ]]; then
         python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_held_gpu.py -k "${GGUF_TESTS_K:-}" 2>&1 \
             | tee "$out/gpu-tests.log" || status=1
@@ -138,10 +138,10 @@ if [[ $what == gguf ]]; then
             tiered+=("$file")
         fi
     done
-    wait $builder || { status=1; tail -30 $build/ninja.log $build/cmake.log; }
-    if ! compgen -G ".llama/llama-bin.tar.xz.part-*" >/dev/null && [[ -x $build/bin/llama-bench ]]; then
-        tar cJf - -C $build bin | split -b 15M - "$out/llama-bin.tar.xz.part-" && ls -la "$out"
+    if [[ -z $builder ]]; then
+        exit $status
     fi
+    wait $builder || { status=1; tail -30 $build/ninja.log $build/cmake.log; }
     bash benchmarks/llama_cpp.sh .llama/llama-src.tar.xz $build "${files[@]}" 2>&1 | tee "$out/llama.jsonl" \
         || status=1
     if ((${#tiered[@]})); then

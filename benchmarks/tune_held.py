@@ -5,9 +5,10 @@ shapes (replayed from CUDA graphs, weights rotated so that repeats do not run fr
 
 Routed experts (`fused_experts`, routing alignment to the sum) and the dense projections (`tiled_linear`:
 attention's qkv and output, the LM head) for each quant type, beside bf16 weights (their default tiles
-alone), on tensor-core tiles ("tiles") and with each row summed on the CUDA cores ("rows": block_m, block_n,
-block_k, warps); each line gives the time
-and the bytes of weights it must read over that time. The tiles in app/kernels/triton_linear.py
+alone), on tensor-core tiles ("tiles"), with each row summed on the CUDA cores ("rows": block_m, block_n,
+block_k, warps) and, for Q8_0, widened columns first ("columns-first"); each line gives the time, the bytes
+of weights it must read over that time, and its result's largest difference from the default tiles' on the
+same inputs ("drift", relative to the result's largest magnitude). The tiles in app/kernels/triton_linear.py
 (`held_tiles`) and app/kernels/triton_moe.py come from these lines.
 """
 
@@ -28,19 +29,21 @@ from benchmarks.roofline import expected_experts, replayed_ms
 
 EXPERTS, TOP_K, HIDDEN, INTER = 128, 8, 2048, 768
 DENSE = {"qkv": (5120, HIDDEN), "o": (HIDDEN, 4096), "lm_head": (151936, HIDDEN)}
+# Q8_0 only: its weights widened columns first, the dot's left operand (`MoeTiles.columns_first`)
+COLUMNS_FIRST_TILES = {
+    f"columns-first 16x{n}x{k} w4 s{st}": MoeTiles(16, n, k, 4, st, columns_first=True)
+    for n, k, st in [(64, 256, 3), (64, 256, 4), (64, 128, 4), (128, 256, 3)]
+}
 EXPERT_TILES = {
     "tiles 16x64x128 w4 s4": EXACT_TILES,
-    "tiles 16x64x128 w8 s3": MoeTiles(16, 64, 128, 8, 3),
-    "rows 1x8x256 w2": MoeTiles(1, 8, 256, 2, 2, rowwise=True),
+    # fewer stages: the i-quants' table reads, staged in shared memory, take 120 KB a program at 4
+    "tiles 16x64x64 w4 s1": MoeTiles(16, 64, 64, 4, 1),
+    "tiles 16x64x64 w4 s2": MoeTiles(16, 64, 64, 4, 2),
     "rows 1x4x256 w1": MoeTiles(1, 4, 256, 1, 2, rowwise=True),
-    "rows 1x16x256 w4": MoeTiles(1, 16, 256, 4, 2, rowwise=True),
 }
 DENSE_TILES = {
     "tiles 16x32x128 w4 s4": MoeTiles(16, 32, 128, 4, 4),
     "tiles 16x64x128 w4 s4": MoeTiles(16, 64, 128, 4, 4),
-    "rows 1x8x256 w2": MoeTiles(1, 8, 256, 2, 2, rowwise=True),
-    "rows 1x4x256 w1": MoeTiles(1, 4, 256, 1, 2, rowwise=True),
-    "rows 1x2x256 w1": MoeTiles(1, 2, 256, 1, 2, rowwise=True),
     "rows 1x4x512 w1": MoeTiles(1, 4, 512, 1, 2, rowwise=True),
 }
 SETS = 3
@@ -53,8 +56,22 @@ def _weights(kind: str, shape: tuple[int, ...], copy: int) -> torch.Tensor:
     return random_blocks(kind, shape, copy, device="cuda")
 
 
-def _report(what: str, ms: float, moved: float) -> None:
-    print(f"{what:44s} {ms * 1000:9.1f} us  {moved / ms / 1e9:6.2f} TB/s", flush=True)
+def _report(what: str, ms: float, moved: float, drift: float) -> None:
+    print(f"{what:44s} {ms * 1000:9.1f} us  {moved / ms / 1e9:6.2f} TB/s  drift {drift:.1e}", flush=True)
+
+
+def _time(what: str, calls: list, moved: float, first: torch.Tensor | None) -> torch.Tensor | None:
+    """Times `calls` (`replayed_ms`) and reports their result's largest difference from `first` (the
+    default tiles' result on the same set), relative to its largest magnitude; a tile choice that does
+    not compile or launch is reported, not fatal."""
+    try:
+        out = calls[0]().float()
+        drift = 0.0 if first is None else ((out - first).abs().max() / first.abs().max()).item()
+        _report(what, replayed_ms(calls, 30), moved, drift)
+    except Exception as error:
+        print(f"{what:44s} failed: {str(error).splitlines()[0][:120]}", flush=True)
+        return None
+    return out
 
 
 def main() -> None:
@@ -74,15 +91,17 @@ def main() -> None:
             weights, ids = torch.randn(tokens, EXPERTS, device="cuda").softmax(-1).topk(TOP_K, dim=-1)
             weights = weights.bfloat16()
             moved = expected_experts(EXPERTS, TOP_K, tokens) * per_expert
-            choices = {"default": moe_tiles(tokens, exact=False, held=kind != "bf16")}
+            choices = {"default": moe_tiles(tokens, exact=False, held=None if kind == "bf16" else kind)}
             if kind != "bf16" and not args.default_only:
-                choices |= EXPERT_TILES
+                choices |= EXPERT_TILES | (COLUMNS_FIRST_TILES if kind == "Q8_0" else {})
+            first = None
             for name, tiles in choices.items():
                 calls = [
                     lambda w=w, t=tiles, x=x, i=ids, r=weights: fused_experts(x, i, r, *w, tiles=t)
                     for w in sets
                 ]
-                _report(f"{kind} experts tokens {tokens} {name}", replayed_ms(calls, 30), moved)
+                out = _time(f"{kind} experts tokens {tokens} {name}", calls, moved, first)
+                first = out if first is None else first
         del sets
         for label, shape in DENSE.items():
             dense = [_weights(kind, shape, c) for c in range(SETS)]
@@ -91,10 +110,12 @@ def main() -> None:
                 x = torch.randn(tokens, shape[1], device="cuda").bfloat16()
                 choices = {"default": held_tiles(tokens, shape[0])}
                 if kind != "bf16" and not args.default_only:
-                    choices |= DENSE_TILES
+                    choices |= DENSE_TILES | (COLUMNS_FIRST_TILES if kind == "Q8_0" else {})
+                first = None
                 for name, tiles in choices.items():
                     calls = [lambda w=w, t=tiles, x=x: tiled_linear(x, w, None, t) for w in dense]
-                    _report(f"{kind} {label} tokens {tokens} {name}", replayed_ms(calls, 30), moved)
+                    out = _time(f"{kind} {label} tokens {tokens} {name}", calls, moved, first)
+                    first = out if first is None else first
             del dense
         torch.cuda.empty_cache()
 
