@@ -2,6 +2,7 @@
 shapes (replayed from CUDA graphs, weights rotated so that repeats do not run from L2).
 
     python benchmarks/tune_held.py [--kinds Q4_K Q8_0 bf16] [--tokens 1 8 16 32] [--default-only]
+    python benchmarks/tune_held.py --kinds IQ3_S IQ4_XS --tokens 8 32 2048
 
 Routed experts (`fused_experts`, routing alignment to the sum) and the dense projections (`tiled_linear`:
 attention's qkv and output, the LM head) for each quant type, beside bf16 weights (their default tiles
@@ -39,6 +40,7 @@ EXPERT_TILES = {
     # fewer stages: the i-quants' table reads, staged in shared memory, take 120 KB a program at 4
     "tiles 16x64x64 w4 s1": MoeTiles(16, 64, 64, 4, 1),
     "tiles 16x64x64 w4 s2": MoeTiles(16, 64, 64, 4, 2),
+    "tiles 128x128x64 w8 s1": MoeTiles(128, 128, 64, 8, 1),  # a prompt's (default: 3 stages)
     "rows 1x4x256 w1": MoeTiles(1, 4, 256, 1, 2, rowwise=True),
 }
 DENSE_TILES = {
