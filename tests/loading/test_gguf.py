@@ -110,8 +110,9 @@ def test_the_gpu_kernels_read_a_files_blocks_where_they_lie(wide_dir: Path, tmp_
     assert held_kind(experts.gate_up, config.hidden_size) == "Q4_K"
     assert held_kind(experts.down, config.moe_intermediate_size) == "Q6_K"
     assert model.model.embed_tokens.weight.dtype == torch.float32
-    prompt = [5, 17, 99, 230]
-    # two tokens: the prompt's window (16-row tiles) and a decode window (a lone row summed on the CUDA cores)
+    prompt = [5, 17, 99, 230, 31, 8, 400, 12, 77]
+    # two tokens: the prompt's window (nine rows: 16-row tiles) and a decode window (a lone row summed on the
+    # CUDA cores)
     got = complete(core, prompt, max_tokens=2, temperature=0, ignore_eos=True)
     same = make_core(same_values_copy(wide_dir, tmp_path / "same", quant))
     assert got.token_ids == complete(same, prompt, max_tokens=2, temperature=0, ignore_eos=True).token_ids
