@@ -151,15 +151,34 @@ def step_bytes(core: EngineCore, batch: int) -> float:
     return total - experts * (1 - share)
 
 
-def _served(core: EngineCore) -> dict[str, float]:
-    """The shares of the routed entries the tiers served from VRAM, the CPU and over PCIe since the last
-    call (none without a tier)."""
-    counts = [t.take_counts().served for t in core.tiers]
-    total = sum(map(sum, counts))
-    if not total:
-        return {}
-    places = ("vram", "cpu", "pcie")  # TierCounts.served's order
-    return {f"{where}_share": sum(c[i] for c in counts) / total for i, where in enumerate(places)}
+class ServedShares:
+    """Where the tiers served the routed entries between two `take` calls: the counts the engine's own expert
+    reports carried (a report takes the tiers' counts: the Monitor's) plus what the tiers still hold. Counts
+    the windows of `core.step`, which it wraps."""
+
+    PLACES = ("vram", "cpu", "pcie")  # TierCounts.served's order
+
+    def __init__(self, core: EngineCore) -> None:
+        self.core, self.counts = core, [0] * len(self.PLACES)
+        step = core.step
+
+        def counted() -> Any:
+            outputs, stats = step()
+            if stats is not None and stats.experts is not None:
+                self.counts = [a + b for a, b in zip(self.counts, stats.experts.served_total(), strict=True)]
+            return outputs, stats
+
+        core.step = counted  # type: ignore[method-assign]
+
+    def take(self) -> dict[str, float]:
+        """The shares since the last call (none without a tier)."""
+        held = [t.take_counts().served for t in self.core.tiers]
+        counts = [sum(column) for column in zip(self.counts, *held, strict=True)]
+        self.counts = [0] * len(self.PLACES)
+        total = sum(counts)
+        if not total:
+            return {}
+        return {f"{where}_share": counts[i] / total for i, where in enumerate(self.PLACES)}
 
 
 def run_strata(path: Path, expert_cache: int | None = None) -> dict[str, Any]:
@@ -189,14 +208,16 @@ def run_strata(path: Path, expert_cache: int | None = None) -> dict[str, Any]:
         "weights_gb": sum(p.numel() * p.element_size() for p in core.loaded.model.parameters()) / 1e9,
         "copy_gb_s": bandwidth / 1e9,
     }
+    served = ServedShares(core)
     for batch in DECODE_BATCHES:
-        _served(core)
-        timed = _decode(core, batch, vocab) | _served(core)
+        served.take()
+        timed = _decode(core, batch, vocab) | served.take()
         timed["roofline_tok_s"] = batch * bandwidth / step_bytes(core, batch)
         if timed["tok_s"] > batch * H200_HBM_BANDWIDTH / step_bytes(core, batch):
             raise RuntimeError(f"batch {batch}: {timed['tok_s']:.0f} tok/s reads faster than the card can")
         result[f"decode_bs{batch}"] = timed
-    result["prefill_8k"] = _prefill(core, vocab) | _served(core)
+    served.take()
+    result["prefill_8k"] = _prefill(core, vocab) | served.take()
     return result
 
 

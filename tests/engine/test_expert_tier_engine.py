@@ -108,3 +108,21 @@ def test_whole_layers_placement_keeps_some_layers_untiered_and_gives_the_all_res
 def test_an_unknown_expert_placement_is_refused(checkpoint: Path) -> None:
     with pytest.raises(StrataError, match="--expert-placement"):
         make_core(checkpoint, expert_cache=2, expert_placement="rows")
+
+
+def test_the_gguf_benchmarks_shares_count_what_the_engines_reports_took(
+    checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine's expert reports take the tiers' counts (a report every window here), so a benchmark that
+    read only the tiers' counts after a run found none: benchmarks/gguf_bench.py adds up the reports'
+    counts."""
+    from benchmarks.gguf_bench import ServedShares
+
+    monkeypatch.setattr("app.engine.core.EXPERT_REPORT_S", 0.0)
+    core = make_core(checkpoint, expert_cache=2, adapt_every=0)
+    shares = ServedShares(core)
+    run(core, [(0, request(random_prompt(30, 80), max_tokens=4, temperature=0, ignore_eos=True))])
+    served = shares.take()
+    assert served["cpu_share"] > 0 and served["vram_share"] > 0
+    assert sum(served.values()) == pytest.approx(1.0)
+    assert shares.take() == {}
