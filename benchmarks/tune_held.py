@@ -93,7 +93,7 @@ def main() -> None:
             weights, ids = torch.randn(tokens, EXPERTS, device="cuda").softmax(-1).topk(TOP_K, dim=-1)
             weights = weights.bfloat16()
             moved = expected_experts(EXPERTS, TOP_K, tokens) * per_expert
-            choices = {"default": moe_tiles(tokens, exact=False, held=None if kind == "bf16" else kind)}
+            choices = {"default": moe_tiles(tokens, exact=False, held=() if kind == "bf16" else (kind, kind))}
             if kind != "bf16" and not args.default_only:
                 choices |= EXPERT_TILES | (COLUMNS_FIRST_TILES if kind == "Q8_0" else {})
             first = None

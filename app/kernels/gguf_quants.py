@@ -135,9 +135,8 @@ def iq3_s(blocks: torch.Tensor) -> torch.Tensor:
     d = _f16(blocks, 0)
     low = blocks[:, 2:66].long()
     high = blocks[:, 66:74].long()
-    ninth = ((high[:, :, None] >> torch.arange(8, device=blocks.device)) & 1).reshape(
-        -1, 64
-    )  # bit i of high byte g: id 8g + i
+    bits = torch.arange(8, device=blocks.device)
+    ninth = ((high[:, :, None] >> bits) & 1).reshape(-1, 64)  # bit i of high byte g: id 8g + i
     grid = tables["IQ3_S"][low | (ninth << 8)].reshape(-1, 8, 4, 8)
     signs = _signs(blocks[:, 74:106].long()).reshape(-1, 8, 4, 8)
     packed = blocks[:, 106:110].long()

@@ -75,17 +75,17 @@ Q8_0_DECODE_TILES = MoeTiles(
 DECODE_TOKENS = 64  # windows of up to this many tokens take the decode tiles (a row's bits the same in all)
 
 
-def moe_tiles(tokens: int, exact: bool, held: str | None = None) -> MoeTiles:
-    """The tiles for a batch of `tokens` rows (`held`: the type of weights held as GGUF blocks); with
-    `exact` the same for every batch size. A row's bits are the same in every window of one range: held
-    weights' windows of up to HELD_PER_PAIR_TOKENS tokens (rowwise sums), up to DECODE_TOKENS (16-row
-    tiles), beyond."""
+def moe_tiles(tokens: int, exact: bool, held: tuple[str, ...] = ()) -> MoeTiles:
+    """The tiles for a batch of `tokens` rows (`held`: the types of the experts' two weights where they are
+    held as GGUF blocks, which may differ); with `exact` the same for every batch size. A row's bits are the
+    same in every window of one range: held weights' windows of up to HELD_PER_PAIR_TOKENS tokens (rowwise
+    sums), up to DECODE_TOKENS (16-row tiles; Q8_0's, both weights Q8_0, widened columns first), beyond."""
     if exact:
         return EXACT_TILES
     if held and tokens <= HELD_PER_PAIR_TOKENS:
         return HELD_ROWWISE_TILES
     if tokens <= DECODE_TOKENS:
-        return Q8_0_DECODE_TILES if held == "Q8_0" else EXACT_TILES
+        return Q8_0_DECODE_TILES if held and set(held) == {"Q8_0"} else EXACT_TILES
     return MoeTiles(block_m=128, block_n=128, block_k=64, num_warps=8)
 
 
@@ -687,7 +687,8 @@ def expert_pairs(
     tokens, hidden = x.shape
     top_k = top_ids.shape[1]
     experts, intermediate = gate_up.shape[0], gate_up.shape[1] // 2
-    held = held_kind(gate_up, hidden) if gate_up.dtype == down.dtype == torch.uint8 else None
+    both_held = gate_up.dtype == down.dtype == torch.uint8
+    held = (held_kind(gate_up, hidden), held_kind(down, intermediate)) if both_held else ()
     tiles = tiles or moe_tiles(tokens, exact, held)
     pairs = tokens * top_k
     x = x.contiguous()

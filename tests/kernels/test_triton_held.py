@@ -100,8 +100,8 @@ def test_up_to_eight_rows_held_experts_are_summed_on_the_cuda_cores_with_the_bit
     kind: str,
 ) -> None:
     x, ids, weights, (gate_up, gate_up_values), (down, down_values) = _inputs(3, 4, 1, kind, seed=5)
-    assert moe_tiles(HELD_PER_PAIR_TOKENS, exact=False, held=kind).rowwise
-    assert not moe_tiles(HELD_PER_PAIR_TOKENS + 1, exact=False, held=kind).rowwise
+    assert moe_tiles(HELD_PER_PAIR_TOKENS, exact=False, held=(kind, kind)).rowwise
+    assert not moe_tiles(HELD_PER_PAIR_TOKENS + 1, exact=False, held=(kind, kind)).rowwise
     window = fused_experts(x, ids, weights, gate_up, down)
     assert torch.equal(window[2:3], fused_experts(x[2:3], ids[2:3], weights[2:3], gate_up, down))
     expected = experts_reference(x.float(), ids, weights.float(), gate_up_values.float(), down_values.float())
@@ -111,16 +111,24 @@ def test_up_to_eight_rows_held_experts_are_summed_on_the_cuda_cores_with_the_bit
 
 def test_q8_0_experts_of_nine_to_64_tokens_are_widened_columns_first_with_the_same_bits() -> None:
     x, ids, weights, (gate_up, gate_up_values), (down, down_values) = _inputs(12, 6, 2, "Q8_0", seed=7)
-    assert moe_tiles(12, exact=False, held="Q8_0").columns_first
-    assert not moe_tiles(12, exact=False, held="Q4_K").columns_first
+    assert moe_tiles(12, exact=False, held=("Q8_0", "Q8_0")).columns_first
+    assert not moe_tiles(12, exact=False, held=("Q4_K", "Q4_K")).columns_first
     window = fused_experts(x, ids, weights, gate_up, down)
     assert torch.equal(window[:9], fused_experts(x[:9], ids[:9], weights[:9], gate_up, down))
     expected = experts_reference(x.float(), ids, weights.float(), gate_up_values.float(), down_values.float())
     scale = expected.abs().max()
     torch.testing.assert_close(window.float() / scale, expected / scale, atol=2e-2, rtol=0)
-    (q4_k_gate_up, _), (q4_k_down, _) = _inputs(12, 6, 2, "Q4_K")[3:]
+    (q4_k_gate_up, _), (q4_k_down, q4_k_down_values) = _inputs(12, 6, 2, "Q4_K")[3:]
     with pytest.raises(ValueError, match="Q8_0 blocks only"):
-        fused_experts(x, ids, weights, q4_k_gate_up, q4_k_down, tiles=moe_tiles(12, False, "Q8_0"))
+        fused_experts(x, ids, weights, q4_k_gate_up, q4_k_down, tiles=moe_tiles(12, False, ("Q8_0", "Q8_0")))
+    # a Q8_0 gate/up beside a down of another type: both take the 16-row tiles
+    mixed = fused_experts(x, ids, weights, gate_up, q4_k_down)
+    expected = experts_reference(
+        x.float(), ids, weights.float(), gate_up_values.float(), q4_k_down_values.float()
+    )
+    torch.testing.assert_close(
+        mixed.float() / expected.abs().max(), expected / expected.abs().max(), atol=2e-2, rtol=0
+    )
 
 
 @pytest.mark.parametrize("kind", KINDS)
