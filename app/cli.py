@@ -82,6 +82,14 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
         help="how keys and values are kept: auto (the activations' dtype), bf16, or 8 bits a value with a "
         "scale per token and head (fp8 e4m3, int8): about half the bytes of bf16, so twice the context",
     )
+    parser.add_argument(
+        "--kv-resident",
+        type=int,
+        default=defaults.kv_resident,
+        metavar="TOKENS",
+        help="tokens of the KV pool (--kv-memory) kept on the device; the rest lives in host RAM and is "
+        "streamed in for attention layer by layer (default: the whole pool on the device)",
+    )
     parser.add_argument("--block-size", type=int, default=defaults.block_size, help="tokens per KV block")
     parser.add_argument(
         "--decode-share",
@@ -250,6 +258,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_batched_tokens=args.max_batched_tokens,
         kv_memory=args.kv_memory,
         kv_dtype=args.kv_dtype,
+        kv_resident=args.kv_resident,
         block_size=args.block_size,
         decode_share=args.decode_share,
         max_model_len=args.max_model_len,

@@ -86,6 +86,28 @@ def complete(core: EngineCore, prompt: list[int], **params: object) -> Completio
     return run(core, [(0, add)])[0][add.request_id]
 
 
+def assert_parked_follow_up_continues(path: Path, block_dtype: torch.dtype, **settings: object) -> None:
+    """On a core of `settings` with a pool of 80 blocks (of `block_dtype`) and a park: a 600-token turn
+    answered, then evicted from the pool by a longer conversation, is restored for its follow-up, which takes
+    all of it and gives the greedy tokens of reading the whole conversation afresh."""
+    from app.engine.paged_state import kv_block_bytes, slot_state_bytes
+
+    config = make_core(path).loaded.model.config
+    memory = 80 * kv_block_bytes(config, 16, block_dtype) + 16 * slot_state_bytes(config, torch.float32)
+    core = make_core(path, kv_memory=memory, park_memory=64 << 20, **settings)
+    greedy = {"max_tokens": 20, "temperature": 0, "ignore_eos": True}
+    first = random_prompt(600, 1)
+    answer = complete(core, first, max_tokens=10, temperature=0, ignore_eos=True).token_ids
+    follow_up = [*first, *answer, *random_prompt(20, 2)]
+    complete(core, random_prompt(1200, 3), max_tokens=5, temperature=0, ignore_eos=True)  # evicts the turn
+    add = request(follow_up, **greedy)
+    results, windows = run(core, [(0, add)])
+    assert core.park is not None and core.park.stats().restores == 1
+    assert sum(w.prefix_cache_hits for w in windows) == len(first) + len(answer) - 1
+    read_whole = make_core(path, prefix_cache=False, kv_dtype=core.config.kv_dtype)
+    assert results[add.request_id].token_ids == complete(read_whole, follow_up, **greedy).token_ids
+
+
 def with_window_graphs(core: EngineCore, draft_rows: int = 0) -> list[Bucket]:
     """Give the core's runner window graphs (not captured on the CPU: each window runs the forward over the
     graphs' padded static inputs), scoring up to `draft_rows` draft rows a window; returns the list of

@@ -224,6 +224,9 @@ class TrainingState:
     def kv_cache(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._kv[layer]
 
+    def kv_view(self, layer: int, layout: PagedLayout) -> tuple[torch.Tensor, torch.Tensor, PagedLayout]:
+        return (*self._no_pools, layout)  # the keys and values are those `write_kv` is given next
+
     def linear_pools(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._no_pools
 

@@ -78,6 +78,16 @@ SCALARS = (
     ("strata:park_restores_total", "counter", "Parked conversations brought back for a follow-up."),
     ("strata:park_restore_seconds_total", "counter", "Time spent bringing parked conversations back."),
     ("strata:park_copied_bytes_total", "counter", "Bytes copied from the device to park conversations."),
+    (
+        "strata:kv_vram_block_reads_total",
+        "counter",
+        "KV blocks attention read from VRAM, a block once a sequence a window (counted with --kv-resident).",
+    ),
+    (
+        "strata:kv_host_block_reads_total",
+        "counter",
+        "KV blocks streamed in from host RAM for attention (--kv-resident), once a sequence a window.",
+    ),
     ("strata:expert_swaps_total", "counter", "Experts the expert tier moved onto the device."),
     (
         "strata:expert_pcie_bytes_total",
@@ -146,6 +156,8 @@ class ServerMetrics:
         self.num_preemptions_total = 0
         self.prefix_cache_queries_total = 0
         self.prefix_cache_hits_total = 0
+        self.kv_vram_block_reads_total = 0
+        self.kv_host_block_reads_total = 0
         self.parking = ParkingStats(0, 0, 0, 0, 0, 0.0, 0)
         self.request_success_total = dict.fromkeys(FINISH_REASONS, 0)
         self.expert_routed_total = dict.fromkeys(EXPERT_SOURCES, 0)
@@ -267,6 +279,8 @@ class ServerMetrics:
         self.num_preemptions_total += stats.preempted
         self.prefix_cache_queries_total += stats.prefix_cache_queries
         self.prefix_cache_hits_total += stats.prefix_cache_hits
+        self.kv_vram_block_reads_total += stats.kv_vram_reads
+        self.kv_host_block_reads_total += stats.kv_host_reads
         if stats.parking is not None:
             self.parking = stats.parking
         self.heat.on_window(stats)
@@ -410,6 +424,8 @@ class ServerMetrics:
             "park_restores_total": self.parking.restores,
             "park_restore_seconds_total": self.parking.restore_seconds,
             "park_copied_bytes_total": self.parking.copied_bytes,
+            "kv_vram_block_reads_total": self.kv_vram_block_reads_total,
+            "kv_host_block_reads_total": self.kv_host_block_reads_total,
             "request_success_total": dict(self.request_success_total),
             "expert_routed_total": dict(self.expert_routed_total),
             "expert_swaps_total": self.expert_swaps_total,

@@ -6,6 +6,7 @@ the same prefix takes them instead of reading those tokens again.
 from __future__ import annotations
 
 import hashlib
+import heapq
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable
@@ -40,6 +41,9 @@ class _Cached:
 class BlockPool:
     """`total` KV blocks of `block_size` tokens each (the tensors live in the runner).
 
+    Free blocks are handed out lowest first: with `--kv-resident` the lowest live on the device, which so
+    fills first, and a sequence's blocks come in runs of consecutive numbers where they can (one copy a run).
+
     A block is held by every request whose table lists it (a reference count). With `caching`, a full block
     whose contents are computed is registered under its chain hash (`commit`); when no request holds it any
     more it stays cached, evictable, until a new block is needed and it is the least recently released one.
@@ -50,7 +54,7 @@ class BlockPool:
         self.total = total
         self.block_size = block_size
         self.caching = caching
-        self._free = list(range(total - 1, -1, -1))  # blocks holding nothing worth keeping
+        self._free = list(range(total))  # blocks holding nothing worth keeping: a heap, lowest first
         self._refs = [0] * total
         self._cached: dict[bytes, int] = {}
         self._meta: dict[int, _Cached] = {}
@@ -88,7 +92,7 @@ class BlockPool:
         if needed > self.free:
             return False
         for _ in range(needed):
-            block = self._free.pop() if self._free else self._evict()
+            block = heapq.heappop(self._free) if self._free else self._evict()
             self._refs[block] = 1
             table.append(block)
         return True
@@ -101,7 +105,7 @@ class BlockPool:
                 if block in self._meta:
                     self._evictable[block] = None
                 else:
-                    self._free.append(block)
+                    heapq.heappush(self._free, block)
         table.clear()
 
     def match(self, tokens: list[int], limit: int) -> list[int]:

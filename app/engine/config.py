@@ -24,7 +24,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     available). `parallel` is the number of batch slots; `max_batched_tokens` the token budget of one window;
     `kv_memory` the bytes of the KV pool and per-slot recurrent state; `kv_dtype` how keys and values are kept
     (auto: the activations' dtype; bf16; fp8 or int8: 8-bit codes with a scale a token and head,
-    app/kernels/kv_quant.py); `decode_share` the share of its solo speed a decoding slot keeps while peers'
+    app/kernels/kv_quant.py); `kv_resident` tokens of the pool's blocks live on the device, the rest in host
+    RAM, streamed in for attention layer by layer (None: the whole pool on the device;
+    app/engine/kv_stream.py); `decode_share` the share of its solo speed a decoding slot keeps while peers'
     prompts are read (docs/BATCHING.md); `backend` names the compute backends (app/kernels), `auto` picks for
     the device; `exact` fixes the kernels' tiles for every window size, dense projections included
     (docs/KERNELS.md); `enforce_eager` turns off CUDA graphs of windows; `overlap` plans and queues each
@@ -58,6 +60,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     block_size: int = 16
     kv_memory: int = 2 * GIB
     kv_dtype: str = "auto"
+    kv_resident: int | None = None
     decode_share: float = 0.5
     max_model_len: int | None = None
     backend: str = "auto"

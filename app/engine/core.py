@@ -8,10 +8,11 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
 import torch
 
 from app.default_model import default_model_dir
-from app.engine.config import EngineConfig
+from app.engine.config import GIB, EngineConfig
 from app.engine.cuda_graphs import WindowGraphs
 from app.engine.drafts import GuessSource, MtpGuesses, accepted, guess_index
 from app.engine.expert_report import ExpertReporter, joined
@@ -51,6 +52,7 @@ from app.models.placement import PLACEMENTS, spare_slots
 from app.models.qwen3 import ModelPart
 from app.text.stream import TextStream
 
+HOST_KV_SHARE = 0.8  # the most of the host's available RAM the KV blocks beyond --kv-resident may take
 log = logging.getLogger("strata.engine")
 CHECKPOINTS_PER_SLOT = 1  # recurrent-state checkpoints kept for the prefix cache, per batch slot
 READ_WAIT_S = 0.01  # how long an engine with nothing to run waits for a parked file before the next window
@@ -125,6 +127,14 @@ class EngineCore:
             raise StrataError("give --expert-cache (experts a layer) or --expert-vram (bytes), not both")
         if config.expert_vram is not None and config.expert_vram < 0:
             raise StrataError(f"--expert-vram must be 0 or more bytes, not {config.expert_vram}")
+        if config.kv_resident is not None and config.kv_resident < 0:
+            raise StrataError(f"--kv-resident must be 0 or more tokens, not {config.kv_resident}")
+        if config.kv_resident is not None and config.layer_split is not None:
+            raise StrataError(
+                "--kv-resident does not run on a --layer-split yet: each stage holds its KV whole"
+            )
+        if config.kv_resident is not None and config.spec == "mtp":
+            raise StrataError("--kv-resident does not run with --spec mtp yet (the head's keys stay whole)")
         self.pipeline: StagePipeline | None = None
         if config.stage_gpus and config.layer_split is None:
             raise StrataError("--stage-gpus places the stages of a --layer-split")
@@ -202,6 +212,13 @@ class EngineCore:
             str(state.keys.dtype).removeprefix("torch."),
             config.kv_dtype,
         )
+        if state.stream is not None:
+            log.info(
+                "KV beyond VRAM: %d blocks on the device, %d in host RAM (%.2f GiB), streamed in",
+                state.resident,
+                state.blocks - state.resident,
+                state.stream.host_bytes / GIB,
+            )
         if self.pipeline is not None:
             self.pipeline.wait_loaded(model, state.blocks, len(state.checkpoint_slots))
         self.park = self._conversation_park(state)
@@ -336,7 +353,26 @@ class EngineCore:
             layers=parts[0].layers if parts[0] is not None else None,
             extra_attention=head,
             kv_dtype=kv_dtype,
+            resident=self._resident_blocks(blocks, block_bytes),
         )
+
+    def _resident_blocks(self, blocks: int, block_bytes: int) -> int | None:
+        """The blocks of a pool of `blocks` that `--kv-resident` keeps on the device (None: all); those beyond
+        must fit in the host's available RAM."""
+        tokens = self.config.kv_resident
+        if tokens is None or -(-tokens // self.config.block_size) >= blocks:
+            return None
+        resident = -(-tokens // self.config.block_size)
+        host = (blocks - resident) * block_bytes
+        available = psutil.virtual_memory().available
+        if host > available * HOST_KV_SHARE:
+            raise StrataError(
+                f"--kv-resident {tokens}: the {blocks - resident} KV blocks beyond it take "
+                f"{host / GIB:.1f} GiB of host RAM, more than {HOST_KV_SHARE:.0%} of the "
+                f"{available / GIB:.1f} GiB available; "
+                "give a smaller --kv-memory or a larger --kv-resident"
+            )
+        return resident
 
     @property
     def _mtp_layers(self) -> tuple[int, ...]:
@@ -559,6 +595,7 @@ class EngineCore:
         if done.window.chunks:  # an empty window says nothing about what windows cost
             self.scheduler.observe(done.window, span, replayed=done.replayed)
         self.windows += 1
+        vram_reads, host_reads = self.runner.state.take_reads()
         stats = WindowStats(
             window=self.windows,
             started=done.started,
@@ -580,6 +617,8 @@ class EngineCore:
             host_s=span - done.wait_s,
             stages=done.stages,
             drafts=done.drafts,
+            kv_vram_reads=vram_reads,
+            kv_host_reads=host_reads,
         )
         return outputs, stats
 

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
 
+from app.engine.kv_stream import StreamedKV, StreamPlan, shifted
 from app.kernels import kv_quant
 from app.models.batch import PagedLayout, SequenceSpan
 from app.models.config import ATTENTION, LINEAR_ATTENTION, ModelConfig
@@ -58,13 +59,18 @@ class PagedState:
 
     Keys and values live in blocks [blocks, block_size, kv_heads, head_dim] per attention layer, of
     `kv_dtype` (None: `dtype`, the activations'); an 8-bit `kv_dtype` holds codes and a scale a row
-    (`kv_quant`: rows of head_dim + 16), which `write_kv` and `extend_kv` quantize and widen. Each slot's
-    block table (set per window by the runner) maps its positions to blocks. One block and one slot beyond
-    the given counts (`scratch_block`, `scratch_slot`) belong to no request: padding rows of a CUDA graph's
-    bucket write there. The Gated DeltaNet pools hold `checkpoints` more slots after the scratch one
-    (`checkpoint_slots`), where the prefix cache keeps states that requests can continue from. A stage of a
-    layer split holds the state of its own `layers` only. `extra_attention` are attention layers beyond the
+    (`kv_quant`: rows of head_dim + 16), which `write_kv` and `extend_kv` quantize (the kernels widen them).
+    Each slot's block table (set per window by the runner) maps its positions to blocks. One block and one
+    slot beyond the given counts (`scratch_block`, `scratch_slot`) belong to no request: padding rows of a
+    CUDA graph's bucket write there. The Gated DeltaNet pools hold `checkpoints` more slots after the scratch
+    one (`checkpoint_slots`), where the prefix cache keeps states that requests can continue from. A stage of
+    a layer split holds the state of its own `layers` only. `extra_attention` are attention layers beyond the
     decoder's (the MTP head's, numbered after them) whose keys and values share the blocks.
+
+    With `resident` below `blocks` (`--kv-resident`), only the first `resident` blocks (and the scratch
+    block, then numbered `resident`) live on the device, `keys` and `values` being theirs; the others live in
+    host RAM (`stream`, app/engine/kv_stream.py) and a batch that reads them streams them in layer by layer
+    (`kv_view`). `block_kv` and `gather_blocks` reach a block wherever it lives.
     """
 
     def __init__(
@@ -79,10 +85,12 @@ class PagedState:
         layers: range | None = None,
         extra_attention: tuple[int, ...] = (),
         kv_dtype: torch.dtype | None = None,
+        resident: int | None = None,
     ) -> None:
         self.blocks = blocks
         self.block_size = block_size
-        self.scratch_block = blocks
+        self.resident = blocks if resident is None else min(resident, blocks)
+        self.scratch_block = self.resident
         self.scratch_slot = slots
         self.checkpoint_slots = tuple(range(slots + 1, slots + 1 + checkpoints))
         self.device = device
@@ -94,9 +102,17 @@ class PagedState:
         }
         kv_dtype = dtype if kv_dtype is None else kv_dtype
         row = kv_quant.row_width(config.head_dim, kv_dtype)
-        kv_shape = (len(self._kv_layer), blocks + 1, block_size, config.num_key_value_heads, row)
-        self.keys = torch.zeros(kv_shape, dtype=kv_dtype, device=device)
-        self.values = torch.zeros(kv_shape, dtype=kv_dtype, device=device)
+        row_shape = (block_size, config.num_key_value_heads, row)
+        self.stream: StreamedKV | None = None
+        if self.resident < blocks:
+            self.stream = StreamedKV(len(self._kv_layer), blocks, self.resident, row_shape, kv_dtype, device)
+            self.keys, self.values = self.stream.on_device
+        else:
+            self.keys = torch.zeros(
+                (len(self._kv_layer), blocks + 1, *row_shape), dtype=kv_dtype, device=device
+            )
+            self.values = torch.zeros_like(self.keys)
+        self._reads = [0, 0]  # KV block reads of the windows counted (`count_reads`): VRAM, host RAM
         self.quantized = kv_quant.quantized(kv_dtype)
         conv_dim = 2 * config.linear_num_key_heads * config.linear_key_head_dim + (
             config.linear_num_value_heads * config.linear_value_head_dim
@@ -128,14 +144,22 @@ class PagedState:
         size = self.block_size
         width = max(-(-(s.past + s.length) // size) for s in spans)
         starts = [0]
-        tables = torch.full((seqs, width), self.scratch_block, dtype=torch.int64)
+        streamed = self.stream is not None
+        tables = torch.full((seqs, width), -1 if streamed else self.scratch_block, dtype=torch.int64)
         slot_mapping = []
         for i, span in enumerate(spans):
             table = self.block_tables[span.seq][: -(-(span.past + span.length) // size)]
-            tables[i, : len(table)] = torch.tensor(table, dtype=torch.int64)
+            if not (
+                streamed and span.seq == self.scratch_slot
+            ):  # the scratch slot's table: the scratch block
+                tables[i, : len(table)] = torch.tensor(table, dtype=torch.int64)
             positions = torch.arange(span.past, span.past + span.length)
             slot_mapping.append(tables[i, positions // size] * size + positions % size)
             starts.append(starts[-1] + span.length)
+        plan = None
+        if self.stream is not None:
+            tables, plan = self.stream.place(tables)
+            slot_mapping = [self.stream.place_slots(torch.cat(slot_mapping), size, plan)]
         saving = any(s.save_slot is not None for s in spans)
         saves = [*(s.save_at for s in spans), *(-1 if s.save_slot is None else s.save_slot for s in spans)]
         stepping = any(s.stepwise for s in spans)
@@ -186,6 +210,7 @@ class PagedState:
             save_slots=save_slots if saving else None,
             stepwise=stepwise.to(torch.int32) if stepping else None,
             row_saves=saved if stepping else None,
+            streamed=plan,
         )
 
     def holds_layer(self, layer: int) -> bool:
@@ -195,12 +220,72 @@ class PagedState:
 
     def kv_cache(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         kv = self._kv_layer[layer]
+        if self.stream is not None:
+            return self.stream.cache(kv)
         return self.keys[kv], self.values[kv]
 
+    def kv_view(self, layer: int, layout: PagedLayout) -> tuple[torch.Tensor, torch.Tensor, PagedLayout]:
+        keys, values = self.kv_cache(layer)
+        plan = layout.streamed
+        if plan is None:
+            return keys, values, layout
+        assert self.stream is not None and isinstance(plan, StreamPlan)
+        shift = self.stream.ready(self._kv_layer[layer], plan)
+        return (
+            keys,
+            values,
+            replace(
+                layout,
+                block_table=shifted(layout.block_table, shift),
+                slot_mapping=shifted(layout.slot_mapping, shift * self.block_size),
+                streamed=None,
+            ),
+        )
+
     def write_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """Store k, v [tokens, kv_heads, head_dim] at flat cache slots (block * block_size + offset)."""
-        kv = self._kv_layer[layer]
-        kv_quant.write(self.keys[kv], self.values[kv], k, v, slot_mapping)
+        """Store k, v [tokens, kv_heads, head_dim] at flat slots (block * block_size + offset) of the layer's
+        caches as `kv_cache` gives them (a `kv_view` layout's slot mapping), 8-bit rows quantized."""
+        kv_quant.write(*self.kv_cache(layer), k, v, slot_mapping)
+
+    def count_reads(self, tables: list[tuple[list[int], int]]) -> bool:
+        """Count a window's KV block reads (a block once a sequence), each (block table, tokens it holds after
+        the window) a sequence's, by where the blocks live (`take_reads`); whether any lives in host RAM.
+        A pool wholly on the device counts nothing."""
+        if self.stream is None:
+            return False
+        size, beyond = self.block_size, self.resident.__le__
+        host = sum(sum(map(beyond, blocks[: -(-tokens // size)])) for blocks, tokens in tables)
+        self._reads[1] += host
+        self._reads[0] += sum(-(-tokens // size) for _, tokens in tables) - host
+        return host > 0
+
+    def take_reads(self) -> tuple[int, int]:
+        """The KV block reads counted since the last call: (from VRAM, streamed from host RAM)."""
+        reads, self._reads = self._reads, [0, 0]
+        return reads[0], reads[1]
+
+    def settle(self) -> None:
+        """Let the host side read and write blocks in host RAM (after a batch that streamed them)."""
+        if self.stream is not None:
+            self.stream.host_side()
+
+    def block_kv(self, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A block's keys and values in every attention layer [layers, block_size, kv_heads, row], where it
+        lives (on the device or, beyond `resident`, in host RAM); `settle` first."""
+        if block < self.resident or self.stream is None:
+            return self.keys[:, block], self.values[:, block]
+        home = block - self.resident
+        return self.stream.homes[0][:, home], self.stream.homes[1][:, home]
+
+    def gather_blocks(self, blocks: list[int]) -> torch.Tensor:
+        """Keys and values of `blocks` on the device: [blocks, 2, attention layers, block, kv heads, row]."""
+        if self.stream is None or all(b < self.resident for b in blocks):
+            ids = torch.tensor(blocks, dtype=torch.long).to(self.device, non_blocking=True)
+            keys = self.keys.index_select(1, ids).transpose(0, 1)
+            values = self.values.index_select(1, ids).transpose(0, 1)
+            return torch.stack((keys, values), dim=1)
+        self.settle()
+        return torch.stack([torch.stack([t.to(self.device) for t in self.block_kv(b)]) for b in blocks])
 
     def linear_pools(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         n = self._gdn_layer[layer]
@@ -213,8 +298,10 @@ class PagedState:
 
     def copy_block(self, source: int, target: int) -> None:
         """Copy one KV block's keys and values, in every attention layer, over another's."""
-        self.keys[:, target] = self.keys[:, source]
-        self.values[:, target] = self.values[:, source]
+        if max(source, target) >= self.resident:
+            self.settle()
+        for to, of in zip(self.block_kv(target), self.block_kv(source), strict=True):
+            to.copy_(of, non_blocking=True)
 
     def reset_slot(self, slot: int) -> None:
         """Start a slot's recurrent state empty (a new request, or one read again after preemption)."""
@@ -234,6 +321,8 @@ class PagedState:
         self, layer: int, span: SequenceSpan, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         kv = self._kv_layer[layer]
+        if self.stream is not None:
+            return self._extend_blockwise(kv, span, k, v)
         dtype = k.dtype
         keys, values = self.keys[kv], self.values[kv]
         if self.quantized:
@@ -246,6 +335,30 @@ class PagedState:
         used = self._table(span.seq)[: -(-total // self.block_size)]  # whole blocks, then the tail cut off
         keys = self.keys[kv].index_select(0, used).flatten(0, 1)[:total]
         values = self.values[kv].index_select(0, used).flatten(0, 1)[:total]
+        return kv_quant.dequantize(keys, dtype), kv_quant.dequantize(values, dtype)
+
+    def _extend_blockwise(
+        self, kv: int, span: SequenceSpan, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`extend_kv` block by block, wherever each block lives (a pool partly in host RAM)."""
+        self.settle()
+        dtype, size, total = k.dtype, self.block_size, span.past + span.length
+        rows = [k, v]
+        if self.quantized:
+            rows = [_bytes(kv_quant.quantize(t, self.keys.dtype)) for t in rows]
+        read: list[list[torch.Tensor]] = [[], []]
+        for n, block in enumerate(self.block_tables[span.seq][: -(-total // size)]):
+            low, high = max(span.past, n * size), min(total, (n + 1) * size)
+            for cache, new, out in zip(self.block_kv(block), rows, read, strict=True):
+                cache = _bytes(cache[kv]) if self.quantized else cache[kv]
+                if high > low:
+                    cache[low - n * size : high - n * size] = new[low - span.past : high - span.past].to(
+                        cache.device
+                    )
+                out.append(cache.to(self.device))
+        keys, values = (torch.cat(out)[:total] for out in read)
+        if self.quantized:
+            keys, values = keys.view(self.keys.dtype), values.view(self.keys.dtype)
         return kv_quant.dequantize(keys, dtype), kv_quant.dequantize(values, dtype)
 
     def linear_state(self, layer: int, seq: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:

@@ -34,7 +34,6 @@ from app.engine.paged_state import PagedState
 from app.engine.park_file import Part
 from app.engine.park_index import ParkIndex, ParkKey, longest_prefix
 from app.engine.protocol import ParkingStats
-from app.engine.transfer import device_tensor
 
 log = logging.getLogger("strata.parking")
 PIN_AHEAD = 4 << 30  # the most bytes of parked blocks pinned at start (the rest is pinned as it is parked)
@@ -136,7 +135,7 @@ class ConversationPark:
         new = [i for i, k in enumerate(block_keys) if k not in self._blocks]
         gathered: list[tuple[bytes, torch.Tensor]] = []
         if new:
-            copied = self._kv(device_tensor([blocks[i] for i in new], torch.long, self.state.device))
+            copied = self.state.gather_blocks([blocks[i] for i in new])
             # Each block its own storage: a view would keep the whole gather alive while any one block of it
             # stays parked (a shared prefix), beyond the bytes the budget counts. A GPU's device copies are
             # replaced by exact host copies on the worker.
@@ -153,7 +152,7 @@ class ConversationPark:
         layers, _, _, heads, dim = self.state.keys.shape
         tail = self.state.keys.new_empty((2, layers, 0, heads, dim))
         if rest:
-            tail = self._kv(device_tensor([blocks[full]], torch.long, self.state.device))[0, :, :, :rest]
+            tail = self.state.gather_blocks([blocks[full]])[0, :, :, :rest]
             tail = tail if self._pinned else tail.clone()
         conv = recurrent = None
         if self.state.conv.shape[0]:
@@ -173,12 +172,6 @@ class ConversationPark:
             files = [self._blocks[k] for k in block_keys] if path is not None else []
             self._jobs.put(_Job(parked, gathered, ready, path, files))
         self._fit_ram()
-
-    def _kv(self, block_ids: torch.Tensor) -> torch.Tensor:
-        """Keys and values of device blocks: [blocks, 2, attention layers, block, kv heads, head dim]."""
-        keys = self.state.keys.index_select(1, block_ids).transpose(0, 1)
-        values = self.state.values.index_select(1, block_ids).transpose(0, 1)
-        return torch.stack((keys, values), dim=1)
 
     def reserve_pinned(self) -> None:
         """Pin the RAM budget's worth of blocks now (up to PIN_AHEAD bytes) and leave it in torch's cache of
@@ -247,15 +240,17 @@ class ConversationPark:
         started = time.perf_counter()
         device = self.state.device
         full = len(parked.block_keys)
+        rest = parked.tail.shape[2]
+        if max(blocks[: full + (1 if rest else 0)], default=0) >= self.state.resident:
+            self.state.settle()  # blocks in host RAM are written by the host
         for key, block in zip(parked.block_keys, blocks, strict=False):  # straight from pinned memory
             kv = self._blocks[key]
-            self.state.keys[:, block].copy_(kv[0], non_blocking=True)
-            self.state.values[:, block].copy_(kv[1], non_blocking=True)
-        rest = parked.tail.shape[2]
+            for cache, part in zip(self.state.block_kv(block), kv, strict=True):
+                cache.copy_(part, non_blocking=True)
         if rest:
             tail = parked.tail.to(device, non_blocking=True)
-            self.state.keys[:, blocks[full], :rest] = tail[0]
-            self.state.values[:, blocks[full], :rest] = tail[1]
+            for cache, part in zip(self.state.block_kv(blocks[full]), tail, strict=True):
+                cache[:, :rest].copy_(part)
         if parked.conv is not None and parked.recurrent is not None:
             self.state.conv[:, slot] = parked.conv.to(device, non_blocking=True)
             self.state.recurrent[:, slot] = parked.recurrent.to(device, non_blocking=True)

@@ -301,6 +301,8 @@ class WindowStats(msgspec.Struct, tag="stats", frozen=True):
     host_s: float = 0.0  # of which the host was busy (not waiting for the device)
     stages: list[StageTimes] | None = None  # on a layer split, each stage's times in this window
     drafts: list[tuple[int, int, int]] = []  # each drafting request's (slot, draft tokens, of them accepted)
+    kv_vram_reads: int = 0  # with --kv-resident: KV blocks the window read from VRAM (once a sequence)
+    kv_host_reads: int = 0  # and streamed in from host RAM
 
     @property
     def kv_usage(self) -> float:

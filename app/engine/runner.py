@@ -117,7 +117,8 @@ class ModelRunner:
         fed = self._fed(chunks)
         if self.pipeline is not None:
             return self._down_the_stages(chunks, fed, copies)
-        bucket = graphs.bucket(chunks) if graphs is not None else None
+        streams = self.state.count_reads([(c.request.blocks, c.past + len(c.tokens)) for c in chunks])
+        bucket = graphs.bucket(chunks) if graphs is not None and not streams else None
         self.last_replayed = bucket is not None
         kept_chunks, kept_rows = _kept(chunks)
         kept = None

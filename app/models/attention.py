@@ -83,8 +83,8 @@ class Attention(nn.Module):
         layout = batch.layout
         plain = self.qkv_bias is None and self.o_proj.bias is None
         if self.decode_step is not None and plain and layout is not None and layout.max_query_len == 1:
-            keys, values = cast(PagedStatePools, batch.state).kv_cache(self.layer)
-            out = self.decode_step(x, self.weights(), *cos_sin, keys, values, layout)
+            keys, values, viewed = cast(PagedStatePools, batch.state).kv_view(self.layer, layout)
+            out = self.decode_step(x, self.weights(), *cos_sin, keys, values, viewed)
             if out is not None:
                 return out
         tokens = x.shape[0]
@@ -99,21 +99,18 @@ class Attention(nn.Module):
         v = v.reshape(tokens, self.kv_heads, self.head_dim)
         norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.q_norm.offset)
         scale = self.head_dim**-0.5
-        if batch.layout is not None and self.paged_attend is not None:
+        if layout is not None and self.paged_attend is not None:
             state = cast(PagedStatePools, batch.state)
+            keys, values, layout = state.kv_view(self.layer, layout)
             if self.qk_norm_rope_store is not None:
-                keys, values = state.kv_cache(self.layer)
-                slots = batch.layout.slot_mapping
-                q = self.qk_norm_rope_store(q, k, v, *norms, *cos_sin, keys, values, slots)
+                q = self.qk_norm_rope_store(q, k, v, *norms, *cos_sin, keys, values, layout.slot_mapping)
             else:
                 q, k = self._norm_rope(q, k, norms, cos_sin)
-                state.write_kv(self.layer, k, v, batch.layout.slot_mapping)
+                state.write_kv(self.layer, k, v, layout.slot_mapping)
                 keys, values = state.kv_cache(self.layer)
             if gate is not None and self.gate_in_attention:
-                return self.o_proj(
-                    self.paged_attend(q, keys, values, batch.layout, scale, gate).view(tokens, -1)
-                )
-            out = self.paged_attend(q, keys, values, batch.layout, scale)
+                return self.o_proj(self.paged_attend(q, keys, values, layout, scale, gate).view(tokens, -1))
+            out = self.paged_attend(q, keys, values, layout, scale)
         else:
             q, k = self._norm_rope(q, k, norms, cos_sin)
             out = torch.empty_like(q)

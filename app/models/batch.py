@@ -76,7 +76,9 @@ class PagedLayout:
     none) and `save_slot`;
     stepwise [seqs] int32 and row_saves [tokens] int64, or None (both) when no span is stepwise: 1 for the
     spans whose rows the recurrent layers read one at a time, as decode rows (`SequenceSpan.stepwise`), and
-    for each row of those the state slot that keeps the recurrent state after it (-1: none).
+    for each row of those the state slot that keeps the recurrent state after it (-1: none);
+    streamed: where the batch reads KV blocks kept in host RAM (`--kv-resident`), the state's plan for
+    streaming them in (app/engine/kv_stream.py), which `PagedStatePools.kv_view` follows; None: none.
     """
 
     query_start: torch.Tensor
@@ -91,6 +93,7 @@ class PagedLayout:
     save_slots: torch.Tensor | None = None
     stepwise: torch.Tensor | None = None
     row_saves: torch.Tensor | None = None
+    streamed: object | None = None
 
 
 class PagedStatePools(SequenceState, Protocol):
@@ -98,6 +101,15 @@ class PagedStatePools(SequenceState, Protocol):
 
     def kv_cache(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's key and value caches [blocks, block_size, kv_heads, head_dim]."""
+        ...
+
+    def write_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Store k, v [tokens, kv_heads, head_dim] in the layer's caches at a `kv_view` layout's slots."""
+        ...
+
+    def kv_view(self, layer: int, layout: PagedLayout) -> tuple[torch.Tensor, torch.Tensor, PagedLayout]:
+        """The layer's key and value caches for a batch of `layout`, and the layout as they are addressed
+        (blocks streamed in from host RAM named where they were staged); layers ask in order."""
         ...
 
     def linear_pools(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

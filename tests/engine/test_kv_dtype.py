@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_helpers import complete, make_core, random_prompt, request, run
+from engine_helpers import assert_parked_follow_up_continues, complete, make_core, random_prompt, request, run
 
 from app.engine.paged_state import kv_block_bytes, slot_state_bytes
 from app.errors import StrataError
@@ -42,19 +42,7 @@ def test_8_bit_kv_follows_the_full_precision_caches_greedy_tokens(checkpoint: Pa
 
 
 def test_a_parked_follow_up_over_int8_kv_continues_as_if_it_never_left(checkpoint: Path) -> None:
-    config = make_core(checkpoint).loaded.model.config
-    memory = 80 * kv_block_bytes(config, 16, torch.int8) + 16 * slot_state_bytes(config, torch.float32)
-    core = make_core(checkpoint, kv_dtype="int8", kv_memory=memory, park_memory=64 << 20)
-    first = random_prompt(600, 1)
-    answer = complete(core, first, max_tokens=10, temperature=0, ignore_eos=True).token_ids
-    follow_up = [*first, *answer, *random_prompt(20, 2)]
-    complete(core, random_prompt(1200, 3), max_tokens=5, temperature=0, ignore_eos=True)  # evicts the turn
-    add = request(follow_up, **GREEDY)
-    results, windows = run(core, [(0, add)])
-    assert core.park is not None and core.park.stats().restores == 1
-    assert sum(w.prefix_cache_hits for w in windows) == len(first) + len(answer) - 1
-    read_whole = make_core(checkpoint, kv_dtype="int8", prefix_cache=False)
-    assert results[add.request_id].token_ids == complete(read_whole, follow_up, **GREEDY).token_ids
+    assert_parked_follow_up_continues(checkpoint, torch.int8, kv_dtype="int8")
 
 
 def test_an_8_bit_pool_holds_the_blocks_its_bytes_allow_in_the_same_memory(checkpoint: Path) -> None:

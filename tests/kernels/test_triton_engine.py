@@ -54,9 +54,9 @@ def test_triton_kernels_give_the_tokens_and_logprobs_of_the_reference(checkpoint
 
 
 def test_triton_kernels_over_int8_kv_give_the_tokens_of_the_reference_over_it(checkpoint: Path) -> None:
-    """The fused store quantizes as the reference's `write_kv` does, attention dots the codes and scales the
-    scores where the reference widens the rows first. The kernels' fp32 norms may differ from torch's by an
-    ulp, which can move a code by one: logprobs within 1e-3."""
+    """The fused store quantizes as the reference's `kv_quant.write` does, attention dots the codes and scales
+    the scores where the reference widens the rows first. The kernels' fp32 norms may differ from torch's by
+    an ulp, which can move a code by one: logprobs within 1e-3."""
     prompt = _prompt(40, 3)
     params = {"max_tokens": 8, "temperature": 0, "ignore_eos": True, "logprobs": 1}
     fast = complete(make_core(checkpoint, backend="triton", kv_dtype="int8"), prompt, **params)
@@ -64,6 +64,23 @@ def test_triton_kernels_over_int8_kv_give_the_tokens_of_the_reference_over_it(ch
     assert fast.token_ids == reference.token_ids
     for got, expected in zip(fast.logprobs, reference.logprobs, strict=True):
         assert got.chosen.logprob == pytest.approx(expected.chosen.logprob, abs=1e-3)
+
+
+def test_triton_kernels_over_kv_streamed_from_host_ram_give_what_they_give_on_the_device(
+    hybrid: Path,
+) -> None:
+    """`--kv-resident 16`: one block on the device, the others staged layer by layer; the fused store writes
+    into the staging area through the shifted slot mapping and attention reads it through the shifted table,
+    so prompt and decode windows give the whole pool's logprobs exactly."""
+    prompt = _prompt(40, 4)
+    params = {"max_tokens": 6, "temperature": 0, "ignore_eos": True, "logprobs": 1}
+    add = request(prompt, **params)
+    results, windows = run(make_core(hybrid, backend="triton", kv_resident=16), [(0, add)])
+    got = results[add.request_id]
+    expected = complete(make_core(hybrid, backend="triton"), prompt, **params)
+    assert sum(w.kv_host_reads for w in windows) > 0
+    assert got.token_ids == expected.token_ids
+    assert [p.chosen.logprob for p in got.logprobs] == [p.chosen.logprob for p in expected.logprobs]
 
 
 def test_exact_kernels_give_the_tokens_of_the_reference(checkpoint: Path) -> None:

@@ -546,6 +546,18 @@ def test_routed_expert_entries_are_counted_by_where_they_ran() -> None:
     assert value(found, "strata:expert_swaps_total") == 6  # 3 reported with each window
 
 
+def test_kv_block_reads_are_counted_by_where_the_blocks_live() -> None:
+    """With `--kv-resident` each window reports the KV blocks it read from VRAM and from host RAM; /metrics
+    adds them up (their ratio is the hit rate)."""
+    metrics = ServerMetrics("tiny", READY)
+    metrics.on_window(window(1, time.time(), [decoding(0, "a")], kv_vram_reads=30, kv_host_reads=10))
+    metrics.on_window(window(2, time.time(), [decoding(0, "a")], kv_vram_reads=31, kv_host_reads=10))
+    found = scrape(metrics)
+    assert value(found, "strata:kv_vram_block_reads_total") == 61
+    assert value(found, "strata:kv_host_block_reads_total") == 20
+    assert metrics.values()["kv_host_block_reads_total"] == 20
+
+
 def test_a_tiers_own_counts_of_where_entries_ran_and_its_pcie_bytes_are_added_up() -> None:
     """A tier counts each window's entries where they ran (a missed expert may go over PCIe one window and
     to the CPU the next), the bytes it copied to the device, and how long windows waited for its swaps."""

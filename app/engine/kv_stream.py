@@ -1,0 +1,204 @@
+"""KV blocks beyond a VRAM budget (`--kv-resident TOKENS`): kept in host RAM, streamed in for attention.
+
+The pool's blocks are numbered as the scheduler numbers them. The first `resident` live on the device, the
+rest in (pinned) host RAM, each in one place. The device holds, in one flat tensor of blocks, every attention
+layer's resident blocks and the scratch block (layer after layer), then two staging areas of one layer each.
+A layer's cache is the flat tensor from its own blocks on, so that its staging areas lie inside it, at a
+distance that depends on the layer: a batch's block table and slot mapping name a host block by its place in
+the staging area (`place`, as a negative number), and `shifted` turns that into the layer's index.
+
+Attention layers run in order; when layer i asks for its cache (`StreamedKV.ready`), the host blocks the batch
+reads are copied into staging area i % 2 for layer i + 1 (a layer ahead, on a side stream on a GPU), after the
+blocks layer i - 1 wrote there (its new rows) went back to their homes. Layer i waits only for its own copy.
+`settle` sends the last layer's writes home; whatever reads or writes host blocks from the host side settles
+first. A batch that reads no host block has no plan and runs as if the pool were all on the device (CUDA
+graphs included).
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(eq=False)
+class StreamPlan:
+    """One batch's host blocks: `homes` their places in host RAM (sorted; staged in this order, so staging
+    place j holds homes[j]) and `written` the staging places of those its rows write into."""
+
+    homes: torch.Tensor
+    written: torch.Tensor
+    started: bool = False
+
+
+def _runs(sources: torch.Tensor, targets: torch.Tensor) -> list[tuple[int, int, int]]:
+    """(source, target, count) runs in which both indices go up by one, covering the pairs in order."""
+    if sources.numel() == 0:
+        return []
+    breaks = ((sources[1:] - sources[:-1] != 1) | (targets[1:] - targets[:-1] != 1)).nonzero().flatten() + 1
+    starts = [0, *breaks.tolist()]
+    ends = [*starts[1:], sources.numel()]
+    firsts, seconds = sources[starts].tolist(), targets[starts].tolist()
+    return [(a, b, end - start) for a, b, start, end in zip(firsts, seconds, starts, ends, strict=True)]
+
+
+class StreamedKV:
+    """Keys and values of `layers` attention layers over `blocks` blocks, of which the first `resident` (and
+    the scratch block, numbered `resident` on the device) live on `device` and the others in host RAM."""
+
+    def __init__(
+        self,
+        layers: int,
+        blocks: int,
+        resident: int,
+        row_shape: tuple[int, ...],
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.layers = layers
+        self.resident = resident
+        self.span = resident + 1  # a layer's blocks on the device: the resident ones and the scratch block
+        self.staging = blocks - resident  # each area holds every host block, the most a batch reads
+        self.device = device
+        flat = (layers * self.span + 2 * self.staging, *row_shape)
+        self.flat = [torch.zeros(flat, dtype=dtype, device=device) for _ in range(2)]
+        self.on_device = [f[: layers * self.span].view(layers, self.span, *row_shape) for f in self.flat]
+        gpu = device.type == "cuda"
+        self.homes = [
+            torch.zeros((layers, self.staging, *row_shape), dtype=dtype, pin_memory=gpu) for _ in range(2)
+        ]
+        self.copies = torch.cuda.Stream(device) if gpu else None
+        self._fetched: list[torch.cuda.Event | None] = [None] * layers
+        self._open: StreamPlan | None = None
+        self._last = -1  # the last layer of the open plan that asked for its cache
+
+    @property
+    def host_bytes(self) -> int:
+        """Host RAM the blocks beyond the device take."""
+        return sum(h.nbytes for h in self.homes)
+
+    # Placing a batch ---------------------------------------------------------------------------------
+
+    def place(self, tables: torch.Tensor) -> tuple[torch.Tensor, StreamPlan | None]:
+        """A batch's block tables [seqs, width] in the scheduler's block numbers (-1: padding) as the device
+        reads them: resident blocks as they are, padding as the scratch block, a host block as -1 - its
+        staging place (`shifted`); with the batch's plan, or None when it reads no host block."""
+        tables = tables.clone()
+        padding = tables < 0
+        host = tables >= self.resident
+        tables[padding] = self.resident
+        if not bool(host.any()):
+            return tables, None
+        homes = torch.unique(tables[host])
+        tables[host] = -1 - torch.searchsorted(homes, tables[host])
+        return tables, StreamPlan(homes - self.resident, homes.new_empty(0))
+
+    def place_slots(self, slots: torch.Tensor, block_size: int, plan: StreamPlan | None) -> torch.Tensor:
+        """A batch's slot mapping [rows] in the scheduler's block numbers (a negative block: the scratch
+        block) as the device writes it: a row of a host block as -1 - (staging place * block_size + offset);
+        the plan learns which staging places are written."""
+        blocks = slots.div(block_size, rounding_mode="floor")
+        offsets = slots - blocks * block_size
+        slots = torch.where(blocks < 0, self.resident * block_size + offsets, slots)
+        host = blocks >= self.resident
+        if plan is None or not bool(host.any()):
+            return slots
+        places = torch.searchsorted(plan.homes, blocks[host] - self.resident)
+        slots[host] = -1 - (places * block_size + offsets[host])
+        plan.written = torch.unique(places)
+        return slots
+
+    # Running a batch ---------------------------------------------------------------------------------
+
+    def ready(self, layer: int, plan: StreamPlan) -> int:
+        """Make `layer`'s staging area hold the plan's host blocks (and start the next layer's copy); the
+        shift that turns a staging place into an index of the layer's cache (`cache`)."""
+        if plan is self._open and layer == self._last:  # asked again (a fused step that declined)
+            return self._area(layer) - layer * self.span
+        if plan is not self._open:
+            self.settle()
+            self._open, self._last = plan, -1
+            self._fetch(plan, layer)
+        if layer != self._last + 1 and self._last >= 0:
+            raise RuntimeError(f"attention layer {layer} asked for its cache after layer {self._last}")
+        self._after_compute()
+        if self._last >= 0:
+            self._write_home(plan, self._last)
+        if layer + 1 < self.layers:
+            self._fetch(plan, layer + 1)
+        self._last = layer
+        event = self._fetched[layer]
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+        return self._area(layer) - layer * self.span
+
+    def cache(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's keys and values: the flat tensors from its resident blocks on (staging included)."""
+        start = layer * self.span
+        return self.flat[0][start:], self.flat[1][start:]
+
+    def settle(self) -> None:
+        """Send the open plan's last written blocks home; nothing is left in flight to a host block."""
+        plan = self._open
+        if plan is None:
+            return
+        self._after_compute()
+        if self._last >= 0:
+            self._write_home(plan, self._last)
+        self._open = None
+
+    def host_side(self) -> None:
+        """Settle and wait for every copy to and from host RAM and for the device (before host blocks are
+        read or written outside a batch, by the host too)."""
+        self.settle()
+        if self.copies is not None:
+            self.copies.synchronize()
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def _area(self, layer: int) -> int:
+        """The flat index of the staging area `layer` uses."""
+        return self.layers * self.span + (layer % 2) * self.staging
+
+    def _after_compute(self) -> None:
+        """Order the copies after what the device has been asked to compute so far."""
+        if self.copies is not None:
+            self.copies.wait_stream(torch.cuda.current_stream(self.device))
+
+    def _fetch(self, plan: StreamPlan, layer: int) -> None:
+        """Copy the plan's host blocks of `layer` into its staging area (on the side stream on a GPU)."""
+        area = self._area(layer)
+        places = torch.arange(plan.homes.numel())
+        if not plan.started:  # the batches before may still read the staging areas
+            self._after_compute()
+        with torch.cuda.stream(self.copies) if self.copies is not None else nullcontext():
+            for home, place, count in _runs(plan.homes, places):
+                for flat, homes in zip(self.flat, self.homes, strict=True):
+                    flat[area + place : area + place + count].copy_(
+                        homes[layer, home : home + count], non_blocking=True
+                    )
+            if self.copies is not None:
+                event = torch.cuda.Event()
+                event.record(self.copies)
+                self._fetched[layer] = event
+        plan.started = True
+
+    def _write_home(self, plan: StreamPlan, layer: int) -> None:
+        """Copy the staging places `layer` wrote back to their homes."""
+        if plan.written.numel() == 0:
+            return
+        area = self._area(layer)
+        homes = plan.homes[plan.written]
+        with torch.cuda.stream(self.copies) if self.copies is not None else nullcontext():
+            for place, home, count in _runs(plan.written, homes):
+                for flat, host in zip(self.flat, self.homes, strict=True):
+                    host[layer, home : home + count].copy_(
+                        flat[area + place : area + place + count], non_blocking=True
+                    )
+
+
+def shifted(index: torch.Tensor, shift: int) -> torch.Tensor:
+    """A placed table or slot mapping (`StreamedKV.place`) with its host entries (-1 - place) made indices
+    `shift` on (for a slot mapping, `shift` in rows)."""
+    return torch.where(index < 0, shift - 1 - index, index)
