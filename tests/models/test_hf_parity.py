@@ -49,6 +49,19 @@ VARIANTS = {
             None,
         ),
         ("head-dim", {"head_dim": 24}, None),
+        (
+            "yarn-partial",  # the long-context form of Qwen3-Next's configs (a quarter rotary, yarn x4)
+            {
+                "rope_parameters": {
+                    "rope_type": "yarn",
+                    "factor": 4.0,
+                    "rope_theta": 1e7,
+                    "partial_rotary_factor": 0.25,
+                    "original_max_position_embeddings": 128,
+                }
+            },
+            None,
+        ),
         ("layer-types", {"layer_types": ["linear_attention", "full_attention"] * 2}, None),
         ("gdn-heads-equal", {"linear_num_value_heads": 2, "linear_key_head_dim": 8}, None),
         ("sharded", {}, "60KB"),
