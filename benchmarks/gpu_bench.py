@@ -188,9 +188,11 @@ def open_engine(
     kv_dtype: str = "auto",
     context: int = PREFILL_LEN,
     kv_memory: int = 8 << 30,
+    kv_resident: int | None = None,
 ) -> EngineCore:
     """An in-process engine core on a random-weight model of the shape, built straight on the GPU (prompts
-    of up to `context` tokens, keys and values of `kv_dtype` in `kv_memory` bytes)."""
+    of up to `context` tokens, keys and values of `kv_dtype` in `kv_memory` bytes, of which `kv_resident`
+    tokens on the device when given)."""
     device = "cuda"
     backends = select_backends("auto", device, exact=exact)
     model = build_model(config, backends, device)
@@ -205,6 +207,7 @@ def open_engine(
         max_batched_tokens=PREFILL_LEN,
         kv_memory=kv_memory,
         kv_dtype=kv_dtype,
+        kv_resident=kv_resident,
         max_model_len=context + 64,
         exact=exact,
         enforce_eager=eager,

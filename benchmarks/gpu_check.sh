@@ -16,6 +16,12 @@
 # (LLAMA=0: Strata alone, no llama.cpp build).
 # kv: the 8-bit KV GPU tests, then benchmarks/kv_dtype_bench.py on the shape (32K and 128K-token prompts and
 # the decode after them, KV bf16 / fp8 / int8).
+# kv-stream: the streamed KV's GPU tests, then benchmarks/kv_dtype_bench.py with 64K tokens of the pool on the
+# device (KV_RESIDENT) and the rest in host RAM, at 32K / 128K / 256K-token prompts, KV bf16 / fp8 / int8.
+# long-burst: a random checkpoint of the shape taking 128K positions served on a simulated 24 GB card (experts
+# and KV capped: SERVE_ARGS, by default --expert-vram 14GiB, --kv-memory 40GiB of which --kv-resident 65536
+# tokens on the device) and driven over HTTP: 4 peers with 96K-token prompts (LONG_PROMPT) arriving together
+# beside a decoding stream, their first-token times against one read alone.
 # decode: the fused decode steps' GPU tests and the end-to-end ones, then the decode windows of Qwen3-Next's
 # shapes cut to 12 layers profiled with the fused steps off and on (STRATA_FUSED_DECODE).
 # decode-bench: benchmarks/gpu_bench.py on qnext at 12 layers, at the most that fit, and on q30-half.
@@ -53,6 +59,12 @@ if [[ $what == kv ]]; then
     python3 benchmarks/kv_dtype_bench.py --shape "${shapes%% *}" --out "$out/kv.jsonl" 2>&1 | tee "$out/kv.log" \
         || status=1
 fi
+if [[ $what == kv-stream ]]; then
+    python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_kv_stream_gpu.py 2>&1 | tee "$out/gpu-tests.log" \
+        || status=1
+    python3 benchmarks/kv_dtype_bench.py --shape "${shapes%% *}" --kv-resident "${KV_RESIDENT:-65536}" \
+        --contexts 32768 131072 262144 --out "$out/kv-stream.jsonl" 2>&1 | tee "$out/kv-stream.log" || status=1
+fi
 if [[ $what == decode ]]; then
     python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_decode_steps_gpu.py tests/gpu/test_triton_gdn_gpu.py \
         tests/gpu/test_triton_norm_gpu.py tests/gpu/test_fast_path_gpu.py 2>&1 | tee "$out/gpu-tests.log" || status=1
@@ -74,6 +86,17 @@ if [[ $what == serving ]]; then
         python3 benchmarks/http_burst.py --model "$dir" --long-peers 4 --out "$out/serving.jsonl" \
             --serve-arg=--parallel=32 --serve-arg=--kv-memory=24GiB 2>&1 | tee -a "$out/serving.log" || status=1
     done
+fi
+if [[ $what == long-burst ]]; then
+    s=${shapes%% *}
+    dir=${CHECKPOINTS:-/tmp}/strata-$s-128k
+    [[ -f $dir/model.safetensors.index.json ]] || python3 benchmarks/random_checkpoint.py --shape "$s" \
+        --context 131072 "$dir"
+    serve=(${SERVE_ARGS:---expert-vram=14GiB --kv-memory=40GiB --kv-resident=65536})
+    python3 benchmarks/http_burst.py --model "$dir" --clients 8 --long-peers 4 \
+        --long-prompt-len "${LONG_PROMPT:-98304}" --scenarios solo,long_peers --out "$out/long-burst.jsonl" \
+        "${serve[@]/#/--serve-arg=}" --serve-arg=--parallel=8 --serve-arg=--max-batched-tokens=8192 \
+        2>&1 | tee -a "$out/long-burst.log" || status=1
 fi
 if [[ $what == split ]]; then
     python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_layer_split_gpu.py 2>&1 \

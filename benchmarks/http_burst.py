@@ -12,7 +12,10 @@ Starts `strata serve` on the model (its own engine process, as a user would), th
   streams run (`burst_gpu_*`);
 - observer: one stream decoding alone, then `--clients - 1` peers' prompts arrive together; its tok/s from
   their arrival until the last peer's first token, over its solo tok/s just before;
-- long peers (with `--long-peers N`): the same with N peers of `--long-prompt-len` tokens.
+- long peers (with `--long-peers N`): one `--long-prompt-len`-token prompt read alone (its time to first
+  token: one read), then the observer run with N peers of that length; their first-token times (sorted),
+  their sum, and that sum over N reads (1 where they are read together at the cost of one, (N + 1) / 2
+  where they are read one after another at full speed).
 
 Every prompt is fresh random token ids, and the run fails if the server's prefix cache served any prompt token
 (a cached prompt would time a read that never happened), or if the solo decode beats the card's roofline.
@@ -183,7 +186,7 @@ async def burst(client: Client, clients: int, prompt_len: int, output_len: int) 
     }
 
 
-async def observer(client: Client, peers: int, prompt_len: int, name: str, length: int) -> dict[str, float]:
+async def observer(client: Client, peers: int, prompt_len: int, name: str, length: int) -> dict[str, Any]:
     """A stream of `length` tokens decoding alone, then `peers` prompts arriving together: its speed while
     they are read."""
     watched = Stream()
@@ -206,6 +209,7 @@ async def observer(client: Client, peers: int, prompt_len: int, name: str, lengt
         await task
     ttfts = sorted(s.ttft for s in streams)
     return {
+        f"{name}_ttfts": ttfts,
         f"{name}_solo_tok_s": solo_rate,
         f"{name}_during_tok_s": during,
         f"{name}_ratio": during / solo_rate,
@@ -213,6 +217,21 @@ async def observer(client: Client, peers: int, prompt_len: int, name: str, lengt
         f"{name}_peer_ttft_p50_s": statistics.median(ttfts),
         f"{name}_peer_ttft_max_s": ttfts[-1],
     }
+
+
+async def long_peers(client: Client, peers: int, prompt_len: int, length: int) -> dict[str, Any]:
+    """One long prompt read alone, then the observer run with `peers` of them: their first-token times
+    against that one read."""
+    read = (await client.stream(prompt_len, 4)).ttft
+    result: dict[str, Any] = await observer(client, peers, prompt_len, "long_peers", length)
+    ttfts = result.pop("long_peers_ttfts")
+    result.update(
+        long_solo_read_s=read,
+        long_peers_ttfts_s=ttfts,
+        long_peers_ttft_sum_s=sum(ttfts),
+        long_peers_ttft_sum_over_reads=sum(ttfts) / (peers * read),
+    )
+    return result
 
 
 def start_server(model: Path, port: int, extra: list[str], log: Path) -> subprocess.Popen:
@@ -251,9 +270,7 @@ async def run(args: argparse.Namespace, config: dict[str, Any]) -> dict[str, Any
         "observer": lambda: observer(client, args.clients - 1, args.prompt_len, "observer", length),
     }
     if args.long_peers:
-        scenarios["long_peers"] = lambda: observer(
-            client, args.long_peers, args.long_prompt_len, "long_peers", length
-        )
+        scenarios["long_peers"] = lambda: long_peers(client, args.long_peers, args.long_prompt_len, length)
     for name, scenario in scenarios.items():
         if args.scenarios and name not in args.scenarios.split(","):
             continue

@@ -1,14 +1,16 @@
 """A long prompt and the decode after it on one GPU, per KV dtype: what 8-bit keys and values cost and give.
 
     python benchmarks/kv_dtype_bench.py [--shape q30-half] [--contexts 32768 131072] [--kv auto fp8 int8]
-        [--out results.jsonl]
+        [--kv-resident TOKENS] [--out results.jsonl]
 
 For each KV dtype: an engine on gpu_bench's random-weight model of the shape (built on the GPU, Triton
 kernels, decode graphs; its context raised to the longest asked for, the weights being random), then for each
 context one prompt of that many tokens read in windows of 8,192 (prompt tok/s over the windows' time, time to
 first token) and 64 greedy decode windows of that request alone (tok/s, median ITL), with the KV bytes a token
-takes. A prompt served from the prefix cache, or a decode faster than the card could read the request's keys
-and values at its specified bandwidth, stops the run.
+takes. With `--kv-resident`, only that many tokens of the pool live on the device and the rest stream in from
+host RAM (each run reports the share of block reads served from VRAM). A prompt served from the prefix cache,
+or a decode faster than the card could read the request's keys and values at its specified bandwidth (or, for
+the part in host RAM, than a PCIe 5.0 x16 link carries it), stops the run.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from app.engine.core import EngineCore
 from app.engine.paged_state import kv_block_bytes
 from app.engine.protocol import AddRequest, SamplingParams
 from benchmarks.gpu_bench import bench_config, open_engine
-from benchmarks.roofline import H200_HBM_BANDWIDTH
+from benchmarks.roofline import H200_HBM_BANDWIDTH, PCIE5_X16_BANDWIDTH
 
 DECODE_STEPS = 64
 
@@ -44,11 +46,15 @@ def _long_request(core: EngineCore, context: int, vocab: int, seed: int) -> dict
     if rejected:
         raise RuntimeError(rejected[0].error)
     read_s, ttft_s, hits, decode = 0.0, 0.0, 0, []
+    reads = [0, 0]  # decode windows' KV block reads from VRAM and from host RAM
     while core.has_work():
         _, stats = core.step()
         if stats is None:
             continue
         hits += stats.prefix_cache_hits
+        if not stats.prompt_tokens:
+            reads[0] += stats.kv_vram_reads
+            reads[1] += stats.kv_host_reads
         if stats.prompt_tokens:
             read_s += stats.duration_s
             ttft_s = time.perf_counter() - began
@@ -62,27 +68,42 @@ def _long_request(core: EngineCore, context: int, vocab: int, seed: int) -> dict
         "ttft_s": ttft_s,
         "decode_tok_s": len(steady) / sum(steady),
         "itl_ms_median": 1000 * statistics.median(steady),
+        "decode_vram_read_share": reads[0] / sum(reads) if any(reads) else 1.0,
+        "decode_host_blocks_per_token": reads[1] / len(decode),
     }
 
 
-def bench(shape: str, kv: str, contexts: list[int]) -> dict[str, Any]:
+def bench(shape: str, kv: str, contexts: list[int], resident: int | None = None) -> dict[str, Any]:
     config = {**bench_config(shape), "max_position_embeddings": max(contexts) + DECODE_STEPS + 64}
     longest = max(contexts) + DECODE_STEPS + 2
-    core = open_engine(config, exact=False, eager=False, kv_dtype=kv, context=longest, kv_memory=24 << 30)
+    core = open_engine(
+        config,
+        exact=False,
+        eager=False,
+        kv_dtype=kv,
+        context=longest,
+        kv_memory=24 << 30,
+        kv_resident=resident,
+    )
     model_config = core.loaded.model.config
     kv_dtype = core.runner.state.keys.dtype
-    per_token = kv_block_bytes(model_config, 16, kv_dtype) / 16
+    block = kv_block_bytes(model_config, 16, kv_dtype)
+    per_token = block / 16
     line: dict[str, Any] = {
         "shape": shape,
         "layers": config["num_hidden_layers"],
         "kv_dtype": kv,
         "cache_dtype": str(kv_dtype).removeprefix("torch."),
         "kv_bytes_per_token": per_token,
+        "kv_resident": resident,
         "device": torch.cuda.get_device_name(),
     }
     for n, context in enumerate(contexts):
         result = _long_request(core, context, config["vocab_size"], seed=n)
         ceiling = H200_HBM_BANDWIDTH / (per_token * context)
+        streamed = result["decode_host_blocks_per_token"] * block
+        if streamed:
+            ceiling = min(ceiling, PCIE5_X16_BANDWIDTH / streamed)
         if result["decode_tok_s"] > ceiling:
             rate = result["decode_tok_s"]
             raise RuntimeError(f"decode at {context} ran {rate:.0f} tok/s, above its KV's {ceiling:.0f}")
@@ -99,10 +120,11 @@ def main() -> None:
     parser.add_argument("--shape", default="q30-half")
     parser.add_argument("--contexts", type=int, nargs="+", default=[32768, 131072])
     parser.add_argument("--kv", nargs="+", default=["auto", "fp8", "int8"])
+    parser.add_argument("--kv-resident", type=int, help="tokens of the pool on the device (the rest in RAM)")
     parser.add_argument("--out", help="also append the JSON lines to this file")
     args = parser.parse_args()
     for kv in args.kv:
-        line = bench(args.shape, kv, args.contexts)
+        line = bench(args.shape, kv, args.contexts, args.kv_resident)
         print(json.dumps(line), flush=True)
         if args.out:
             with open(args.out, "a") as f:

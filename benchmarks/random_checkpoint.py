@@ -1,6 +1,6 @@
 """Full-size random-weight HF directories on disk, for benchmarks that start `strata serve` like a user would.
 
-    python benchmarks/random_checkpoint.py --shape q30-half /tmp/q30-half [--layers N]
+    python benchmarks/random_checkpoint.py --shape q30-half /tmp/q30-half [--layers N] [--context TOKENS]
 
 Writes config.json, a word-level tokenizer covering the vocabulary, and one safetensors shard per decoder
 layer (plus one for the rest) with `model.safetensors.index.json`, under HF's tensor names (one tensor per
@@ -95,6 +95,7 @@ def main() -> None:
     parser.add_argument("path", type=Path)
     parser.add_argument("--shape", default="q30-half", help="q30, q30-half or qnext")
     parser.add_argument("--layers", type=int, help="cut the shape to this many layers")
+    parser.add_argument("--context", type=int, help="positions the model takes (the weights being random)")
     parser.add_argument(
         "--byte-tokenizer",
         action="store_true",
@@ -104,6 +105,8 @@ def main() -> None:
     args = parser.parse_args()
     began = time.perf_counter()
     config = shape(args.shape, layers=args.layers)
+    if args.context:
+        config["max_position_embeddings"] = args.context
     written = write_random_checkpoint(args.path, config)
     if args.byte_tokenizer:
         write_byte_tokenizer(args.path, config["vocab_size"])

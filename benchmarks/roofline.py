@@ -43,6 +43,9 @@ H200_HBM_BANDWIDTH = 4.8e12
 """The H200's memory bandwidth by its specification, bytes/s: no decode step reads faster."""
 H200_BF16_FLOPS = 989e12
 """The H200's dense bf16 tensor-core peak (its datasheet), FLOP/s."""
+PCIE5_X16_BANDWIDTH = 64e9
+"""A PCIe 5.0 x16 link's raw rate one way, bytes/s: nothing streamed from host RAM arrives faster (the H200
+machine measured 55 GB/s host-to-device from pinned memory)."""
 
 RECURRENT_STATE_BYTES = 4
 """Gated DeltaNet recurrent states are kept in fp32."""
