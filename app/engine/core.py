@@ -129,12 +129,6 @@ class EngineCore:
             raise StrataError(f"--expert-vram must be 0 or more bytes, not {config.expert_vram}")
         if config.kv_resident is not None and config.kv_resident < 0:
             raise StrataError(f"--kv-resident must be 0 or more tokens, not {config.kv_resident}")
-        if config.kv_resident is not None and config.layer_split is not None:
-            raise StrataError(
-                "--kv-resident does not run on a --layer-split yet: each stage holds its KV whole"
-            )
-        if config.kv_resident is not None and config.spec == "mtp":
-            raise StrataError("--kv-resident does not run with --spec mtp yet (the head's keys stay whole)")
         self.pipeline: StagePipeline | None = None
         if config.stage_gpus and config.layer_split is None:
             raise StrataError("--stage-gpus places the stages of a --layer-split")
@@ -328,11 +322,13 @@ class EngineCore:
         blocks = config.parallel * -(-self.max_model_len // config.block_size)
         parts = self.pipeline.parts if self.pipeline is not None else [None]
         head = self._mtp_layers
+        every_stage = 0  # bytes of a block across every stage
         for n, part in enumerate(parts):
             layers = part.layers if part is not None else None
             state_bytes = slot_state_bytes(model_config, dtype, layers) * (config.parallel + checkpoints)
             extra = len(head) if n == 0 else 0  # stage 0 holds the MTP head
             block_bytes = kv_block_bytes(model_config, config.block_size, kv_dtype, layers, extra)
+            every_stage += block_bytes
             fits = (config.kv_memory - state_bytes) // block_bytes if block_bytes else blocks
             if fits < 1:
                 raise StrataError(
@@ -353,12 +349,13 @@ class EngineCore:
             layers=parts[0].layers if parts[0] is not None else None,
             extra_attention=head,
             kv_dtype=kv_dtype,
-            resident=self._resident_blocks(blocks, block_bytes),
+            resident=self._resident_blocks(blocks, every_stage),
         )
 
     def _resident_blocks(self, blocks: int, block_bytes: int) -> int | None:
-        """The blocks of a pool of `blocks` that `--kv-resident` keeps on the device (None: all); those beyond
-        must fit in the host's available RAM."""
+        """The blocks of a pool of `blocks` that `--kv-resident` keeps on the device (None: all; on a layer
+        split, on each stage's); those beyond, of `block_bytes` (every stage's layers), must fit in the host's
+        available RAM."""
         tokens = self.config.kv_resident
         if tokens is None or -(-tokens // self.config.block_size) >= blocks:
             return None
@@ -405,9 +402,10 @@ class EngineCore:
 
     def _head_graphs(self, state: PagedState, graphs: WindowGraphs | None) -> HeadGraphs | None:
         """The MTP head's pass captured for windows of verified rows, where windows replay graphs (an expert
-        tier's windows are captured piecewise: its head passes run eagerly)."""
+        tier's windows are captured piecewise, and a pool partly in host RAM streams blocks in: their head
+        passes run eagerly)."""
         config = self.config
-        if graphs is None or graphs.tiers or config.spec_tokens < 1:
+        if graphs is None or graphs.tiers or config.spec_tokens < 1 or state.stream is not None:
             return None
         max_blocks = -(-self.max_model_len // config.block_size)
         head = HeadGraphs(self.loaded.model, state, config.parallel, config.spec_tokens, max_blocks)

@@ -115,9 +115,9 @@ class ModelRunner:
             assert self.park is not None and isinstance(parked, Parked)
             self.park.restore(parked, slot, blocks)
         fed = self._fed(chunks)
-        if self.pipeline is not None:
-            return self._down_the_stages(chunks, fed, copies)
         streams = self.state.count_reads([(c.request.blocks, c.past + len(c.tokens)) for c in chunks])
+        if self.pipeline is not None:  # every stage's blocks have the numbers of stage 0's
+            return self._down_the_stages(chunks, fed, copies)
         bucket = graphs.bucket(chunks) if graphs is not None and not streams else None
         self.last_replayed = bucket is not None
         kept_chunks, kept_rows = _kept(chunks)

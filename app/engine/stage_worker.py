@@ -111,6 +111,7 @@ def run_stage(
         checkpoints=setup.checkpoints,
         layers=part.layers,
         kv_dtype=kv_quant.cache_dtype(config.kv_dtype, dtype),  # checked by the engine before the setup
+        resident=None if config.kv_resident is None else -(-config.kv_resident // config.block_size),
     )
     if where.type == "cuda" and model.backends.paged_attention is not None:
         warm_up_kernels(model, state, config.max_batched_tokens, part, dtype)

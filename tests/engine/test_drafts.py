@@ -323,6 +323,17 @@ def test_mtp_drafts_give_the_tokens_of_decoding_one_at_a_time(
     assert drafted == plain and offered and any(w.drafts for w in windows)
 
 
+def test_mtp_drafts_over_kv_in_host_ram_give_the_tokens_of_decoding_one_at_a_time(headed: Path) -> None:
+    """`--kv-resident`: the head's keys and values share the blocks, most of them in host RAM, and its passes
+    stream them in as the decoder's layers do."""
+    settings = {"parallel": 8, "max_batched_tokens": 128, "decode_share": 0.01}
+    plain, _ = _tokens(make_core(headed, **settings), {"temperature": 0}, 8)
+    core = make_core(headed, spec="mtp", spec_tokens=3, kv_resident=48, **settings)
+    drafted, windows = _tokens(core, {"temperature": 0}, 8)
+    assert drafted == plain and any(w.drafts for w in windows)
+    assert sum(w.kv_host_reads for w in windows) > 0
+
+
 def test_the_demo_models_mtp_head_guesses_most_next_tokens() -> None:
     demo = default_model_dir()
     tokenizer = Tokenizer.from_file(str(demo / "tokenizer.json"))

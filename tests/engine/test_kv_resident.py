@@ -99,7 +99,6 @@ def test_metrics_count_where_the_blocks_read_came_from(checkpoint: Path) -> None
     ("settings", "message"),
     [
         ({"kv_resident": -1}, "--kv-resident must be 0 or more tokens"),
-        ({"kv_resident": 16, "spec": "mtp"}, "--kv-resident does not run with --spec mtp"),
     ],
 )
 def test_kv_resident_settings_that_cannot_run_are_one_line_errors(

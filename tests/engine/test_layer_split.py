@@ -128,6 +128,20 @@ def test_a_split_over_int8_kv_gives_the_tokens_of_the_whole_model_over_it(checkp
         core.close()
 
 
+def test_a_split_with_kv_in_host_ram_gives_the_tokens_of_the_whole_model(
+    checkpoint: Path, whole: dict[int, list[list[int]]]
+) -> None:
+    """`--kv-resident`: every stage keeps three blocks of its layers on the device and streams the rest."""
+    core = _core(checkpoint, kv_resident=48, layer_split="2", batch_groups=2)
+    try:
+        arrivals = _workload(3, 30)
+        results, windows = run(core, arrivals)
+        assert [results[add.request_id].token_ids for _, add in arrivals] == whole[3]
+        assert sum(w.kv_host_reads for w in windows) > 0
+    finally:
+        core.close()
+
+
 def _routing_reports_cover_every_stage(core: EngineCore) -> None:
     """The routing reports of a split list every stage's layers, the later stages' with their counts."""
     _, windows = run(core, _workload(3, 7))
