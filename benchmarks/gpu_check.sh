@@ -15,7 +15,8 @@
 # (benchmarks/llama_cpp.sh), with 18 of 24 layers' experts on the CPU (CPU_MOE=18) where a tier ran
 # (LLAMA=0: Strata alone, no llama.cpp build).
 # kv: the 8-bit KV GPU tests, then benchmarks/kv_dtype_bench.py on the shape (32K and 128K-token prompts and
-# the decode after them, KV bf16 / fp8 / int8).
+# the decode after them, KV bf16 / fp8 / int8) and benchmarks/kv_agreement.py (the demo model's greedy tokens
+# over 8-bit KV against bf16's).
 # kv-stream: the streamed KV's GPU tests, then benchmarks/kv_dtype_bench.py with 64K tokens of the pool on the
 # device (KV_RESIDENT) and the rest in host RAM, at 32K / 128K / 256K-token prompts, KV bf16 / fp8 / int8.
 # long-burst: a random checkpoint of the shape taking 128K positions served on a simulated 24 GB card (experts
@@ -57,6 +58,8 @@ if [[ $what == kv ]]; then
     python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_kv_quant_gpu.py tests/gpu/test_triton_norm_gpu.py \
         tests/gpu/test_triton_attention_gpu.py 2>&1 | tee "$out/gpu-tests.log" || status=1
     python3 benchmarks/kv_dtype_bench.py --shape "${shapes%% *}" --out "$out/kv.jsonl" 2>&1 | tee "$out/kv.log" \
+        || status=1
+    python3 benchmarks/kv_agreement.py --device cuda --out "$out/kv-agreement.jsonl" 2>&1 | tee -a "$out/kv.log" \
         || status=1
 fi
 if [[ $what == kv-stream ]]; then
