@@ -552,6 +552,9 @@ class EngineCore:
 
         Overlapped, the host plans window N+1 and queues it while the device runs window N; N+1 feeds the
         tokens N draws straight from the device, and a request that N ends runs one row more, never read.
+        What a window cost (for the window-cost fit and the decoding slots' share) is the time from one
+        window's tokens to the next's on a GPU; on a CPU, where a window is computed as it is launched, the
+        time to plan and launch it (overlapped, the step that hands out a window's tokens computes the next).
         """
         began = time.perf_counter()
         flights = self._flights
@@ -569,6 +572,7 @@ class EngineCore:
         if not window.chunks and done is None and not flights and self.park is not None:
             self.park.wait_reads(READ_WAIT_S)  # a request waits for its parked file: do not spin
         flight = self._launch(window, began)
+        computed = time.perf_counter() - began  # on a CPU the window was computed in its launch
         if window.chunks:
             flights.append(flight)
         if flight.launched is not None and flight.launched.pending is not None:
@@ -582,6 +586,9 @@ class EngineCore:
         elif done is None and not window.chunks:
             done = flight
         self.scheduler.advance(window)
+        synchronous = self.device == "cpu" and self.pipeline is None
+        if synchronous and window.chunks:
+            self.scheduler.observe(window, computed)
         fed = {c.request.request_id: len(c.tokens) for c in window.chunks}
         flight.slots = [(r, self._slot_stats(r, fed.get(r.request_id, 0))) for r in self.scheduler.running]
         outputs = [self._emit(d) for d in resolved if d.request.phase is not Phase.FINISHED]
@@ -590,7 +597,7 @@ class EngineCore:
         now = time.perf_counter()
         span = now - max(done.began, self._emitted_at)  # what the window cost the slots that waited for it
         self._emitted_at = now
-        if done.window.chunks:  # an empty window says nothing about what windows cost
+        if done.window.chunks and not synchronous:  # an empty window says nothing about what windows cost
             self.scheduler.observe(done.window, span, replayed=done.replayed)
         self.windows += 1
         vram_reads, host_reads = self.runner.state.take_reads()
