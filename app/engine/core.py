@@ -19,7 +19,7 @@ from app.engine.expert_report import ExpertReporter, joined
 from app.engine.grammar import Grammars
 from app.engine.head_graphs import HeadGraphs
 from app.engine.mtp_drafts import MtpDrafter, MtpSpan
-from app.engine.paged_state import PagedState, kv_block_bytes, slot_state_bytes
+from app.engine.paged_state import PagedState, device_kv_bytes, kv_block_bytes, slot_state_bytes
 from app.engine.parking import ConversationPark
 from app.engine.protocol import (
     EXPERT_REPORT_S,
@@ -186,7 +186,10 @@ class EngineCore:
         if config.spec == "mtp" and model.mtp is None:
             raise StrataError("--spec mtp: this model has no MTP head (no mtp.* weights); try --spec ngram")
         self.tiers = [m for m in model.modules() if isinstance(m, TieredExperts)]
-        costs = use_staging(self.tiers, config.pcie_frac, decoder_tiers(model), keep_free=config.kv_memory)
+        on_device = device_kv_bytes(
+            model.config, config.kv_memory, config.kv_resident, config.block_size, self.kv_dtype
+        )
+        costs = use_staging(self.tiers, config.pcie_frac, decoder_tiers(model), keep_free=on_device)
         if costs is not None:
             # the host's torch work is small beside the CPU pool's; torch's own threads would only contend
             torch.set_num_threads(1)

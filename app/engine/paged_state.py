@@ -36,6 +36,25 @@ def kv_block_bytes(
     return 2 * count * block_size * config.num_key_value_heads * row * item
 
 
+def device_kv_bytes(
+    config: ModelConfig,
+    kv_memory: int,
+    resident_tokens: int | None,
+    block_size: int,
+    dtype: torch.dtype,
+    layers: range | None = None,
+) -> int:
+    """Device memory the KV pool of `kv_memory` bytes takes when `resident_tokens` of it (None: all) live on
+    the device (`--kv-resident`): those blocks of every attention layer among `layers`, and two staging areas
+    of one layer as large as the part in host RAM (app/engine/kv_stream.py)."""
+    block = kv_block_bytes(config, block_size, dtype, layers)
+    if resident_tokens is None or block == 0:
+        return kv_memory
+    resident = -(-resident_tokens // block_size)
+    beyond = max(kv_memory // block - resident, 0)
+    return min(kv_memory, resident * block + 2 * beyond * block // _count(config, ATTENTION, layers))
+
+
 def slot_state_bytes(config: ModelConfig, dtype: torch.dtype, layers: range | None = None) -> int:
     """Bytes of one slot's conv and recurrent state across the Gated DeltaNet layers among `layers`."""
     layers = _count(config, LINEAR_ATTENTION, layers)

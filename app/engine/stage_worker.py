@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from app.engine.config import EngineConfig
 from app.engine.expert_report import ExpertReporter
-from app.engine.paged_state import PagedState
+from app.engine.paged_state import PagedState, device_kv_bytes
 from app.engine.protocol import EXPERT_REPORT_S
 from app.engine.split import (
     TIMEOUT,
@@ -92,7 +92,11 @@ def run_stage(
         )
         dtype = resolve_dtype(config.dtype, checkpoint, where)
         tiers = [m for m in model.modules() if isinstance(m, TieredExperts)]
-        staged = use_staging(tiers, config.pcie_frac, decoder_tiers(model), keep_free=config.kv_memory)
+        kv_dtype = kv_quant.cache_dtype(config.kv_dtype, dtype)  # checked by the engine before the setup
+        on_device = device_kv_bytes(
+            model.config, config.kv_memory, config.kv_resident, config.block_size, kv_dtype, part.layers
+        )
+        staged = use_staging(tiers, config.pcie_frac, decoder_tiers(model), keep_free=on_device)
         if staged is not None:
             torch.set_num_threads(1)  # as in the engine process: the CPU pool's threads do the host's work
     except Exception as exc:  # the engine process reports it, in one line
@@ -110,7 +114,7 @@ def run_stage(
         where,
         checkpoints=setup.checkpoints,
         layers=part.layers,
-        kv_dtype=kv_quant.cache_dtype(config.kv_dtype, dtype),  # checked by the engine before the setup
+        kv_dtype=kv_dtype,
         resident=None if config.kv_resident is None else -(-config.kv_resident // config.block_size),
     )
     if where.type == "cuda" and model.backends.paged_attention is not None:

@@ -14,6 +14,7 @@ from engine_helpers import assert_parked_follow_up_continues, complete, make_cor
 
 from app.engine import core as core_module
 from app.engine.kv_stream import StreamedKV, shifted
+from app.engine.paged_state import device_kv_bytes, kv_block_bytes
 from app.errors import StrataError
 
 GREEDY = {"max_tokens": 20, "temperature": 0, "ignore_eos": True}
@@ -114,3 +115,15 @@ def test_blocks_beyond_the_hosts_ram_are_refused_before_they_are_allocated(
     monkeypatch.setattr(core_module.psutil, "virtual_memory", lambda: SimpleNamespace(available=1 << 20))
     with pytest.raises(StrataError, match=r"GiB of host RAM, more than 80% of the 0.0 GiB available"):
         make_core(checkpoint, kv_resident=16)
+
+
+def test_the_device_holds_the_resident_blocks_and_two_staging_areas_of_one_layer(checkpoint: Path) -> None:
+    """What an expert tier leaves free for the KV pool: with `--kv-resident` the resident blocks of every
+    attention layer and two staging areas of one layer (the rest in host RAM), never more than the pool."""
+    config = make_core(checkpoint).loaded.model.config
+    block = kv_block_bytes(config, 16, torch.float32)
+    layers = config.layer_types.count("full_attention")
+    assert device_kv_bytes(config, 100 * block, None, 16, torch.float32) == 100 * block
+    expected = min(3 * block + 2 * 97 * block // layers, 100 * block)  # one attention layer: the pool
+    assert device_kv_bytes(config, 100 * block, RESIDENT, 16, torch.float32) == expected
+    assert device_kv_bytes(config, 100 * block, 4096, 16, torch.float32) == 100 * block
