@@ -54,6 +54,7 @@ def test_prometheus_scrapes_the_server_and_answers_every_dashboard_query(tmp_pat
     assert len(rows) == 2 and all("strata:" not in t["expr"] for p in first for t in p["targets"])
     model = write_checkpoint(tmp_path / "model", "qwen3_moe")
     options = ("--layer-split", "2", "--expert-cache", "2", "--adapt-every", "2", "--spec", "ngram")
+    options += ("--kv-resident", "48")
     server = start_server(model, *options, api_key=API_KEY)
     prometheus_process = None
     stop = threading.Event()
