@@ -19,6 +19,11 @@ recurrent state) give `Settings`, each with the reason it was chosen. The rules,
    On a machine without a GPU the model runs in host RAM, with CPU_SLOTS_PER_CORE slots a core.
 5. Cards a model does not need stay free: a split's windows run eagerly today, slower than one card's
    captured graphs, so a split is chosen only where the weights need it.
+6. Where the card's KV memory cannot take one conversation to the model's full context, the pool grows into
+   host RAM (`--kv-resident`): every slot at the full context, within KV_HOST_SHARE of the RAM the experts
+   leave; the card keeps as many of its tokens as fit beside two staging areas of one attention layer, the
+   rest is streamed in for attention (the card's blocks are handed out first, so short conversations never
+   stream).
 
 `detect_machine` reads the machine this runs on; `facts_of` reads a model directory or GGUF file's sizes.
 """
@@ -47,6 +52,7 @@ MIN_CONTEXT = 8192  # ... of so many tokens each
 MAX_SLOTS = 32  # slots at most (the engine's windows are tuned up to 32 decoding rows)
 HOST_SHARE = 0.8  # the share of host RAM the experts beyond the cards may take
 CPU_SLOTS_PER_CORE = 2  # on a CPU the windows are compute-bound: so many slots a core (MIN_SLOTS at least)
+KV_HOST_SHARE = 0.25  # the share of host RAM (beyond the experts') a KV pool larger than the card may take
 
 
 PCIE_LANE_GB_S = {1: 0.25, 2: 0.5, 3: 0.985, 4: 1.969, 5: 3.938, 6: 7.563}  # one lane's rate, each way
@@ -101,7 +107,8 @@ class ModelFacts:
     included), `layers` decoder layers, `kv_token_bytes` the KV a token adds on every attention layer,
     `slot_state_bytes` one slot's recurrent state, `max_len` the model's context, `ends_bytes` the part of
     `dense_bytes` outside the decoder layers (the embedding and LM head, on a split's first stage),
-    `tier_expert_bytes` one routed expert's under an expert tier where that differs (a GGUF file's experts
+    `attention_layers` the layers with a KV cache, `tier_expert_bytes` one routed expert's under an expert
+    tier where that differs (a GGUF file's experts
     whose projections are of two types stay its blocks on a card alone, and are widened in a tier)."""
 
     dense_bytes: int
@@ -114,6 +121,7 @@ class ModelFacts:
     max_len: int
     ends_bytes: int = 0  # of `dense_bytes`, the embedding and LM head's (outside the decoder layers)
     tier_expert_bytes: int | None = None
+    attention_layers: int = 0  # of `layers`, those with a KV cache (0: unknown, the pool stays on the card)
 
     @property
     def weight_bytes(self) -> int:
@@ -131,6 +139,7 @@ class Settings:
     expert_cache: int | None = None
     adapt_async: bool = False
     expert_placement: str = "spread"
+    kv_resident: int | None = None
     reasons: list[str] = field(default_factory=list)
 
     def options(self) -> dict[str, str | bool]:
@@ -150,6 +159,8 @@ class Settings:
             options["adapt-async"] = True
         if self.expert_placement != "spread":
             options["expert-placement"] = self.expert_placement
+        if self.kv_resident is not None:
+            options["kv-resident"] = str(self.kv_resident)
         return options
 
     def flags(self) -> list[str]:
@@ -210,7 +221,7 @@ def _split(
         reasons = [f"the weights ({weights:.1f} GiB) fit the first card with room for the KV memory"]
         if len(machine.cards) > 1:
             reasons.append(_idle(len(machine.cards) - 1))
-        return _sized(facts, rooms[0] - per_stage[0], reasons)
+        return _sized(facts, rooms[0] - per_stage[0], reasons, ram=int(machine.ram * KV_HOST_SHARE))
     reasons = [
         f"the weights ({weights:.1f} GiB) need {stages} of the {len(machine.cards)} cards: a layer split, "
         f"one stage a card, and {stages} slot groups taking turns down the stages so that every card stays "
@@ -220,7 +231,7 @@ def _split(
     if stages < len(machine.cards):
         reasons.append(_idle(len(machine.cards) - stages))
     free = min(r - w for r, w in zip(rooms[:stages], per_stage, strict=True))
-    settings = _sized(facts, free, reasons)
+    settings = _sized(facts, free, reasons, ram=int(machine.ram * KV_HOST_SHARE) // stages)
     settings.layer_split, settings.batch_groups = str(stages), min(stages, settings.parallel)
     return settings
 
@@ -298,7 +309,8 @@ def _tiered(facts: ModelFacts, rooms: list[int], minimum: int, machine: Machine)
     if stages > 1:
         reasons.append(f"the other weights are split over the {stages} cards, one stage and slot group each")
         reasons += _handoff_reasons(machine)
-    settings = _sized(facts, free, reasons)
+    left = min(machine.ram * HOST_SHARE - host, machine.ram * KV_HOST_SHARE)  # RAM the experts leave
+    settings = _sized(facts, free, reasons, ram=max(int(left), 0) // stages)
     settings.expert_cache, settings.adapt_async = resident, resident > 0
     if stages > 1:
         settings.layer_split, settings.batch_groups = str(stages), min(stages, settings.parallel)
@@ -306,11 +318,17 @@ def _tiered(facts: ModelFacts, rooms: list[int], minimum: int, machine: Machine)
 
 
 def _sized(
-    facts: ModelFacts, room: int, reasons: list[str], most: int = MAX_SLOTS, where: str = "the card"
+    facts: ModelFacts,
+    room: int,
+    reasons: list[str],
+    most: int = MAX_SLOTS,
+    where: str = "the card",
+    ram: int = 0,
 ) -> Settings:
     """Slots and KV memory from `room` bytes (rule 4): as many slots as conversations of MIN_CONTEXT tokens
     the room holds, 1 to `most` (the KV pool is shared: a slot reaches further while others are short), and
-    no more KV memory than every slot at the model's full context takes."""
+    no more KV memory than every slot at the model's full context takes; where one conversation alone cannot
+    reach the full context, the pool grows into up to `ram` bytes of host RAM (rule 6)."""
     context = min(MIN_CONTEXT, facts.max_len)
     per_slot = kv_bytes(facts, 1, context)
     parallel = max(1, min(most, room // per_slot if per_slot else most))
@@ -323,7 +341,62 @@ def _sized(
     )
     full = " (every slot at the model's full context)" if kv_memory < room else ""
     reasons.append(f"KV memory {_size(kv_memory)}: what {where} has left after the weights{full}")
-    return Settings(parallel=parallel, kv_memory=kv_memory, reasons=reasons)
+    settings = Settings(parallel=parallel, kv_memory=kv_memory, reasons=reasons)
+    beyond = _beyond_the_card(facts, room, parallel, ram) if reach < facts.max_len else None
+    if beyond is not None:
+        pool, resident = beyond
+        settings.kv_memory, settings.kv_resident = (
+            pool * facts.kv_token_bytes + parallel * facts.slot_state_bytes,
+            resident,
+        )
+        each = min(pool // parallel, facts.max_len)
+        reasons[-1] = (
+            f"KV memory {_size(settings.kv_memory)}: {pool} tokens, {each} a slot (one conversation "
+            f"alone up to {min(pool, facts.max_len)}), {resident} of them on {where} beside two staging "
+            "areas of one attention layer and the rest in host RAM, streamed in for attention a layer ahead "
+            "(--kv-resident); conversations within the card's tokens never stream"
+        )
+    return settings
+
+
+def _beyond_the_card(facts: ModelFacts, room: int, parallel: int, ram: int) -> tuple[int, int] | None:
+    """Rule 6: (pool tokens, tokens of it on the card) for a pool that grows into `ram` bytes of host RAM,
+    each slot reaching the model's full context where that fits; None where it would not reach further than
+    the card alone (no attention layers known, too few to stage, or no RAM to spare)."""
+    token, layers = facts.kv_token_bytes, facts.attention_layers
+    if token == 0 or layers <= 2 or ram <= 0:
+        return None
+    device = room - parallel * facts.slot_state_bytes
+    alone = device // token  # the tokens the card holds without streaming
+    # resident * token + 2 * (pool - resident) * token / layers <= device, the card keeping every slot's
+    # MIN_CONTEXT tokens (so that the slots' usual conversations never stream)
+    floor = min(parallel * MIN_CONTEXT, alone)
+    by_staging = floor + (device - floor * token) * layers // (2 * token)
+
+    def on_card(pool: int) -> int:
+        return min(pool, int((device - 2 * pool * token / layers) / (token * (1 - 2 / layers))))
+
+    pool = min(parallel * facts.max_len, by_staging)
+    pool = min(
+        pool, on_card(pool) + ram // token
+    )  # the host part within `ram` (less staging: more on the card)
+    resident = on_card(pool)
+    if pool <= alone + alone // 2 or resident < floor:  # not worth streaming for
+        return None
+    return pool, resident
+
+
+def card_kv_bytes(facts: ModelFacts, settings: Settings) -> int:
+    """Bytes of a stage's card the KV memory of `settings` takes: all of it, or with `kv_resident` the
+    resident tokens, two staging areas of one attention layer as large as the part in host RAM, and the
+    slots' recurrent state."""
+    if settings.kv_resident is None:
+        return settings.kv_memory
+    state = settings.parallel * facts.slot_state_bytes
+    token = facts.kv_token_bytes
+    pool = (settings.kv_memory - state) // token
+    beyond = pool - settings.kv_resident
+    return settings.kv_resident * token + 2 * beyond * token // facts.attention_layers + state
 
 
 def _size(count: int) -> str:
@@ -360,6 +433,7 @@ def facts_of_model(model: CausalLM, dtype: torch.dtype) -> ModelFacts:
     import torch
 
     from app.engine.paged_state import kv_block_bytes, slot_state_bytes
+    from app.models.config import ATTENTION
     from app.models.moe import RoutedExperts
 
     config = model.config
@@ -385,6 +459,7 @@ def facts_of_model(model: CausalLM, dtype: torch.dtype) -> ModelFacts:
         slot_state_bytes=slot_state_bytes(config, dtype),
         max_len=config.max_position_embeddings,
         ends_bytes=ends,
+        attention_layers=config.layer_types.count(ATTENTION),
     )
 
 

@@ -14,10 +14,12 @@ from gguf_files import write_gguf
 
 from app.autoconfig import (
     GIB,
+    KV_HOST_SHARE,
     MIN_SLOTS,
     Card,
     Machine,
     ModelFacts,
+    card_kv_bytes,
     choose,
     facts_of,
     facts_of_model,
@@ -40,15 +42,15 @@ MACHINES: dict[tuple[tuple[int, ...], int], tuple[str | None, str | None]] = {
     ((11,), 64): (None, None),
     ((11, 11), 128): ("--parallel 4 --layer-split 2 --batch-groups 2 --expert-cache 10 --adapt-async", None),
     ((16,) * 4, 256): (
-        "--parallel 4 --layer-split 4 --batch-groups 4 --expert-cache 68 --adapt-async",
+        "--parallel 4 --layer-split 4 --batch-groups 4 --expert-cache 68 --adapt-async --kv-resident 32768",
         "--parallel 4 --layer-split 4 --batch-groups 4 --expert-cache 103 --adapt-async",
     ),
-    ((24,), 128): ("--parallel 4 --expert-cache 26 --adapt-async", None),
+    ((24,), 128): ("--parallel 4 --expert-cache 26 --adapt-async --kv-resident 32768", None),
     ((24, 24), 256): (
         "--parallel 4 --layer-split 2 --batch-groups 2 --expert-cache 63 --adapt-async",
-        "--parallel 4 --layer-split 2 --batch-groups 2 --expert-cache 93 --adapt-async",
+        "--parallel 4 --layer-split 2 --batch-groups 2 --expert-cache 93 --adapt-async --kv-resident 32768",
     ),
-    ((141,), 128): ("--parallel 32", "--parallel 4 --expert-cache 426 --adapt-async"),
+    ((141,), 128): ("--parallel 32", "--parallel 4 --expert-cache 426 --adapt-async --kv-resident 32768"),
     ((80,) * 8, 1024): ("--parallel 20", "--parallel 32 --layer-split 3 --batch-groups 3"),
 }
 
@@ -86,9 +88,28 @@ def test_each_described_machine_gets_the_documented_settings(
         stages = int(settings.layer_split or 1)
         resident = facts.experts if settings.expert_cache is None else settings.expert_cache
         share = (facts.dense_bytes + resident * facts.moe_layers * facts.expert_bytes) / stages
-        assert share + settings.kv_memory <= usable(machine.cards[0])
+        assert share + card_kv_bytes(facts, settings) <= usable(machine.cards[0])
         assert settings.kv_memory >= kv_bytes(facts, settings.parallel, 8192)
         build_parser().parse_args(["serve", *settings.flags()])  # flags `strata serve` takes
+
+
+def test_a_kv_pool_beyond_the_card_keeps_every_slots_minimum_there_and_fits_the_rams_share(
+    models: tuple[ModelFacts, ModelFacts],
+) -> None:
+    """Rule 6: where the card's KV memory cannot take one conversation to the model's context, the pool grows
+    into host RAM; the card keeps every slot's 8192 tokens, the resident tokens and the staging areas fit what
+    it had for KV, and the host part fits KV_HOST_SHARE of the RAM."""
+    q30 = models[0]
+    machine = Machine((Card(24 * GIB),), 128 * GIB, 16)
+    settings = choose(machine, q30)
+    assert settings.kv_resident is not None and settings.kv_resident >= settings.parallel * 8192
+    pool = (settings.kv_memory - settings.parallel * q30.slot_state_bytes) // q30.kv_token_bytes
+    assert pool > 2 * settings.kv_resident and "(--kv-resident)" in settings.reasons[-1]
+    assert (pool - settings.kv_resident) * q30.kv_token_bytes <= 128 * GIB * KV_HOST_SHARE
+    without = replace(q30, attention_layers=0)  # unknown: the pool stays on the card
+    alone = choose(machine, without)
+    assert alone.kv_resident is None and card_kv_bytes(q30, settings) <= alone.kv_memory
+    build_parser().parse_args(["serve", *settings.flags()])
 
 
 def test_a_cpu_machine_runs_the_model_in_host_ram_with_slots_by_its_cores(
