@@ -165,12 +165,11 @@ class PagedState:
         starts = [0]
         streamed = self.stream is not None
         tables = torch.full((seqs, width), -1 if streamed else self.scratch_block, dtype=torch.int64)
+        padding_only = self.scratch_slot if streamed else None  # streamed, its table is -1: the scratch block
         slot_mapping = []
         for i, span in enumerate(spans):
             table = self.block_tables[span.seq][: -(-(span.past + span.length) // size)]
-            if not (
-                streamed and span.seq == self.scratch_slot
-            ):  # the scratch slot's table: the scratch block
+            if span.seq != padding_only:
                 tables[i, : len(table)] = torch.tensor(table, dtype=torch.int64)
             positions = torch.arange(span.past, span.past + span.length)
             slot_mapping.append(tables[i, positions // size] * size + positions % size)
