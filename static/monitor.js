@@ -154,7 +154,13 @@ function onFrame(frame) {
   $("running").textContent = `${metrics.num_requests_running} / ${metrics.parallel}`;
   $("waiting").textContent = String(metrics.num_requests_waiting);
   $("live-tok-s").textContent = metrics.live_tok_s.toFixed(1);
-  const kv = `${(metrics.kv_cache_usage_perc * 100).toFixed(1)} % of ${metrics.kv_blocks_total} blocks`;
+  const reads = metrics.kv_vram_block_reads_total + metrics.kv_host_block_reads_total;
+  // only a pool partly in host RAM (--kv-resident) reads blocks from two places
+  const fromVram = metrics.kv_host_block_reads_total
+    ? ` · ${((100 * metrics.kv_vram_block_reads_total) / reads).toFixed(1)} % of block reads from VRAM`
+    : "";
+  const usage = `${(metrics.kv_cache_usage_perc * 100).toFixed(1)} % of ${metrics.kv_blocks_total} blocks`;
+  const kv = usage + fromVram;
   $("kv-text").textContent = kv;
   setBar(kvMeter, metrics.kv_blocks_used, metrics.kv_blocks_total, kv);
   const queried = metrics.prefix_cache_queries_total;

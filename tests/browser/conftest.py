@@ -35,8 +35,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def live_server(model_dir: Path) -> Iterator[Server]:
-    """An open server with 4 slots."""
-    running = start_server(model_dir, "--parallel", "4")
+    """An open server with 4 slots, its KV blocks beyond the first four in host RAM (outputs unchanged)."""
+    running = start_server(model_dir, "--parallel", "4", "--kv-resident", "64")
     yield running
     stop_server(running)
 

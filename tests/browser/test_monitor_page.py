@@ -42,6 +42,7 @@ def test_monitor_shows_busy_slots_then_idle(page: Page, live_server: Server) -> 
     expect(slots.first.locator(".badge")).to_have_text("idle")
     expect(page.locator("#running")).to_have_text("0 / 4")
     expect(page.locator("#prefix-cache")).to_contain_text("prompt tokens reused")
+    expect(page.locator("#kv-text")).to_contain_text(re.compile(r"\d+\.\d % of block reads from VRAM"))
     expect(page.locator("#parked")).to_contain_text(re.compile(r"[1-9]\d* in RAM"))
     expect(page.locator("#host")).to_contain_text("CPU")
     expect(page.locator("#host")).to_contain_text("RAM")
