@@ -19,7 +19,13 @@ from app.engine.expert_report import ExpertReporter, joined
 from app.engine.grammar import Grammars
 from app.engine.head_graphs import HeadGraphs
 from app.engine.mtp_drafts import MtpDrafter, MtpSpan
-from app.engine.paged_state import PagedState, device_kv_bytes, kv_block_bytes, slot_state_bytes
+from app.engine.paged_state import (
+    PagedState,
+    device_kv_bytes,
+    kv_block_bytes,
+    resident_blocks,
+    slot_state_bytes,
+)
 from app.engine.parking import ConversationPark
 from app.engine.protocol import (
     EXPERT_REPORT_S,
@@ -360,9 +366,9 @@ class EngineCore:
         split, on each stage's); those beyond, of `block_bytes` (every stage's layers), must fit in the host's
         available RAM."""
         tokens = self.config.kv_resident
-        if tokens is None or -(-tokens // self.config.block_size) >= blocks:
+        resident = resident_blocks(tokens, self.config.block_size)
+        if resident is None or resident >= blocks:
             return None
-        resident = -(-tokens // self.config.block_size)
         host = (blocks - resident) * block_bytes
         available = psutil.virtual_memory().available
         if host > available * HOST_KV_SHARE:

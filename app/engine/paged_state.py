@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from app.engine.kv_stream import StreamedKV, StreamPlan, shifted
+from app.engine.transfer import device_tensor
 from app.kernels import kv_quant
 from app.models.batch import PagedLayout, SequenceSpan
 from app.models.config import ATTENTION, LINEAR_ATTENTION, ModelConfig
@@ -36,6 +37,11 @@ def kv_block_bytes(
     return 2 * count * block_size * config.num_key_value_heads * row * item
 
 
+def resident_blocks(tokens: int | None, block_size: int) -> int | None:
+    """The blocks `--kv-resident TOKENS` keeps on the device (None: no such budget)."""
+    return None if tokens is None else -(-tokens // block_size)
+
+
 def device_kv_bytes(
     config: ModelConfig,
     kv_memory: int,
@@ -48,9 +54,9 @@ def device_kv_bytes(
     the device (`--kv-resident`): those blocks of every attention layer among `layers`, and two staging areas
     of one layer as large as the part in host RAM (app/engine/kv_stream.py)."""
     block = kv_block_bytes(config, block_size, dtype, layers)
-    if resident_tokens is None or block == 0:
+    resident = resident_blocks(resident_tokens, block_size)
+    if resident is None or block == 0:
         return kv_memory
-    resident = -(-resident_tokens // block_size)
     beyond = max(kv_memory // block - resident, 0)
     return min(kv_memory, resident * block + 2 * beyond * block // _count(config, ATTENTION, layers))
 
@@ -298,7 +304,7 @@ class PagedState:
     def gather_blocks(self, blocks: list[int]) -> torch.Tensor:
         """Keys and values of `blocks` on the device: [blocks, 2, attention layers, block, kv heads, row]."""
         if self.stream is None or all(b < self.resident for b in blocks):
-            ids = torch.tensor(blocks, dtype=torch.long).to(self.device, non_blocking=True)
+            ids = device_tensor(blocks, torch.long, self.device)
             keys = self.keys.index_select(1, ids).transpose(0, 1)
             values = self.values.index_select(1, ids).transpose(0, 1)
             return torch.stack((keys, values), dim=1)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from app.engine.config import EngineConfig
 from app.engine.expert_report import ExpertReporter
-from app.engine.paged_state import PagedState, device_kv_bytes
+from app.engine.paged_state import PagedState, device_kv_bytes, resident_blocks
 from app.engine.protocol import EXPERT_REPORT_S
 from app.engine.split import (
     TIMEOUT,
@@ -115,7 +115,7 @@ def run_stage(
         checkpoints=setup.checkpoints,
         layers=part.layers,
         kv_dtype=kv_dtype,
-        resident=None if config.kv_resident is None else -(-config.kv_resident // config.block_size),
+        resident=resident_blocks(config.kv_resident, config.block_size),
     )
     if where.type == "cuda" and model.backends.paged_attention is not None:
         warm_up_kernels(model, state, config.max_batched_tokens, part, dtype)
