@@ -18,7 +18,9 @@
 # the decode after them, KV bf16 / fp8 / int8) and benchmarks/kv_agreement.py (the demo model's greedy tokens
 # over 8-bit KV against bf16's).
 # kv-stream: the streamed KV's GPU tests, then benchmarks/kv_dtype_bench.py with 64K tokens of the pool on the
-# device (KV_RESIDENT) and the rest in host RAM, at 32K / 128K / 256K-token prompts, KV bf16 / fp8 / int8.
+# device (KV_RESIDENT) and the rest in host RAM, at 32K / 128K / 256K-token prompts, KV bf16 / fp8 / int8;
+# then benchmarks/chat_turns.py on a random checkpoint of the shape: 8 users with 16K-token chats taking turns
+# two at a time, 64K tokens of the pool on the card, blocks moved onto the card or left where first given.
 # long-burst: a random checkpoint of the shape taking 128K positions served on a simulated 24 GB card (experts
 # and KV capped: SERVE_ARGS, by default --expert-vram 14GiB, --kv-memory 40GiB of which --kv-resident 65536
 # tokens on the device) and driven over HTTP: 4 peers with 96K-token prompts (LONG_PROMPT) arriving together
@@ -67,6 +69,16 @@ if [[ $what == kv-stream ]]; then
         || status=1
     python3 benchmarks/kv_dtype_bench.py --shape "${shapes%% *}" --kv-resident "${KV_RESIDENT:-65536}" \
         --contexts 32768 131072 262144 --out "$out/kv-stream.jsonl" 2>&1 | tee "$out/kv-stream.log" || status=1
+    s=${shapes%% *}
+    dir=${CHECKPOINTS:-/tmp}/strata-$s-32k
+    [[ -f $dir/model.safetensors.index.json ]] || python3 benchmarks/random_checkpoint.py --shape "$s" \
+        --context 32768 "$dir"
+    for stay in "" --stay-put; do
+        # shellcheck disable=SC2086
+        python3 benchmarks/chat_turns.py --model "$dir" --device cuda --users 8 --active 2 --rounds 12 \
+            --first 16384 --message 512 --answer 128 --kv-resident 65536 --kv-gib 16 $stay \
+            --out "$out/chat-turns.jsonl" 2>&1 | tee -a "$out/chat-turns.log" || status=1
+    done
 fi
 if [[ $what == decode ]]; then
     python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_decode_steps_gpu.py tests/gpu/test_triton_gdn_gpu.py \

@@ -43,6 +43,8 @@ class BlockPool:
 
     Free blocks are handed out lowest first: with `--kv-resident` the lowest live on the device, which so
     fills first, and a sequence's blocks come in runs of consecutive numbers where they can (one copy a run).
+    Blocks numbered from `on_device` on live in host RAM; `place` moves a table's blocks there onto the device
+    where a block there is free or only cached (its contents then go to host RAM, still cached).
 
     A block is held by every request whose table lists it (a reference count). With `caching`, a full block
     whose contents are computed is registered under its chain hash (`commit`); when no request holds it any
@@ -58,7 +60,11 @@ class BlockPool:
         self._refs = [0] * total
         self._cached: dict[bytes, int] = {}
         self._meta: dict[int, _Cached] = {}
-        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached blocks no one holds, oldest first
+        self.on_device = total  # blocks numbered below this live on the device, the rest in host RAM
+        # chain hashes of the cached blocks no one holds, least recently released first (a block moved
+        # between the device and host RAM keeps its place), and those blocks that live on the device
+        self._evictable: OrderedDict[bytes, None] = OrderedDict()
+        self._idle_on_device: OrderedDict[int, None] = OrderedDict()
         self._pins: dict[int, int] = {}  # holds on blocks that are not requests' (saved states' tails)
         self.reclaim: Callable[[], bool] | None = None  # drops one pin when blocks run short; False: none
 
@@ -103,7 +109,9 @@ class BlockPool:
             self._refs[block] -= 1
             if self._refs[block] == 0:
                 if block in self._meta:
-                    self._evictable[block] = None
+                    self._evictable[self._meta[block].key] = None
+                    if block < self.on_device:
+                        self._idle_on_device[block] = None
                 else:
                     heapq.heappush(self._free, block)
         table.clear()
@@ -143,7 +151,8 @@ class BlockPool:
         """Append cached `blocks` (from `match`) to an empty or matching table and hold them."""
         for block in blocks:
             if self._refs[block] == 0:
-                del self._evictable[block]
+                del self._evictable[self._meta[block].key]
+                self._idle_on_device.pop(block, None)
             self._refs[block] += 1
             table.append(block)
 
@@ -185,8 +194,66 @@ class BlockPool:
             done, parent = index + 1, key
         return done, parent
 
+    def place(self, table: list[int], content: int, most: int, copies: list[tuple[int, int]]) -> int:
+        """Move the table's blocks that live in host RAM and that only it holds onto the device, in order,
+        while a block there is free or only cached; how many block copies that takes, at most `most`.
+
+        The table's first `content` blocks hold keys and values, which go with them; a cached block keeps its
+        registration. A cached block the device gives up goes to a free block in host RAM, still cached, or
+        when none is free is forgotten. The copies, (source, target) in the order they must be made before
+        anything reads or writes these blocks again, are appended to `copies`: those of the cached blocks
+        first, then the table's.
+        """
+        made, chosen, spares, given_up = 0, [], [], []
+        for index, block in enumerate(table):
+            moved = int(index < content)
+            if block < self.on_device or self._refs[block] != 1 or made + moved > most:
+                continue
+            if self._free and self._free[0] < self.on_device:
+                spare = heapq.heappop(self._free)
+            elif self._idle_on_device:  # every free block left lives in host RAM
+                spare, _ = self._idle_on_device.popitem(last=False)
+                if made + moved < most and len(given_up) < len(self._free):
+                    given_up.append(spare)
+                    made += 1
+                else:
+                    self._forget(spare)
+            else:
+                break
+            made += moved
+            chosen.append(index)
+            spares.append(spare)
+        # blocks paired in ascending order on both sides, so that consecutive ones make runs (a copy a layer)
+        for block in sorted(given_up):
+            home = heapq.heappop(self._free)
+            copies.append((block, home))
+            self._rename(block, home)
+        emptied = [table[index] for index in chosen]
+        for index, block, spare in zip(chosen, emptied, sorted(spares), strict=True):
+            if index < content:
+                copies.append((block, spare))
+            self._rename(block, spare)
+            self._refs[block], self._refs[spare] = 0, 1
+            table[index] = spare
+        for block in emptied:  # free only now: no block is copied from after it was copied to
+            heapq.heappush(self._free, block)
+        return made
+
+    def _rename(self, block: int, to: int) -> None:
+        """A cached block's registration (if any) now names `to`, which holds its contents."""
+        meta = self._meta.pop(block, None)
+        if meta is not None:
+            self._meta[to] = meta
+            self._cached[meta.key] = to
+
+    def _forget(self, block: int) -> None:
+        """Drop an unheld cached block from the cache."""
+        key = self._meta.pop(block).key
+        del self._cached[key], self._evictable[key]
+        self._idle_on_device.pop(block, None)
+
     def _evict(self) -> int:
         """Forget the least recently released cached block and give it out."""
-        block, _ = self._evictable.popitem(last=False)
-        del self._cached[self._meta.pop(block).key]
+        block = self._cached[next(iter(self._evictable))]
+        self._forget(block)
         return block

@@ -59,6 +59,7 @@ from app.models.qwen3 import ModelPart
 from app.text.stream import TextStream
 
 HOST_KV_SHARE = 0.8  # the most of the host's available RAM the KV blocks beyond --kv-resident may take
+PLACE_BYTES = 64 << 20  # KV bytes a window may copy to move its requests' blocks from host RAM to the device
 log = logging.getLogger("strata.engine")
 CHECKPOINTS_PER_SLOT = 1  # recurrent-state checkpoints kept for the prefix cache, per batch slot
 READ_WAIT_S = 0.01  # how long an engine with nothing to run waits for a parked file before the next window
@@ -361,6 +362,12 @@ class EngineCore:
             resident=self._resident_blocks(blocks, every_stage),
         )
 
+    @property
+    def _block_bytes(self) -> int:
+        """The bytes of one KV block across every attention layer of the model (of every stage)."""
+        config = self.loaded.model.config
+        return kv_block_bytes(config, self.config.block_size, self.kv_dtype, extra=len(self._mtp_layers))
+
     def _resident_blocks(self, blocks: int, block_bytes: int) -> int | None:
         """The blocks of a pool of `blocks` that `--kv-resident` keeps on the device (None: all; on a layer
         split, on each stage's); those beyond, of `block_bytes` (every stage's layers), must fit in the host's
@@ -455,6 +462,8 @@ class EngineCore:
             groups=self.groups,
             spec_tokens=config.spec_tokens if config.spec != "off" else 0,
             max_length=self.max_model_len,
+            kv_on_device=state.resident,
+            kv_place_blocks=max(1, PLACE_BYTES // max(1, self._block_bytes)),
         )
 
     def close(self) -> None:
@@ -574,7 +583,9 @@ class EngineCore:
             # is another slot group's, whose last one was handed out before it was planned)
             done = flights.popleft()
             resolved = self._resolve(done)
-        window = self.scheduler.schedule(self._busy_groups())
+        # the MTP head's pass over a window still in flight writes its requests' blocks once it is read
+        place = not (flights and self.mtp is not None)
+        window = self.scheduler.schedule(self._busy_groups(), place=place)
         if done is None and flights and self._needs_history(window):
             done = flights.popleft()
             resolved = self._resolve(done)  # its penalties read them

@@ -157,6 +157,43 @@ class StreamedKV:
             self.copies.synchronize()
             torch.cuda.current_stream(self.device).synchronize()
 
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy blocks (the scheduler's numbers) over others in order, in every layer. Copies between the
+        device and host RAM are queued in the device's order, after what it was asked to do before (streamed
+        batches' copies included) and before what comes next, each run of consecutive pairs one copy a
+        layer; a copy within host RAM is made by the host once the device is done."""
+        if not pairs:
+            return
+        self.settle()
+        if self.copies is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self.copies)
+        sources, targets = torch.tensor(pairs).T
+        crossing = (sources < self.resident) != (targets < self.resident)
+        start = 0
+        for end in [*(crossing[1:] != crossing[:-1]).nonzero().flatten().add(1).tolist(), len(pairs)]:
+            if bool(crossing[start]):
+                for source, target, count in _runs(sources[start:end], targets[start:end]):
+                    self._copy_run(source, target, count)
+            else:  # within one place: one block at a time, in order
+                for source, target in pairs[start:end]:
+                    if source >= self.resident:
+                        self.host_side()
+                    self._copy_run(source, target, 1)
+            start = end
+
+    def _blocks(self, kind: int, layer: int, block: int, count: int) -> torch.Tensor:
+        """`count` blocks of one layer's keys (kind 0) or values (1) from `block` on, where they live."""
+        if block < self.resident:
+            return self.on_device[kind][layer, block : block + count]
+        home = block - self.resident
+        return self.homes[kind][layer, home : home + count]
+
+    def _copy_run(self, source: int, target: int, count: int) -> None:
+        for layer in range(self.layers):
+            for kind in (0, 1):
+                to, of = self._blocks(kind, layer, target, count), self._blocks(kind, layer, source, count)
+                to.copy_(of, non_blocking=True)
+
     def _area(self, layer: int) -> int:
         """The flat index of the staging area `layer` uses."""
         return self.layers * self.span + (layer % 2) * self.staging

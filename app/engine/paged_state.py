@@ -320,12 +320,15 @@ class PagedState:
         self.conv[:, target] = self.conv[:, source]
         self.recurrent[:, target] = self.recurrent[:, source]
 
-    def copy_block(self, source: int, target: int) -> None:
-        """Copy one KV block's keys and values, in every attention layer, over another's."""
-        if max(source, target) >= self.resident:
-            self.settle()
-        for to, of in zip(self.block_kv(target), self.block_kv(source), strict=True):
-            to.copy_(of, non_blocking=True)
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy KV blocks' keys and values, in every attention layer, over others', (source, target) in order;
+        with a pool partly in host RAM in the device's order (`StreamedKV.copy_blocks`)."""
+        if self.stream is not None:
+            self.stream.copy_blocks(pairs)
+            return
+        for source, target in pairs:
+            self.keys[:, target] = self.keys[:, source]
+            self.values[:, target] = self.values[:, source]
 
     def reset_slot(self, slot: int) -> None:
         """Start a slot's recurrent state empty (a new request, or one read again after preemption)."""
@@ -410,8 +413,7 @@ class StateCopies:
     def apply(self, state: PagedState) -> None:
         for slot, checkpoint in self.saves:
             state.copy_slot(slot, checkpoint)
-        for source, target in self.block_copies:
-            state.copy_block(source, target)
+        state.copy_blocks(self.block_copies)
         for checkpoint, slot in self.restores:
             state.copy_slot(checkpoint, slot)
         for slot in self.resets:

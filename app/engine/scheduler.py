@@ -197,6 +197,9 @@ class SchedulerConfig:
     the same number for each slot, slot s's after slot s - 1's): the state slots that keep the state after
     each verified row but the last, one of which is restored when a guess was wrong (the window's later
     rows moved the slot's own state on).
+    `kv_on_device`: KV blocks numbered from this on live in host RAM (`--kv-resident`); a window moves up to
+    `kv_place_blocks` of its requests' blocks from there onto the device where the device has a block free
+    or only cached (`BlockPool.place`).
     """
 
     parallel: int
@@ -213,6 +216,8 @@ class SchedulerConfig:
     spec_tokens: int = 0
     max_length: int = 1 << 62
     draft_slots: tuple[int, ...] = ()
+    kv_on_device: int | None = None
+    kv_place_blocks: int = 0
 
 
 class ParkedStore(Protocol):
@@ -245,6 +250,8 @@ class Scheduler:
         self.clock = clock
         self.parked = parked
         self.pool = BlockPool(config.kv_blocks, config.block_size, caching=config.prefix_cache)
+        if config.kv_on_device is not None:
+            self.pool.on_device = config.kv_on_device
         self.checkpoints: StateCheckpoints | None = None
         if config.prefix_cache and config.recurrent:
             self.checkpoints = StateCheckpoints(self.pool, list(config.checkpoint_slots))
@@ -282,9 +289,11 @@ class Scheduler:
         """The group of a slot (`SchedulerConfig.groups`)."""
         return slot % self.config.groups
 
-    def schedule(self, busy: frozenset[int] = frozenset()) -> Window:
+    def schedule(self, busy: frozenset[int] = frozenset(), place: bool = True) -> Window:
         """Plan the next window: of the next group in turn that has work and is not `busy` (a window of it
-        still runs), or an empty one."""
+        still runs), or an empty one. With `place`, its requests' blocks in host RAM move onto the device
+        where blocks there are free or only cached (`_place`); the caller leaves it off while something
+        launched before may still write the requests' blocks after this window's copies."""
         window = Window(chunks=[])
         group = self._pick_group(busy)
         if group is None:
@@ -354,8 +363,28 @@ class Scheduler:
             window.chunks.append(self._with_checkpoint(self._chunk(request, take)))
         if window.chunks:
             window.saves, self._saves = self._saves, []
+            if place:
+                self._place(window)
         window.charged = self._charge(window)
         return window
+
+    def _place(self, window: Window) -> None:
+        """Move the window's requests' blocks that live in host RAM onto the device, decoding requests first,
+        up to `kv_place_blocks` block copies (a window's other block copies are made first, so a continued
+        request's tail block moves with its tail; an unparked request's blocks are filled after the copies,
+        wherever they are; a window still in flight may have written drafts beyond a request's computed
+        tokens, which move too)."""
+        most = self.config.kv_place_blocks
+        if self.pool.on_device >= self.pool.total or most <= 0:
+            return
+        unparked = {id(blocks) for _, _, blocks in window.unparks}
+        size, moves = self.pool.block_size, window.block_copies
+        for request in dict.fromkeys(c.request for c in window.chunks):
+            written = request.computed + self.spec_tokens(request)
+            content = 0 if id(request.blocks) in unparked else -(-written // size)
+            most -= self.pool.place(request.blocks, content, most, moves)
+            if most <= 0:
+                return
 
     def _pick_group(self, busy: frozenset[int]) -> int | None:
         """The group to plan: the first from the one whose turn it is that is not busy and has a request or a

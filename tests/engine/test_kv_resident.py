@@ -13,8 +13,10 @@ import torch
 from engine_helpers import assert_parked_follow_up_continues, complete, make_core, random_prompt, request, run
 
 from app.engine import core as core_module
+from app.engine.blocks import BlockPool
 from app.engine.kv_stream import StreamedKV, shifted
 from app.engine.paged_state import device_kv_bytes, kv_block_bytes
+from app.engine.scheduler import Scheduler
 from app.errors import StrataError
 
 GREEDY = {"max_tokens": 20, "temperature": 0, "ignore_eos": True}
@@ -59,6 +61,85 @@ def test_a_parked_follow_up_in_host_ram_blocks_continues_as_if_it_never_left(che
     """A turn parked from blocks in host RAM, then restored into blocks in host RAM (all but three of the
     pool's), continues as reading the whole conversation would."""
     assert_parked_follow_up_continues(checkpoint, torch.float32, kv_resident=RESIDENT)
+
+
+def test_blocks_follow_the_conversation_being_answered_onto_the_device(
+    checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the prefix cache, an answered turn's cached blocks give up the device to the next conversation
+    (moved to host RAM, still cached) and come back for its follow-up: neither reads a block from host RAM,
+    the follow-up continues from the cache, and every token is what a pool wholly on the device gives.
+    Without the moves the next conversation reads host blocks."""
+    params = {**GREEDY, "max_tokens": 10}
+    whole = make_core(checkpoint)
+    first = request(random_prompt(30, 1), **params)
+    second = request(random_prompt(60, 2), **params)
+    answer = complete(whole, first.prompt_token_ids, **params).token_ids
+    follow_up = request([*first.prompt_token_ids, *answer, *random_prompt(6, 3)], **params)
+
+    def conversations() -> list[list]:
+        core = make_core(checkpoint, kv_resident=96)  # six blocks on the "device"
+        turns = [run(core, [(0, add)]) for add in (first, second, follow_up)]
+        for add, (done, _) in zip((first, second, follow_up), turns, strict=True):
+            alone = complete(whole, add.prompt_token_ids, **params).token_ids
+            assert done[add.request_id].token_ids == alone
+        return [windows for _, windows in turns]
+
+    _, second_turn, follow_up_turn = conversations()
+    assert sum(w.kv_host_reads for w in second_turn + follow_up_turn) == 0
+    assert sum(w.prefix_cache_hits for w in follow_up_turn) >= 32
+    monkeypatch.setattr(Scheduler, "_place", lambda self, window: None)
+    assert sum(w.kv_host_reads for w in conversations()[1]) > 0
+
+
+def test_placing_a_table_takes_free_then_idle_device_blocks_and_keeps_their_cache_in_host_ram() -> None:
+    """Four of eight blocks on the device: a table's host blocks move onto the device, a cached block the
+    device gives up (the one released longest ago first) keeps its registration in a free host block (copied
+    there first), the table's blocks with contents are copied after, both in ascending pairs, and a budget
+    too small for a copy forgets the cached block instead."""
+    pool = BlockPool(8, 2, caching=True)
+    pool.on_device = 4
+    tokens = [5, 6, 7, 8, 9]
+    cached: list[int] = []
+    assert pool.grow(cached, 5) and cached == [0, 1, 2]
+    pool.commit(cached, tokens, 5, 0, b"")
+    pool.release(cached)  # 0 and 1 cached, no one holds them; 2 free
+    table: list[int] = []
+    assert pool.grow(table, 8) and table == [2, 3, 4, 5]
+    copies: list[tuple[int, int]] = []
+    assert pool.place(table, 4, 10, copies) == 4
+    assert table == [2, 3, 0, 1]  # paired in ascending order: runs of consecutive blocks
+    assert copies == [(0, 6), (1, 7), (4, 0), (5, 1)]
+    assert pool.match(tokens, 5) == [6, 7] and pool.free == 4 and pool.cached == 2
+
+    pool = BlockPool(8, 2, caching=True)
+    pool.on_device = 4
+    pool.grow(cached, 5)
+    pool.commit(cached, tokens, 5, 0, b"")
+    pool.release(cached)
+    pool.grow(table := [], 8)
+    copies = []
+    assert pool.place(table, 4, 3, copies) == 3
+    assert copies == [(1, 6), (4, 0), (5, 1)] and table == [2, 3, 0, 1]  # the last released kept
+    assert pool.match(tokens, 5) == []  # the first block was forgotten: nothing continues from the second
+
+
+def test_block_copies_across_the_device_and_host_ram_are_made_in_order() -> None:
+    """Copies between device and host blocks (merged into runs) and within host RAM give what copying each
+    pair in turn gives, in every layer, keys and values."""
+    stream = StreamedKV(2, 6, 2, (1, 1, 1), torch.float32, torch.device("cpu"))
+    for kind in (0, 1):
+        stream.on_device[kind][:, :2] = torch.tensor([[0.0, 1.0], [10.0, 11.0]]).view(2, 2, 1, 1, 1) + kind
+        stream.homes[kind][:] = torch.tensor([[2.0, 3, 4, 5], [12, 13, 14, 15]]).view(2, 4, 1, 1, 1) + kind
+    pairs = [(0, 3), (1, 4), (5, 0), (3, 2)]
+    expected = list(range(6))
+    for source, target in pairs:
+        expected[target] = expected[source]
+    stream.copy_blocks(pairs)
+    for layer in range(2):
+        for kind in (0, 1):
+            held = [*stream.on_device[kind][layer, :2].flatten(), *stream.homes[kind][layer].flatten()]
+            assert [int(v) for v in held] == [10 * layer + b + kind for b in expected]
 
 
 def test_streaming_stages_each_layers_host_blocks_and_sends_written_rows_home() -> None:

@@ -51,6 +51,33 @@ def test_staged_blocks_arrive_before_each_layer_and_written_rows_reach_their_hom
             assert bool((stream.homes[0][layer, block - resident, 3] == layer + 1).all())
 
 
+def test_block_moves_are_queued_in_the_devices_order_while_it_is_busy() -> None:
+    """Blocks moved from the device to host RAM and back (the prefix cache's blocks giving up the device, a
+    conversation's coming onto it) are queued behind work the device is still doing and land before what is
+    queued after them: each block ends up holding what copying the pairs in turn gives."""
+    layers, blocks, resident, size = 6, 40, 10, 16
+    device = torch.device("cuda")
+    stream = StreamedKV(layers, blocks, resident, (size, 2, 64), torch.bfloat16, device)
+    stream.on_device[0].copy_(torch.arange(resident + 1).view(1, -1, 1, 1, 1).expand_as(stream.on_device[0]))
+    stream.homes[0].copy_(torch.arange(resident, blocks).view(1, -1, 1, 1, 1).expand_as(stream.homes[0]))
+    busy = torch.randn(4096, 4096, device=device)
+    for _ in range(8):
+        busy = busy @ busy / 64
+    stream.on_device[0][:, 3] = -1.0  # queued before the moves: block 3 leaves the device holding it
+    pairs = [(3, 30), (4, 31), (5, 32), (20, 3), (21, 4), (22, 5)]
+    stream.copy_blocks(pairs)
+    stream.on_device[0][:, 4] += 100.0  # queued after: adds to what came from block 21
+    stream.host_side()
+    expected = [float(b) for b in range(blocks)]
+    expected[3] = -1.0
+    for source, target in pairs:
+        expected[target] = expected[source]
+    expected[4] += 100.0
+    for layer in range(layers):
+        held = [*stream.on_device[0][layer, :resident, 0, 0, 0].tolist(), *stream.homes[0][layer, :, 0, 0, 0]]
+        assert [float(v) for v in held] == expected
+
+
 @pytest.fixture(scope="module", params=["qwen3_moe", "qwen3_next"])
 def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_checkpoint(
@@ -75,3 +102,20 @@ def test_an_engine_with_kv_in_host_ram_gives_each_conversation_the_whole_pools_t
     assert sum(w.kv_host_reads for w in windows) > 0
     for _, add in arrivals:
         assert together[add.request_id].token_ids == complete(whole, add.prompt_token_ids, **greedy).token_ids
+
+
+def test_turns_that_move_blocks_between_host_ram_and_the_card_keep_their_tokens(checkpoint: Path) -> None:
+    """Turns one after another with the prefix cache: each new conversation's blocks come onto the card in
+    place of cached ones (which go to host RAM), a follow-up brings its own back; windows replay their graphs
+    once no block is read from host RAM, and the tokens are the whole pool's."""
+    greedy = {"max_tokens": 16, "temperature": 0, "ignore_eos": True}
+    whole = make_core(checkpoint, device="cuda", dtype="bfloat16")
+    core = make_core(checkpoint, device="cuda", dtype="bfloat16", kv_resident=160)
+    first = request(random_prompt(50, 1), **greedy)
+    answer = complete(whole, first.prompt_token_ids, **greedy).token_ids
+    turns = [first, request(random_prompt(100, 2), **greedy)]
+    turns.append(request([*first.prompt_token_ids, *answer, *random_prompt(9, 3)], **greedy))
+    for add in turns:
+        done, windows = run(core, [(0, add)])
+        assert done[add.request_id].token_ids == complete(whole, add.prompt_token_ids, **greedy).token_ids
+        assert sum(w.kv_host_reads for w in windows) == 0
