@@ -18,7 +18,8 @@
 # the decode after them, KV bf16 / fp8 / int8) and benchmarks/kv_agreement.py (the demo model's greedy tokens
 # over 8-bit KV against bf16's).
 # kv-stream: the streamed KV's GPU tests, then benchmarks/kv_dtype_bench.py with 64K tokens of the pool on the
-# device (KV_RESIDENT) and the rest in host RAM, at 32K / 128K / 256K-token prompts, KV bf16 / fp8 / int8;
+# device (KV_RESIDENT) and the rest in host RAM, at 32K / 128K / 256K-token prompts, KV bf16 / fp8 / int8 (and
+# 128K bf16 again with a copy a run of host blocks instead of the block-copy kernel: STRATA_KV_GATHER=0);
 # then benchmarks/chat_turns.py on a random checkpoint of the shape: 8 users with 16K-token chats taking turns
 # two at a time, 64K tokens of the pool on the card, blocks moved onto the card or left where first given.
 # long-burst: a random checkpoint of the shape taking 128K positions served on a simulated 24 GB card (experts
@@ -69,6 +70,9 @@ if [[ $what == kv-stream ]]; then
         || status=1
     python3 benchmarks/kv_dtype_bench.py --shape "${shapes%% *}" --kv-resident "${KV_RESIDENT:-65536}" \
         --contexts 32768 131072 262144 --out "$out/kv-stream.jsonl" 2>&1 | tee "$out/kv-stream.log" || status=1
+    STRATA_KV_GATHER=0 python3 benchmarks/kv_dtype_bench.py --shape "${shapes%% *}" --kv auto \
+        --kv-resident "${KV_RESIDENT:-65536}" --contexts 131072 --out "$out/kv-stream-copies.jsonl" 2>&1 \
+        | tee -a "$out/kv-stream.log" || status=1
     s=${shapes%% *}
     dir=${CHECKPOINTS:-/tmp}/strata-$s-32k
     [[ -f $dir/model.safetensors.index.json ]] || python3 benchmarks/random_checkpoint.py --shape "$s" \

@@ -13,14 +13,23 @@ blocks layer i - 1 wrote there (its new rows) went back to their homes. Layer i 
 `settle` sends the last layer's writes home; whatever reads or writes host blocks from the host side settles
 first. A batch that reads no host block has no plan and runs as if the pool were all on the device (CUDA
 graphs included).
+
+A layer's copies are one copy of keys and one of values a run of consecutive blocks; on a GPU, where a plan's
+blocks make more than `RUNS_PER_KERNEL` runs, one kernel a layer copies them all instead, reading and writing
+pinned host RAM in place (app/kernels/triton_blocks.py; `STRATA_KV_GATHER=0` keeps the copies, to compare).
 """
 
 from __future__ import annotations
 
+import os
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+from app.engine.transfer import device_tensor
+
+RUNS_PER_KERNEL = 4  # a plan's blocks in more runs than this are copied by a kernel a layer on a GPU
 
 
 @dataclass(eq=False)
@@ -31,6 +40,8 @@ class StreamPlan:
     homes: torch.Tensor
     written: torch.Tensor
     started: bool = False
+    # worked out once for all the layers: the runs of the copies in and back, or the ids of the kernel's pairs
+    copied: dict[str, object] = field(default_factory=dict)
 
 
 def _runs(sources: torch.Tensor, targets: torch.Tensor) -> list[tuple[int, int, int]]:
@@ -206,15 +217,10 @@ class StreamedKV:
     def _fetch(self, plan: StreamPlan, layer: int) -> None:
         """Copy the plan's host blocks of `layer` into its staging area (on the side stream on a GPU)."""
         area = self._area(layer)
-        places = torch.arange(plan.homes.numel())
         if not plan.started:  # the batches before may still read the staging areas
             self._after_compute()
         with torch.cuda.stream(self.copies) if self.copies is not None else nullcontext():
-            for home, place, count in _runs(plan.homes, places):
-                for flat, homes in zip(self.flat, self.homes, strict=True):
-                    flat[area + place : area + place + count].copy_(
-                        homes[layer, home : home + count], non_blocking=True
-                    )
+            self._copy(plan, "in", layer, plan.homes, torch.arange(plan.homes.numel()), area, home_side=True)
             if self.copies is not None:
                 event = torch.cuda.Event()
                 event.record(self.copies)
@@ -226,13 +232,47 @@ class StreamedKV:
         if plan.written.numel() == 0:
             return
         area = self._area(layer)
-        homes = plan.homes[plan.written]
         with torch.cuda.stream(self.copies) if self.copies is not None else nullcontext():
-            for place, home, count in _runs(plan.written, homes):
-                for flat, host in zip(self.flat, self.homes, strict=True):
-                    host[layer, home : home + count].copy_(
-                        flat[area + place : area + place + count], non_blocking=True
-                    )
+            self._copy(plan, "back", layer, plan.written, plan.homes[plan.written], area, home_side=False)
+
+    def _copy(
+        self,
+        plan: StreamPlan,
+        way: str,
+        layer: int,
+        sources: torch.Tensor,
+        targets: torch.Tensor,
+        area: int,
+        home_side: bool,
+    ) -> None:
+        """Copy one layer's blocks, keys and values: homes `sources` to staging places `targets` of the area
+        at flat index `area` (`home_side`), or staging places to homes."""
+        copied = plan.copied.get(way)
+        if copied is None:
+            copied = _runs(sources, targets)
+            if by_kernel(self.device, len(copied)):
+                copied = tuple(
+                    device_tensor(t.tolist(), torch.int32, self.device) for t in (sources, targets)
+                )
+            plan.copied[way] = copied
+        staging = [f[area : area + self.staging] for f in self.flat]
+        homes = [h[layer] for h in self.homes]
+        ends = (homes, staging) if home_side else (staging, homes)
+        if isinstance(copied, tuple):
+            from app.kernels.triton_blocks import copy_blocks  # triton: only where a GPU is
+
+            copy_blocks(tuple(ends[0]), tuple(ends[1]), *copied)
+            return
+        for first, second, count in copied:
+            for source, target in zip(*ends, strict=True):
+                target[second : second + count].copy_(source[first : first + count], non_blocking=True)
+
+
+def by_kernel(device: torch.device, runs: int) -> bool:
+    """Whether a layer's blocks in `runs` runs are copied by the block-copy kernel: on a GPU, beyond
+    `RUNS_PER_KERNEL` runs (`STRATA_KV_GATHER=0`: never)."""
+    gathers = os.environ.get("STRATA_KV_GATHER", "1") != "0"
+    return runs > RUNS_PER_KERNEL and device.type == "cuda" and gathers
 
 
 def shifted(index: torch.Tensor, shift: int) -> torch.Tensor:

@@ -13,6 +13,7 @@ import torch
 from engine_helpers import assert_parked_follow_up_continues, complete, make_core, random_prompt, request, run
 
 from app.engine import core as core_module
+from app.engine import kv_stream
 from app.engine.blocks import BlockPool
 from app.engine.kv_stream import StreamedKV, shifted
 from app.engine.paged_state import device_kv_bytes, kv_block_bytes
@@ -140,6 +141,29 @@ def test_block_copies_across_the_device_and_host_ram_are_made_in_order() -> None
         for kind in (0, 1):
             held = [*stream.on_device[kind][layer, :2].flatten(), *stream.homes[kind][layer].flatten()]
             assert [int(v) for v in held] == [10 * layer + b + kind for b in expected]
+
+
+def test_an_engine_streaming_through_the_kernel_gives_the_whole_pools_tokens(
+    checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A window's host blocks in several runs (conversations decoding together append blocks in turn),
+    copied in and back home by the kernel (here on the CPU, from two runs on), give the whole pool's
+    tokens."""
+    greedy = {"max_tokens": 20, "temperature": 0, "ignore_eos": True}
+    used: list[int] = []
+
+    def by_kernel(device: torch.device, runs: int) -> bool:
+        used.append(runs)
+        return runs > 1
+
+    monkeypatch.setattr(kv_stream, "by_kernel", by_kernel)
+    whole = make_core(checkpoint)
+    core = make_core(checkpoint, kv_resident=32, parallel=4, max_batched_tokens=64, decode_share=0.01)
+    arrivals = [(0, request(random_prompt(20 + 9 * i, i), **greedy)) for i in range(4)]
+    together, _ = run(core, arrivals)
+    assert max(used) > 1
+    for _, add in arrivals:
+        assert together[add.request_id].token_ids == complete(whole, add.prompt_token_ids, **greedy).token_ids
 
 
 def test_streaming_stages_each_layers_host_blocks_and_sends_written_rows_home() -> None:

@@ -19,10 +19,15 @@ pytestmark = [
 ]
 
 
-def test_staged_blocks_arrive_before_each_layer_and_written_rows_reach_their_homes() -> None:
+@pytest.mark.parametrize("gather", ["1", "0"])
+def test_staged_blocks_arrive_before_each_layer_and_written_rows_reach_their_homes(
+    gather: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """12 layers, 64 host blocks read by a batch in scattered order; each layer reads its own homes' values
     through the shifted table while the device is kept busy, writes a row into each of 5 blocks through the
-    shifted slot mapping, and after `host_side` every home holds its layer's written rows."""
+    shifted slot mapping, and after `host_side` every home holds its layer's written rows: the blocks copied
+    by the kernel reading and writing pinned RAM in place, and by a copy a run (`STRATA_KV_GATHER=0`)."""
+    monkeypatch.setenv("STRATA_KV_GATHER", gather)
     layers, blocks, resident, size = 12, 100, 20, 16
     device = torch.device("cuda")
     stream = StreamedKV(layers, blocks, resident, (size, 2, 64), torch.bfloat16, device)

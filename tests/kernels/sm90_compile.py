@@ -1,6 +1,8 @@
 """Compiles the held-weight kernels for an H100/H200 (sm_90) with no GPU, down to the binary (Triton's own
 ptxas): `python tests/kernels/sm90_compile.py KIND [KIND ...]`, in a process without TRITON_INTERPRET (whose
-kernels are not compiled at all). Prints each kernel's shared memory; exits non-zero on a compile error."""
+kernels are not compiled at all). Prints each kernel's shared memory; exits non-zero on a compile error.
+`blocks` as a KIND compiles the KV block-copy kernel (app/kernels/triton_blocks.py) for a bf16 and an 8-bit
+block, and prints its 16-byte loads a thread."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from app.kernels.triton_blocks import _copy_blocks_kernel
 from app.kernels.triton_moe import HELD_CODES, _grouped_matmul, _held_rowwise
 from app.kernels.triton_quant import ROWWISE_STEP_LIMITS, STEP_LIMITS
 
@@ -56,6 +59,21 @@ def compile_held(kind: str) -> None:
     print(line)
 
 
+def compile_blocks() -> None:
+    """The block-copy kernel for q30's bf16 blocks (4,096 words) and 8-bit ones (2,304), pointers aligned."""
+    pointers = ("src_k", "src_v", "dst_k", "dst_v", "src_ids", "dst_ids")
+    signature = {**dict.fromkeys(pointers, "*i32"), "pairs": "i32", "grid": "i32"}
+    signature |= {"WORDS": "constexpr", "CHUNK": "constexpr"}
+    aligned = {(i,): [["tt.divisibility", 16]] for i in range(len(pointers))}
+    line = "blocks"
+    for words in (4096, 2304):
+        constants = {"WORDS": words, "CHUNK": triton.next_power_of_2(words)}
+        source = ASTSource(fn=_copy_blocks_kernel, signature=signature, constexprs=constants, attrs=aligned)
+        ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+        line += f" {words}:{ptx.count('ld.global.v4')}"
+    print(line)
+
+
 if __name__ == "__main__":
     for name in sys.argv[1:]:
-        compile_held(name)
+        compile_blocks() if name == "blocks" else compile_held(name)
