@@ -1,13 +1,14 @@
 """Users taking turns in long chats with KV beyond VRAM: where the KV blocks each window reads come from.
 
     python benchmarks/chat_turns.py --model DIR [--device cuda] [--users 8 --active 2 --rounds 12]
-        [--first 4096 --message 256 --answer 64] [--kv-resident 16384] [--kv-gib 4] [--stay-put]
-        [--out results.jsonl]
+        [--first 4096 --message 256 --answer 64] [--kv-resident 16384] [--kv-gib 4] [--park-gib 0]
+        [--stay-put] [--out results.jsonl]
 
 `--users` conversations, each opened by `--first` random tokens and answered with `--answer` greedy tokens;
 in round r the `--active` users from r * active on (round robin) send their next turn together (their
 conversation so far, its answers and `--message` new tokens) and the round ends when all are answered. The
-other users think meanwhile: their conversations stay in the prefix cache, on the card or in host RAM. Per
+other users think meanwhile: their conversations stay in the prefix cache, on the card or in host RAM (and,
+with `--park-gib`, parked: a model with Gated DeltaNet layers continues only where its state was kept). Per
 round: the share of KV block reads served from VRAM, the prompt tokens the prefix cache served, first-token
 time p50 / max and the active users' decode tok/s; then a summary line over every round but the first
 `--users / --active` (each user's first turn). `--stay-put` leaves every block where it was first given
@@ -85,6 +86,7 @@ def main() -> None:
     parser.add_argument("--answer", type=int, default=64)
     parser.add_argument("--kv-resident", type=int, default=16384)
     parser.add_argument("--kv-gib", type=float, default=4.0, help="GiB of the KV pool (--kv-memory)")
+    parser.add_argument("--park-gib", type=float, default=0.0, help="GiB of host RAM for parked chats")
     parser.add_argument("--max-batched-tokens", type=int, default=2048)
     parser.add_argument("--stay-put", action="store_true", help="blocks never move between RAM and card")
     parser.add_argument("--seed", type=int, default=0)
@@ -99,13 +101,15 @@ def main() -> None:
         kv_memory=int(args.kv_gib * (1 << 30)),
         kv_resident=args.kv_resident,
         max_batched_tokens=args.max_batched_tokens,
+        park_memory=int(args.park_gib * (1 << 30)),
     )
     core = EngineCore(config)
     vocab = core.loaded.model.config.vocab_size
     rng = random.Random(args.seed)
     chats = {f"user{u}": [rng.randrange(10, vocab) for _ in range(args.first)] for u in range(args.users)}
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    setting = {k: getattr(args, k) for k in ("users", "active", "first", "message", "answer", "kv_resident")}
+    names = ("users", "active", "first", "message", "answer", "kv_resident", "park_gib")
+    setting = {k: getattr(args, k) for k in names}
     setting |= {"stay_put": args.stay_put, "device": device, "model": args.model.name}
     model_config = json.loads((args.model / "config.json").read_text())
     bandwidth = measure_copy_bandwidth(args.device) if args.device == "cuda" else None
