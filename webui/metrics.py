@@ -88,6 +88,16 @@ SCALARS = (
         "counter",
         "KV blocks streamed in from host RAM for attention (--kv-resident), once a sequence a window.",
     ),
+    (
+        "strata:kv_blocks_moved_to_device_total",
+        "counter",
+        "KV blocks of the requests being answered copied from host RAM onto the device (--kv-resident).",
+    ),
+    (
+        "strata:kv_blocks_moved_to_host_total",
+        "counter",
+        "Cached KV blocks no request holds copied to host RAM to make room on the device (--kv-resident).",
+    ),
     ("strata:expert_swaps_total", "counter", "Experts the expert tier moved onto the device."),
     (
         "strata:expert_pcie_bytes_total",
@@ -158,6 +168,8 @@ class ServerMetrics:
         self.prefix_cache_hits_total = 0
         self.kv_vram_block_reads_total = 0
         self.kv_host_block_reads_total = 0
+        self.kv_blocks_moved_to_device_total = 0
+        self.kv_blocks_moved_to_host_total = 0
         self.parking = ParkingStats(0, 0, 0, 0, 0, 0.0, 0)
         self.request_success_total = dict.fromkeys(FINISH_REASONS, 0)
         self.expert_routed_total = dict.fromkeys(EXPERT_SOURCES, 0)
@@ -281,6 +293,8 @@ class ServerMetrics:
         self.prefix_cache_hits_total += stats.prefix_cache_hits
         self.kv_vram_block_reads_total += stats.kv_vram_reads
         self.kv_host_block_reads_total += stats.kv_host_reads
+        self.kv_blocks_moved_to_device_total += stats.kv_moved_to_device
+        self.kv_blocks_moved_to_host_total += stats.kv_moved_to_host
         if stats.parking is not None:
             self.parking = stats.parking
         self.heat.on_window(stats)
@@ -426,6 +440,8 @@ class ServerMetrics:
             "park_copied_bytes_total": self.parking.copied_bytes,
             "kv_vram_block_reads_total": self.kv_vram_block_reads_total,
             "kv_host_block_reads_total": self.kv_host_block_reads_total,
+            "kv_blocks_moved_to_device_total": self.kv_blocks_moved_to_device_total,
+            "kv_blocks_moved_to_host_total": self.kv_blocks_moved_to_host_total,
             "request_success_total": dict(self.request_success_total),
             "expert_routed_total": dict(self.expert_routed_total),
             "expert_swaps_total": self.expert_swaps_total,

@@ -644,6 +644,8 @@ class EngineCore:
             drafts=done.drafts,
             kv_vram_reads=vram_reads,
             kv_host_reads=host_reads,
+            kv_moved_to_device=done.window.moved[0],
+            kv_moved_to_host=done.window.moved[1],
         )
         return outputs, stats
 

@@ -303,6 +303,8 @@ class WindowStats(msgspec.Struct, tag="stats", frozen=True):
     drafts: list[tuple[int, int, int]] = []  # each drafting request's (slot, draft tokens, of them accepted)
     kv_vram_reads: int = 0  # with --kv-resident: KV blocks the window read from VRAM (once a sequence)
     kv_host_reads: int = 0  # and streamed in from host RAM
+    kv_moved_to_device: int = 0  # with --kv-resident: KV blocks copied onto the device before the window
+    kv_moved_to_host: int = 0  # and cached blocks copied to host RAM to make room for them
 
     @property
     def kv_usage(self) -> float:

@@ -155,6 +155,7 @@ class Window:
     `cache_queries` / `cache_hits`: prompt tokens of the requests admitted, and how many came from the cache.
     `unparks`: (parked conversation, slot, block table) to copy back from the host, after the restores.
     `charged`: the seconds the decoding slots' credit was charged for the window when it was planned.
+    `moved`: KV blocks its requests' blocks copied (to the device, to host RAM) in `block_copies` (`_place`).
     """
 
     chunks: list[Chunk]
@@ -166,6 +167,7 @@ class Window:
     cache_hits: int = 0
     unparks: list[tuple[object, int, list[int]]] = field(default_factory=list)
     charged: float | None = None
+    moved: tuple[int, int] = (0, 0)
 
     @property
     def prompt_tokens(self) -> int:
@@ -378,13 +380,15 @@ class Scheduler:
         if self.pool.on_device >= self.pool.total or most <= 0:
             return
         unparked = {id(blocks) for _, _, blocks in window.unparks}
-        size, moves = self.pool.block_size, window.block_copies
+        size, moves, before = self.pool.block_size, window.block_copies, len(window.block_copies)
         for request in dict.fromkeys(c.request for c in window.chunks):
             written = request.computed + self.spec_tokens(request)
             content = 0 if id(request.blocks) in unparked else -(-written // size)
             most -= self.pool.place(request.blocks, content, most, moves)
             if most <= 0:
-                return
+                break
+        to_device = sum(target < self.pool.on_device for _, target in moves[before:])
+        window.moved = (to_device, len(moves) - before - to_device)
 
     def _pick_group(self, busy: frozenset[int]) -> int | None:
         """The group to plan: the first from the one whose turn it is that is not busy and has a request or a

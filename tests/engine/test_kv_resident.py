@@ -88,6 +88,8 @@ def test_blocks_follow_the_conversation_being_answered_onto_the_device(
 
     _, second_turn, follow_up_turn = conversations()
     assert sum(w.kv_host_reads for w in second_turn + follow_up_turn) == 0
+    assert sum(w.kv_moved_to_host for w in second_turn) > 0  # the first turn's cached blocks
+    assert sum(w.kv_moved_to_device for w in follow_up_turn) > 0  # and back
     assert sum(w.prefix_cache_hits for w in follow_up_turn) >= 32
     monkeypatch.setattr(Scheduler, "_place", lambda self, window: None)
     assert sum(w.kv_host_reads for w in conversations()[1]) > 0

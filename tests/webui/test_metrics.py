@@ -547,14 +547,17 @@ def test_routed_expert_entries_are_counted_by_where_they_ran() -> None:
 
 
 def test_kv_block_reads_are_counted_by_where_the_blocks_live() -> None:
-    """With `--kv-resident` each window reports the KV blocks it read from VRAM and from host RAM; /metrics
-    adds them up (their ratio is the hit rate)."""
+    """With `--kv-resident` each window reports the KV blocks it read from VRAM and from host RAM, and those
+    it moved between them; /metrics adds them up (the reads' ratio is the hit rate)."""
     metrics = ServerMetrics("tiny", READY)
     metrics.on_window(window(1, time.time(), [decoding(0, "a")], kv_vram_reads=30, kv_host_reads=10))
-    metrics.on_window(window(2, time.time(), [decoding(0, "a")], kv_vram_reads=31, kv_host_reads=10))
+    moved = {"kv_moved_to_device": 7, "kv_moved_to_host": 3}
+    metrics.on_window(window(2, time.time(), [decoding(0, "a")], kv_vram_reads=31, kv_host_reads=10, **moved))
     found = scrape(metrics)
     assert value(found, "strata:kv_vram_block_reads_total") == 61
     assert value(found, "strata:kv_host_block_reads_total") == 20
+    assert value(found, "strata:kv_blocks_moved_to_device_total") == 7
+    assert value(found, "strata:kv_blocks_moved_to_host_total") == 3
     assert metrics.values()["kv_host_block_reads_total"] == 20
 
 
