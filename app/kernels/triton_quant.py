@@ -28,9 +28,12 @@ dtype. A step of k lies within one Q4_K super-block (256 values), or covers whol
 - IQ3_S (110 bytes): fp16 d, 64 low bytes of 9-bit grid ids (the ninth bits in 8 bytes, one a group), 32
   sign bytes (bit j: value j of 8 negative) and 4 bytes of 4-bit scales; value = (d * (1 + 2 s)) * magnitude
   * sign.
-The i-quants' levels and grids are llama.cpp's tables, read from the `gguf` package into one fp32 tensor on
-the device (`quant_tables`) whose offsets are IQ4_LEVELS, IQ3_XXS_GRID and IQ3_S_GRID. Every product is exact
-in fp32, so these are the reference dequantizer's values whatever the order.
+The i-quants' levels and grids are llama.cpp's tables. IQ4_NL's 16 levels are two 64-bit constants in the
+kernels (a level is a shift and a mask, no memory read: `iq4_level`); the IQ3 grids, read from the `gguf`
+package, are one int32 tensor on the device (`quant_tables`, offsets IQ3_XXS_GRID and IQ3_S_GRID), an entry's
+4 magnitudes the 4 bytes of one word, so a tile reads one word a grid entry (`_grid_magnitudes`), not one
+value a lane: what Triton's pipeliner stages in shared memory for a tile is a quarter of what it was. Every
+product is exact in fp32, so these are the reference dequantizer's values whatever the order.
 
 For one or two rows on the CUDA cores (`q8_0_groups`, `q4_k_groups` and their row sums) a group's codes
 are summed with x first and the group's scale and offset applied to that sum; there the codes become fp32
@@ -56,18 +59,23 @@ STEP_LIMITS = {
 }
 ROWWISE_STEP_LIMITS = {**STEP_LIMITS, "Q4_K": (256, 1024), "Q5_K": (256, 1024)}
 # offsets into `quant_tables` (constexpr: the compiled kernels read them)
-IQ4_LEVELS, IQ3_XXS_GRID, IQ3_S_GRID = tl.constexpr(0), tl.constexpr(16), tl.constexpr(16 + 256 * 4)
+IQ3_XXS_GRID, IQ3_S_GRID = tl.constexpr(0), tl.constexpr(256)
+# IQ4_NL's levels (kvalues_iq4nl): the first eight plus 128 as the bytes of one word, the last eight (all
+# positive) of another, low byte first; both below 2**63
+IQ4_NL_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+IQ4_LOW = tl.constexpr(sum((level + 128) << (8 * i) for i, level in enumerate(IQ4_NL_LEVELS[:8])))
+IQ4_HIGH = tl.constexpr(sum(level << (8 * i) for i, level in enumerate(IQ4_NL_LEVELS[8:])))
 
 
 @functools.cache
 def quant_tables(device: torch.device) -> torch.Tensor:
-    """IQ4_NL's 16 levels, then IQ3_XXS's 256 and IQ3_S's 512 grid entries of 4 magnitudes: fp32 on
-    `device`."""
+    """IQ3_XXS's 256 and IQ3_S's 512 grid entries, each entry's 4 magnitudes (small integers) the bytes of
+    one int32, lane 0 lowest: int32 on `device`."""
     from app.kernels.gguf_quants import i_quant_tables
 
     tables = i_quant_tables()
-    parts = (tables["iq4"], tables["IQ3_XXS"].reshape(-1), tables["IQ3_S"].reshape(-1))
-    return torch.cat(parts).to(device)
+    grids = torch.cat((tables["IQ3_XXS"], tables["IQ3_S"])).to(torch.uint8)
+    return grids.view(torch.int32).flatten().to(device)
 
 
 def quant_step(kind: str, columns: int, wanted: int, rowwise: bool = False) -> int:
@@ -290,18 +298,36 @@ def iq4_xs_values(rows, col_ok, start, table, BLOCK_K: tl.constexpr, BLOCK_N: tl
     low = tl.load(block + 4 + j // 2, mask=mask, other=0).to(tl.int32)
     scale = ((low >> (4 * (j % 2))) & 15) | (((high >> (2 * j)) & 3) << 4)
     q = tl.load(block + 8 + 16 * j + lane % 16, mask=mask, other=0).to(tl.int32)
-    level = tl.load(table + IQ4_LEVELS + tl.where(lane < 16, q & 15, q >> 4))
+    level = iq4_level(tl.where(lane < 16, q & 15, q >> 4))
     values = (d * (scale - 32).to(tl.float32)) * level
     return tl.reshape(values, (BLOCK_K, BLOCK_N))
 
 
 @triton.jit
-def _grid_values(table, ids, signs, lane, multiplier):
-    """A group's 32 values: the magnitude of lane % 4 of each 4-lane entry's grid entry `ids` (offsets into
-    `table`), times `multiplier`, negated where bit lane % 8 of `signs` is set."""
-    magnitude = tl.load(table + ids * 4 + lane % 4)
+def iq4_level(index):
+    """IQ4_NL's level `index` (0..15) as fp32, from the two constant words (no memory read)."""
+    low = index < 8
+    word = tl.where(low, IQ4_LOW, IQ4_HIGH)
+    byte = (word >> ((index & 7) * 8).to(tl.int64)) & 255
+    return (byte - tl.where(low, 128, 0)).to(tl.float32)
+
+
+@triton.jit
+def _grid_magnitudes(grid, ids):
+    """Magnitudes [G, 32, N] fp32 of grid entries `ids` [G, 8, N] (each entry 4 lanes): one word of `grid`
+    (int32 pointer) an entry, its bytes the lanes."""
+    word = tl.load(grid + ids)
+    shifts = (tl.arange(0, 4) * 8)[None, None, :, None]
+    magnitudes = (word[:, :, None, :] >> shifts) & 255
+    return tl.reshape(magnitudes, (word.shape[0], 32, word.shape[2])).to(tl.float32)
+
+
+@triton.jit
+def _grid_values(grid, ids, signs, lane, multiplier):
+    """A group's 32 values: the magnitudes of grid entries `ids` [G, 8, N] (`_grid_magnitudes`) times
+    `multiplier`, negated where bit lane % 8 of `signs` is set."""
     negative = ((signs >> (lane % 8)) & 1) == 1
-    values = multiplier * magnitude
+    values = multiplier * _grid_magnitudes(grid, ids)
     return tl.where(negative, -values, values)
 
 
@@ -316,12 +342,14 @@ def iq3_xxs_values(rows, col_ok, start, table, BLOCK_K: tl.constexpr, BLOCK_N: t
     for byte in tl.static_range(1, 4):
         bits |= tl.load(word + byte, mask=mask, other=0).to(tl.int32) << (8 * byte)
     multiplier = d * (0.5 + ((bits >> 28) & 15).to(tl.float32)) * 0.5
-    ids = tl.load(block + 2 + 8 * j + lane // 4, mask=mask, other=0).to(tl.int32)
+    entry = tl.arange(0, 8)[None, :, None]
+    ids = tl.load(block + 2 + 8 * j + entry, mask=mask, other=0).to(tl.int32)
     sign_id = (bits >> (7 * (lane // 8))) & 127
     parity = sign_id ^ (sign_id >> 4)
     parity ^= parity >> 2
     parity ^= parity >> 1
-    values = _grid_values(table + IQ3_XXS_GRID, ids, sign_id | ((parity & 1) << 7), lane, multiplier)
+    grid = table.to(tl.pointer_type(tl.int32)) + IQ3_XXS_GRID
+    values = _grid_values(grid, ids, sign_id | ((parity & 1) << 7), lane, multiplier)
     return tl.reshape(values, (BLOCK_K, BLOCK_N))
 
 
@@ -333,11 +361,12 @@ def iq3_s_values(rows, col_ok, start, table, BLOCK_K: tl.constexpr, BLOCK_N: tl.
     d = tl.load(block.to(tl.pointer_type(tl.float16)), mask=mask, other=0.0).to(tl.float32)
     packed = tl.load(block + 106 + j // 2, mask=mask, other=0).to(tl.int32)
     multiplier = d * (1 + 2 * ((packed >> (4 * (j % 2))) & 15)).to(tl.float32)
-    entry = lane // 4
+    entry = tl.arange(0, 8)[None, :, None]
     ninth = (tl.load(block + 66 + j, mask=mask, other=0).to(tl.int32) >> entry) & 1
     ids = tl.load(block + 2 + 8 * j + entry, mask=mask, other=0).to(tl.int32) | (ninth << 8)
     signs = tl.load(block + 74 + 4 * j + lane // 8, mask=mask, other=0).to(tl.int32)
-    values = _grid_values(table + IQ3_S_GRID, ids, signs, lane, multiplier)
+    grid = table.to(tl.pointer_type(tl.int32)) + IQ3_S_GRID
+    values = _grid_values(grid, ids, signs, lane, multiplier)
     return tl.reshape(values, (BLOCK_K, BLOCK_N))
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from app.kernels.gguf_quants import dequantize, random_blocks
+from app.kernels.gguf_quants import dequantize, i_quant_tables, random_blocks
 from app.kernels.interface import HELD_BLOCKS, held_kind, held_row_bytes
 from app.kernels.reference import experts_reference
 from app.kernels.triton_linear import few_rows_linear, held_tiles
@@ -20,7 +20,7 @@ from app.kernels.triton_moe import (
     moe_tiles,
     tiled_linear,
 )
-from app.kernels.triton_quant import quant_step
+from app.kernels.triton_quant import IQ3_S_GRID, IQ3_XXS_GRID, IQ4_NL_LEVELS, quant_step, quant_tables
 
 KINDS = list(HELD_BLOCKS)
 # a type of each form of the sums on the CUDA cores (Q8_0's and Q4_K's own; every other type widens its
@@ -45,6 +45,18 @@ def _inputs(tokens: int, experts: int, top_k: int, kind: str, seed: int = 0) -> 
     gate_up = _held(kind, (experts, 2 * INTER, HIDDEN), seed + 1)
     down = _held(kind, (experts, HIDDEN, INTER), seed + 2)
     return x, ids, weights, gate_up, down
+
+
+def test_the_kernels_i_quant_tables_are_the_gguf_packages() -> None:
+    """IQ4_NL's levels (constants in the kernels) and the IQ3 grids packed a word an entry, lane 0 in the low
+    byte, hold the `gguf` package's values."""
+    tables = i_quant_tables()
+    assert list(IQ4_NL_LEVELS) == tables["iq4"].tolist()
+    words = quant_tables(torch.device("cpu"))
+    for name, start, entries in (("IQ3_XXS", IQ3_XXS_GRID, 256), ("IQ3_S", IQ3_S_GRID, 512)):
+        entry = words[start : start + entries]
+        lanes = torch.stack([(entry >> (8 * lane)) & 255 for lane in range(4)], dim=1)
+        assert torch.equal(lanes.float(), tables[name])
 
 
 def test_a_held_weights_type_is_told_by_its_row_width() -> None:
