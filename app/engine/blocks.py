@@ -194,20 +194,32 @@ class BlockPool:
             done, parent = index + 1, key
         return done, parent
 
-    def place(self, table: list[int], content: int, most: int, copies: list[tuple[int, int]]) -> int:
-        """Move the table's blocks that live in host RAM and that only it holds onto the device, in order,
-        while a block there is free or only cached; how many block copies that takes, at most `most`.
+    def place(
+        self, table: list[int], content: int, most: int, copies: list[tuple[int, int]], start: int = 0
+    ) -> tuple[int, int]:
+        """Move the table's blocks from `start` on that live in host RAM and that only it holds onto the
+        device, in order, while a block there is free or only cached; (block copies that took, at most
+        `most`; the first index still to look at next time: the table's length when nothing was left).
 
         The table's first `content` blocks hold keys and values, which go with them; a cached block keeps its
         registration. A cached block the device gives up goes to a free block in host RAM, still cached, or
         when none is free is forgotten. The copies, (source, target) in the order they must be made before
         anything reads or writes these blocks again, are appended to `copies`: those of the cached blocks
-        first, then the table's.
+        first, then the table's. With no device block free or only cached, nothing is looked at (a window of
+        long conversations on a full device pays nothing).
         """
+        if not (self._free and self._free[0] < self.on_device) and not self._idle_on_device:
+            return 0, start
         made, chosen, spares, given_up = 0, [], [], []
-        for index, block in enumerate(table):
-            moved = int(index < content)
-            if block < self.on_device or self._refs[block] != 1 or made + moved > most:
+        index, pending = start, None
+        while index < len(table):
+            block, moved = table[index], int(index < content)
+            if block < self.on_device or self._refs[block] != 1:  # on the device, or shared: left
+                index += 1
+                continue
+            if made + moved > most:  # no copy left in the budget: only fresh blocks may still move
+                pending = index if pending is None else pending
+                index = max(index + 1, content)
                 continue
             if self._free and self._free[0] < self.on_device:
                 spare = heapq.heappop(self._free)
@@ -219,10 +231,12 @@ class BlockPool:
                 else:
                     self._forget(spare)
             else:
+                pending = index if pending is None else pending
                 break
             made += moved
             chosen.append(index)
             spares.append(spare)
+            index += 1
         # blocks paired in ascending order on both sides, so that consecutive ones make runs (a copy a layer)
         for block in sorted(given_up):
             home = heapq.heappop(self._free)
@@ -237,7 +251,7 @@ class BlockPool:
             table[index] = spare
         for block in emptied:  # free only now: no block is copied from after it was copied to
             heapq.heappush(self._free, block)
-        return made
+        return made, len(table) if pending is None else pending
 
     def _rename(self, block: int, to: int) -> None:
         """A cached block's registration (if any) now names `to`, which holds its contents."""

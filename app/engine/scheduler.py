@@ -77,6 +77,7 @@ class Request:
     cached_blocks: int = 0  # blocks of `blocks` registered in the prefix cache, the last under `chain_key`
     chain_key: bytes = ROOT
     park_missed: bool = False  # no parked conversation continued it when it was first looked up
+    placed: int = 0  # blocks of `blocks` that `_place` has looked at (on the device, moved there, or shared)
     held_since: float | None = None  # its prompt was read while others' waited: it decodes after them
     drafter: DraftSource | None = None  # its draft source, while it drafts
     rollback: int | None = None  # its slot's recurrent state went past `computed`; this draft slot holds it
@@ -384,7 +385,8 @@ class Scheduler:
         for request in dict.fromkeys(c.request for c in window.chunks):
             written = request.computed + self.spec_tokens(request)
             content = 0 if id(request.blocks) in unparked else -(-written // size)
-            most -= self.pool.place(request.blocks, content, most, moves)
+            made, request.placed = self.pool.place(request.blocks, content, most, moves, request.placed)
+            most -= made
             if most <= 0:
                 break
         to_device = sum(target < self.pool.on_device for _, target in moves[before:])
@@ -596,6 +598,7 @@ class Scheduler:
         request.computed = 0
         request.rollback = None
         request.cached_blocks, request.chain_key = 0, ROOT
+        request.placed = 0
         request.phase = Phase.WAITING
         self.waiting.appendleft(request)
 
