@@ -171,26 +171,45 @@ class StreamedKV:
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy blocks (the scheduler's numbers) over others in order, in every layer. Copies between the
         device and host RAM are queued in the device's order, after what it was asked to do before (streamed
-        batches' copies included) and before what comes next, each run of consecutive pairs one copy a
-        layer; a copy within host RAM is made by the host once the device is done."""
+        batches' copies included) and before what comes next: each stretch of pairs going the same way one
+        copy a layer a run of consecutive pairs, or on a GPU one block-copy kernel a layer where the runs are
+        many (`by_kernel`); a copy within host RAM is made by the host once the device is done."""
         if not pairs:
             return
         self.settle()
         if self.copies is not None:
             torch.cuda.current_stream(self.device).wait_stream(self.copies)
         sources, targets = torch.tensor(pairs).T
-        crossing = (sources < self.resident) != (targets < self.resident)
+        way = 2 * (sources >= self.resident) + (targets >= self.resident)  # 1: to host, 2: to the device
         start = 0
-        for end in [*(crossing[1:] != crossing[:-1]).nonzero().flatten().add(1).tolist(), len(pairs)]:
-            if bool(crossing[start]):
-                for source, target, count in _runs(sources[start:end], targets[start:end]):
-                    self._copy_run(source, target, count)
+        for end in [*(way[1:] != way[:-1]).nonzero().flatten().add(1).tolist(), len(pairs)]:
+            if int(way[start]) in (1, 2):  # a stretch one way across: no block in it is both read and written
+                self._across(sources[start:end], targets[start:end], to_host=int(way[start]) == 1)
             else:  # within one place: one block at a time, in order
                 for source, target in pairs[start:end]:
                     if source >= self.resident:
                         self.host_side()
                     self._copy_run(source, target, 1)
             start = end
+
+    def _across(self, sources: torch.Tensor, targets: torch.Tensor, to_host: bool) -> None:
+        """Copy blocks from the device to host RAM (`to_host`) or back: a copy a layer a run, or the
+        kernel."""
+        runs = _runs(sources, targets)
+        if not by_kernel(self.device, len(runs)):
+            for first, second, count in runs:
+                self._copy_run(first, second, count)
+            return
+        from app.kernels.triton_blocks import copy_blocks  # triton: only where a GPU is
+
+        on_host = (targets if to_host else sources) - self.resident
+        ids = (sources, on_host) if to_host else (on_host, targets)
+        source_ids, target_ids = (device_tensor(t.tolist(), torch.int32, self.device) for t in ids)
+        for layer in range(self.layers):
+            device = tuple(t[layer] for t in self.on_device)
+            host = tuple(t[layer] for t in self.homes)
+            ends = (device, host) if to_host else (host, device)
+            copy_blocks(*ends, source_ids, target_ids)
 
     def _blocks(self, kind: int, layer: int, block: int, count: int) -> torch.Tensor:
         """`count` blocks of one layer's keys (kind 0) or values (1) from `block` on, where they live."""

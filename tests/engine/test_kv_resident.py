@@ -140,14 +140,19 @@ def test_placing_a_table_takes_free_then_idle_device_blocks_and_keeps_their_cach
     assert copies == [(0, 4), (5, 0)] and table == [2, 3, 1, 0]
 
 
-def test_block_copies_across_the_device_and_host_ram_are_made_in_order() -> None:
-    """Copies between device and host blocks (merged into runs) and within host RAM give what copying each
-    pair in turn gives, in every layer, keys and values."""
+@pytest.mark.parametrize("kernel", [False, True])
+def test_block_copies_across_the_device_and_host_ram_are_made_in_order(
+    kernel: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Copies between device and host blocks (merged into runs, or by the block-copy kernel a stretch going
+    one way, here in the interpreter) and within host RAM give what copying each pair in turn gives, in
+    every layer, keys and values."""
+    monkeypatch.setattr(kv_stream, "by_kernel", lambda device, runs: kernel)
     stream = StreamedKV(2, 6, 2, (1, 1, 1), torch.float32, torch.device("cpu"))
     for kind in (0, 1):
         stream.on_device[kind][:, :2] = torch.tensor([[0.0, 1.0], [10.0, 11.0]]).view(2, 2, 1, 1, 1) + kind
         stream.homes[kind][:] = torch.tensor([[2.0, 3, 4, 5], [12, 13, 14, 15]]).view(2, 4, 1, 1, 1) + kind
-    pairs = [(0, 3), (1, 4), (5, 0), (3, 2)]
+    pairs = [(0, 3), (1, 4), (5, 0), (3, 2), (2, 1), (4, 5)]
     expected = list(range(6))
     for source, target in pairs:
         expected[target] = expected[source]

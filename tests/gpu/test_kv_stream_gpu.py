@@ -56,10 +56,17 @@ def test_staged_blocks_arrive_before_each_layer_and_written_rows_reach_their_hom
             assert bool((stream.homes[0][layer, block - resident, 3] == layer + 1).all())
 
 
-def test_block_moves_are_queued_in_the_devices_order_while_it_is_busy() -> None:
+SCATTERED = [(3, 30), (5, 25), (7, 33), (9, 21), (1, 36), (2, 38)]  # cached blocks going to host RAM
+SCATTERED += [(20, 3), (22, 5), (24, 7), (26, 9), (28, 1)]  # then a conversation's coming onto the device
+IN_RUNS = [(3, 30), (4, 31), (5, 32), (20, 3), (21, 4), (22, 5)]
+
+
+@pytest.mark.parametrize("pairs", [IN_RUNS, SCATTERED], ids=["runs", "scattered"])
+def test_block_moves_are_queued_in_the_devices_order_while_it_is_busy(pairs: list[tuple[int, int]]) -> None:
     """Blocks moved from the device to host RAM and back (the prefix cache's blocks giving up the device, a
     conversation's coming onto it) are queued behind work the device is still doing and land before what is
-    queued after them: each block ends up holding what copying the pairs in turn gives."""
+    queued after them: each block ends up holding what copying the pairs in turn gives, in runs (a copy a
+    run) or scattered (the block-copy kernel, a launch each way a layer)."""
     layers, blocks, resident, size = 6, 40, 10, 16
     device = torch.device("cuda")
     stream = StreamedKV(layers, blocks, resident, (size, 2, 64), torch.bfloat16, device)
@@ -69,9 +76,8 @@ def test_block_moves_are_queued_in_the_devices_order_while_it_is_busy() -> None:
     for _ in range(8):
         busy = busy @ busy / 64
     stream.on_device[0][:, 3] = -1.0  # queued before the moves: block 3 leaves the device holding it
-    pairs = [(3, 30), (4, 31), (5, 32), (20, 3), (21, 4), (22, 5)]
     stream.copy_blocks(pairs)
-    stream.on_device[0][:, 4] += 100.0  # queued after: adds to what came from block 21
+    stream.on_device[0][:, 4] += 100.0  # queued after: adds to what block 4 then holds
     stream.host_side()
     expected = [float(b) for b in range(blocks)]
     expected[3] = -1.0
