@@ -25,6 +25,7 @@ import os
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from app.engine.transfer import device_tensor
@@ -96,15 +97,14 @@ class StreamedKV:
         """A batch's block tables [seqs, width] in the scheduler's block numbers (-1: padding) as the device
         reads them: resident blocks as they are, padding as the scratch block, a host block as -1 - its
         staging place (`shifted`); with the batch's plan, or None when it reads no host block."""
-        tables = tables.clone()
-        padding = tables < 0
-        host = tables >= self.resident
-        tables[padding] = self.resident
-        if not bool(host.any()):
-            return tables, None
-        homes = torch.unique(tables[host])
-        tables[host] = -1 - torch.searchsorted(homes, tables[host])
-        return tables, StreamPlan(homes - self.resident, homes.new_empty(0))
+        placed = tables.numpy().copy()  # numpy: one sort, several times faster than torch's at this size
+        host = placed >= self.resident
+        placed[placed < 0] = self.resident
+        if not host.any():
+            return torch.from_numpy(placed), None
+        homes, places = np.unique(placed[host], return_inverse=True)
+        placed[host] = -1 - places
+        return torch.from_numpy(placed), StreamPlan(torch.from_numpy(homes - self.resident), torch.empty(0))
 
     def place_slots(self, slots: torch.Tensor, block_size: int, plan: StreamPlan | None) -> torch.Tensor:
         """A batch's slot mapping [rows] in the scheduler's block numbers (a negative block: the scratch
