@@ -372,17 +372,22 @@ class Scheduler:
         return window
 
     def _place(self, window: Window) -> None:
-        """Move the window's requests' blocks that live in host RAM onto the device, decoding requests first,
-        up to `kv_place_blocks` block copies (a window's other block copies are made first, so a continued
-        request's tail block moves with its tail; an unparked request's blocks are filled after the copies,
-        wherever they are; a window still in flight may have written drafts beyond a request's computed
-        tokens, which move too)."""
-        most = self.config.kv_place_blocks
-        if self.pool.on_device >= self.pool.total or most <= 0:
+        """Move the window's requests' blocks that live in host RAM onto the device, decoding requests first
+        (a window's other block copies are made first, so a continued request's tail block moves with its
+        tail; an unparked request's blocks are filled after the copies, wherever they are; a window still in
+        flight may have written drafts beyond a request's computed tokens, which move too).
+
+        Block copies are bounded by `kv_place_blocks`, or by twice the blocks the requests have that were not
+        looked at yet where that is more: the window would read those over the link anyway, so moving them
+        and the cached blocks they displace costs it at most two such reads, once, and every later window
+        reads them from the device."""
+        if self.pool.on_device >= self.pool.total or self.config.kv_place_blocks <= 0:
             return
+        requests = list(dict.fromkeys(c.request for c in window.chunks))
+        most = max(self.config.kv_place_blocks, 2 * sum(len(r.blocks) - r.placed for r in requests))
         unparked = {id(blocks) for _, _, blocks in window.unparks}
         size, moves, before = self.pool.block_size, window.block_copies, len(window.block_copies)
-        for request in dict.fromkeys(c.request for c in window.chunks):
+        for request in requests:
             written = request.computed + self.spec_tokens(request)
             content = 0 if id(request.blocks) in unparked else -(-written // size)
             made, request.placed = self.pool.place(request.blocks, content, most, moves, request.placed)

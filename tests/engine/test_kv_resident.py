@@ -69,8 +69,10 @@ def test_blocks_follow_the_conversation_being_answered_onto_the_device(
 ) -> None:
     """With the prefix cache, an answered turn's cached blocks give up the device to the next conversation
     (moved to host RAM, still cached) and come back for its follow-up: neither reads a block from host RAM,
-    the follow-up continues from the cache, and every token is what a pool wholly on the device gives.
+    the follow-up continues from the cache, and every token is what a pool wholly on the device gives, even
+    with a budget of one block a window (a window may move what it would otherwise read over the link).
     Without the moves the next conversation reads host blocks."""
+    monkeypatch.setattr(core_module, "PLACE_BYTES", 1)
     params = {**GREEDY, "max_tokens": 10}
     whole = make_core(checkpoint)
     first = request(random_prompt(30, 1), **params)
