@@ -37,10 +37,13 @@ COLUMNS_FIRST_TILES = {
 }
 EXPERT_TILES = {
     "tiles 16x64x128 w4 s4": EXACT_TILES,
-    # fewer stages: the i-quants' table reads, staged in shared memory, take 120 KB a program at 4
+    # fewer stages: the i-quants' grid reads are staged in shared memory (an IQ3_S pair 34 KB a program at 4
+    # stages since a grid entry is one word, 120 KB before)
     "tiles 16x64x64 w4 s1": MoeTiles(16, 64, 64, 4, 1),
     "tiles 16x64x64 w4 s2": MoeTiles(16, 64, 64, 4, 2),
+    "tiles 16x64x64 w4 s4": MoeTiles(16, 64, 64, 4, 4),
     "tiles 128x128x64 w8 s1": MoeTiles(128, 128, 64, 8, 1),  # a prompt's (default: 3 stages)
+    "tiles 128x128x64 w8 s3": MoeTiles(128, 128, 64, 8, 3),
     "rows 1x4x256 w1": MoeTiles(1, 4, 256, 1, 2, rowwise=True),
 }
 DENSE_TILES = {
