@@ -74,8 +74,8 @@ def _long_request(core: EngineCore, context: int, vocab: int, seed: int) -> dict
 
 
 def bench(shape: str, kv: str, contexts: list[int], resident: int | None = None) -> dict[str, Any]:
-    config = {**bench_config(shape), "max_position_embeddings": max(contexts) + DECODE_STEPS + 64}
     longest = max(contexts) + DECODE_STEPS + 2
+    config = {**bench_config(shape), "max_position_embeddings": longest + 64}  # open_engine's max_model_len
     core = open_engine(
         config,
         exact=False,
