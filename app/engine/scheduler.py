@@ -343,13 +343,14 @@ class Scheduler:
             unpark = self._parked_hit(request, start)
             if unpark is not None:
                 hit, start = None, unpark[0]
+            # The share first: a prompt it keeps waiting takes no blocks (a long one's table would be grown
+            # and released every window, evicting cached blocks to make room for nothing).
+            take = share.take(request.length - start, start)
+            if take <= 0:
+                break
             if hit:
                 self.pool.take(request.blocks, hit.blocks)
             if not self.pool.grow(request.blocks, request.length + 1):
-                self.pool.release(request.blocks)
-                break
-            take = share.take(request.length - start, start)
-            if take <= 0:
                 self.pool.release(request.blocks)
                 break
             self.waiting.popleft()

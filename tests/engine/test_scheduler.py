@@ -267,6 +267,29 @@ def test_expensive_prompt_windows_alternate_with_decode_only_ones_and_keep_the_s
     assert all(w[0] == 1 for w in reading)  # "a" got a token in every window
 
 
+def test_a_prompt_the_share_keeps_waiting_takes_no_blocks_and_evicts_no_cached_ones() -> None:
+    # Eager windows cost 8 ms, a decode-only one replays in 1 ms: with the share at 0.5 windows decode only
+    # until their credit pays for a chunk. Meanwhile the long prompt waiting for a slot must not take its
+    # blocks: taking and giving them back every window costs the host a pass over its table (6,000 blocks for
+    # a 96K-token prompt) and evicts cached blocks of other conversations to make room for nothing.
+    scheduler = _scheduler(max_batched_tokens=512, decode_share=0.5, prefix_cache=True, kv_blocks=64)
+    for rows, sequences in [(1, 1), (100, 1), (400, 2), (2000, 3), (50, 5), (8, 8)]:
+        scheduler.cost.observe(rows, sequences, 0.008 + 0.00001 * rows + 0.0001 * sequences)
+    earlier = _request("earlier", 400, max_tokens=1)
+    scheduler.add(earlier)
+    _simulate(scheduler, 3, lambda rows, sequences: 0.012, 0.001)
+    scheduler.finish(earlier, "stop")
+    assert len(scheduler.pool.match(earlier.prompt, 400)) == 25
+    scheduler.add(_request("a", 4, max_tokens=10_000))
+    _simulate(scheduler, 2, lambda rows, sequences: 0.012, 0.001)
+    long = Request("long", [9] * 700, SamplingParams(max_tokens=100), 0.0)  # 44 blocks; 38 free or cached
+    scheduler.add(long)
+    window = _run(scheduler, 0.001)
+    assert window.prompt_tokens == 0 and [r.request_id for r in scheduler.waiting] == ["long"]
+    assert not long.blocks
+    assert len(scheduler.pool.match(earlier.prompt, 400)) == 25
+
+
 @pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlapped"])
 def test_the_share_holds_when_prompt_windows_cost_more_than_the_fit_predicts(overlap: bool) -> None:
     # Mixture-of-experts windows cost a step, not a line: a few rows already read most experts' weights, so
