@@ -12,7 +12,7 @@ Nothing here synchronises with the host, so the whole block can be captured in a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -73,20 +73,27 @@ Q8_0_DECODE_TILES = MoeTiles(
     block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=4, columns_first=True
 )
 DECODE_TOKENS = 64  # windows of up to this many tokens take the decode tiles (a row's bits the same in all)
+# Held types whose tiles run one pipeline stage: staging IQ3_S's grid reads costs more than it hides (its
+# experts at 32 tokens 1.40 ms a layer against 2.16 at four stages, 2,048 tokens 3.37 against 4.89: tune_held,
+# docs/PERFORMANCE.md). The stages order no arithmetic, so a row's bits do not change.
+ONE_STAGE_HELD = frozenset({"IQ3_S"})
 
 
 def moe_tiles(tokens: int, exact: bool, held: tuple[str, ...] = ()) -> MoeTiles:
     """The tiles for a batch of `tokens` rows (`held`: the types of the experts' two weights where they are
     held as GGUF blocks, which may differ); with `exact` the same for every batch size. A row's bits are the
     same in every window of one range: held weights' windows of up to HELD_PER_PAIR_TOKENS tokens (rowwise
-    sums), up to DECODE_TOKENS (16-row tiles; Q8_0's, both weights Q8_0, widened columns first), beyond."""
+    sums), up to DECODE_TOKENS (16-row tiles; Q8_0's, both weights Q8_0, widened columns first), beyond
+    (128-row tiles); those of ONE_STAGE_HELD types in one pipeline stage."""
     if exact:
         return EXACT_TILES
     if held and tokens <= HELD_PER_PAIR_TOKENS:
         return HELD_ROWWISE_TILES
     if tokens <= DECODE_TOKENS:
-        return Q8_0_DECODE_TILES if held and set(held) == {"Q8_0"} else EXACT_TILES
-    return MoeTiles(block_m=128, block_n=128, block_k=64, num_warps=8)
+        tiles = Q8_0_DECODE_TILES if held and set(held) == {"Q8_0"} else EXACT_TILES
+    else:
+        tiles = MoeTiles(block_m=128, block_n=128, block_k=64, num_warps=8)
+    return replace(tiles, num_stages=1) if ONE_STAGE_HELD & set(held) else tiles
 
 
 @dataclass(frozen=True)

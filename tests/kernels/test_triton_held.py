@@ -12,6 +12,7 @@ from app.kernels.interface import HELD_BLOCKS, held_kind, held_row_bytes
 from app.kernels.reference import experts_reference
 from app.kernels.triton_linear import few_rows_linear, held_tiles
 from app.kernels.triton_moe import (
+    EXACT_TILES,
     HELD_PER_PAIR_TOKENS,
     MoeTiles,
     exact_fused_experts,
@@ -119,6 +120,13 @@ def test_up_to_eight_rows_held_experts_are_summed_on_the_cuda_cores_with_the_bit
     expected = experts_reference(x.float(), ids, weights.float(), gate_up_values.float(), down_values.float())
     scale = expected.abs().max()
     torch.testing.assert_close(window.float() / scale, expected / scale, atol=2e-3, rtol=0)
+
+
+def test_tiles_over_iq3_s_experts_run_one_pipeline_stage_and_others_keep_theirs() -> None:
+    assert moe_tiles(12, exact=False, held=("IQ3_S", "Q4_K")).num_stages == 1
+    assert moe_tiles(4096, exact=False, held=("IQ3_S", "IQ3_S")).num_stages == 1
+    assert moe_tiles(12, exact=False, held=("Q4_K", "Q4_K")).num_stages == EXACT_TILES.num_stages
+    assert moe_tiles(12, exact=True, held=("IQ3_S", "IQ3_S")) == EXACT_TILES
 
 
 def test_q8_0_experts_of_nine_to_64_tokens_are_widened_columns_first_with_the_same_bits() -> None:
