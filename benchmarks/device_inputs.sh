@@ -3,7 +3,8 @@
 # root before the first GPU call of a session, then name both folders in the call's `carry`:
 #   bash benchmarks/device_inputs.sh
 # .whl/: wheels (CPython 3.12, x86-64 Linux) of the engine's imports the image does not have: msgspec, gguf,
-#   platformdirs, llguidance (benchmarks/gpu_check.sh installs them to /tmp/site first).
+#   platformdirs, llguidance, and the web server's: litestar, websockets, uvicorn with their dependencies
+#   (benchmarks/gpu_check.sh installs them to /tmp/site first).
 # .llama/llama-src.tar.xz: llama.cpp's tree from llama-cpp-python's source distribution (LLAMA_CPP_PYTHON,
 #   default 0.3.36), without what a CUDA build of llama-bench and llama-batched-bench never reads (models,
 #   docs, tests, benches, the other backends), about 6 MB; benchmarks/llama_cpp.sh builds it there.
@@ -20,6 +21,9 @@ for package in msgspec gguf platformdirs llguidance; do
     "$python" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         "${platforms[@]}" -d .whl "$package"
 done
+# the web server's (`strata serve`, for gpu_check's serving and long-burst runs), with what they need
+"$python" -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp "${platforms[@]}" \
+    -d .whl litestar websockets uvicorn
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 "$python" -m pip download -q --no-deps --no-binary=:all: -d "$work" "llama-cpp-python==$version"
