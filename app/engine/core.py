@@ -429,21 +429,29 @@ class EngineCore:
         return head
 
     def _conversation_park(self, state: PagedState) -> ConversationPark | None:
-        """The park of finished conversations, when the prefix cache is on and RAM or disk is given to it."""
+        """The park of finished conversations, when the prefix cache is on and RAM or disk is given to it (on
+        a layer split RAM only: stage 0's, whose changes the other stages' parks make too)."""
         config = self.config
         has_room = config.park_memory > 0 or (config.park_dir and config.park_disk > 0)
         if not config.prefix_cache or not has_room:
             return None
-        if self.pipeline is not None:
-            log.info("layer split: conversations are not parked (a park per stage is not built yet)")
-            return None
-        return ConversationPark(
+        directory = Path(config.park_dir) if config.park_dir else None
+        if self.pipeline is not None:  # every stage parks its own part, in RAM (parking.py)
+            if directory is not None:
+                log.info("layer split: conversations are parked in RAM on every stage, not in --park-dir")
+            if config.park_memory <= 0:
+                return None
+            directory = None
+        park = ConversationPark(
             state,
             f"{model_identity(self.loaded.checkpoint.path)}:{self._dtype}",
             config.park_memory,
-            Path(config.park_dir) if config.park_dir else None,
+            directory,
             config.park_disk,
         )
+        if self.pipeline is not None:
+            park.mirror = []
+        return park
 
     def _scheduler_config(self, state: PagedState, graphs: WindowGraphs | None) -> SchedulerConfig:
         config = self.config

@@ -10,6 +10,12 @@ file each, park_file.py, up to `disk_budget` bytes, least recently used deleted 
 found again after a restart. A file is read whole and checked on the reader thread (format, model identity,
 block size and shapes, token ids, checksum) before anything is copied to the device; a corrupt one is deleted
 and one of another model left alone, each with a log line.
+
+On a layer split every stage parks its own layers' part of each conversation in its own RAM: stage 0's park
+decides (what to park, what its budget evicts, what to restore) and records each change (`mirror`: `Kept`,
+`Forgotten`), which go down the stages with the next window; the other stages make the same changes to their
+parks (`apply`, never evicting by themselves) and restore the same conversations (`restore_key`), each
+checking it holds its part before anything is written.
 """
 
 from __future__ import annotations
@@ -59,6 +65,23 @@ class Parked:
     routed: object | None = None  # what the engine kept of its routing (`RoutedBefore`), for its follow-up
 
 
+@dataclass(frozen=True)
+class Kept:
+    """A conversation stage 0 parked, for the other stages of a layer split: the state of `slot` holding
+    `tokens`, whose keys and values are in `blocks` (the ones it fills)."""
+
+    tokens: list[int]
+    blocks: list[int]
+    slot: int
+
+
+@dataclass(frozen=True)
+class Forgotten:
+    """A conversation stage 0's park let go of (its RAM budget), for the other stages of a layer split."""
+
+    key: ParkKey
+
+
 @dataclass
 class _Job:
     """What the park's worker does for one parked conversation: copy its device tensors to the host once
@@ -81,8 +104,12 @@ class ConversationPark:
         ram_budget: int,
         directory: Path | None = None,
         disk_budget: int = 0,
+        follower: bool = False,
     ) -> None:
+        """`follower`: the park of a stage after the first of a layer split, which evicts nothing by itself
+        (stage 0's budget decides, through `apply`)."""
         self.state = state
+        self.follower = follower
         self.identity = identity
         self.ram_budget = ram_budget
         self.directory = directory if directory is not None and disk_budget > 0 else None
@@ -103,6 +130,7 @@ class ConversationPark:
         self._lock = threading.Lock()  # `_blocks` is changed by the worker too
         self._heap = HeapTrimmer()
         self._worker: threading.Thread | None = None
+        self.mirror: list[Kept | Forgotten] | None = None  # on stage 0 of a layer split: changes to send
         if self.directory is not None:
             try:
                 self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -164,6 +192,8 @@ class ConversationPark:
         parked = Parked(list(tokens), block_keys, tail, conv, recurrent, own, routed)
         self._ram.add(key, parked)
         self._ram_total += own
+        if self.mirror is not None:
+            self.mirror.append(Kept(list(tokens), list(blocks[: full + (1 if rest else 0)]), slot))
         path = self._add_file(key, parked) if self.directory is not None else None
         if self._worker is not None:
             ready = torch.cuda.Event() if self._pinned else None
@@ -172,6 +202,19 @@ class ConversationPark:
             files = [self._blocks[k] for k in block_keys] if path is not None else []
             self._jobs.put(_Job(parked, gathered, ready, path, files))
         self._fit_ram()
+
+    def take_mirror(self) -> list[Kept | Forgotten]:
+        """The changes made since the last call, in order, for the other stages of a layer split."""
+        assert self.mirror is not None
+        changes, self.mirror = self.mirror, []
+        return changes
+
+    def apply(self, change: Kept | Forgotten) -> None:
+        """Make a change stage 0's park made (on a `follower`)."""
+        if isinstance(change, Kept):
+            self.park(change.tokens, change.blocks, change.slot)
+        elif change.key in self._ram:
+            self._release(change.key, self._ram.pop(change.key))
 
     def reserve_pinned(self) -> None:
         """Pin the RAM budget's worth of blocks now (up to PIN_AHEAD bytes) and leave it in torch's cache of
@@ -259,6 +302,17 @@ class ConversationPark:
         self.restores += 1
         self.restore_seconds += time.perf_counter() - started
 
+    def restore_key(self, key: ParkKey, slot: int, blocks: list[int]) -> None:
+        """Restore the conversation stage 0 restores (on another stage of a layer split); a stage without its
+        part of it fails before anything is written."""
+        if key not in self._ram:
+            raise RuntimeError(f"this stage holds no part of the parked conversation of {key.length} tokens")
+        self.restore(self._ram[key], slot, blocks)
+
+    def key_of(self, parked: Parked) -> ParkKey:
+        """The key a parked conversation is held under."""
+        return ParkKey.of(parked.tokens, self.state.block_size, parked.block_keys)
+
     def stats(self) -> ParkingStats:
         """Conversations and bytes in RAM and on disk, restores and their time, bytes copied to the host."""
         return ParkingStats(
@@ -299,18 +353,21 @@ class ConversationPark:
                 os.utime(self.directory / self._disk[key][0])
 
     def _fit_ram(self) -> None:
-        evicted = False
-        while self._ram and self._ram_total > self.ram_budget:
-            evicted = True
-            _, parked = self._ram.pop_oldest()
-            self._ram_total -= parked.own_bytes
-            for k in parked.block_keys:
-                self._block_refs[k] -= 1
-                if not self._block_refs[k]:
-                    del self._block_refs[k]
-                    with self._lock:
-                        self._ram_total -= self._blocks.pop(k).nbytes
-        if evicted and not self._pinned:  # pinned memory is the driver's, not the C heap's
+        while self._ram and self._ram_total > self.ram_budget and not self.follower:
+            self._release(*self._ram.pop_oldest())
+
+    def _release(self, key: ParkKey, parked: Parked) -> None:
+        """Let go of a conversation taken out of `_ram`: its own tensors and the blocks no other one holds."""
+        self._ram_total -= parked.own_bytes
+        for k in parked.block_keys:
+            self._block_refs[k] -= 1
+            if not self._block_refs[k]:
+                del self._block_refs[k]
+                with self._lock:
+                    self._ram_total -= self._blocks.pop(k).nbytes
+        if self.mirror is not None:
+            self.mirror.append(Forgotten(key))
+        if not self._pinned:  # pinned memory is the driver's, not the C heap's
             self._heap.after_frees()
 
     # Disk ----------------------------------------------------------------------------------------------

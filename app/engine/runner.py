@@ -22,7 +22,7 @@ from app.engine.parking import ConversationPark, Parked
 from app.engine.protocol import ExpertUsage, PositionLogprobs, StageTimes
 from app.engine.sampler import DrawnTokens, RowSampling, Sampler
 from app.engine.scheduler import Chunk, Window, placeholder_row
-from app.engine.split import StagePipeline, StageWork
+from app.engine.split import StagePipeline, StageWork, Unpark
 from app.engine.transfer import device_tensor
 from app.engine.warm_up import warm_up_kernels
 from app.models.batch import ForwardBatch
@@ -111,13 +111,15 @@ class ModelRunner:
             window.saves, window.block_copies, window.restores, [c.slot for c in chunks if c.fresh]
         )
         copies.apply(self.state)
+        unparks: list[Unpark] = []
         for parked, slot, blocks in window.unparks:
             assert self.park is not None and isinstance(parked, Parked)
             self.park.restore(parked, slot, blocks)
+            unparks.append((self.park.key_of(parked), slot, blocks))
         fed = self._fed(chunks)
         streams = self.state.count_reads([(c.request.blocks, c.past + len(c.tokens)) for c in chunks])
         if self.pipeline is not None:  # every stage's blocks have the numbers of stage 0's
-            return self._down_the_stages(chunks, fed, copies)
+            return self._down_the_stages(chunks, fed, copies, unparks)
         bucket = graphs.bucket(chunks) if graphs is not None and not streams else None
         self.last_replayed = bucket is not None
         kept_chunks, kept_rows = _kept(chunks)
@@ -171,8 +173,11 @@ class ModelRunner:
         words = self.grammars.bitmask([r.matcher for _, r in constrained], pin=self.device.type == "cuda")
         return TokenMask([i for i, _ in constrained], words)
 
-    def _down_the_stages(self, chunks: list[Chunk], fed: Fed | None, copies: StateCopies) -> Launched:
-        """Send the window down a layer split's stages (stage 0's layers run here now); its tokens are drawn
+    def _down_the_stages(
+        self, chunks: list[Chunk], fed: Fed | None, copies: StateCopies, unparks: list[Unpark]
+    ) -> Launched:
+        """Send the window down a layer split's stages (stage 0's layers run here now) with what the park
+        changed since the last window and the conversations it restores in this one; its tokens are drawn
         when `collect` reads the last stage's answer. The rows' sampling is fixed now, before later windows
         of other slot groups change what the requests hold."""
         assert self.pipeline is not None and fed is None  # a group's window waits for its last one's tokens
@@ -184,6 +189,8 @@ class ModelRunner:
             tables={c.slot: c.request.blocks for c in chunks},
             copies=copies,
             stepwise=stepwise_rows(chunks) if self.recurrent else {},
+            parks=self.park.take_mirror() if self.park is not None else [],
+            unparks=unparks,
         )
         kept_chunks, kept_rows = _kept(chunks)
         self.pipeline.send(batch, last_rows + kept_rows, work)

@@ -31,6 +31,8 @@ import torch.distributed as dist
 
 from app.engine.config import EngineConfig
 from app.engine.paged_state import StateCopies
+from app.engine.park_index import ParkKey
+from app.engine.parking import Forgotten, Kept
 from app.engine.protocol import ExpertUsage, StageTimes
 from app.errors import StrataError
 from app.kernels.cpu_experts import threads
@@ -82,6 +84,9 @@ def stages_for(weight_bytes: int, cards: list[int]) -> int:
     return max(1, len(cards))
 
 
+Unpark = tuple[ParkKey, int, list[int]]  # a parked conversation restored: its key, slot and block table
+
+
 @dataclass(frozen=True)
 class StageStart:
     """Sent to every worker once the stages have met: the engine's settings (the model path among them) and
@@ -121,8 +126,9 @@ class StageWork:
     """One window for the stages after the first: each chunk's (slot, rows, past), the checkpoints spans
     leave (slot -> (position, checkpoint slot)), the chunks' block tables, the state copies before the
     forward, the rows whose final hidden states the last stage sends back, and the slots whose rows the
-    recurrent layers read one at a time, to their row saves (`SequenceSpan.stepwise`). `stop` ends the
-    workers."""
+    recurrent layers read one at a time, to their row saves (`SequenceSpan.stepwise`); with parking, the
+    changes stage 0's park made since the last window (before the copies) and the conversations it restores
+    in this one ((key, slot, blocks), after them). `stop` ends the workers."""
 
     chunks: list[tuple[int, int, int]] = field(default_factory=list)
     saves: dict[int, tuple[int, int]] = field(default_factory=dict)
@@ -130,6 +136,8 @@ class StageWork:
     copies: StateCopies = field(default_factory=StateCopies)
     rows: list[int] = field(default_factory=list)
     stepwise: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    parks: list[Kept | Forgotten] = field(default_factory=list)
+    unparks: list[Unpark] = field(default_factory=list)
     stop: bool = False
     stages: list[tuple[float, float]] = field(default_factory=list)  # (busy, wait) of the workers so far
     experts: list[ExpertUsage] = field(default_factory=list)  # routing reports of the workers so far

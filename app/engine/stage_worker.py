@@ -20,6 +20,7 @@ import torch.distributed as dist
 from app.engine.config import EngineConfig
 from app.engine.expert_report import ExpertReporter
 from app.engine.paged_state import PagedState, device_kv_bytes, resident_blocks
+from app.engine.parking import ConversationPark
 from app.engine.protocol import EXPERT_REPORT_S
 from app.engine.split import (
     TIMEOUT,
@@ -119,10 +120,15 @@ def run_stage(
     )
     if where.type == "cuda" and model.backends.paged_attention is not None:
         warm_up_kernels(model, state, config.max_batched_tokens, part, dtype)
+    park = None  # as stage 0 decides in EngineCore._conversation_park
+    if config.prefix_cache and config.park_memory > 0:
+        park = ConversationPark(state, "", config.park_memory, follower=True)
+        park.reserve_pinned()
     try:
         with torch.inference_mode():
             reporter = ExpertReporter(model, tiers, where.type)
-            _serve(stage, part, model, state, link, dtype, _Tiers(tiers, config.adapt_every), reporter)
+            tiered = _Tiers(tiers, config.adapt_every)
+            _serve(stage, part, model, state, link, dtype, tiered, reporter, park)
     except Exception:
         traceback.print_exc()
         raise
@@ -158,9 +164,12 @@ def _serve(
     dtype: torch.dtype,
     tiers: _Tiers,
     reporter: ExpertReporter,
+    park: ConversationPark | None,
 ) -> None:
     """Run windows as they come from the stage before until a `StageWork` says stop (passed on); every
-    EXPERT_REPORT_S seconds its layers' routing report goes down with a window."""
+    EXPERT_REPORT_S seconds its layers' routing report goes down with a window. With a `park`, each window's
+    changes to stage 0's park are made here first, and the conversations it restores restored after the
+    window's state copies, as stage 0 does."""
     hidden = model.config.hidden_size
     reported = time.monotonic()
     clock = BusyClock(state.device)
@@ -177,7 +186,13 @@ def _serve(
         x, pending = link.recv_tensors([(work.tokens, hidden)] * 2, dtype, stage - 1)
         waited = time.perf_counter() - waited
         began = clock.mark()
+        if park is not None:
+            for change in work.parks:
+                park.apply(change)
         work.copies.apply(state)
+        if park is not None:
+            for key, slot, blocks in work.unparks:
+                park.restore_key(key, slot, blocks)
         for slot, blocks in work.tables.items():
             state.set_block_table(slot, blocks)
         chunks = [(slot, [0] * rows, past) for slot, rows, past in work.chunks]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from checkpoints import write_checkpoint
-from engine_helpers import make_core, random_prompt, request, run
+from engine_helpers import complete, make_core, random_prompt, request, run
 
 from app.engine.config import EngineConfig
 from app.engine.core import EngineCore
@@ -247,5 +247,35 @@ def test_four_stages_with_four_groups_give_the_whole_models_tokens(tmp_path: Pat
     core = _core(path, layer_split="4", batch_groups=4)
     try:
         assert _tokens(core, _workload(8, 40)) == whole
+    finally:
+        core.close()
+
+
+def test_a_follow_up_restored_from_every_stages_park_continues_as_the_whole_model(checkpoint: Path) -> None:
+    """Every stage parks its own layers' part of a finished turn in RAM; once the device cache has given the
+    turn's blocks to another request, the follow-up is restored on every stage and answers as the model run
+    whole. A conversation stage 0's budget lets go of is let go of on every stage."""
+    greedy = {"max_tokens": 10, "temperature": 0, "ignore_eos": True}
+    first = random_prompt(600, 1)
+    whole = make_core(checkpoint, park_memory=0)
+    answer = complete(whole, first, **greedy).token_ids
+    follow_up = [*first, *answer, *random_prompt(20, 2)]
+    expected = complete(whole, follow_up, **greedy).token_ids
+    whole.close()
+    core = make_core(checkpoint, layer_split="2", batch_groups=2, kv_memory=1 << 20, park_memory=64 << 20)
+    try:
+        assert core.park is not None and core.pipeline is not None
+        blocks = core.scheduler.pool.total
+        assert complete(core, first, **greedy).token_ids == answer
+        complete(core, random_prompt(min(16 * blocks - 64, 4000), 3), max_tokens=2, ignore_eos=True)
+        assert len(core.scheduler.pool.match(follow_up, len(first))) < len(first) // 16
+        add = request(follow_up, **greedy)
+        results, windows = run(core, [(0, add)])
+        assert core.park.stats().restores == 1
+        assert sum(w.prefix_cache_hits for w in windows) == len(first) + len(answer) - 1
+        assert results[add.request_id].token_ids == expected
+        core.park.ram_budget = 0  # the next park lets go of every conversation, on every stage
+        complete(core, random_prompt(40, 4), max_tokens=2, ignore_eos=True)
+        assert core.park.stats().conversations_ram == 0
     finally:
         core.close()

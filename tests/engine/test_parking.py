@@ -16,7 +16,7 @@ from engine_helpers import complete, make_core, random_prompt, request, run
 
 from app.engine.core import EngineCore
 from app.engine.paged_state import kv_block_bytes, slot_state_bytes
-from app.engine.parking import ConversationPark
+from app.engine.parking import ConversationPark, Forgotten, Kept
 
 GREEDY = {"max_tokens": 10, "temperature": 0, "ignore_eos": True}
 
@@ -290,3 +290,33 @@ def test_a_resumed_conversation_brings_back_the_experts_it_routed_to(
         assert not wanted and swaps == 0
         assert [[e for e, slot in enumerate(t.slots) if slot >= 0] for t in core.tiers] == before
     assert results[add.request_id].token_ids == _expected(checkpoint, follow_up)
+
+
+def test_stage_zeros_changes_reach_a_follower_which_never_evicts_and_refuses_what_it_lacks(
+    checkpoint: Path,
+) -> None:
+    """The changes a layer split's stage 0 sends down (`mirror`): a parked turn, then, once its budget lets
+    go of it, its forgetting; a follower makes both (never evicting by itself, whatever its budget) and
+    fails a restore of a conversation it does not hold before writing anything."""
+    core = make_core(checkpoint, park_memory=64 << 20)
+    leader = core.park
+    assert leader is not None
+    leader.mirror = []
+    follower = ConversationPark(core.runner.state, "", 1, follower=True)
+    turn, _ = _conversation(core)
+    changes = leader.take_mirror()
+    assert [type(c) for c in changes] == [Kept] and changes[0].tokens == turn[:-1]
+    for change in changes:
+        follower.apply(change)
+    assert follower.stats().conversations_ram == 1 and follower.stats().bytes_ram > 1
+    leader.ram_budget = 0
+    complete(core, random_prompt(40, 4), max_tokens=2, temperature=0, ignore_eos=True)
+    changes = leader.take_mirror()
+    assert [type(c) for c in changes] == [Kept, Forgotten, Forgotten]
+    for change in changes:
+        follower.apply(change)
+    assert follower.stats().conversations_ram == 0 and follower.stats().bytes_ram == 0
+    before = core.runner.state.keys.clone()
+    with pytest.raises(RuntimeError, match="no part of the parked conversation"):
+        follower.restore_key(changes[1].key, 0, [0, 1])
+    assert torch.equal(core.runner.state.keys, before)
