@@ -103,20 +103,22 @@ class Client:
             raise RuntimeError(f"a stream produced {out.tokens} tokens, not {output_len}")
         return out
 
-    async def window_totals(self) -> tuple[float, float, float]:
-        """Engine steps so far, their seconds and the host's busy seconds in them (from /metrics)."""
+    async def window_totals(self) -> tuple[float, float, float, float]:
+        """Engine steps so far, their seconds, the host's busy seconds in them and the windows replayed from
+        CUDA graphs (from /metrics)."""
         text = (await self.http.get("/metrics", headers={"Accept": "text/plain"})).text
-        totals = dict.fromkeys(("step_count", "step_sum", "host_sum"), 0.0)
+        totals = dict.fromkeys(("step_count", "step_sum", "host_sum", "replayed"), 0.0)
         for line in text.splitlines():
             name, _, value = line.partition("{")[0], None, line.rsplit(" ", 1)[-1]
             for key, metric in (
                 ("step_count", "strata:window_step_seconds_count"),
                 ("step_sum", "strata:window_step_seconds_sum"),
                 ("host_sum", "strata:window_host_seconds_sum"),
+                ("replayed", "strata:windows_replayed_total"),
             ):
                 if name == metric:
                     totals[key] = float(value)
-        return totals["step_count"], totals["step_sum"], totals["host_sum"]
+        return totals["step_count"], totals["step_sum"], totals["host_sum"], totals["replayed"]
 
     async def cards(self) -> dict[str, float]:
         """The busiest card's figures in /metrics now (`strata:gpu_*`; empty without NVIDIA cards)."""
@@ -276,9 +278,12 @@ async def run(args: argparse.Namespace, config: dict[str, Any]) -> dict[str, Any
             continue
         before = await client.window_totals()
         result.update(await scenario())
-        steps, step_s, host_s = (b - a for a, b in zip(before, await client.window_totals(), strict=True))
+        steps, step_s, host_s, replayed = (
+            b - a for a, b in zip(before, await client.window_totals(), strict=True)
+        )
         result[f"{name}_step_ms_mean"] = 1000 * step_s / steps if steps else None
         result[f"{name}_host_ms_mean"] = 1000 * host_s / steps if steps else None
+        result[f"{name}_replayed_share"] = replayed / steps if steps else None
     if await client.cache_hits() != hits:
         raise RuntimeError("the prefix cache served prompt tokens during the timed runs: figures are void")
     return result

@@ -71,6 +71,11 @@ SCALARS = (
     ("strata:kv_blocks_used", "gauge", "KV blocks in use."),
     ("strata:kv_blocks_total", "gauge", "KV blocks in the pool."),
     ("strata:windows_total", "counter", "Windows the engine ran."),
+    (
+        "strata:windows_replayed_total",
+        "counter",
+        "Windows replayed from captured CUDA graphs (others ran eagerly).",
+    ),
     ("strata:parked_conversations_ram", "gauge", "Conversations parked in host RAM."),
     ("strata:parked_conversations_disk", "gauge", "Conversations parked on disk."),
     ("strata:parked_bytes_ram", "gauge", "Host RAM held by parked conversations."),
@@ -160,6 +165,7 @@ class ServerMetrics:
         self.kv_blocks_total = ready.kv_blocks_total
         self.window_seconds = 0.0
         self.windows_total = 0
+        self.windows_replayed_total = 0
         self.live_tok_s = 0.0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -288,6 +294,7 @@ class ServerMetrics:
         self.kv_blocks_total = stats.kv_blocks_total
         self.window_seconds = stats.duration_s
         self.windows_total = stats.window
+        self.windows_replayed_total += stats.replayed
         self.num_preemptions_total += stats.preempted
         self.prefix_cache_queries_total += stats.prefix_cache_queries
         self.prefix_cache_hits_total += stats.prefix_cache_hits
@@ -431,6 +438,7 @@ class ServerMetrics:
             "kv_blocks_used": self.kv_blocks_used,
             "kv_blocks_total": self.kv_blocks_total,
             "windows_total": self.windows_total,
+            "windows_replayed_total": self.windows_replayed_total,
             "parked_conversations_ram": self.parking.conversations_ram,
             "parked_conversations_disk": self.parking.conversations_disk,
             "parked_bytes_ram": self.parking.bytes_ram,

@@ -654,6 +654,7 @@ class EngineCore:
             kv_host_reads=host_reads,
             kv_moved_to_device=done.window.moved[0],
             kv_moved_to_host=done.window.moved[1],
+            replayed=done.replayed,
         )
         return outputs, stats
 

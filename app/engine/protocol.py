@@ -305,6 +305,7 @@ class WindowStats(msgspec.Struct, tag="stats", frozen=True):
     kv_host_reads: int = 0  # and streamed in from host RAM
     kv_moved_to_device: int = 0  # with --kv-resident: KV blocks copied onto the device before the window
     kv_moved_to_host: int = 0  # and cached blocks copied to host RAM to make room for them
+    replayed: bool = False  # the window replayed captured CUDA graphs (else it ran eagerly)
 
     @property
     def kv_usage(self) -> float:

@@ -552,8 +552,11 @@ def test_kv_block_reads_are_counted_by_where_the_blocks_live() -> None:
     metrics = ServerMetrics("tiny", READY)
     metrics.on_window(window(1, time.time(), [decoding(0, "a")], kv_vram_reads=30, kv_host_reads=10))
     moved = {"kv_moved_to_device": 7, "kv_moved_to_host": 3}
-    metrics.on_window(window(2, time.time(), [decoding(0, "a")], kv_vram_reads=31, kv_host_reads=10, **moved))
+    metrics.on_window(
+        window(2, time.time(), [decoding(0, "a")], kv_vram_reads=31, kv_host_reads=10, replayed=True, **moved)
+    )
     found = scrape(metrics)
+    assert value(found, "strata:windows_replayed_total") == 1  # of 2
     assert value(found, "strata:kv_vram_block_reads_total") == 61
     assert value(found, "strata:kv_host_block_reads_total") == 20
     assert value(found, "strata:kv_blocks_moved_to_device_total") == 7
