@@ -48,6 +48,18 @@ SOLO_PROMPT = 128
 OBSERVER_TOKENS = 8000  # the watched stream's length: it is cancelled once its peers have been read
 
 
+# counters read from /metrics before and after each scenario: the windows that ran (their steps, seconds, host
+# seconds, those replayed from CUDA graphs) and the expert tier's swaps and the windows' waits for them
+TOTALS = {
+    "steps": "strata:window_step_seconds_count",
+    "step_s": "strata:window_step_seconds_sum",
+    "host_s": "strata:window_host_seconds_sum",
+    "replayed": "strata:windows_replayed_total",
+    "swaps": "strata:expert_swaps_total",
+    "adapt_wait_s": "strata:expert_adapt_wait_seconds_total",
+}
+
+
 @dataclass
 class Stream:
     """One streamed completion: when it was sent and when each token event arrived."""
@@ -103,22 +115,16 @@ class Client:
             raise RuntimeError(f"a stream produced {out.tokens} tokens, not {output_len}")
         return out
 
-    async def window_totals(self) -> tuple[float, float, float, float]:
-        """Engine steps so far, their seconds, the host's busy seconds in them and the windows replayed from
-        CUDA graphs (from /metrics)."""
+    async def totals(self) -> dict[str, float]:
+        """The counters of TOTALS so far (from /metrics; 0 where the server has none)."""
         text = (await self.http.get("/metrics", headers={"Accept": "text/plain"})).text
-        totals = dict.fromkeys(("step_count", "step_sum", "host_sum", "replayed"), 0.0)
+        names = {metric: key for key, metric in TOTALS.items()}
+        found = dict.fromkeys(TOTALS, 0.0)
         for line in text.splitlines():
-            name, _, value = line.partition("{")[0], None, line.rsplit(" ", 1)[-1]
-            for key, metric in (
-                ("step_count", "strata:window_step_seconds_count"),
-                ("step_sum", "strata:window_step_seconds_sum"),
-                ("host_sum", "strata:window_host_seconds_sum"),
-                ("replayed", "strata:windows_replayed_total"),
-            ):
-                if name == metric:
-                    totals[key] = float(value)
-        return totals["step_count"], totals["step_sum"], totals["host_sum"], totals["replayed"]
+            key = names.get(line.partition("{")[0].partition(" ")[0])
+            if key is not None:
+                found[key] += float(line.rsplit(" ", 1)[-1])
+        return found
 
     async def cards(self) -> dict[str, float]:
         """The busiest card's figures in /metrics now (`strata:gpu_*`; empty without NVIDIA cards)."""
@@ -276,14 +282,16 @@ async def run(args: argparse.Namespace, config: dict[str, Any]) -> dict[str, Any
     for name, scenario in scenarios.items():
         if args.scenarios and name not in args.scenarios.split(","):
             continue
-        before = await client.window_totals()
+        before = await client.totals()
         result.update(await scenario())
-        steps, step_s, host_s, replayed = (
-            b - a for a, b in zip(before, await client.window_totals(), strict=True)
-        )
-        result[f"{name}_step_ms_mean"] = 1000 * step_s / steps if steps else None
-        result[f"{name}_host_ms_mean"] = 1000 * host_s / steps if steps else None
-        result[f"{name}_replayed_share"] = replayed / steps if steps else None
+        after = await client.totals()
+        ran = {key: after[key] - before[key] for key in TOTALS}
+        steps = ran["steps"]
+        result[f"{name}_step_ms_mean"] = 1000 * ran["step_s"] / steps if steps else None
+        result[f"{name}_host_ms_mean"] = 1000 * ran["host_s"] / steps if steps else None
+        result[f"{name}_replayed_share"] = ran["replayed"] / steps if steps else None
+        result[f"{name}_expert_swaps"] = ran["swaps"]
+        result[f"{name}_adapt_wait_s"] = ran["adapt_wait_s"]
     if await client.cache_hits() != hits:
         raise RuntimeError("the prefix cache served prompt tokens during the timed runs: figures are void")
     return result
