@@ -25,7 +25,8 @@
 # long-burst: a random checkpoint of the shape taking 128K positions served on a simulated 24 GB card (experts
 # and KV capped: SERVE_ARGS, by default --expert-vram 14GiB, --kv-memory 40GiB of which --kv-resident 65536
 # tokens on the device) and driven over HTTP: 4 peers with 96K-token prompts (LONG_PROMPT) arriving together
-# beside a decoding stream, their first-token times against one read alone.
+# beside a decoding stream, their first-token times against one read alone; then the same with every expert on
+# the card (unless SERVE_ARGS is given).
 # decode: the fused decode steps' GPU tests and the end-to-end ones, then the decode windows of Qwen3-Next's
 # shapes cut to 12 layers profiled with the fused steps off and on (STRATA_FUSED_DECODE).
 # decode-bench: benchmarks/gpu_bench.py on qnext at 12 layers, at the most that fit, and on q30-half.
@@ -111,11 +112,16 @@ if [[ $what == long-burst ]]; then
     dir=${CHECKPOINTS:-/tmp}/strata-$s-128k
     [[ -f $dir/model.safetensors.index.json ]] || python3 benchmarks/random_checkpoint.py --shape "$s" \
         --context 131072 "$dir"
-    serve=(${SERVE_ARGS:---expert-vram=14GiB --kv-memory=40GiB --kv-resident=65536})
-    python3 benchmarks/http_burst.py --model "$dir" --clients 8 --long-peers 4 \
-        --long-prompt-len "${LONG_PROMPT:-98304}" --scenarios solo,long_peers --out "$out/long-burst.jsonl" \
-        "${serve[@]/#/--serve-arg=}" --serve-arg=--parallel=8 --serve-arg=--max-batched-tokens=8192 \
-        2>&1 | tee -a "$out/long-burst.log" || status=1
+    # the 24 GB card's budget, then (unless SERVE_ARGS names one) the same KV with every expert on the card
+    budgets=("${SERVE_ARGS:---expert-vram=14GiB --kv-memory=40GiB --kv-resident=65536}")
+    [[ -n ${SERVE_ARGS:-} ]] || budgets+=("--kv-memory=40GiB --kv-resident=65536")
+    for args in "${budgets[@]}"; do
+        read -ra serve <<<"$args"
+        python3 benchmarks/http_burst.py --model "$dir" --clients 8 --long-peers 4 \
+            --long-prompt-len "${LONG_PROMPT:-98304}" --scenarios solo,long_peers --out "$out/long-burst.jsonl" \
+            "${serve[@]/#/--serve-arg=}" --serve-arg=--parallel=8 --serve-arg=--max-batched-tokens=8192 \
+            2>&1 | tee -a "$out/long-burst.log" || status=1
+    done
 fi
 if [[ $what == split ]]; then
     python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_layer_split_gpu.py 2>&1 \
