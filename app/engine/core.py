@@ -26,7 +26,7 @@ from app.engine.paged_state import (
     resident_blocks,
     slot_state_bytes,
 )
-from app.engine.parking import ConversationPark
+from app.engine.parking import ConversationPark, layer_counts, stage_directory, stage_identity
 from app.engine.protocol import (
     EXPERT_REPORT_S,
     AddRequest,
@@ -435,22 +435,25 @@ class EngineCore:
         has_room = config.park_memory > 0 or (config.park_dir and config.park_disk > 0)
         if not config.prefix_cache or not has_room:
             return None
-        directory = Path(config.park_dir) if config.park_dir else None
-        if self.pipeline is not None:  # every stage parks its own part, in RAM (parking.py)
-            if directory is not None:
-                log.info("layer split: conversations are parked in RAM on every stage, not in --park-dir")
-            if config.park_memory <= 0:
-                return None
-            directory = None
-        park = ConversationPark(
-            state,
-            f"{model_identity(self.loaded.checkpoint.path)}:{self._dtype}",
-            config.park_memory,
-            directory,
-            config.park_disk,
+        identity = f"{model_identity(self.loaded.checkpoint.path)}:{self._dtype}"
+        if self.pipeline is None:
+            directory = Path(config.park_dir) if config.park_dir else None
+            return ConversationPark(state, identity, config.park_memory, directory, config.park_disk)
+        # every stage parks its own part (parking.py), in its own folder where all stages are on this host
+        parts, kv_dtype = self.pipeline.parts, state.keys.dtype
+        directory = stage_directory(config, 0, len(parts))
+        if directory is None and config.park_memory <= 0:
+            return None
+        counts = [layer_counts(self.loaded.model.config, part.layers) for part in parts]
+        peers = tuple(
+            (folder, stage_identity(identity, part.layers, *counts[stage], kv_dtype))
+            for stage, part in enumerate(parts[1:], start=1)
+            if (folder := stage_directory(config, stage, len(parts))) is not None
         )
-        if self.pipeline is not None:
-            park.mirror = []
+        layers = parts[0].layers
+        own = stage_identity(identity, layers, state.keys.shape[0], state.conv.shape[0], kv_dtype)
+        park = ConversationPark(state, own, config.park_memory, directory, config.park_disk, peers=peers)
+        park.mirror = []
         return park
 
     def _scheduler_config(self, state: PagedState, graphs: WindowGraphs | None) -> SchedulerConfig:
@@ -478,8 +481,8 @@ class EngineCore:
         """Finish what must outlive the process: parked conversations still being written to disk."""
         if self.park is not None:
             self.park.flush()
-        if self.pipeline is not None:
-            self.pipeline.close()
+        if self.pipeline is not None:  # the other stages make the park's last changes before they stop
+            self.pipeline.close(self.park.take_mirror() if self.park is not None else [])
 
     def ready(self) -> Ready:
         """What clients need to know before sending requests."""

@@ -74,18 +74,7 @@ def read(
     """The tensors of a park file, after every check: format, model identity, block size, token ids,
     checksum, and each tensor's shape and dtype against `expected` (whose pieces are not used). Raises
     ValueError (or OSError) naming what is wrong."""
-    data = path.read_bytes()
-    header = parse_header(data)
-    if header["model"] != identity:
-        raise ValueError("it was parked by another model")
-    if header["block_size"] != block_size:
-        raise ValueError(f"block size {header['block_size']}, not {block_size}")
-    if tuple(header["tokens"]) != tokens:
-        raise ValueError("its token ids are not the ones it was indexed under")
-    start = len(MAGIC) + 8 + int.from_bytes(data[len(MAGIC) : len(MAGIC) + 8], "little")
-    payload = memoryview(data)[start:]
-    if hashlib.blake2b(payload, digest_size=32).hexdigest() != header["checksum"]:
-        raise ValueError("checksum mismatch")
+    header, payload = _checked(path, identity, block_size, tokens)
     entries = {e["name"]: e for e in header["tensors"]}
     if {n: entries[n]["shape"] for n in entries} != {n: part.shape for n, part in expected.items()}:
         raise ValueError("its tensor shapes do not fit this model")
@@ -102,6 +91,29 @@ def read(
         flat = torch.frombuffer(raw, dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
         loaded[name] = flat.view(part.dtype).view(part.shape)
     return loaded
+
+
+def verify(path: Path, identity: str, block_size: int, tokens: tuple[int, ...]) -> None:
+    """Every check of `read` but the tensors' shapes, which `identity` fixes (another stage's file of a layer
+    split, whose shapes this process does not hold). Raises ValueError (or OSError) naming what is wrong."""
+    _checked(path, identity, block_size, tokens)
+
+
+def _checked(path: Path, identity: str, block_size: int, tokens: tuple[int, ...]) -> tuple[dict, memoryview]:
+    """A whole park file's header and payload, the header's fields and the payload's checksum checked."""
+    data = path.read_bytes()
+    header = parse_header(data)
+    if header["model"] != identity:
+        raise ValueError("it was parked by another model")
+    if header["block_size"] != block_size:
+        raise ValueError(f"block size {header['block_size']}, not {block_size}")
+    if tuple(header["tokens"]) != tokens:
+        raise ValueError("its token ids are not the ones it was indexed under")
+    start = len(MAGIC) + 8 + int.from_bytes(data[len(MAGIC) : len(MAGIC) + 8], "little")
+    payload = memoryview(data)[start:]
+    if hashlib.blake2b(payload, digest_size=32).hexdigest() != header["checksum"]:
+        raise ValueError("checksum mismatch")
+    return header, payload
 
 
 def read_header(path: Path) -> dict:

@@ -11,11 +11,13 @@ found again after a restart. A file is read whole and checked on the reader thre
 block size and shapes, token ids, checksum) before anything is copied to the device; a corrupt one is deleted
 and one of another model left alone, each with a log line.
 
-On a layer split every stage parks its own layers' part of each conversation in its own RAM: stage 0's park
-decides (what to park, what its budget evicts, what to restore) and records each change (`mirror`: `Kept`,
-`Forgotten`), which go down the stages with the next window; the other stages make the same changes to their
-parks (`apply`, never evicting by themselves) and restore the same conversations (`restore_key`), each
-checking it holds its part before anything is written.
+On a layer split every stage parks its own layers' part of each conversation, in its own RAM and directory:
+stage 0's park decides (what to park, what its budgets evict, what to restore) and records each change
+(`mirror`: `Kept`, `Forgotten`, `Unlinked`), which go down the stages with the next window; the other stages
+make the same changes to their parks (`apply`, never evicting by themselves) and restore the same
+conversations (`restore_key`, reading their own file where the conversation is on disk only), each checking it
+holds its part before anything is written. Where all stages share this host, stage 0 checks every stage's
+file of a conversation (`peers`) before it plans to restore it, and discards them all if one is bad.
 """
 
 from __future__ import annotations
@@ -35,11 +37,13 @@ import torch
 
 from app.engine import park_file
 from app.engine.blocks import prefix_keys
+from app.engine.config import EngineConfig
 from app.engine.host_memory import HeapTrimmer
 from app.engine.paged_state import PagedState
 from app.engine.park_file import Part
 from app.engine.park_index import ParkIndex, ParkKey, longest_prefix
 from app.engine.protocol import ParkingStats
+from app.models.config import ATTENTION, LINEAR_ATTENTION, ModelConfig
 
 log = logging.getLogger("strata.parking")
 PIN_AHEAD = 4 << 30  # the most bytes of parked blocks pinned at start (the rest is pinned as it is parked)
@@ -82,6 +86,35 @@ class Forgotten:
     key: ParkKey
 
 
+@dataclass(frozen=True)
+class Unlinked:
+    """A conversation whose file stage 0's park deleted (its disk budget, or a bad file of some stage)."""
+
+    key: ParkKey
+
+
+def stage_directory(config: EngineConfig, stage: int, stages: int) -> Path | None:
+    """Where stage `stage` of a layer split of `stages` writes its park files: its own folder of `--park-dir`,
+    or None: no files asked for, or stages on other hosts (`--remote-stages`), whose files stage 0 cannot
+    check before a restore."""
+    if not config.park_dir or config.park_disk <= 0 or config.remote_stages:
+        return None
+    return Path(config.park_dir) / f"split-{stages}-stage-{stage}"
+
+
+def layer_counts(config: ModelConfig, layers: range) -> tuple[int, int]:
+    """The attention and linear-attention layers among `layers` (the keys and values, and the recurrent state,
+    a stage of a layer split holds)."""
+    kinds = [config.layer_types[i] for i in layers]
+    return kinds.count(ATTENTION), kinds.count(LINEAR_ATTENTION)
+
+
+def stage_identity(base: str, layers: range, kv_layers: int, gdn_layers: int, kv_dtype: torch.dtype) -> str:
+    """The identity a stage of a layer split writes its park files under: the model's, and what fixes the
+    shapes of its part (its layers, their keys and values, their recurrent state)."""
+    return f"{base}:layers {layers.start}-{layers.stop - 1}:{kv_layers} x {kv_dtype}:{gdn_layers} gdn"
+
+
 @dataclass
 class _Job:
     """What the park's worker does for one parked conversation: copy its device tensors to the host once
@@ -105,11 +138,14 @@ class ConversationPark:
         directory: Path | None = None,
         disk_budget: int = 0,
         follower: bool = False,
+        peers: tuple[tuple[Path, str], ...] = (),
     ) -> None:
         """`follower`: the park of a stage after the first of a layer split, which evicts nothing by itself
-        (stage 0's budget decides, through `apply`)."""
+        (stage 0's budgets decide, through `apply`). `peers`: on stage 0 of a split whose stages share this
+        host, each other stage's park directory and file identity (`stage_identity`)."""
         self.state = state
         self.follower = follower
+        self.peers = peers
         self.identity = identity
         self.ram_budget = ram_budget
         self.directory = directory if directory is not None and disk_budget > 0 else None
@@ -130,7 +166,7 @@ class ConversationPark:
         self._lock = threading.Lock()  # `_blocks` is changed by the worker too
         self._heap = HeapTrimmer()
         self._worker: threading.Thread | None = None
-        self.mirror: list[Kept | Forgotten] | None = None  # on stage 0 of a layer split: changes to send
+        self.mirror: list[Kept | Forgotten | Unlinked] | None = None  # stage 0 of a layer split: changes
         if self.directory is not None:
             try:
                 self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -203,18 +239,21 @@ class ConversationPark:
             self._jobs.put(_Job(parked, gathered, ready, path, files))
         self._fit_ram()
 
-    def take_mirror(self) -> list[Kept | Forgotten]:
+    def take_mirror(self) -> list[Kept | Forgotten | Unlinked]:
         """The changes made since the last call, in order, for the other stages of a layer split."""
         assert self.mirror is not None
         changes, self.mirror = self.mirror, []
         return changes
 
-    def apply(self, change: Kept | Forgotten) -> None:
+    def apply(self, change: Kept | Forgotten | Unlinked) -> None:
         """Make a change stage 0's park made (on a `follower`)."""
         if isinstance(change, Kept):
             self.park(change.tokens, change.blocks, change.slot)
-        elif change.key in self._ram:
-            self._release(change.key, self._ram.pop(change.key))
+        elif isinstance(change, Forgotten):
+            if change.key in self._ram:
+                self._release(change.key, self._ram.pop(change.key))
+        elif change.key in self._disk:
+            self._unlink(change.key)
 
     def reserve_pinned(self) -> None:
         """Pin the RAM budget's worth of blocks now (up to PIN_AHEAD bytes) and leave it in torch's cache of
@@ -302,9 +341,17 @@ class ConversationPark:
         self.restores += 1
         self.restore_seconds += time.perf_counter() - started
 
-    def restore_key(self, key: ParkKey, slot: int, blocks: list[int]) -> None:
-        """Restore the conversation stage 0 restores (on another stage of a layer split); a stage without its
-        part of it fails before anything is written."""
+    def restore_key(self, key: ParkKey, tokens: list[int], slot: int, blocks: list[int]) -> None:
+        """Restore the conversation of `tokens` stage 0 restores (on another stage of a layer split), from RAM
+        or else from this stage's file, read and checked here; a stage without its part of it fails before
+        anything is written."""
+        if key not in self._ram and key in self._disk and self.directory is not None:
+            done: Future = Future()
+            try:
+                done.set_result(self._read(self.directory / self._disk[key][0], tokens))
+            except (OSError, ValueError, KeyError, RuntimeError) as e:
+                done.set_exception(e)
+            self._install(key, done)
         if key not in self._ram:
             raise RuntimeError(f"this stage holds no part of the parked conversation of {key.length} tokens")
         self.restore(self._ram[key], slot, blocks)
@@ -444,12 +491,18 @@ class ConversationPark:
         self._disk_total += size
 
     def _fit_disk(self) -> None:
+        while self._disk and self._disk_total > self.disk_budget and not self.follower:
+            self._unlink(next(iter(self._disk)))
+
+    def _unlink(self, key: ParkKey) -> None:
+        """Delete a conversation's file (once the writer is done with it)."""
         assert self.directory is not None
-        while self._disk and self._disk_total > self.disk_budget:
-            _, (name, size) = self._disk.pop_oldest()
-            self._disk_total -= size
-            self.flush()
-            (self.directory / name).unlink(missing_ok=True)
+        name, size = self._disk.pop(key)
+        self._disk_total -= size
+        self.flush()
+        (self.directory / name).unlink(missing_ok=True)
+        if self.mirror is not None:
+            self.mirror.append(Unlinked(key))
 
     def _index(self) -> None:
         """Find the conversations parked in the directory by an earlier run (headers only), oldest first."""
@@ -467,6 +520,8 @@ class ConversationPark:
             if header["model"] != self.identity:
                 log.info("parked conversation %s is of another model; left alone", path.name)
                 continue
+            if not all((directory / path.name).exists() for directory, _ in self.peers):
+                continue  # some stage of the split lacks its part
             key = ParkKey.of(header["tokens"], self.state.block_size)
             self._add_disk(key, path.name, path.stat().st_size)
         self._fit_disk()
@@ -474,14 +529,12 @@ class ConversationPark:
     def _install(self, key: ParkKey, reading: Future) -> None:
         """Bring a file the reader thread read into RAM; on any fault, discard the file (log, delete)."""
         assert self.directory is not None
-        name, size = self._disk[key]
+        name = self._disk[key][0]
         try:
             parked, blocks = reading.result()
         except (OSError, ValueError, KeyError, RuntimeError) as e:
             log.warning("discarding parked conversation %s: %s", name, e)
-            self._disk.pop(key)
-            self._disk_total -= size
-            (self.directory / name).unlink(missing_ok=True)
+            self._unlink(key)
             return
         with self._lock:
             for k, kv in zip(parked.block_keys, blocks, strict=True):
@@ -495,8 +548,9 @@ class ConversationPark:
         # RAM budget (a budget of 0 would evict it at once, and the file would be read again and again).
 
     def _read(self, path: Path, tokens: list[int]) -> tuple[Parked, list[torch.Tensor]]:
-        """The conversation of `tokens` in a file and its full blocks' keys and values, after every check (on
-        the reader thread: it reads only the file and what never changes)."""
+        """The conversation of `tokens` in a file and its full blocks' keys and values, after every check, and
+        every check of the `peers`' files of it (on the reader thread: it reads only the files and what never
+        changes)."""
         size = self.state.block_size
         full, rest = len(tokens) // size, len(tokens) % size
         layers, _, _, heads, dim = self.state.keys.shape
@@ -513,6 +567,11 @@ class ConversationPark:
             name: self._to_host(tensor)
             for name, tensor in park_file.read(path, self.identity, size, tuple(tokens), expected).items()
         }
+        for stage, (directory, identity) in enumerate(self.peers, start=1):  # the split's other parts
+            try:
+                park_file.verify(directory / path.name, identity, size, tuple(tokens))
+            except (OSError, ValueError) as e:
+                raise ValueError(f"stage {stage}'s part: {e}") from e
         blocks = list(loaded["blocks"].unbind(0)) if full else []
         own = loaded["tail"].nbytes + sum(loaded[n].nbytes for n in ("conv", "recurrent") if n in loaded)
         parked = Parked(

@@ -115,7 +115,7 @@ class ModelRunner:
         for parked, slot, blocks in window.unparks:
             assert self.park is not None and isinstance(parked, Parked)
             self.park.restore(parked, slot, blocks)
-            unparks.append((self.park.key_of(parked), slot, blocks))
+            unparks.append((self.park.key_of(parked), parked.tokens, slot, blocks))
         fed = self._fed(chunks)
         streams = self.state.count_reads([(c.request.blocks, c.past + len(c.tokens)) for c in chunks])
         if self.pipeline is not None:  # every stage's blocks have the numbers of stage 0's

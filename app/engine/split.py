@@ -32,7 +32,7 @@ import torch.distributed as dist
 from app.engine.config import EngineConfig
 from app.engine.paged_state import StateCopies
 from app.engine.park_index import ParkKey
-from app.engine.parking import Forgotten, Kept
+from app.engine.parking import Forgotten, Kept, Unlinked
 from app.engine.protocol import ExpertUsage, StageTimes
 from app.errors import StrataError
 from app.kernels.cpu_experts import threads
@@ -84,7 +84,7 @@ def stages_for(weight_bytes: int, cards: list[int]) -> int:
     return max(1, len(cards))
 
 
-Unpark = tuple[ParkKey, int, list[int]]  # a parked conversation restored: its key, slot and block table
+Unpark = tuple[ParkKey, list[int], int, list[int]]  # a conversation restored: key, tokens, slot, block table
 
 
 @dataclass(frozen=True)
@@ -128,7 +128,7 @@ class StageWork:
     forward, the rows whose final hidden states the last stage sends back, and the slots whose rows the
     recurrent layers read one at a time, to their row saves (`SequenceSpan.stepwise`); with parking, the
     changes stage 0's park made since the last window (before the copies) and the conversations it restores
-    in this one ((key, slot, blocks), after them). `stop` ends the workers."""
+    in this one (`Unpark`s, after them). `stop` ends the workers."""
 
     chunks: list[tuple[int, int, int]] = field(default_factory=list)
     saves: dict[int, tuple[int, int]] = field(default_factory=dict)
@@ -136,7 +136,7 @@ class StageWork:
     copies: StateCopies = field(default_factory=StateCopies)
     rows: list[int] = field(default_factory=list)
     stepwise: dict[int, tuple[int, ...]] = field(default_factory=dict)
-    parks: list[Kept | Forgotten] = field(default_factory=list)
+    parks: list[Kept | Forgotten | Unlinked] = field(default_factory=list)
     unparks: list[Unpark] = field(default_factory=list)
     stop: bool = False
     stages: list[tuple[float, float]] = field(default_factory=list)  # (busy, wait) of the workers so far
@@ -415,13 +415,14 @@ class StagePipeline:
                 return StrataError(f"stage {stage} of the layer split stopped (exit code {worker.exitcode})")
         return exc
 
-    def close(self) -> None:
-        """Stop the workers and leave the process group."""
+    def close(self, parks: list[Kept | Forgotten | Unlinked] | None = None) -> None:
+        """Stop the workers (after they make `parks`, stage 0's park's last changes) and leave the process
+        group."""
         if self._closed:
             return
         self._closed = True
         with contextlib.suppress(RuntimeError):  # a worker already gone
-            self.link.send_object(StageWork(stop=True), 1)
+            self.link.send_object(StageWork(stop=True, parks=parks or []), 1)
             self.link.flush()
         for worker in self.workers:
             worker.join(timeout=10)

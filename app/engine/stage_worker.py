@@ -12,6 +12,7 @@ import logging
 import signal
 import time
 import traceback
+from pathlib import Path
 
 import msgspec
 import torch
@@ -20,7 +21,7 @@ import torch.distributed as dist
 from app.engine.config import EngineConfig
 from app.engine.expert_report import ExpertReporter
 from app.engine.paged_state import PagedState, device_kv_bytes, resident_blocks
-from app.engine.parking import ConversationPark
+from app.engine.parking import ConversationPark, stage_directory, stage_identity
 from app.engine.protocol import EXPERT_REPORT_S
 from app.engine.split import (
     TIMEOUT,
@@ -38,6 +39,7 @@ from app.engine.split import (
 from app.engine.warm_up import warm_up_kernels
 from app.kernels import kv_quant
 from app.kernels.backends import select_backends
+from app.loading.identity import model_identity
 from app.loading.loader import experts_within, load_model, resolve_dtype
 from app.models.batch import ForwardBatch
 from app.models.expert_tier import TieredExperts, decoder_tiers, use_staging
@@ -121,8 +123,14 @@ def run_stage(
     if where.type == "cuda" and model.backends.paged_attention is not None:
         warm_up_kernels(model, state, config.max_batched_tokens, part, dtype)
     park = None  # as stage 0 decides in EngineCore._conversation_park
-    if config.prefix_cache and config.park_memory > 0:
-        park = ConversationPark(state, "", config.park_memory, follower=True)
+    directory = stage_directory(config, stage, stages)
+    if config.prefix_cache and (config.park_memory > 0 or directory is not None):
+        base = f"{model_identity(Path(config.model))}:{dtype}"
+        counts = state.keys.shape[0], state.conv.shape[0]
+        identity = stage_identity(base, part.layers, *counts, state.keys.dtype)
+        park = ConversationPark(
+            state, identity, config.park_memory, directory, config.park_disk, follower=True
+        )
         park.reserve_pinned()
     try:
         with torch.inference_mode():
@@ -179,6 +187,10 @@ def _serve(
         work = link.recv_object(stage - 1)
         assert isinstance(work, StageWork)
         if work.stop:
+            if park is not None:  # stage 0's last changes, then the files still being written
+                for change in work.parks:
+                    park.apply(change)
+                park.flush()
             if not part.last:
                 link.send_object(work, stage + 1)
             link.flush()
@@ -191,8 +203,8 @@ def _serve(
                 park.apply(change)
         work.copies.apply(state)
         if park is not None:
-            for key, slot, blocks in work.unparks:
-                park.restore_key(key, slot, blocks)
+            for key, tokens, slot, blocks in work.unparks:
+                park.restore_key(key, tokens, slot, blocks)
         for slot, blocks in work.tables.items():
             state.set_block_table(slot, blocks)
         chunks = [(slot, [0] * rows, past) for slot, rows, past in work.chunks]

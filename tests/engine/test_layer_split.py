@@ -279,3 +279,68 @@ def test_a_follow_up_restored_from_every_stages_park_continues_as_the_whole_mode
         assert core.park.stats().conversations_ram == 0
     finally:
         core.close()
+
+
+def _split_park(checkpoint: Path, directory: Path) -> EngineCore:
+    """A 2-stage split whose stages park in their own folders of `directory` only (no RAM)."""
+    disk = {"park_memory": 0, "park_dir": str(directory), "park_disk": 64 << 20}
+    return make_core(checkpoint, layer_split="2", batch_groups=2, **disk)
+
+
+def _parked_turn(checkpoint: Path, directory: Path) -> tuple[list[int], list[int]]:
+    """A turn parked on disk by every stage of a split that then stops; the follow-up prompt, and what the
+    model run whole answers it."""
+    greedy = {"max_tokens": 10, "temperature": 0, "ignore_eos": True}
+    first = random_prompt(600, 1)
+    core = _split_park(checkpoint, directory)
+    answer = complete(core, first, **greedy).token_ids
+    core.close()
+    follow_up = [*first, *answer, *random_prompt(20, 2)]
+    whole = make_core(checkpoint)
+    expected = complete(whole, follow_up, **greedy).token_ids
+    whole.close()
+    return follow_up, expected
+
+
+def test_every_stage_reads_its_own_file_of_a_follow_up_after_a_restart(
+    checkpoint: Path, tmp_path: Path
+) -> None:
+    """Every stage writes its part of a parked turn to its own folder (the last changes made as the split
+    stops); after a restart stage 0 finds the conversation where every stage has it, and each stage restores
+    its part from its own file."""
+    follow_up, expected = _parked_turn(checkpoint, tmp_path)
+    files = {folder.name: len(list(folder.glob("*.park"))) for folder in tmp_path.iterdir()}
+    assert files == {"split-2-stage-0": 1, "split-2-stage-1": 1}
+    core = _split_park(checkpoint, tmp_path)
+    try:
+        assert core.park is not None and core.park.stats().conversations_disk == 1
+        add = request(follow_up, max_tokens=10, temperature=0, ignore_eos=True)
+        results, _ = run(core, [(0, add)])
+        assert core.park.stats().restores == 1
+        assert results[add.request_id].token_ids == expected
+    finally:
+        core.close()
+
+
+def test_a_bad_file_of_another_stage_discards_the_conversation_on_every_stage(
+    checkpoint: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Stage 0 checks every stage's file before it plans a restore: one stage's bad file means the follow-up
+    reads its prompt, and every stage's file of it is deleted."""
+    follow_up, expected = _parked_turn(checkpoint, tmp_path)
+    (bad,) = (tmp_path / "split-2-stage-1").glob("*.park")
+    data = bytearray(bad.read_bytes())
+    data[-1] ^= 0xFF
+    bad.write_bytes(bytes(data))
+    core = _split_park(checkpoint, tmp_path)
+    try:
+        add = request(follow_up, max_tokens=10, temperature=0, ignore_eos=True)
+        with caplog.at_level("WARNING", logger="strata.parking"):
+            results, _ = run(core, [(0, add)])
+        assert "stage 1's part: checksum mismatch" in caplog.text
+        assert core.park is not None and core.park.stats().restores == 0
+        assert results[add.request_id].token_ids == expected
+    finally:
+        core.close()
+    assert not list((tmp_path / "split-2-stage-0").glob(f"{bad.name}"))
+    assert not bad.exists()

@@ -318,5 +318,5 @@ def test_stage_zeros_changes_reach_a_follower_which_never_evicts_and_refuses_wha
     assert follower.stats().conversations_ram == 0 and follower.stats().bytes_ram == 0
     before = core.runner.state.keys.clone()
     with pytest.raises(RuntimeError, match="no part of the parked conversation"):
-        follower.restore_key(changes[1].key, 0, [0, 1])
+        follower.restore_key(changes[1].key, [], 0, [0, 1])
     assert torch.equal(core.runner.state.keys, before)
