@@ -525,6 +525,20 @@ class ConversationPark:
             key = ParkKey.of(header["tokens"], self.state.block_size)
             self._add_disk(key, path.name, path.stat().st_size)
         self._fit_disk()
+        self._sweep_peers()
+
+    def _sweep_peers(self) -> None:
+        """Delete the other stages' files of this model and split that this park does not hold (their part of
+        a conversation whose other parts were lost, or that the disk budget let go of before the split
+        started): nothing would ever restore or delete them."""
+        held = {name for name, _ in self._disk.values()}
+        for directory, identity in self.peers:
+            for path in directory.glob(f"*{park_file.SUFFIX}"):
+                if path.name in held:
+                    continue
+                with contextlib.suppress(OSError, ValueError):
+                    if park_file.read_header(path)["model"] == identity:
+                        path.unlink()
 
     def _install(self, key: ParkKey, reading: Future) -> None:
         """Bring a file the reader thread read into RAM; on any fault, discard the file (log, delete)."""

@@ -344,3 +344,20 @@ def test_a_bad_file_of_another_stage_discards_the_conversation_on_every_stage(
         core.close()
     assert not list((tmp_path / "split-2-stage-0").glob(f"{bad.name}"))
     assert not bad.exists()
+
+
+def test_another_stages_file_whose_other_part_was_lost_is_deleted_at_start(
+    checkpoint: Path, tmp_path: Path
+) -> None:
+    follow_up, expected = _parked_turn(checkpoint, tmp_path)
+    (own,) = (tmp_path / "split-2-stage-0").glob("*.park")
+    own.unlink()
+    core = _split_park(checkpoint, tmp_path)
+    try:
+        assert core.park is not None and core.park.stats().conversations_disk == 0
+        assert not list((tmp_path / "split-2-stage-1").glob("*.park"))
+        add = request(follow_up, max_tokens=10, temperature=0, ignore_eos=True)
+        results, _ = run(core, [(0, add)])
+        assert results[add.request_id].token_ids == expected
+    finally:
+        core.close()
