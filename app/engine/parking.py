@@ -169,7 +169,9 @@ class ConversationPark:
         self.mirror: list[Kept | Forgotten | Unlinked] | None = None  # stage 0 of a layer split: changes
         if self.directory is not None:
             try:
-                self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+                missing = [d for d in (self.directory, *self.directory.parents) if not d.exists()]
+                for folder in reversed(missing):  # the owner's alone, the parents made here too
+                    folder.mkdir(mode=0o700, exist_ok=True)
             except OSError as e:
                 log.warning("not parking conversations on disk: cannot use %s (%s)", self.directory, e)
                 self.directory = None

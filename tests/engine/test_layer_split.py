@@ -308,10 +308,12 @@ def test_every_stage_reads_its_own_file_of_a_follow_up_after_a_restart(
     """Every stage writes its part of a parked turn to its own folder (the last changes made as the split
     stops); after a restart stage 0 finds the conversation where every stage has it, and each stage restores
     its part from its own file."""
-    follow_up, expected = _parked_turn(checkpoint, tmp_path)
-    files = {folder.name: len(list(folder.glob("*.park"))) for folder in tmp_path.iterdir()}
+    parked = tmp_path / "parked"
+    follow_up, expected = _parked_turn(checkpoint, parked)
+    files = {folder.name: len(list(folder.glob("*.park"))) for folder in parked.iterdir()}
     assert files == {"split-2-stage-0": 1, "split-2-stage-1": 1}
-    core = _split_park(checkpoint, tmp_path)
+    assert all(d.stat().st_mode & 0o777 == 0o700 for d in (parked, *parked.iterdir()))  # users' words
+    core = _split_park(checkpoint, parked)
     try:
         assert core.park is not None and core.park.stats().conversations_disk == 1
         add = request(follow_up, max_tokens=10, temperature=0, ignore_eos=True)
