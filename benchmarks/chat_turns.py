@@ -36,6 +36,7 @@ from app.engine.config import EngineConfig
 from app.engine.core import EngineCore
 from app.engine.protocol import AddRequest, SamplingParams
 from app.engine.scheduler import Scheduler
+from benchmarks.results import emit
 from benchmarks.roofline import measure_copy_bandwidth, roofline_tok_s
 
 
@@ -145,13 +146,6 @@ def main() -> None:
             **setting,
         }
         emit(summary, args.out)
-
-
-def emit(line: dict[str, Any], out: str | None) -> None:
-    print(json.dumps(line), flush=True)
-    if out:
-        with open(out, "a") as f:
-            f.write(json.dumps(line) + "\n")
 
 
 if __name__ == "__main__":

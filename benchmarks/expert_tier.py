@@ -62,6 +62,7 @@ from app.models.placement import PLACEMENTS, layer_residency, spare_slots
 from app.models.qwen3 import CausalLM
 from app.text.tokenizer import Tokenizer
 from benchmarks.gpu_bench import WEIGHT_BUDGET, build_model, write_model_dir
+from benchmarks.results import emit
 from benchmarks.roofline import measure_copy_bandwidth, roofline_tok_s
 from benchmarks.shapes import param_bytes, shape, with_layers
 
@@ -560,10 +561,7 @@ def main() -> None:
                 line["roofline_bs1_tok_s"] = round(roofline, 1)
                 if line["decode_bs1_tok_s"] > roofline:
                     raise SystemExit(f"decode above the card's roofline: {json.dumps(line)}")
-            print(json.dumps(line), flush=True)
-            if args.out:
-                with open(args.out, "a") as out:
-                    out.write(json.dumps(line) + "\n")
+            emit(line, args.out)
             del core
             torch.cuda.empty_cache()
 

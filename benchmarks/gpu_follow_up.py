@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import shutil
 import sys
 import tempfile
@@ -35,6 +34,7 @@ from app.loading.checkpoint import CheckpointDir
 from app.loading.model import LoadedModel
 from app.text.tokenizer import Tokenizer
 from benchmarks.gpu_bench import bench_config, build_model, write_model_dir
+from benchmarks.results import emit
 
 ANSWER = 16
 FOLLOW_UP = 32
@@ -126,10 +126,7 @@ def run(name: str, lengths: list[int], out: str | None) -> list[dict[str, Any]]:
                 "same_tokens": cached == restored == reread,
             }
         )
-        print(json.dumps(lines[-1]), flush=True)
-        if out:
-            with open(out, "a") as file:
-                file.write(json.dumps(lines[-1]) + "\n")
+        emit(lines[-1], out)
     shutil.rmtree(path.parent, ignore_errors=True)
     return lines
 

@@ -12,7 +12,6 @@ and how many prompts gave bf16's tokens throughout. One JSON line a dtype.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -25,6 +24,7 @@ from app.default_model import default_model_dir
 from app.engine.config import EngineConfig
 from app.engine.core import EngineCore
 from app.engine.protocol import AddRequest, SamplingParams
+from benchmarks.results import emit
 
 PROMPTS = [
     "def fibonacci(n):\n",
@@ -95,10 +95,7 @@ def main() -> None:
     for kv in args.kv:
         line = {"kv_dtype": kv, "against": "bf16", "prompts": len(prompts), "tokens": args.tokens}
         line |= agreement(expected, greedy(engine(kv), prompts, args.tokens)) | {"device": device}
-        print(json.dumps(line), flush=True)
-        if args.out:
-            with open(args.out, "a") as f:
-                f.write(json.dumps(line) + "\n")
+        emit(line, args.out)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ from app.engine.core import EngineCore
 from app.engine.paged_state import kv_block_bytes
 from app.engine.protocol import AddRequest, SamplingParams
 from benchmarks.gpu_bench import bench_config, open_engine
+from benchmarks.results import emit
 from benchmarks.roofline import H200_HBM_BANDWIDTH, PCIE5_X16_BANDWIDTH
 
 DECODE_STEPS = 64
@@ -125,10 +126,7 @@ def main() -> None:
     args = parser.parse_args()
     for kv in args.kv:
         line = bench(args.shape, kv, args.contexts, args.kv_resident)
-        print(json.dumps(line), flush=True)
-        if args.out:
-            with open(args.out, "a") as f:
-                f.write(json.dumps(line) + "\n")
+        emit(line, args.out)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from app.engine.paged_state import PagedState
 from app.models.batch import SequenceSpan
 from app.models.config import ModelConfig
+from benchmarks.results import emit
 
 
 def best_ms(call, repeats: int = 10) -> float:
@@ -64,10 +65,7 @@ def main() -> None:
         tables = [(state.block_tables[s], args.tokens) for s in range(args.seqs)]
         line[f"{name}_layout_ms"] = best_ms(lambda state=state, spans=spans: state.layout(spans))
         line[f"{name}_count_reads_ms"] = best_ms(lambda state=state, tables=tables: state.count_reads(tables))
-    print(json.dumps(line), flush=True)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(json.dumps(line) + "\n")
+    emit(line, args.out)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ and 90th percentile over 300 windows, in milliseconds, with the windows that too
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -22,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from app.engine.protocol import SamplingParams
 from app.engine.scheduler import Request, Scheduler, SchedulerConfig
+from benchmarks.results import emit
 
 REPLAYED_S, EAGER_S, PER_ROW_S = 0.0016, 0.3, 25e-6
 
@@ -74,10 +74,7 @@ def main() -> None:
         "plan_ms_median": 1000 * statistics.median(times),
         "plan_ms_p90": 1000 * ordered[int(0.9 * len(ordered))],
     }
-    print(json.dumps(line), flush=True)
-    if args.out:
-        with open(args.out, "a") as out:
-            out.write(json.dumps(line) + "\n")
+    emit(line, args.out)
 
 
 if __name__ == "__main__":

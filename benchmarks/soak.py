@@ -32,6 +32,7 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.http_burst import start_server, wait_ready
+from benchmarks.results import emit
 
 WORDS = ["the", "a", "river", "town", "woke", "slowly", "under", "grey", "sky", "while", "boats", "drifted"]
 WARM_S = 60.0  # memory before this is the process settling, not a leak
@@ -162,10 +163,7 @@ def main() -> None:
         process.terminate()
         process.wait(timeout=30)
         park.cleanup()
-    print(json.dumps(line), flush=True)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(json.dumps(line) + "\n")
+    emit(line, args.out)
     grew = [
         name
         for name in ("server", "engine")
