@@ -348,12 +348,8 @@ class ConversationPark:
         or else from this stage's file, read and checked here; a stage without its part of it fails before
         anything is written."""
         if key not in self._ram and key in self._disk and self.directory is not None:
-            done: Future = Future()
-            try:
-                done.set_result(self._read(self.directory / self._disk[key][0], tokens))
-            except (OSError, ValueError, KeyError, RuntimeError) as e:
-                done.set_exception(e)
-            self._install(key, done)
+            path = self.directory / self._disk[key][0]
+            self._install(key, self._reader.submit(self._read, path, tokens))  # waited for: this window
         if key not in self._ram:
             raise RuntimeError(f"this stage holds no part of the parked conversation of {key.length} tokens")
         self.restore(self._ram[key], slot, blocks)

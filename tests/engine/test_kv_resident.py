@@ -97,32 +97,34 @@ def test_blocks_follow_the_conversation_being_answered_onto_the_device(
     assert sum(w.kv_host_reads for w in conversations()[1]) > 0
 
 
-def test_placing_a_table_takes_free_then_idle_device_blocks_and_keeps_their_cache_in_host_ram() -> None:
-    """Four of eight blocks on the device: a table's host blocks move onto the device, a cached block the
-    device gives up (the one released longest ago first) keeps its registration in a free host block (copied
-    there first), the table's blocks with contents are copied after, both in ascending pairs, a budget too
-    small for a copy forgets the cached block instead, and where the budget ends the next window goes on."""
+def _pool_with_cache(tokens: list[int]) -> tuple[BlockPool, list[int]]:
+    """Eight blocks of two, four on the device: `tokens` (five) cached in blocks 0 and 1, which no one holds,
+    and a table of four blocks given out after them (2 to 5)."""
     pool = BlockPool(8, 2, caching=True)
     pool.on_device = 4
-    tokens = [5, 6, 7, 8, 9]
     cached: list[int] = []
     assert pool.grow(cached, 5) and cached == [0, 1, 2]
     pool.commit(cached, tokens, 5, 0, b"")
     pool.release(cached)  # 0 and 1 cached, no one holds them; 2 free
     table: list[int] = []
     assert pool.grow(table, 8) and table == [2, 3, 4, 5]
+    return pool, table
+
+
+def test_placing_a_table_takes_free_then_idle_device_blocks_and_keeps_their_cache_in_host_ram() -> None:
+    """Four of eight blocks on the device: a table's host blocks move onto the device, a cached block the
+    device gives up (the one released longest ago first) keeps its registration in a free host block (copied
+    there first), the table's blocks with contents are copied after, both in ascending pairs, a budget too
+    small for a copy forgets the cached block instead, and where the budget ends the next window goes on."""
+    tokens = [5, 6, 7, 8, 9]
+    pool, table = _pool_with_cache(tokens)
     copies: list[tuple[int, int]] = []
     assert pool.place(table, 4, 10, copies) == (4, 4)
     assert table == [2, 3, 0, 1]  # paired in ascending order: runs of consecutive blocks
     assert copies == [(0, 6), (1, 7), (4, 0), (5, 1)]
     assert pool.match(tokens, 5) == [6, 7] and pool.free == 4 and pool.cached == 2
 
-    pool = BlockPool(8, 2, caching=True)
-    pool.on_device = 4
-    pool.grow(cached, 5)
-    pool.commit(cached, tokens, 5, 0, b"")
-    pool.release(cached)
-    pool.grow(table := [], 8)
+    pool, table = _pool_with_cache(tokens)
     copies = []
     assert pool.place(table, 4, 3, copies) == (3, 4)
     assert copies == [(1, 6), (4, 0), (5, 1)] and table == [2, 3, 0, 1]  # the last released kept
@@ -130,12 +132,7 @@ def test_placing_a_table_takes_free_then_idle_device_blocks_and_keeps_their_cach
     assert pool.place(table, 4, 3, copies := [], start=2) == (0, 2)  # no device block left: none looked at
     assert copies == []
 
-    pool = BlockPool(8, 2, caching=True)
-    pool.on_device = 4
-    pool.grow(cached, 5)
-    pool.commit(cached, tokens, 5, 0, b"")
-    pool.release(cached)
-    pool.grow(table := [], 8)
+    pool, table = _pool_with_cache(tokens)
     assert pool.place(table, 4, 1, copies := []) == (1, 3)  # one copy allowed: block 5 waits, index 3
     assert copies == [(4, 1)] and table == [2, 3, 1, 5]
     assert pool.place(table, 4, 8, copies := [], start=3) == (2, 4)  # the next window goes on from there
