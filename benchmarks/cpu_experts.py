@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from app.kernels.backends import CPU_HELD_BLOCKS
 from app.kernels.cpu_experts import expert_swiglu, native_available, threads
-from app.kernels.gguf_quants import random_blocks
+from app.kernels.gguf_quants import random_blocks, to_held
 
 # the kinds measured, by the name the figures carry: torch dtypes, or GGUF types' names (random blocks)
 KINDS: dict[str, torch.dtype | str] = {
@@ -56,7 +56,9 @@ def expert_weights(
     for e in range(experts):
         if isinstance(kind, str):
             shapes = ((2 * inter, hidden), (hidden, inter))
-            made.append(tuple(random_blocks(kind, shape, 2 * e + i) for i, shape in enumerate(shapes)))
+            made.append(
+                tuple(to_held(kind, random_blocks(kind, shape, 2 * e + i)) for i, shape in enumerate(shapes))
+            )
         elif kind == torch.int8:
             gate_up = torch.randint(-127, 128, (2 * inter, hidden), dtype=torch.int8)
             down = torch.randint(-127, 128, (hidden, inter), dtype=torch.int8)

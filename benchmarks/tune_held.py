@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from app.kernels.gguf_quants import random_blocks
+from app.kernels.gguf_quants import random_blocks, to_held
 from app.kernels.triton_linear import held_tiles
 from app.kernels.triton_moe import EXACT_TILES, MoeTiles, fused_experts, moe_tiles, tiled_linear
 from benchmarks.roofline import expected_experts, replayed_ms
@@ -33,7 +33,7 @@ DENSE = {"qkv": (5120, HIDDEN), "o": (HIDDEN, 4096), "lm_head": (151936, HIDDEN)
 # Q8_0 only: its weights widened columns first, the dot's left operand (`MoeTiles.columns_first`)
 COLUMNS_FIRST_TILES = {
     f"columns-first 16x{n}x{k} w4 s{st}": MoeTiles(16, n, k, 4, st, columns_first=True)
-    for n, k, st in [(64, 256, 3), (64, 256, 4), (64, 128, 4), (128, 256, 3)]
+    for n, k, st in [(64, 256, 1), (64, 256, 2), (64, 256, 3), (64, 256, 4), (64, 128, 2), (64, 128, 4)]
 }
 EXPERT_TILES = {
     "tiles 16x64x128 w4 s4": EXACT_TILES,
@@ -58,7 +58,7 @@ def _weights(kind: str, shape: tuple[int, ...], copy: int) -> torch.Tensor:
     if kind == "bf16":
         g = torch.Generator(device="cuda").manual_seed(copy)
         return (torch.randn(shape, device="cuda", generator=g) * 0.02).bfloat16()
-    return random_blocks(kind, shape, copy, device="cuda")
+    return to_held(kind, random_blocks(kind, shape, copy, device="cuda"))
 
 
 def _report(what: str, ms: float, moved: float, drift: float) -> None:

@@ -1,7 +1,8 @@
 // Dot products of weight rows with token vectors, fp32 arithmetic, for the native CPU kernels.
 //
 // Weights are fp32, bf16, int8 with one fp32 scale per row (weight = int8 * scale), or GGUF's blocks as the
-// file holds them: Q8_0 (blocks of 32 weights: an fp16 scale, then 32 int8; weight = int8 * scale), the K-quants
+// file holds them: Q8_0 (blocks of 32 weights: an fp16 scale and 32 int8; weight = int8 * scale; held as a row's
+// codes, then its scales: app/kernels/gguf_quants.py's `to_held`), the K-quants
 // Q4_K, Q5_K (super-blocks of 256: fp16 d and dmin, eight 6-bit scales and mins, 4- or 5-bit q; weight =
 // d * scale * q - dmin * min) and Q6_K (sixteen int8 scales, 6-bit q; weight = d * scale * (q - 32)), and the
 // i-quants IQ4_XS, IQ3_XXS and IQ3_S (levels or grid points of llama.cpp's tables, `Tables`, under 4- or 6-bit
@@ -149,6 +150,7 @@ inline float lane_sum(const float* part) {
 template <int R, typename T>
 struct Elements {
     const T* row[R];
+    int64_t cols;  // weights a row
 
     void widen(int r, int64_t col, float* wide) const {
 #pragma omp simd
@@ -267,6 +269,7 @@ inline unsigned xxs_signs(unsigned id) { return id | (static_cast<unsigned>(__bu
 template <int R, int64_t VALUES, int64_t BYTES, typename Reader>
 struct Blocks {
     const unsigned char* row[R];
+    int64_t cols;  // weights a row
 
     const unsigned char* block(int r, int64_t col) const { return row[r] + col / VALUES * BYTES; }
     const void* at(int r, int64_t col) const { return row[r] + col * BYTES / VALUES; }
@@ -277,13 +280,15 @@ struct Blocks {
     }
 };
 
-// R Q8_0 rows: a block's weights widened with its scale (int8 * scale, in fp32), the values GGUF's own
-// dequantizer gives, so a row sums as its dequantized fp32 copy does.
+// R held Q8_0 rows: a block's weights widened with its scale (int8 * scale, in fp32), the values GGUF's own
+// dequantizer gives, so a row sums as its dequantized fp32 copy does. A held row is its blocks' codes, then
+// their scales.
 template <int R>
 struct Q8Blocks : Blocks<R, Q8_BLOCK, Q8_0_BYTES, Q8Blocks<R>> {
     void widen(int r, int64_t col, float* wide) const {
-        const unsigned char* b = this->block(r, col);
-        widen_int8(reinterpret_cast<const int8_t*>(b + 2 + col % Q8_BLOCK), half(b), 0.0f, wide);
+        const unsigned char* row = this->row[r];
+        widen_int8(reinterpret_cast<const int8_t*>(row + col), half(row + this->cols + col / Q8_BLOCK * 2), 0.0f,
+                   wide);
     }
 };
 
@@ -442,20 +447,21 @@ struct Matrix {
     float scale(int64_t r) const { return scales ? scales[r] : 1.0f; }
 };
 
-// Raw row pointers as a reader of R rows of its kind.
+// Raw row pointers, each of `cols` weights, as a reader of R rows of its kind.
 template <typename Rows, int R>
-inline Rows reader(const char* const* rows) {
+inline Rows reader(const char* const* rows, int64_t cols) {
     Rows w;
     for (int r = 0; r < R; ++r) w.row[r] = reinterpret_cast<std::remove_reference_t<decltype(w.row[0])>>(rows[r]);
+    w.cols = cols;
     return w;
 }
 
 template <int R, typename Rows>
 inline void dot_as(const char* const* rows, int64_t cols, const float* const* xs, int count, float (*out)[TILE],
                    const char* const* ahead) {
-    const Rows w = reader<Rows, R>(rows);
+    const Rows w = reader<Rows, R>(rows, cols);
     Rows next;
-    if (ahead) next = reader<Rows, R>(ahead);
+    if (ahead) next = reader<Rows, R>(ahead, cols);
     const Rows* prefetch = ahead ? &next : nullptr;
     switch (count) {
         case 1: dot_block<R, 1>(w, cols, xs, out, prefetch); break;
@@ -493,7 +499,7 @@ inline void dot_rows(Kind kind, const char* const* rows, int64_t cols, const flo
 
 template <int R, typename Rows>
 inline void widen_all(const char** rows, int64_t cols, float* buffer) {
-    const Rows w = reader<Rows, R>(rows);
+    const Rows w = reader<Rows, R>(rows, cols);
     const int64_t full = cols - cols % LANES;
     for (int r = 0; r < R; ++r) {
         float* wide = buffer + r * cols;

@@ -18,7 +18,7 @@ import os
 
 import torch
 
-from app.kernels.gguf_quants import I_QUANTS, dequantize, i_quant_tables
+from app.kernels.gguf_quants import I_QUANTS, dequantize_held, i_quant_tables
 from app.kernels.interface import held_kind
 
 try:
@@ -85,7 +85,7 @@ def expert_sizes(gate_up: torch.Tensor, down: torch.Tensor) -> tuple[int, int]:
 
 def _dequantized(weight: torch.Tensor, scales: torch.Tensor | None, columns: int) -> torch.Tensor:
     if weight.dtype == torch.uint8:
-        return dequantize(held_kind(weight, columns), weight, (*weight.shape[:-1], columns))
+        return dequantize_held(held_kind(weight, columns), weight, (*weight.shape[:-1], columns))
     if weight.dtype == torch.int8:
         if scales is None:
             raise ValueError("int8 weights need their scales")

@@ -4,6 +4,11 @@ Each function takes the raw bytes of whole blocks, [blocks, block bytes] uint8, 
 [blocks, values per block] float32, laid out as llama.cpp stores them (ggml's block structs, little-endian).
 The lookup tables of the i-quants (their grids, the sign patterns, IQ4's non-linear levels) are read from the
 `gguf` package, which carries llama.cpp's. `dequantize` dispatches on the type's name.
+
+Kernels read a weight's blocks in place as the file holds them, except Q8_0's, which are held reordered
+(`to_held`, the same bytes): a row's int8 codes first, all of them, then its blocks' fp16 scales, so a row's
+codes lie as one run, 16-byte aligned where the row's values are a multiple of 256 (a block of the file's
+layout puts its codes two bytes past its scale, so they could only be read two bytes at a time).
 """
 
 from __future__ import annotations
@@ -197,6 +202,33 @@ def random_blocks(
 
 
 def dequantize(kind: str, raw: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    """The float32 values of `shape` held by `raw` (uint8, whole blocks of quant type `kind`)."""
+    """The float32 values of `shape` held by `raw` (uint8, whole blocks of quant type `kind` as the file
+    lays them out)."""
     _, size, function = DEQUANTIZE[kind]
     return function(raw.reshape(-1, size)).reshape(shape)
+
+
+def to_held(kind: str, blocks: torch.Tensor) -> torch.Tensor:
+    """A weight's blocks [..., row bytes] as the file lays them out, in the layout kernels hold them in:
+    Q8_0's rows as all their int8 codes, then all their fp16 scales (a new tensor); others as they are."""
+    if kind != "Q8_0":
+        return blocks
+    laid = blocks.reshape(-1, blocks.shape[-1] // 34, 34)
+    held = torch.cat((laid[:, :, 2:].flatten(1), laid[:, :, :2].flatten(1)), 1)
+    return held.reshape(blocks.shape)
+
+
+def from_held(kind: str, held: torch.Tensor) -> torch.Tensor:
+    """The file's layout of held blocks (`to_held` undone)."""
+    if kind != "Q8_0":
+        return held
+    rows = held.reshape(-1, held.shape[-1])
+    blocks = rows.shape[1] // 34
+    codes = rows[:, : 32 * blocks].reshape(-1, blocks, 32)
+    blocks_laid = torch.cat((rows[:, 32 * blocks :].reshape(-1, blocks, 2), codes), 2)
+    return blocks_laid.reshape(held.shape)
+
+
+def dequantize_held(kind: str, held: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """The float32 values of `shape` held by `held` (a held weight's blocks, `to_held`'s layout)."""
+    return dequantize(kind, from_held(kind, held), shape)

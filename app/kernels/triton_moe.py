@@ -68,9 +68,12 @@ PER_PAIR_TOKENS = 2
 HELD_ROWWISE_TILES = MoeTiles(block_m=1, block_n=4, block_k=256, num_warps=1, num_stages=2, rowwise=True)
 HELD_PER_PAIR_TOKENS = 8
 # Q8_0's experts from 9 tokens on: the widened weights the dot's left operand, held in registers (at 32
-# tokens 458 us a layer against 770 for the 16-row tiles)
+# tokens 458 us a layer against 770 for the 16-row tiles, in the file's layout at four stages). Since Q8_0
+# is held reordered its codes are staged in shared memory by 16-byte copies, 32 KB a stage for gate and up:
+# two stages (64 KB, three programs an SM) rather than four (132 KB, one), chosen from the compiled sizes,
+# not yet timed on a card.
 Q8_0_DECODE_TILES = MoeTiles(
-    block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=4, columns_first=True
+    block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=2, columns_first=True
 )
 DECODE_TOKENS = 64  # windows of up to this many tokens take the decode tiles (a row's bits the same in all)
 # Held types whose tiles run one pipeline stage: staging IQ3_S's grid reads costs more than it hides (its
@@ -348,11 +351,11 @@ def _tile_rows(rows_ptr, block_expert_ptr, tile, pairs, MODE: tl.constexpr, BLOC
 
 @triton.jit
 def _columns_first_dot(
-    a, rows, col_ok, start, acc, PRECISION: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr
+    a, rows, col_ok, start, k, acc, PRECISION: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr
 ):
-    """acc [BLOCK_N, BLOCK_M] + a step of Q8_0 rows (`rows`: byte pointers [BLOCK_N]) widened [BLOCK_N,
-    BLOCK_K] times the tile's activations a [BLOCK_M, BLOCK_K], transposed."""
-    codes, d = q8_0_groups(rows, col_ok, start, BLOCK_K, BLOCK_N)
+    """acc [BLOCK_N, BLOCK_M] + a step of held Q8_0 rows of `k` values (`rows`: byte pointers [BLOCK_N])
+    widened [BLOCK_N, BLOCK_K] times the tile's activations a [BLOCK_M, BLOCK_K], transposed."""
+    codes, d = q8_0_groups(rows, col_ok, start, k, BLOCK_K, BLOCK_N)
     values = tl.reshape(codes * d[:, :, None], (BLOCK_N, BLOCK_K))
     return tl.dot(values.to(a.dtype), tl.trans(a), acc, input_precision=PRECISION)
 
@@ -427,16 +430,16 @@ def _grouped_matmul(
         elif COLUMNS_FIRST:
             ks = start + tl.arange(0, BLOCK_K)
             a = tl.load(x_ptr + x_rows[:, None] * stride_xm + ks[None, :], mask=valid[:, None], other=0.0)
-            acc = _columns_first_dot(a, w_rows, col_ok, start, acc, PRECISION, BLOCK_K, BLOCK_N)
+            acc = _columns_first_dot(a, w_rows, col_ok, start, k, acc, PRECISION, BLOCK_K, BLOCK_N)
             if SWIGLU:
-                acc_up = _columns_first_dot(a, up_rows, col_ok, start, acc_up, PRECISION, BLOCK_K, BLOCK_N)
+                acc_up = _columns_first_dot(a, up_rows, col_ok, start, k, acc_up, PRECISION, BLOCK_K, BLOCK_N)
         elif HELD != 0:
             ks = start + tl.arange(0, BLOCK_K)
             a = tl.load(x_ptr + x_rows[:, None] * stride_xm + ks[None, :], mask=valid[:, None], other=0.0)
-            b = held_values(HELD, w_rows, col_ok, start, table_ptr, BLOCK_K, BLOCK_N)
+            b = held_values(HELD, w_rows, col_ok, start, k, table_ptr, BLOCK_K, BLOCK_N)
             acc = tl.dot(a, b.to(a.dtype), acc, input_precision=PRECISION)
             if SWIGLU:
-                b_up = held_values(HELD, up_rows, col_ok, start, table_ptr, BLOCK_K, BLOCK_N)
+                b_up = held_values(HELD, up_rows, col_ok, start, k, table_ptr, BLOCK_K, BLOCK_N)
                 acc_up = tl.dot(a, b_up.to(a.dtype), acc_up, input_precision=PRECISION)
         else:
             ks = start + tl.arange(0, BLOCK_K)
@@ -531,13 +534,13 @@ def _held_rowwise(
                     up_rows, col_ok, start, HELD == 4, BLOCK_K, BLOCK_N
                 )
         elif HELD == 1:
-            codes, d = q8_0_groups(w_rows, col_ok, start, BLOCK_K, BLOCK_N)
+            codes, d = q8_0_groups(w_rows, col_ok, start, k, BLOCK_K, BLOCK_N)
             if SWIGLU:
-                u_codes, u_d = q8_0_groups(up_rows, col_ok, start, BLOCK_K, BLOCK_N)
+                u_codes, u_d = q8_0_groups(up_rows, col_ok, start, k, BLOCK_K, BLOCK_N)
         else:
-            values = held_values(HELD, w_rows, col_ok, start, table_ptr, BLOCK_K, BLOCK_N)
+            values = held_values(HELD, w_rows, col_ok, start, k, table_ptr, BLOCK_K, BLOCK_N)
             if SWIGLU:
-                u_values = held_values(HELD, up_rows, col_ok, start, table_ptr, BLOCK_K, BLOCK_N)
+                u_values = held_values(HELD, up_rows, col_ok, start, k, table_ptr, BLOCK_K, BLOCK_N)
         for m in tl.static_range(BLOCK_M):
             row = _tile_row(rows_ptr, tile, m, pairs, MODE, BLOCK_M)
             if row < pairs:

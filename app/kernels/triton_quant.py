@@ -1,13 +1,16 @@
 """Weight tiles of GGUF's blocks (Q8_0, the K-quants Q4_K, Q5_K, Q6_K and the i-quants IQ4_XS, IQ3_XXS,
 IQ3_S), dequantized in registers by the matmul programs.
 
-A held weight is a uint8 tensor whose rows are the file's blocks as they lie (`interface.held_kind` names the
-type by the row's width). A program reads the blocks of its columns and of one step of k, widens each value
-with its scales in fp32, as the `gguf` package's dequantizer does (the products are exact there, so the
-bits are the same whatever the order of operations), and hands the tile to `tl.dot` in the activations'
-dtype. A step of k lies within one Q4_K super-block (256 values), or covers whole Q8_0 blocks (32).
+A held weight is a uint8 tensor whose rows are the file's blocks (`interface.held_kind` names the type by the
+row's width), as they lie but for Q8_0's. A program reads the blocks of its columns and of one step of k,
+widens each value with its scales in fp32, as the `gguf` package's dequantizer does (the products are exact
+there, so the bits are the same whatever the order of operations), and hands the tile to `tl.dot` in the
+activations' dtype. A step of k lies within one Q4_K super-block (256 values), or covers whole Q8_0 blocks
+(32).
 
-- Q8_0 (34 bytes a 32 values): an fp16 scale d, then 32 int8 q; value = d * q.
+- Q8_0 (34 bytes a 32 values): an fp16 scale d and 32 int8 q; value = d * q. Held reordered
+  (`gguf_quants.to_held`): a row's codes, then its scales, so its codes load as 16-byte vectors in rows of 256
+  values a multiple (`q8_0_at`).
 - Q6_K (210 bytes a 256 values): 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales (one a
   group of 16), an fp16 d; in each half of 128 values, value 32 j + l (j < 4, l < 32) takes the low (j even)
   or high nibble of low byte l + 32 (j % 2) and bits 2 j of high byte l; value = d * scale * (q - 32), exact
@@ -108,13 +111,20 @@ def nibble_codes(q):
 
 
 @triton.jit
-def q8_0_tile(rows, col_ok, start, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Values [BLOCK_K, BLOCK_N] fp32 of k in start..start + BLOCK_K from Q8_0 rows (byte pointers
-    `rows` [BLOCK_N]; columns not `col_ok` read as 0)."""
+def q8_0_at(rows, block, k):
+    """Where block `block` of held Q8_0 rows of `k` values (byte pointers `rows`; both broadcast) keeps its
+    32 codes and its fp16 scale: among the row's codes, and among the scales after them."""
+    return rows + block * 32, (rows + k).to(tl.pointer_type(tl.float16)) + block
+
+
+@triton.jit
+def q8_0_tile(rows, col_ok, start, k, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Values [BLOCK_K, BLOCK_N] fp32 of k in start..start + BLOCK_K from held Q8_0 rows of `k` values (byte
+    pointers `rows` [BLOCK_N]; columns not `col_ok` read as 0)."""
     blocks: tl.constexpr = BLOCK_K // 32
-    at = rows[None, :] + ((start // 32 + tl.arange(0, blocks)) * 34)[:, None]  # [blocks, BLOCK_N]
-    d = tl.load(at.to(tl.pointer_type(tl.float16)), mask=col_ok[None, :], other=0.0).to(tl.float32)
-    q = tl.load(at[:, None, :] + 2 + tl.arange(0, 32)[None, :, None], mask=col_ok[None, None, :], other=0)
+    codes, scales = q8_0_at(rows[None, :], (start // 32 + tl.arange(0, blocks))[:, None], k)  # [blocks, N]
+    d = tl.load(scales, mask=col_ok[None, :], other=0.0).to(tl.float32)
+    q = tl.load(codes[:, None, :] + tl.arange(0, 32)[None, :, None], mask=col_ok[None, None, :], other=0)
     values = q.to(tl.int8, bitcast=True).to(tl.float32) * d[:, None, :]
     return tl.reshape(values, (BLOCK_K, BLOCK_N))
 
@@ -189,13 +199,14 @@ def q4_k_columns(start, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def q8_0_groups(rows, col_ok, start, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    """A step of k of Q8_0 rows (byte pointers `rows` [BLOCK_N]) for sums on the CUDA cores: the codes
-    [BLOCK_N, G, 32] fp32 of its G = BLOCK_K / 32 blocks (k = start + 32 g + i), their scales [BLOCK_N, G]."""
+def q8_0_groups(rows, col_ok, start, k, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A step of k of held Q8_0 rows of `k` values (byte pointers `rows` [BLOCK_N]) for sums on the CUDA
+    cores: the codes [BLOCK_N, G, 32] fp32 of its G = BLOCK_K / 32 blocks (k = start + 32 g + i), their
+    scales [BLOCK_N, G]."""
     blocks: tl.constexpr = BLOCK_K // 32
-    at = rows[:, None] + ((start // 32 + tl.arange(0, blocks)) * 34)[None, :]  # [BLOCK_N, G]
-    d = tl.load(at.to(tl.pointer_type(tl.float16)), mask=col_ok[:, None], other=0.0).to(tl.float32)
-    q = tl.load(at[:, :, None] + 2 + tl.arange(0, 32)[None, None, :], mask=col_ok[:, None, None], other=0)
+    codes, scales = q8_0_at(rows[:, None], (start // 32 + tl.arange(0, blocks))[None, :], k)  # [N, G]
+    d = tl.load(scales, mask=col_ok[:, None], other=0.0).to(tl.float32)
+    q = tl.load(codes[:, :, None] + tl.arange(0, 32)[None, None, :], mask=col_ok[:, None, None], other=0)
     return codes_f32(q.to(tl.int32) ^ 128, 128.0), d
 
 
@@ -371,11 +382,13 @@ def iq3_s_values(rows, col_ok, start, table, BLOCK_K: tl.constexpr, BLOCK_N: tl.
 
 
 @triton.jit
-def held_values(HELD: tl.constexpr, rows, col_ok, start, table, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Values [BLOCK_K, BLOCK_N] fp32 of a step of held rows of any type but Q4_K and Q5_K (`HELD`:
-    triton_moe's HELD_CODES)."""
+def held_values(
+    HELD: tl.constexpr, rows, col_ok, start, k, table, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr
+):
+    """Values [BLOCK_K, BLOCK_N] fp32 of a step of held rows of `k` values of any type but Q4_K and Q5_K
+    (`HELD`: triton_moe's HELD_CODES)."""
     if HELD == 1:
-        values = q8_0_tile(rows, col_ok, start, BLOCK_K, BLOCK_N)
+        values = q8_0_tile(rows, col_ok, start, k, BLOCK_K, BLOCK_N)
     elif HELD == 3:
         values = q6_k_values(rows, col_ok, start, BLOCK_K, BLOCK_N)
     elif HELD == 5:

@@ -9,8 +9,9 @@ for `qwen3next` its norms hold 1 + weight, `ssm_a` holds -exp(A_log), the conv w
 layer is the block after the last. F32, F16 and BF16 tensors are views of the mapped file; Q8_0, Q4_K, Q5_K,
 Q6_K, IQ4_XS, IQ3_XXS and IQ3_S tensors are dequantized when read (app/kernels/gguf_quants.py), so the model
 holds them widened to its dtype, except where the loader holds a tensor as its blocks (`held_blocks`: a view
-of the mapped file, read in place by the kernels of a backend set that reads that type). Other quant types,
-and architectures other than `qwen3moe` and `qwen3next`, are refused with a one-line error.
+of the mapped file, Q8_0's reordered, read in place by the kernels of a backend set that reads that type).
+Other quant types, and architectures other than `qwen3moe` and `qwen3next`, are refused with a one-line
+error.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from app.kernels.gguf_quants import DEQUANTIZE, dequantize
+from app.kernels.gguf_quants import DEQUANTIZE, dequantize, to_held
 from app.kernels.interface import HELD_BLOCKS
 from app.loading.safetensors import CheckpointError
 from app.models.config import ModelConfig
@@ -333,16 +334,17 @@ class GGUFCheckpoint:
         return values if source.rows is None else values[source.rows[0] : source.rows[1]]
 
     def held_blocks(self, name: str) -> tuple[str, torch.Tensor] | None:
-        """A tensor's quant type and its blocks as the file holds them, [rows, row bytes] uint8 (a view of
-        the mapped file; an expert's slice of its stacked tensor), where it is of a type kernels may read in
-        place (HELD_BLOCKS) and read as it lies; else None."""
+        """A tensor's quant type and its blocks, [rows, row bytes] uint8 in the layout kernels hold them in
+        (`gguf_quants.to_held`: a view of the mapped file, an expert's slice of its stacked tensor, but for
+        Q8_0's, reordered in a copy), where it is of a type kernels may read in place (HELD_BLOCKS) and read
+        as it lies; else None."""
         source = self._names[name]
         kind = self._tensors[source.names[0]][0].tensor_type.name
         if len(source.names) != 1 or source.undo is not None or kind not in HELD_BLOCKS:
             return None
         raw, shape = self._raw(source.names[0], source.expert)
         blocks = raw.view(shape[0], -1)
-        return kind, blocks if source.rows is None else blocks[source.rows[0] : source.rows[1]]
+        return kind, to_held(kind, blocks if source.rows is None else blocks[source.rows[0] : source.rows[1]])
 
     def tensor(self, name: str) -> torch.Tensor:
         """A tensor: a view of the mapped file (F32, F16, BF16) or its values dequantized (quant types), with

@@ -13,7 +13,7 @@ from checkpoints import write_wide_checkpoint
 from engine_helpers import complete, make_core
 from gguf_files import same_values_copy, write_gguf
 
-from app.kernels.gguf_quants import dequantize, random_blocks
+from app.kernels.gguf_quants import dequantize, random_blocks, to_held
 from app.kernels.interface import HELD_BLOCKS
 from app.kernels.reference import experts_reference
 from app.kernels.triton_linear import few_rows_linear
@@ -29,7 +29,7 @@ HIDDEN, INTER, EXPERTS, TOP_K = 2048, 768, 128, 8
 
 def _held(kind: str, shape: tuple[int, ...], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     blocks = random_blocks(kind, shape, seed, device="cuda")
-    return blocks, dequantize(kind, blocks, shape)
+    return to_held(kind, blocks), dequantize(kind, blocks, shape)
 
 
 def _close(got: torch.Tensor, expected: torch.Tensor) -> None:

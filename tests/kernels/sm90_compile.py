@@ -2,7 +2,10 @@
 ptxas): `python tests/kernels/sm90_compile.py KIND [KIND ...]`, in a process without TRITON_INTERPRET (whose
 kernels are not compiled at all). Prints each kernel's shared memory; exits non-zero on a compile error.
 `blocks` as a KIND compiles the KV block-copy kernel (app/kernels/triton_blocks.py) for a bf16 and an 8-bit
-block, and prints its 16-byte loads a thread."""
+block, and prints its 16-byte loads a thread; `q8_0-loads` compiles Q8_0's programs with pointers, strides and
+k 16-byte aligned (as launches over rows of 256 values a multiple specialise them) and prints their global
+loads by width: held Q8_0's codes load as 16-byte vectors (or 16-byte asynchronous copies), only the scales
+two bytes at a time."""
 
 from __future__ import annotations
 
@@ -31,12 +34,23 @@ POINTERS = {
 INTEGERS = ("pairs", "n", "k", "up_offset", "stride_xm", "stride_we", "stride_wn", "stride_om")
 
 
+def _compiled(kernel: triton.JITFunction, constants: dict, num_warps: int, aligned: bool = False):
+    """`kernel` with these constexprs compiled for sm_90 (`aligned`: pointers, strides and sizes known to
+    be multiples of 16, as Triton specialises a launch's arguments)."""
+    signature = {**POINTERS, **dict.fromkeys(INTEGERS, "i32"), **dict.fromkeys(constants, "constexpr")}
+    attrs = {
+        (i,): [["tt.divisibility", 16]]
+        for i, name in enumerate(signature)
+        if aligned and (name in POINTERS or name in ("k", "stride_we", "stride_wn", "stride_xm", "stride_om"))
+    }
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs)
+    options = {"num_warps": num_warps, "num_stages": 3}
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+
+
 def compile_for_sm_90(kernel: triton.JITFunction, constants: dict, num_warps: int) -> int:
     """Compile `kernel` with these constexprs for sm_90; returns its shared memory in bytes."""
-    signature = {**POINTERS, **dict.fromkeys(INTEGERS, "i32"), **dict.fromkeys(constants, "constexpr")}
-    source = ASTSource(fn=kernel, signature=signature, constexprs=constants)
-    options = {"num_warps": num_warps, "num_stages": 3}
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).metadata.shared
+    return _compiled(kernel, constants, num_warps).metadata.shared
 
 
 def compile_held(kind: str) -> None:
@@ -59,6 +73,24 @@ def compile_held(kind: str) -> None:
     print(line)
 
 
+def compile_q8_0_loads() -> None:
+    """Q8_0's row sums, tiles and columns-first tiles over aligned rows: their global loads by width."""
+    common = {"MODE": 1, "X_ROW_DIV": 1, "HELD": HELD_CODES["Q8_0"], "SWIGLU": True, "SCALE": False}
+    common["PDL"] = True
+    tiles = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "PRECISION": "tf32", "COLUMNS_FIRST": False}
+    forms = {
+        "rows": (_held_rowwise, common | {"BLOCK_M": 1, "BLOCK_N": 4, "BLOCK_K": 256}, 1),
+        "tiles": (_grouped_matmul, common | tiles, 4),
+        "columns-first": (_grouped_matmul, common | tiles | {"COLUMNS_FIRST": True, "BLOCK_K": 256}, 4),
+    }
+    line = "q8_0-loads"
+    for form, (kernel, constants, warps) in forms.items():
+        ptx = _compiled(kernel, constants, warps, aligned=True).asm["ptx"]
+        wide = ptx.count("ld.global.v4") + ptx.count("cp.async.cg.shared.global")
+        line += f" {form}:{wide}/{ptx.count('ld.global.b16') + ptx.count('ld.global.u16')}"
+    print(line)
+
+
 def compile_blocks() -> None:
     """The block-copy kernel for q30's bf16 blocks (4,096 words) and 8-bit ones (2,304), pointers aligned."""
     pointers = ("src_k", "src_v", "dst_k", "dst_v", "src_ids", "dst_ids")
@@ -76,4 +108,9 @@ def compile_blocks() -> None:
 
 if __name__ == "__main__":
     for name in sys.argv[1:]:
-        compile_blocks() if name == "blocks" else compile_held(name)
+        if name == "blocks":
+            compile_blocks()
+        elif name == "q8_0-loads":
+            compile_q8_0_loads()
+        else:
+            compile_held(name)

@@ -26,7 +26,7 @@ from app.kernels.cpu_experts import (
     route,
     routed_experts,
 )
-from app.kernels.gguf_quants import random_blocks
+from app.kernels.gguf_quants import random_blocks, to_held
 from app.kernels.reference import experts_reference
 from app.models.layers import GatedRMSNorm, RMSNorm
 
@@ -128,8 +128,8 @@ def test_a_whole_moe_block_in_one_call_equals_its_pieces(kind: torch.dtype, shar
 
 
 def _blocks(kind: str, experts: int, rows: int, cols: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stacked random weights as GGUF blocks of `kind` [experts, rows, row bytes] (uint8) and the values the
-    `gguf` package's dequantizer gives them."""
+    """Stacked random weights as GGUF blocks of `kind` [experts, rows, row bytes] (uint8, as kernels hold
+    them) and the values the `gguf` package's dequantizer gives them."""
     if kind == "Q8_0":
         values = (
             torch.randn(experts, rows, cols, generator=torch.Generator().manual_seed(seed)) * 0.1
@@ -138,7 +138,7 @@ def _blocks(kind: str, experts: int, rows: int, cols: int, seed: int) -> tuple[t
     else:
         blocks = random_blocks(kind, (experts, rows, cols), seed)
     dequantized = gguf.quants.dequantize(blocks.numpy(), gguf.GGMLQuantizationType[kind])
-    return blocks, torch.from_numpy(dequantized.copy())
+    return to_held(kind, blocks), torch.from_numpy(dequantized.copy())
 
 
 @pytest.mark.parametrize("rows", [1, 3, 9])

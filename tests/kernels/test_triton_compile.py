@@ -1,7 +1,7 @@
 """The held-weight kernels compiled for an H100/H200 (sm_90) on the CPU: Triton's interpreter runs code that
 the compiler refuses (a module-level int read inside a kernel, say), so each held type's programs are
 compiled as the GPU would compile them (tests/kernels/sm90_compile.py, in a process without the
-interpreter)."""
+interpreter), and the width of held Q8_0's loads, which the interpreter cannot show, is read from the PTX."""
 
 from __future__ import annotations
 
@@ -13,11 +13,22 @@ from pathlib import Path
 from app.kernels.triton_moe import HELD_CODES
 
 
-def test_each_held_types_programs_compile_for_sm_90() -> None:
+def test_each_held_types_programs_compile_for_sm_90_and_q8_0s_codes_load_16_bytes_at_a_time() -> None:
+    """Every held type compiles; over aligned rows held Q8_0's codes load as 16-byte vectors or 16-byte
+    asynchronous copies, and only its scales (at most eight a step) two bytes at a time (in the file's
+    layout every code loaded two bytes at a time: 34 loads a step of the row sums)."""
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
     script = Path(__file__).with_name("sm90_compile.py")
     done = subprocess.run(
-        [sys.executable, str(script), *HELD_CODES], env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, str(script), *HELD_CODES, "q8_0-loads"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert [line.split()[0] for line in done.stdout.splitlines()] == list(HELD_CODES)
+    *held, loads = done.stdout.splitlines()
+    assert [line.split()[0] for line in held] == list(HELD_CODES)
+    for form in loads.split()[1:]:
+        wide, narrow = map(int, form.split(":")[1].split("/"))
+        assert wide >= 4 and narrow <= 8, loads

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from app.kernels.gguf_quants import dequantize, i_quant_tables, random_blocks
+from app.kernels.gguf_quants import dequantize, i_quant_tables, random_blocks, to_held
 from app.kernels.interface import HELD_BLOCKS, held_kind, held_row_bytes
 from app.kernels.reference import experts_reference
 from app.kernels.triton_linear import few_rows_linear, held_tiles
@@ -33,9 +33,9 @@ DTYPE = torch.float16
 
 
 def _held(kind: str, shape: tuple[int, ...], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random blocks of `kind` for a weight of `shape`, and their values."""
+    """Random blocks of `kind` for a weight of `shape` as kernels hold them, and their values."""
     blocks = random_blocks(kind, shape, seed)
-    return blocks, dequantize(kind, blocks, shape)
+    return to_held(kind, blocks), dequantize(kind, blocks, shape)
 
 
 def _inputs(tokens: int, experts: int, top_k: int, kind: str, seed: int = 0) -> tuple[torch.Tensor, ...]:
@@ -149,6 +149,27 @@ def test_q8_0_experts_of_nine_to_64_tokens_are_widened_columns_first_with_the_sa
     torch.testing.assert_close(
         mixed.float() / expected.abs().max(), expected / expected.abs().max(), atol=2e-2, rtol=0
     )
+
+
+@pytest.mark.parametrize("rows", [1, 12])
+def test_held_q8_0_rows_of_any_whole_blocks_read_their_codes_and_scales_where_they_lie(rows: int) -> None:
+    """Held Q8_0 rows (a row's codes, then its scales) of 352 and 64 values, not a multiple of 256, so their
+    codes are not 16-byte aligned: row sums, tiles and columns first alike."""
+    weight, values = _held("Q8_0", (40, 352), 4)
+    x = torch.randn(rows, 352, generator=torch.Generator().manual_seed(rows)).to(DTYPE)
+    expected = x.float() @ values.float().T
+    scale = expected.abs().max()
+    for got in (few_rows_linear(x, weight), exact_linear(x, weight)):
+        torch.testing.assert_close(got.float() / scale, expected / scale, atol=2e-2, rtol=0)
+    g = torch.Generator().manual_seed(rows)
+    gate_up, gate_up_values = _held("Q8_0", (4, 2 * 64, 352), 5)
+    down, down_values = _held("Q8_0", (4, 352, 64), 6)
+    ids = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(rows)])
+    weights = torch.rand(rows, 2, generator=g).to(DTYPE)
+    got = fused_experts(x, ids, weights, gate_up, down)
+    expected = experts_reference(x.float(), ids, weights.float(), gate_up_values.float(), down_values.float())
+    scale = expected.abs().max()
+    torch.testing.assert_close(got.float() / scale, expected / scale, atol=2e-2, rtol=0)
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -19,7 +19,7 @@ from serving import start_server, stop_server
 from websockets.sync.client import connect
 
 from app.errors import StrataError
-from app.kernels.gguf_quants import DEQUANTIZE, dequantize
+from app.kernels.gguf_quants import DEQUANTIZE, dequantize, dequantize_held, from_held, to_held
 from app.kernels.interface import held_kind
 from app.loading.checkpoint import open_checkpoint
 from app.loading.gguf_file import GGUFCheckpoint
@@ -45,7 +45,8 @@ SCALES = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}  # the others: one sca
 
 @pytest.mark.parametrize("kind", list(DEQUANTIZE))
 def test_each_quant_type_dequantizes_as_the_gguf_package_does(kind: str) -> None:
-    """Random blocks (random bytes, finite scales) give the values of the gguf package's own dequantizer."""
+    """Random blocks (random bytes, finite scales) give the values of the gguf package's own dequantizer, as
+    the file lays them out and as kernels hold them (Q8_0's reordered, the same bytes)."""
     per_block, size, _ = DEQUANTIZE[kind]
     quant = getattr(gguf.GGMLQuantizationType, kind)
     assert gguf.GGML_QUANT_SIZES[quant] == (per_block, size)
@@ -57,6 +58,13 @@ def test_each_quant_type_dequantizes_as_the_gguf_package_does(kind: str) -> None
     expected = gguf.quants.dequantize(raw, quant)
     got = dequantize(kind, torch.from_numpy(raw.copy()), expected.shape)
     assert torch.equal(got, torch.from_numpy(expected))
+    held = to_held(kind, torch.from_numpy(raw.copy()))
+    assert held.shape == raw.shape and torch.equal(from_held(kind, held), torch.from_numpy(raw))
+    assert torch.equal(dequantize_held(kind, held, expected.shape), got)
+    if kind == "Q8_0":  # a row's codes, then its blocks' scales
+        rows = torch.from_numpy(raw).reshape(6, 3, size)
+        assert torch.equal(held[:, : 3 * 32], rows[:, :, 2:].flatten(1))
+        assert torch.equal(held[:, 3 * 32 :], rows[:, :, :2].flatten(1))
 
 
 @pytest.mark.parametrize("quant", ["F32", "Q8_0"])
