@@ -550,7 +550,11 @@ class TieredExperts(nn.Module):
         state slot, counts the routing per slot where the tier keeps that (`keep_slot_heat`)."""
         if self.slot_of is None or self.heat is None:
             raise RuntimeError("TieredExperts.place() must run before the first forward")
-        self.heat.index_add_(0, top_ids.flatten(), torch.ones_like(top_ids, dtype=torch.float32).flatten())
+        if not self._streams(top_ids.numel()):
+            # a streamed layer copies its whole host part whichever experts are resident: its routing says
+            # nothing about which should be (a long prompt's would crowd out the decoding slots')
+            picks = top_ids.flatten()
+            self.heat.index_add_(0, picks, torch.ones_like(picks, dtype=torch.float32))
         if self.slot_heat is not None and row_slots is not None:
             picks = row_slots[:, None] * self.experts + top_ids
             counted = torch.ones_like(top_ids, dtype=torch.float32) if live is None else live[:, None].float()
@@ -592,11 +596,9 @@ class TieredExperts(nn.Module):
         (`_serve_large`)."""
         ids = self._masked(top_ids, live)
         stream = self.stream
-        at_once = max(STREAM_AT_ONCE * self.experts, HOST_READ_ENTRIES + 1)
-        if stream is not None and self.position == 0 and ids.numel() >= at_once:
-            stream.start()
-            return self._from_stream(stream, x, ids, top_ids, top_weights)
-        if stream is not None and stream.active and self.position > 0 and ids.numel() > HOST_READ_ENTRIES:
+        if stream is not None and self._streams(ids.numel()):
+            if self.position == 0:
+                stream.start()
             return self._from_stream(stream, x, ids, top_ids, top_weights)
         host: tuple[torch.Tensor | None, torch.Tensor] | None = None
         if ids.numel() <= HOST_READ_ENTRIES:
@@ -619,6 +621,17 @@ class TieredExperts(nn.Module):
             sums = sums.to(x.device, dtype=x.dtype, non_blocking=True)
             out = out + sums if rows is None else out.index_add(0, rows, sums)
         return out
+
+    def _streams(self, entries: int) -> bool:
+        """Whether an eager window of `entries` routed entries (padding rows' too) computes this layer from
+        its whole host part streamed ahead (`LayerStream`): from the first tiered layer on for a window of
+        STREAM_AT_ONCE entries an expert, from a later one where the first layer started the stream."""
+        stream = self.stream
+        if stream is None or self.pieces is not None:
+            return False
+        if self.position == 0:
+            return entries >= max(STREAM_AT_ONCE * self.experts, HOST_READ_ENTRIES + 1)
+        return stream.active and entries > HOST_READ_ENTRIES
 
     def _from_stream(
         self,

@@ -155,6 +155,26 @@ def test_adapting_makes_the_most_routed_experts_resident() -> None:
     assert counts.pcie_bytes == 2 * tier.expert_bytes() and counts.adapt_wait_s > 0
 
 
+def test_a_streamed_layers_routing_does_not_steer_adaptation() -> None:
+    """A layer computed from its whole host part streamed ahead pays the same whichever experts are resident,
+    so a long prompt's window leaves the counts to the windows that do stop for misses (a decoding slot's)."""
+
+    class Streaming:
+        active = True
+
+    tier = _tier(2, seed=6)
+    tier.stream, tier.position = Streaming(), 1  # type: ignore[assignment]
+    x, _, weights = _routing(400, 7)  # more routed entries than a small window's
+    tier(x, torch.tensor([[4, 5, 6]] * 400), weights)
+    x, _, weights = _routing(2, 8)
+    tier(x, torch.tensor([[3, 7, 1], [3, 7, 2]]), weights)  # a decode window's
+    assert tier.adapt() == 2 and tier.locations() == [1, 1, 1, 0, 1, 1, 1, 0]
+    tier.stream = None
+    x, _, weights = _routing(400, 7)
+    tier(x, torch.tensor([[4, 5, 6]] * 400), weights)  # the same window unstreamed counts
+    assert tier.adapt() == 2 and tier.slots[4] >= 0 and tier.slots[5] >= 0
+
+
 def test_asynchronous_swaps_fill_spare_slots_and_land_at_the_next_forward() -> None:
     """One spare slot: one swap a round; the copied expert takes the spare slot when it lands (between
     windows), and the outgoing expert's slot becomes the spare one."""
