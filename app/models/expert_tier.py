@@ -186,6 +186,36 @@ class HostLink:
         return up[: self.experts].long(), up[self.experts :].view(rows, self.hidden)
 
 
+class PoolArgs:
+    """Host buffers for the CPU pool's call of a small window: its experts' host slots, their bounds among
+    the entries, each entry's row and weight, written through numpy views and handed over as slices (four
+    new tensors a tiered layer's step cost more than the step's planning)."""
+
+    def __init__(self, entries: int, experts: int) -> None:
+        self.entries, self.experts = entries, experts
+        self._indices = torch.zeros(2 * experts + 1 + entries, dtype=torch.int64)
+        self._weights = torch.zeros(entries, dtype=torch.float32)
+        self._index_view, self._weight_view = self._indices.numpy(), self._weights.numpy()
+
+    def fill(
+        self, hosts: list[int], offsets: list[int], rows: list[int], weights: list[float]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The four arguments (host slots, offsets, rows, weights) as slices of the buffers."""
+        count, entries, at = len(hosts), len(rows), self.experts
+        view = self._index_view
+        view[:count] = hosts
+        view[at : at + count + 1] = offsets
+        view[2 * at + 1 : 2 * at + 1 + entries] = rows
+        self._weight_view[:entries] = weights
+        indices = self._indices
+        return (
+            indices[:count],
+            indices[at : at + count + 1],
+            indices[2 * at + 1 : 2 * at + 1 + entries],
+            self._weights[:entries],
+        )
+
+
 class LayerStream:
     """The host parts of a model's tiered layers copied to the device a layer ahead of their compute, for
     windows so large that they miss most host experts of every layer (long prompts): each layer's copy runs
@@ -310,6 +340,7 @@ class TieredExperts(nn.Module):
         self._freed: torch.cuda.Event | None = None  # when the windows that used the spare slots are done
         self._stream: torch.cuda.Stream | None = None
         self.pieces: Pieces | None = None  # set while a piecewise CUDA graph is captured (cuda_graphs.py)
+        self._pool_args: PoolArgs | None = None  # a small window's CPU pool call's index and weight buffers
 
     def checkpoint_parts(self, prefix: str) -> dict[str, tuple[str, tuple]]:
         """Checkpoint tensor name -> (parameter name, index into it), for every expert's projections: a
@@ -779,17 +810,17 @@ class TieredExperts(nn.Module):
         for expert in on_cpu:
             offsets.append(offsets[-1] + len(picked[expert]))
         self.served[CPU] += len(entries)
-        began = time.perf_counter()
-        self.host_kernel(
-            x,
-            torch.tensor([self.host_of[e] for e in on_cpu]),
-            torch.tensor(offsets),
-            torch.tensor([entry // width for entry in entries]),
-            torch.tensor([weights[entry] for entry in entries]),
-            self.host_gate_up,
-            self.host_down,
-            out=sums,
+        args = self._pool_args
+        if args is None or args.entries < len(entries) or args.experts < len(on_cpu):
+            args = self._pool_args = PoolArgs(max(len(entries), HOST_READ_ENTRIES), len(self.slots))
+        hosts, bounds, rows, row_weights = args.fill(
+            [self.host_of[e] for e in on_cpu],
+            offsets,
+            [entry // width for entry in entries],
+            [weights[entry] for entry in entries],
         )
+        began = time.perf_counter()
+        self.host_kernel(x, hosts, bounds, rows, row_weights, self.host_gate_up, self.host_down, out=sums)
         if self.costs is not None:
             self.costs.observe_cpu(len(on_cpu), len(entries), time.perf_counter() - began)
         return staged, True

@@ -62,9 +62,10 @@ def test_a_frozen_tier_sums_like_the_reference_term_for_term(resident: int) -> N
 def test_the_device_path_adds_the_host_experts_to_the_kernels_resident_sum(resident: int) -> None:
     """What runs on a GPU: the experts kernel over resident entries (others weighted 0), misses on the CPU."""
     tier = _tier(resident, seed=2)
-    x, ids, weights = _routing(9, 3)
-    expected = experts_reference(x, ids, weights, *FULL[tier])
-    torch.testing.assert_close(tier._split(x, ids, weights), expected, rtol=1e-5, atol=1e-6)
+    for rows, seed in ((9, 3), (2, 4)):  # the second window's CPU share in the first one's buffers
+        x, ids, weights = _routing(rows, seed)
+        expected = experts_reference(x, ids, weights, *FULL[tier])
+        torch.testing.assert_close(tier._split(x, ids, weights), expected, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("pcie_frac", [0.5, 1.0])
