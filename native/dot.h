@@ -318,6 +318,17 @@ struct Q4KBlocks : Blocks<R, QK_K, Q4_K_BYTES, Q4KBlocks<R>> {
         group(b, 2 * stretch + high, step, shift);
         widen_nibbles(b + 16 + stretch * 32 + in % 32, 4 * high, step, shift, wide);
     }
+    // The super-block from column `col` (a multiple of QK_K), each group's step and shift worked out once.
+    void widen_super(int r, int64_t col, float* wide) const {
+        const unsigned char* b = this->block(r, col);
+        for (int j = 0; j < 8; ++j) {
+            float step, shift;
+            group(b, j, step, shift);
+            const unsigned char* q = b + 16 + j / 2 * 32;
+            widen_nibbles(q, 4 * (j % 2), step, shift, wide + 32 * j);
+            widen_nibbles(q + LANES, 4 * (j % 2), step, shift, wide + 32 * j + LANES);
+        }
+    }
 };
 
 // R Q5_K rows: super-blocks as Q4_K's (d, dmin, the same 6-bit scales and mins: `Q4KBlocks::group`), with 32
@@ -333,6 +344,19 @@ struct Q5KBlocks : Blocks<R, QK_K, Q5_K_BYTES, Q5KBlocks<R>> {
         int8_t codes[LANES];
         split_codes(b + 48 + j / 2 * 32 + in % 32, 4 * (j % 2), b + 16 + in % 32, j, 1, 0, codes);
         widen_int8(codes, step, shift, wide);
+    }
+    // The super-block from column `col` (a multiple of QK_K), each group's step and shift worked out once.
+    void widen_super(int r, int64_t col, float* wide) const {
+        const unsigned char* b = this->block(r, col);
+        for (int j = 0; j < 8; ++j) {
+            float step, shift;
+            Q4KBlocks<R>::group(b, j, step, shift);
+            for (int half = 0; half < 32; half += LANES) {
+                int8_t codes[LANES];
+                split_codes(b + 48 + j / 2 * 32 + half, 4 * (j % 2), b + 16 + half, j, 1, 0, codes);
+                widen_int8(codes, step, shift, wide + 32 * j + half);
+            }
+        }
     }
 };
 
@@ -405,14 +429,44 @@ struct IQ3SBlocks : Blocks<R, QK_K, IQ3_S_BYTES, IQ3SBlocks<R>> {
     }
 };
 
+// Whether a reader widens a whole super-block at once (`widen_super`: Q4_K and Q5_K, whose eight groups'
+// steps and shifts then come out of the packed scales once a super-block instead of once a pass).
+template <typename Rows, typename = void>
+struct widens_super : std::false_type {};
+template <typename Rows>
+struct widens_super<Rows, std::void_t<decltype(&Rows::widen_super)>> : std::true_type {};
+
 // out[r][c] = w[r] . xs[c] over `cols` columns, for R rows and C token vectors. With `ahead` (R rows of the
 // next pass, or null) those rows are prefetched at the pace this pass reads its own: weights come from memory
-// once per decode step, and short rows give the hardware's prefetcher no time to find the stream.
+// once per decode step, and short rows give the hardware's prefetcher no time to find the stream. For one
+// token vector a reader that `widens_super` widens a super-block of each row into a buffer first (the products
+// and their order the same, so the same bits; with more vectors the widened lanes stay in registers instead).
 template <int R, int C, typename Rows>
 inline void dot_block(const Rows& w, int64_t cols, const float* const* xs, float (*out)[TILE], const Rows* ahead) {
     float part[R][C][LANES] = {};
     const int64_t full = cols - cols % LANES;
-    for (int64_t col = 0; col < full; col += LANES) {
+    int64_t col = 0;
+    if constexpr (widens_super<Rows>::value && C == 1) {
+        for (; col + QK_K <= full; col += QK_K) {
+            if (ahead) {
+                for (int r = 0; r < R; ++r) {
+                    for (int64_t at = col; at < col + QK_K; at += LANES) __builtin_prefetch(ahead->at(r, at));
+                }
+            }
+            float wide[R][QK_K];
+            for (int r = 0; r < R; ++r) w.widen_super(r, col, wide[r]);
+            for (int at = 0; at < QK_K; at += LANES) {
+                for (int c = 0; c < C; ++c) {
+                    const float* x = xs[c] + col + at;
+                    for (int r = 0; r < R; ++r) {
+#pragma omp simd
+                        for (int l = 0; l < LANES; ++l) part[r][c][l] += wide[r][at + l] * x[l];
+                    }
+                }
+            }
+        }
+    }
+    for (; col < full; col += LANES) {
         if (ahead) {
             for (int r = 0; r < R; ++r) __builtin_prefetch(ahead->at(r, col));
         }
