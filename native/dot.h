@@ -312,22 +312,23 @@ struct Q4KBlocks : Blocks<R, QK_K, Q4_K_BYTES, Q4KBlocks<R>> {
         shift = half(b + 2) * static_cast<float>(least);
     }
     void widen(int r, int64_t col, float* wide) const {
-        const unsigned char* b = this->block(r, col);
-        const int in = static_cast<int>(col % QK_K), stretch = in / 64, high = (in % 64) / 32;
         float step, shift;
-        group(b, 2 * stretch + high, step, shift);
-        widen_nibbles(b + 16 + stretch * 32 + in % 32, 4 * high, step, shift, wide);
+        group(this->block(r, col), static_cast<int>(col % QK_K) / 32, step, shift);
+        widen_scaled(r, col, step, shift, wide);
     }
-    // The super-block from column `col` (a multiple of QK_K), each group's step and shift worked out once.
-    void widen_super(int r, int64_t col, float* wide) const {
+    // The step and shift of each of the 16 passes over the super-block from column `col` (a multiple of QK_K).
+    void super_scales(int r, int64_t col, float* steps, float* shifts) const {
         const unsigned char* b = this->block(r, col);
         for (int j = 0; j < 8; ++j) {
-            float step, shift;
-            group(b, j, step, shift);
-            const unsigned char* q = b + 16 + j / 2 * 32;
-            widen_nibbles(q, 4 * (j % 2), step, shift, wide + 32 * j);
-            widen_nibbles(q + LANES, 4 * (j % 2), step, shift, wide + 32 * j + LANES);
+            group(b, j, steps[2 * j], shifts[2 * j]);
+            steps[2 * j + 1] = steps[2 * j], shifts[2 * j + 1] = shifts[2 * j];
         }
+    }
+    // LANES weights from column `col` under their group's step and shift (`super_scales`).
+    void widen_scaled(int r, int64_t col, float step, float shift, float* wide) const {
+        const unsigned char* b = this->block(r, col);
+        const int in = static_cast<int>(col % QK_K), stretch = in / 64, high = (in % 64) / 32;
+        widen_nibbles(b + 16 + stretch * 32 + in % 32, 4 * high, step, shift, wide);
     }
 };
 
@@ -337,26 +338,25 @@ struct Q4KBlocks : Blocks<R, QK_K, Q4_K_BYTES, Q4KBlocks<R>> {
 template <int R>
 struct Q5KBlocks : Blocks<R, QK_K, Q5_K_BYTES, Q5KBlocks<R>> {
     void widen(int r, int64_t col, float* wide) const {
+        float step, shift;
+        Q4KBlocks<R>::group(this->block(r, col), static_cast<int>(col % QK_K) / 32, step, shift);
+        widen_scaled(r, col, step, shift, wide);
+    }
+    // The step and shift of each of the 16 passes over the super-block from column `col` (a multiple of QK_K).
+    void super_scales(int r, int64_t col, float* steps, float* shifts) const {
+        const unsigned char* b = this->block(r, col);
+        for (int j = 0; j < 8; ++j) {
+            Q4KBlocks<R>::group(b, j, steps[2 * j], shifts[2 * j]);
+            steps[2 * j + 1] = steps[2 * j], shifts[2 * j + 1] = shifts[2 * j];
+        }
+    }
+    // LANES weights from column `col` under their group's step and shift (`super_scales`).
+    void widen_scaled(int r, int64_t col, float step, float shift, float* wide) const {
         const unsigned char* b = this->block(r, col);
         const int in = static_cast<int>(col % QK_K), j = in / 32;
-        float step, shift;
-        Q4KBlocks<R>::group(b, j, step, shift);
         int8_t codes[LANES];
         split_codes(b + 48 + j / 2 * 32 + in % 32, 4 * (j % 2), b + 16 + in % 32, j, 1, 0, codes);
         widen_int8(codes, step, shift, wide);
-    }
-    // The super-block from column `col` (a multiple of QK_K), each group's step and shift worked out once.
-    void widen_super(int r, int64_t col, float* wide) const {
-        const unsigned char* b = this->block(r, col);
-        for (int j = 0; j < 8; ++j) {
-            float step, shift;
-            Q4KBlocks<R>::group(b, j, step, shift);
-            for (int half = 0; half < 32; half += LANES) {
-                int8_t codes[LANES];
-                split_codes(b + 48 + j / 2 * 32 + half, 4 * (j % 2), b + 16 + half, j, 1, 0, codes);
-                widen_int8(codes, step, shift, wide + 32 * j + half);
-            }
-        }
     }
 };
 
@@ -429,40 +429,47 @@ struct IQ3SBlocks : Blocks<R, QK_K, IQ3_S_BYTES, IQ3SBlocks<R>> {
     }
 };
 
-// Whether a reader widens a whole super-block at once (`widen_super`: Q4_K and Q5_K, whose eight groups'
-// steps and shifts then come out of the packed scales once a super-block instead of once a pass).
+// Whether a reader works out a super-block's scales once (`super_scales`, then `widen_scaled` a pass: Q4_K and
+// Q5_K, whose eight groups' steps and shifts come out of packed 6-bit fields).
 template <typename Rows, typename = void>
-struct widens_super : std::false_type {};
+struct has_super_scales : std::false_type {};
 template <typename Rows>
-struct widens_super<Rows, std::void_t<decltype(&Rows::widen_super)>> : std::true_type {};
+struct has_super_scales<Rows, std::void_t<decltype(&Rows::super_scales)>> : std::true_type {};
+
+// part[r][c] += one pass's widened weights of each row times token vector c from column `col`.
+template <int R, int C>
+inline void add_pass(float (&part)[R][C][LANES], const float (&wide)[R][LANES], const float* const* xs, int64_t col) {
+    for (int c = 0; c < C; ++c) {
+        const float* x = xs[c] + col;
+        for (int r = 0; r < R; ++r) {
+#pragma omp simd
+            for (int l = 0; l < LANES; ++l) part[r][c][l] += wide[r][l] * x[l];
+        }
+    }
+}
 
 // out[r][c] = w[r] . xs[c] over `cols` columns, for R rows and C token vectors. With `ahead` (R rows of the
 // next pass, or null) those rows are prefetched at the pace this pass reads its own: weights come from memory
-// once per decode step, and short rows give the hardware's prefetcher no time to find the stream. For one
-// token vector a reader that `widens_super` widens a super-block of each row into a buffer first (the products
-// and their order the same, so the same bits; with more vectors the widened lanes stay in registers instead).
+// once per decode step, and short rows give the hardware's prefetcher no time to find the stream. A reader
+// with `has_super_scales` gets each super-block's scales once for its 16 passes (the same products in the
+// same order, so the same bits).
 template <int R, int C, typename Rows>
 inline void dot_block(const Rows& w, int64_t cols, const float* const* xs, float (*out)[TILE], const Rows* ahead) {
     float part[R][C][LANES] = {};
     const int64_t full = cols - cols % LANES;
     int64_t col = 0;
-    if constexpr (widens_super<Rows>::value && C == 1) {
+    if constexpr (has_super_scales<Rows>::value) {
         for (; col + QK_K <= full; col += QK_K) {
-            if (ahead) {
-                for (int r = 0; r < R; ++r) {
-                    for (int64_t at = col; at < col + QK_K; at += LANES) __builtin_prefetch(ahead->at(r, at));
-                }
-            }
-            float wide[R][QK_K];
-            for (int r = 0; r < R; ++r) w.widen_super(r, col, wide[r]);
+            float steps[R][QK_K / LANES], shifts[R][QK_K / LANES];
+            for (int r = 0; r < R; ++r) w.super_scales(r, col, steps[r], shifts[r]);
             for (int at = 0; at < QK_K; at += LANES) {
-                for (int c = 0; c < C; ++c) {
-                    const float* x = xs[c] + col + at;
-                    for (int r = 0; r < R; ++r) {
-#pragma omp simd
-                        for (int l = 0; l < LANES; ++l) part[r][c][l] += wide[r][at + l] * x[l];
-                    }
+                if (ahead) {
+                    for (int r = 0; r < R; ++r) __builtin_prefetch(ahead->at(r, col + at));
                 }
+                float wide[R][LANES];
+                const int pass = at / LANES;
+                for (int r = 0; r < R; ++r) w.widen_scaled(r, col + at, steps[r][pass], shifts[r][pass], wide[r]);
+                add_pass<R, C>(part, wide, xs, col + at);
             }
         }
     }
@@ -472,17 +479,11 @@ inline void dot_block(const Rows& w, int64_t cols, const float* const* xs, float
         }
         float wide[R][LANES];
         for (int r = 0; r < R; ++r) w.widen(r, col, wide[r]);
-        for (int c = 0; c < C; ++c) {
-            const float* x = xs[c] + col;
-            for (int r = 0; r < R; ++r) {
-#pragma omp simd
-                for (int l = 0; l < LANES; ++l) part[r][c][l] += wide[r][l] * x[l];
-            }
-        }
+        add_pass<R, C>(part, wide, xs, col);
     }
-    for (int64_t col = full; col < cols; ++col) {
+    for (int64_t tail = full; tail < cols; ++tail) {
         for (int r = 0; r < R; ++r) {
-            for (int c = 0; c < C; ++c) part[r][c][col - full] += w.one(r, col) * xs[c][col];
+            for (int c = 0; c < C; ++c) part[r][c][tail - full] += w.one(r, tail) * xs[c][tail];
         }
     }
     for (int r = 0; r < R; ++r) {
@@ -557,8 +558,18 @@ inline void widen_all(const char** rows, int64_t cols, float* buffer) {
     const int64_t full = cols - cols % LANES;
     for (int r = 0; r < R; ++r) {
         float* wide = buffer + r * cols;
-        for (int64_t col = 0; col < full; col += LANES) w.widen(r, col, wide + col);
-        for (int64_t col = full; col < cols; ++col) wide[col] = w.one(r, col);
+        int64_t col = 0;
+        if constexpr (has_super_scales<Rows>::value) {
+            for (; col + QK_K <= full; col += QK_K) {
+                float steps[QK_K / LANES], shifts[QK_K / LANES];
+                w.super_scales(r, col, steps, shifts);
+                for (int pass = 0; pass < QK_K / LANES; ++pass) {
+                    w.widen_scaled(r, col + pass * LANES, steps[pass], shifts[pass], wide + col + pass * LANES);
+                }
+            }
+        }
+        for (; col < full; col += LANES) w.widen(r, col, wide + col);
+        for (int64_t tail = full; tail < cols; ++tail) wide[tail] = w.one(r, tail);
         rows[r] = reinterpret_cast<const char*>(wide);
     }
 }
