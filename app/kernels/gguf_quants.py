@@ -213,8 +213,11 @@ def to_held(kind: str, blocks: torch.Tensor) -> torch.Tensor:
     Q8_0's rows as all their int8 codes, then all their fp16 scales (a new tensor); others as they are."""
     if kind != "Q8_0":
         return blocks
-    laid = blocks.reshape(-1, blocks.shape[-1] // 34, 34)
-    held = torch.cat((laid[:, :, 2:].flatten(1), laid[:, :, :2].flatten(1)), 1)
+    count = blocks.shape[-1] // 34
+    laid = blocks.reshape(-1, count, 34)
+    held = torch.empty(laid.shape[0], 34 * count, dtype=torch.uint8, device=blocks.device)
+    held[:, : 32 * count].view(-1, count, 32).copy_(laid[:, :, 2:])
+    held[:, 32 * count :].view(-1, count, 2).copy_(laid[:, :, :2])
     return held.reshape(blocks.shape)
 
 
@@ -222,11 +225,12 @@ def from_held(kind: str, held: torch.Tensor) -> torch.Tensor:
     """The file's layout of held blocks (`to_held` undone)."""
     if kind != "Q8_0":
         return held
-    rows = held.reshape(-1, held.shape[-1])
-    blocks = rows.shape[1] // 34
-    codes = rows[:, : 32 * blocks].reshape(-1, blocks, 32)
-    blocks_laid = torch.cat((rows[:, 32 * blocks :].reshape(-1, blocks, 2), codes), 2)
-    return blocks_laid.reshape(held.shape)
+    count = held.shape[-1] // 34
+    rows = held.reshape(-1, 34 * count)
+    laid = torch.empty(rows.shape[0], count, 34, dtype=torch.uint8, device=held.device)
+    laid[:, :, 2:] = rows[:, : 32 * count].view(-1, count, 32)
+    laid[:, :, :2] = rows[:, 32 * count :].view(-1, count, 2)
+    return laid.reshape(held.shape)
 
 
 def dequantize_held(kind: str, held: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
