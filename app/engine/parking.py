@@ -254,6 +254,7 @@ class ConversationPark:
         elif isinstance(change, Forgotten):
             if change.key in self._ram:
                 self._release(change.key, self._ram.pop(change.key))
+                self._after_frees()
         elif change.key in self._disk:
             self._unlink(change.key)
 
@@ -398,8 +399,12 @@ class ConversationPark:
                 os.utime(self.directory / self._disk[key][0])
 
     def _fit_ram(self) -> None:
+        evicted = False
         while self._ram and self._ram_total > self.ram_budget and not self.follower:
             self._release(*self._ram.pop_oldest())
+            evicted = True
+        if evicted:
+            self._after_frees()
 
     def _release(self, key: ParkKey, parked: Parked) -> None:
         """Let go of a conversation taken out of `_ram`: its own tensors and the blocks no other one holds."""
@@ -412,7 +417,11 @@ class ConversationPark:
                     self._ram_total -= self._blocks.pop(k).nbytes
         if self.mirror is not None:
             self.mirror.append(Forgotten(key))
-        if not self._pinned:  # pinned memory is the driver's, not the C heap's
+
+    def _after_frees(self) -> None:
+        """Give the heap's freed pages back once conversations are let go of (pinned memory is the
+        driver's, not the C heap's)."""
+        if not self._pinned:
             self._heap.after_frees()
 
     # Disk ----------------------------------------------------------------------------------------------

@@ -192,7 +192,7 @@ class PoolArgs:
     new tensors a tiered layer's step cost more than the step's planning)."""
 
     def __init__(self, entries: int, experts: int) -> None:
-        self.entries, self.experts = entries, experts
+        self.experts = experts
         self._indices = torch.zeros(2 * experts + 1 + entries, dtype=torch.int64)
         self._weights = torch.zeros(entries, dtype=torch.float32)
         self._index_view, self._weight_view = self._indices.numpy(), self._weights.numpy()
@@ -810,10 +810,9 @@ class TieredExperts(nn.Module):
         for expert in on_cpu:
             offsets.append(offsets[-1] + len(picked[expert]))
         self.served[CPU] += len(entries)
-        args = self._pool_args
-        if args is None or args.entries < len(entries) or args.experts < len(on_cpu):
-            args = self._pool_args = PoolArgs(max(len(entries), HOST_READ_ENTRIES), len(self.slots))
-        hosts, bounds, rows, row_weights = args.fill(
+        if self._pool_args is None:  # a small window has at most HOST_READ_ENTRIES entries
+            self._pool_args = PoolArgs(HOST_READ_ENTRIES, len(self.slots))
+        hosts, bounds, rows, row_weights = self._pool_args.fill(
             [self.host_of[e] for e in on_cpu],
             offsets,
             [entry // width for entry in entries],

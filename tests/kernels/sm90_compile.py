@@ -4,8 +4,8 @@ kernels are not compiled at all). Prints each kernel's shared memory; exits non-
 `blocks` as a KIND compiles the KV block-copy kernel (app/kernels/triton_blocks.py) for a bf16 and an 8-bit
 block, and prints its 16-byte loads a thread; `q8_0-loads` compiles Q8_0's programs with pointers, strides and
 k 16-byte aligned (as launches over rows of 256 values a multiple specialise them) and prints their global
-loads by width: held Q8_0's codes load as 16-byte vectors (or 16-byte asynchronous copies), only the scales
-two bytes at a time."""
+loads by width and their warp shuffles (16-byte / 2-byte / shuffles): held Q8_0's codes load as 16-byte
+vectors (or 16-byte asynchronous copies), only the scales two bytes at a time."""
 
 from __future__ import annotations
 
@@ -87,7 +87,8 @@ def compile_q8_0_loads() -> None:
     for form, (kernel, constants, warps) in forms.items():
         ptx = _compiled(kernel, constants, warps, aligned=True).asm["ptx"]
         wide = ptx.count("ld.global.v4") + ptx.count("cp.async.cg.shared.global")
-        line += f" {form}:{wide}/{ptx.count('ld.global.b16') + ptx.count('ld.global.u16')}"
+        narrow = ptx.count("ld.global.b16") + ptx.count("ld.global.u16")
+        line += f" {form}:{wide}/{narrow}/{ptx.count('shfl.sync')}"
     print(line)
 
 
