@@ -6,7 +6,7 @@
 # tier-large: the full 48-layer Qwen3-Next shape built tiered (368 experts a layer on the card).
 # serving: writes each shape as a random checkpoint on disk, starts `strata serve` on it and drives it over
 # HTTP (benchmarks/http_burst.py: 32 clients at once, a slot decoding while peers' prompts are read).
-# split: the split's GPU tests, then `strata bench` on each shape's random checkpoint at 1, 8 and 32
+# split: the split's GPU tests, then `strata bench` on each shape's random checkpoint at 1, 2, 4, 8 and 32
 # concurrent, whole on one GPU, split in two with one slot group, and with pipelined groups (on a machine of
 # one GPU both stages share it: --stage-gpus 0,0).
 # gguf: the held-weight GPU tests (GGUF_TESTS=0 skips them, GGUF_TESTS_K selects as pytest -k), then benchmarks/gguf_bench.py on a random q30
@@ -132,7 +132,7 @@ if [[ $what == split ]]; then
         cards=$(python3 -c "import torch; print('0,1' if torch.cuda.device_count() > 1 else '0,0')")
         for split in "" "--layer-split 2 --stage-gpus $cards --batch-groups 1" \
             "--layer-split 2 --stage-gpus $cards --batch-groups 2"; do
-            for c in 1 8 32; do
+            for c in 1 2 4 8 32; do
                 # shellcheck disable=SC2086
                 python3 -m app.cli bench --model "$dir" --parallel 32 --kv-memory 24GiB --concurrency "$c" \
                     --prompt-len 512 --output-len 128 $split >>"$out/split.jsonl" 2>>"$out/split.log" || status=1

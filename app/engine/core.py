@@ -13,7 +13,7 @@ import torch
 
 from app.default_model import default_model_dir
 from app.engine.config import GIB, EngineConfig
-from app.engine.cuda_graphs import WindowGraphs
+from app.engine.cuda_graphs import GraphSizes, StageGraphs, WindowGraphs
 from app.engine.drafts import GuessSource, MtpGuesses, accepted, guess_index
 from app.engine.expert_report import ExpertReporter, joined
 from app.engine.grammar import Grammars
@@ -223,13 +223,14 @@ class EngineCore:
                 state.blocks - state.resident,
                 state.stream.host_bytes / GIB,
             )
+        sizes = self._graph_sizes()
         if self.pipeline is not None:
-            self.pipeline.wait_loaded(model, state.blocks, len(state.checkpoint_slots))
+            self.pipeline.wait_loaded(model, state.blocks, len(state.checkpoint_slots), sizes)
         self.park = self._conversation_park(state)
         if self.park is not None:  # before the graphs are captured, which then count routing per slot too
             for tier in self.tiers:
                 tier.keep_slot_heat(config.parallel + 1)
-        graphs = self._window_graphs(state)
+        graphs = self._window_graphs(state, sizes)
         self.runner = ModelRunner(model, state, Sampler(config.seed), graphs, self.park, self.pipeline)
         self.mtp = None
         if config.spec == "mtp":
@@ -238,7 +239,7 @@ class EngineCore:
         if self.park is not None:
             self.park.reserve_pinned()
         self.scheduler = Scheduler(self._scheduler_config(state, graphs), parked=self.park)
-        if graphs is not None:  # windows with prompt rows are priced before the first one runs
+        if graphs is not None and self.pipeline is None:  # prompt windows priced before the first one runs
             self.scheduler.calibrate(graphs.time_mixed())
         self.streams: dict[str, TextStream] = {}
         self.windows = 0
@@ -396,24 +397,40 @@ class EngineCore:
         first = self.loaded.model.config.num_hidden_layers
         return tuple(range(first, first + len(head.layers)))
 
-    def _window_graphs(self, state: PagedState) -> WindowGraphs | None:
-        """Captured window graphs on a GPU with whole-batch kernels, unless `--enforce-eager` (with an expert
-        tier: decode windows only, captured piecewise around each layer's misses)."""
+    def _graphs_wanted(self) -> bool:
+        """Whether windows replay captured graphs: on a GPU with whole-batch kernels, unless
+        `--enforce-eager`."""
+        paged = self.backends.paged_attention is not None
+        return self.device == "cuda" and paged and not self.config.enforce_eager
+
+    def _graph_sizes(self) -> GraphSizes | None:
+        """What the window graphs (every stage's, on a layer split) are sized for, or None without them."""
+        if not self._graphs_wanted():
+            return None
         config = self.config
-        if self.device != "cuda" or self.backends.paged_attention is None or config.enforce_eager:
-            return None
-        if self.pipeline is not None:
-            log.info("layer split: windows run eagerly (captured graphs of stages are not built yet)")
-            return None
         max_blocks = -(-self.max_model_len // config.block_size)
         # a prompt piece may pass the token budget to reach its next chunk multiple (scheduler.py)
         max_tokens = config.max_batched_tokens + (CHUNK if self.recurrent else 0)
-        model, keep = self.loaded.model, config.spec == "mtp"
         drafts = config.parallel * config.spec_tokens if config.spec != "off" else 0
-        graphs = WindowGraphs(
-            model, state, config.parallel, max_blocks, max_tokens, keep_hidden=keep, draft_rows=drafts
-        )
-        graphs.capture()
+        return GraphSizes(config.parallel, max_blocks, max_tokens, drafts)
+
+    def _window_graphs(self, state: PagedState, sizes: GraphSizes | None) -> WindowGraphs | None:
+        """The window graphs for `sizes` (with an expert tier: decode windows only, captured piecewise around
+        each layer's misses); on a layer split stage 0's (`StageGraphs`), each worker capturing its own.
+        Captured on a GPU; without one (tests) windows run their forward over the static inputs."""
+        if sizes is None:
+            return None
+        model = self.loaded.model
+        graphs: WindowGraphs
+        if self.pipeline is not None:
+            graphs = StageGraphs(model, state, sizes, self.pipeline.part, self._dtype)
+        else:
+            keep = self.config.spec == "mtp"
+            graphs = WindowGraphs(
+                model, state, sizes.slots, sizes.max_blocks, sizes.max_tokens, keep, sizes.draft_rows
+            )
+        if state.device.type == "cuda":
+            graphs.capture()
         return graphs
 
     def _head_graphs(self, state: PagedState, graphs: WindowGraphs | None) -> HeadGraphs | None:
@@ -422,6 +439,9 @@ class EngineCore:
         passes run eagerly)."""
         config = self.config
         if graphs is None or graphs.tiers or config.spec_tokens < 1 or state.stream is not None:
+            return None
+        if self.pipeline is not None:
+            log.info("layer split: the MTP head's passes run eagerly (its captured pass is not built there)")
             return None
         max_blocks = -(-self.max_model_len // config.block_size)
         head = HeadGraphs(self.loaded.model, state, config.parallel, config.spec_tokens, max_blocks)

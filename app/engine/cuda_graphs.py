@@ -35,7 +35,7 @@ from app.models.batch import ForwardBatch, PagedLayout, SequenceSpan
 from app.models.expert_tier import TieredExperts
 from app.models.gdn import GatedDeltaNet
 from app.models.pieces import Pieces
-from app.models.qwen3 import CausalLM
+from app.models.qwen3 import CausalLM, ModelPart
 
 log = logging.getLogger("strata.engine")
 
@@ -60,6 +60,71 @@ class Bucket:
     def decode(self) -> bool:
         """A decode bucket: one row per sequence."""
         return self.longest == 1
+
+
+@dataclass(frozen=True)
+class GraphSizes:
+    """What window graphs are sized for: `slots` batch slots, `max_blocks` block-table columns a request can
+    need, `max_tokens` the most rows of a window, `draft_rows` the most draft tokens a window verifies."""
+
+    slots: int
+    max_blocks: int
+    max_tokens: int
+    draft_rows: int = 0
+
+
+@dataclass(frozen=True)
+class WindowRows:
+    """A window's sequences as the static inputs take them, in order: each one's rows, past tokens, state slot
+    and block table; the checkpoint saves and stepwise row saves of some (by index); the token ids of every
+    row, flat (None on a stage of a layer split, which receives the residual stream instead); and the rows
+    each samples at."""
+
+    lengths: np.ndarray
+    pasts: np.ndarray
+    slots: np.ndarray
+    tables: list[Sequence[int]]
+    ids: np.ndarray | None
+    saves: list[tuple[int, tuple[int, int]]]
+    step_saves: list[tuple[int, tuple[int, ...]]]
+    sampled: np.ndarray
+
+    @staticmethod
+    def of_chunks(chunks: Sequence[Chunk]) -> WindowRows:
+        n = len(chunks)
+        lengths = np.fromiter((len(c.tokens) for c in chunks), np.int64, n)
+        return WindowRows(
+            lengths=lengths,
+            pasts=np.fromiter((c.past for c in chunks), np.int64, n),
+            slots=np.fromiter((c.slot for c in chunks), np.int64, n),
+            tables=[c.request.blocks for c in chunks],
+            ids=np.fromiter((t for c in chunks for t in c.tokens), np.int64, int(lengths.sum())),
+            saves=[(i, c.save) for i, c in enumerate(chunks) if c.save is not None],
+            step_saves=[(i, c.step_saves) for i, c in enumerate(chunks) if c.stepwise],
+            sampled=np.fromiter((c.sampled_rows for c in chunks), np.int64, n),
+        )
+
+    @staticmethod
+    def of_stage(
+        chunks: Sequence[tuple[int, int, int]],
+        tables: dict[int, list[int]],
+        saves: dict[int, tuple[int, int]],
+        stepwise: dict[int, tuple[int, ...]],
+    ) -> WindowRows:
+        """A window as a later stage of a layer split gets it (`StageWork`): each chunk's (slot, rows, past),
+        and by slot the block tables, checkpoint saves and stepwise row saves; no token ids, no sampling."""
+        n = len(chunks)
+        index = {slot: i for i, (slot, _, _) in enumerate(chunks)}
+        return WindowRows(
+            lengths=np.fromiter((rows for _, rows, _ in chunks), np.int64, n),
+            pasts=np.fromiter((past for _, _, past in chunks), np.int64, n),
+            slots=np.fromiter((slot for slot, _, _ in chunks), np.int64, n),
+            tables=[tables[slot] for slot, _, _ in chunks],
+            ids=None,
+            saves=[(index[slot], save) for slot, save in saves.items()],
+            step_saves=[(index[slot], rows) for slot, rows in stepwise.items()],
+            sampled=np.zeros(n, np.int64),
+        )
 
 
 def warm_up_on_side(run: Callable[[], object]) -> torch.cuda.Stream:
@@ -191,7 +256,7 @@ class WindowGraphs:
         self._int_views = np.split(self._int_host.numpy(), np.cumsum(self._int_sizes)[:-1])
         self.graphs: dict[Bucket, torch.cuda.CUDAGraph] = {}
         self.pieces: dict[Bucket, Pieces] = {}  # a tiered model's buckets
-        self.logits: dict[Bucket, torch.Tensor] = {}
+        self.outs: dict[Bucket, torch.Tensor] = {}  # what each bucket's forward returns, static
         self._hidden: torch.Tensor | None = None
         if keep_hidden:
             dtype = model.model.embed_tokens.weight.dtype
@@ -221,18 +286,23 @@ class WindowGraphs:
         )
 
     def _fill(self, chunks: Sequence[Chunk], bucket: Bucket) -> None:
-        """Write the chunks into the static inputs of `bucket`, padding onto the scratch block and slot.
+        """Write the chunks into the static inputs of `bucket`, padding onto the scratch block and slot."""
+        self._fill_rows(WindowRows.of_chunks(chunks), bucket)
+
+    def _fill_rows(self, window: WindowRows, bucket: Bucket) -> None:
+        """Write the window's sequences into the static inputs of `bucket`, padding onto the scratch block and
+        slot.
 
         Filled through numpy views of the pinned host buffers (no per-row torch calls), then copied over.
         """
         if self._copied is not None:
             self._copied.synchronize()
         size, scratch = self.state.block_size, self.state.scratch_block
-        n = len(chunks)
+        n = len(window.lengths)
         lengths = np.zeros(bucket.seqs, np.int64)
         pasts = np.zeros(bucket.seqs, np.int64)
-        lengths[:n] = np.fromiter((len(c.tokens) for c in chunks), np.int64, n)
-        pasts[:n] = np.fromiter((c.past for c in chunks), np.int64, n)
+        lengths[:n] = window.lengths
+        pasts[:n] = window.pasts
         real = int(lengths[:n].sum())
         if bucket.decode:
             lengths[n:] = 1
@@ -252,33 +322,31 @@ class WindowGraphs:
         positions[: bucket.tokens] = pasts[seq] + rows - starts[seq]
         used = -(-(pasts + lengths) // size)
         table[: bucket.seqs, 0] = scratch
-        for i, chunk in enumerate(chunks):
-            table[i, : used[i]] = chunk.request.blocks[: used[i]]
+        for i, blocks in enumerate(window.tables):
+            table[i, : used[i]] = blocks[: used[i]]
         for i in range(n, bucket.seqs):
             table[i, : used[i]] = scratch
         row_positions = positions[: bucket.tokens]
         mapping[: bucket.tokens] = table[seq, row_positions // size] * size + row_positions % size
         ids[: bucket.tokens] = 0
-        if real:
-            ids[:real] = np.fromiter((t for c in chunks for t in c.tokens), np.int64, real)
+        if real and window.ids is not None:
+            ids[:real] = window.ids
         live[: bucket.tokens] = rows < real
         state_slots[: bucket.seqs] = self.state.scratch_slot
-        state_slots[:n] = np.fromiter((c.slot for c in chunks), np.int64, n)
+        state_slots[:n] = window.slots
         row_slots[: bucket.tokens] = state_slots[seq]
         save_at[: bucket.seqs] = 0
         save_slots[: bucket.seqs] = -1
-        for i, chunk in enumerate(chunks):
-            if chunk.save is not None:
-                save_at[i], save_slots[i] = chunk.save
+        for i, save in window.saves:
+            save_at[i], save_slots[i] = save
         if not bucket.decode:  # a decode bucket scores every row and holds no stepwise chunk
             stepwise[: bucket.seqs] = 0
             row_saves[: bucket.tokens] = -1
-            for i, chunk in enumerate(chunks):
-                if chunk.stepwise:  # verifies drafts: read token by token
-                    stepwise[i] = 1
-                    row_saves[starts[i] : starts[i] + len(chunk.step_saves)] = chunk.step_saves
+            for i, saves in window.step_saves:  # verifies drafts: read token by token
+                stepwise[i] = 1
+                row_saves[starts[i] : starts[i] + len(saves)] = saves
             # the rows each chunk samples at (its last `sampled_rows`), in order, then unused ones
-            counts = np.fromiter((c.sampled_rows for c in chunks), np.int64, n)
+            counts = window.sampled
             total = int(counts.sum())
             firsts = np.cumsum(counts) - counts
             within = np.arange(total) - np.repeat(firsts, counts)
@@ -333,7 +401,7 @@ class WindowGraphs:
         """Warm up and capture every bucket, largest first (so smaller ones reuse its memory)."""
         order = sorted(self.buckets, key=lambda b: (b.tokens, b.longest), reverse=True)
         if not self.tiers:
-            self.graphs, self.logits = capture_each(order, lambda b: self._fill([], b), self.forward)
+            self.graphs, self.outs = capture_each(order, lambda b: self._fill([], b), self.forward)
         else:
             pool = torch.cuda.graph_pool_handle()
             for bucket in order:
@@ -351,7 +419,7 @@ class WindowGraphs:
         try:
             with torch.cuda.stream(stream):
                 pieces.begin()
-                self.logits[bucket] = self.forward(bucket)
+                self.outs[bucket] = self.forward(bucket)
                 pieces.end()
         finally:
             for tier in self.tiers:
@@ -391,18 +459,79 @@ class WindowGraphs:
         self._fill(chunks, bucket)
         if fed is not None:
             self.input_ids[fed[0]] = fed[1]
-        pieces, graph = self.pieces.get(bucket), self.graphs.get(bucket)
-        if pieces is not None:
-            pieces.replay()
-            logits = self.logits[bucket]
-        elif graph is not None:
-            graph.replay()
-            logits = self.logits[bucket]
-        else:
-            logits = self.forward(bucket)
+        logits = self._replay(bucket)
         if not bucket.decode:
             return logits[: sum(c.sampled_rows for c in chunks)]
         if all(c.samples for c in chunks):
             return logits[: len(chunks)]
         rows = [i for i, c in enumerate(chunks) if c.samples]
         return logits[device_tensor(rows, torch.long, logits.device)]
+
+    def _replay(self, bucket: Bucket) -> torch.Tensor:
+        """Replay `bucket` over the static inputs as filled (its pieces or its graph), or without a capture
+        (CPU tests) run its forward over them eagerly; what its forward returns."""
+        pieces, graph = self.pieces.get(bucket), self.graphs.get(bucket)
+        if pieces is not None:
+            pieces.replay()
+        elif graph is not None:
+            graph.replay()
+        else:
+            return self.forward(bucket)
+        return self.outs[bucket]
+
+    def holds(self, bucket: Bucket) -> bool:
+        """Whether `bucket` is one of these graphs' (captured, where they are)."""
+        return bucket in self.buckets
+
+
+class StageGraphs(WindowGraphs):
+    """Window graphs of one stage of a layer split (`part`): its layers captured per bucket, from the token
+    ids (stage 0: the embedding first) or from the residual stream and the last layer's output as the stage
+    before sends them (static inputs too), to the stream and this stage's last output for the next stage,
+    or on the last stage to the final hidden states of every row. Stage 0 picks a window's bucket and sends it
+    down with the window; a stage runs it eagerly where the bucket is not one of its own (an expert tier
+    there captures decode windows only). `dtype`: the stream's."""
+
+    def __init__(
+        self, model: CausalLM, state: PagedState, sizes: GraphSizes, part: ModelPart, dtype: torch.dtype
+    ) -> None:
+        self.part = part
+        super().__init__(
+            model, state, sizes.slots, sizes.max_blocks, sizes.max_tokens, draft_rows=sizes.draft_rows
+        )
+        self.stream: torch.Tensor | None = None  # the stream [0] and the last layer's output [1] as received
+        if not part.first:
+            shape = (2, self.max_tokens, model.config.hidden_size)
+            self.stream = torch.zeros(shape, dtype=dtype, device=state.device)
+
+    def forward(self, bucket: Bucket) -> torch.Tensor:
+        """This stage's layers over the bucket's static inputs: [2, tokens, hidden] (the stream and the last
+        layer's output), or on the last stage the final hidden states [tokens, hidden]."""
+        batch, decoder, rows = self._batch(bucket), self.model.model, bucket.tokens
+        if self.stream is None:
+            x, pending = decoder.embed_tokens(batch.input_ids), None
+        else:
+            x, pending = self.stream[0, :rows], self.stream[1, :rows]
+        x, pending = decoder.run_layers(batch, self.part.layers, x, pending)
+        assert pending is not None  # every stage holds a layer
+        if self.part.last:
+            return decoder.final_norm(x, pending)
+        return torch.stack((x, pending))
+
+    def run_part(
+        self, window: WindowRows, bucket: Bucket, received: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """Replay `bucket` for the window, after the stream and last output `received` from the stage before
+        (not on stage 0): [2, rows, hidden] for the next stage, the window's rows only and a tensor of their
+        own (a send may still read it when the next window replays), or on the last stage the final hidden
+        states of the bucket's rows (static: index them before the next window)."""
+        self._fill_rows(window, bucket)
+        if self.stream is not None:
+            assert received is not None
+            rows = received[0].shape[0]
+            self.stream[0, :rows].copy_(received[0])
+            self.stream[1, :rows].copy_(received[1])
+        out = self._replay(bucket)
+        if self.part.last:
+            return out
+        return out[:, : int(window.lengths.sum())].clone()

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
-from app.engine.cuda_graphs import Fed, WindowGraphs
+from app.engine.cuda_graphs import Bucket, Fed, StageGraphs, WindowGraphs, WindowRows
 from app.engine.drafts import MtpGuesses, guess_index
 from app.engine.grammar import Grammars, TokenMask
 from app.engine.paged_state import PagedState, StateCopies
@@ -118,9 +119,9 @@ class ModelRunner:
             unparks.append((self.park.key_of(parked), parked.tokens, slot, blocks))
         fed = self._fed(chunks)
         streams = self.state.count_reads([(c.request.blocks, c.past + len(c.tokens)) for c in chunks])
-        if self.pipeline is not None:  # every stage's blocks have the numbers of stage 0's
-            return self._down_the_stages(chunks, fed, copies, unparks)
         bucket = graphs.bucket(chunks) if graphs is not None and not streams else None
+        if self.pipeline is not None:  # every stage's blocks have the numbers of stage 0's
+            return self._down_the_stages(chunks, fed, copies, unparks, bucket)
         self.last_replayed = bucket is not None
         kept_chunks, kept_rows = _kept(chunks)
         kept = None
@@ -174,15 +175,28 @@ class ModelRunner:
         return TokenMask([i for i, _ in constrained], words)
 
     def _down_the_stages(
-        self, chunks: list[Chunk], fed: Fed | None, copies: StateCopies, unparks: list[Unpark]
+        self,
+        chunks: list[Chunk],
+        fed: Fed | None,
+        copies: StateCopies,
+        unparks: list[Unpark],
+        bucket: Bucket | None,
     ) -> Launched:
-        """Send the window down a layer split's stages (stage 0's layers run here now) with what the park
-        changed since the last window and the conversations it restores in this one; its tokens are drawn
-        when `collect` reads the last stage's answer. The rows' sampling is fixed now, before later windows
-        of other slot groups change what the requests hold."""
+        """Send the window down a layer split's stages (stage 0's layers run here now: `bucket` of its stage
+        graphs replayed, or eagerly) with what the park changed since the last window and the conversations
+        it restores in this one; its tokens are drawn when `collect` reads the last stage's answer. The rows'
+        sampling is fixed now, before later windows of other slot groups change what the requests hold."""
         assert self.pipeline is not None and fed is None  # a group's window waits for its last one's tokens
-        self.last_replayed = False
-        batch, sampling, last_rows = self._batch(chunks, fed)
+        graphs = self.graphs
+        self.last_replayed = bucket is not None
+        sampling, last_rows = _sampled_rows(chunks)
+        layers: Callable[[], torch.Tensor]
+        if bucket is not None:
+            assert isinstance(graphs, StageGraphs)
+            window = WindowRows.of_chunks(chunks)
+            layers = partial(graphs.run_part, window, bucket)
+        else:
+            layers = partial(self.pipeline.first_layers, self._batch(chunks, fed))
         work = StageWork(
             chunks=[(c.slot, len(c.tokens), c.past) for c in chunks],
             saves={c.slot: c.save for c in chunks if c.save is not None},
@@ -191,13 +205,14 @@ class ModelRunner:
             stepwise=stepwise_rows(chunks) if self.recurrent else {},
             parks=self.park.take_mirror() if self.park is not None else [],
             unparks=unparks,
+            bucket=bucket,
         )
         kept_chunks, kept_rows = _kept(chunks)
-        self.pipeline.send(batch, last_rows + kept_rows, work)
+        self.pipeline.send(last_rows + kept_rows, work, layers)
         rows = _row_sampling(sampling, copied=True)
         mask = self._token_mask(sampling)
         pipeline = self.pipeline
-        launched = Launched(sampling, None, False, kept_chunks=kept_chunks)
+        launched = Launched(sampling, None, self.last_replayed, kept_chunks=kept_chunks)
 
         def draw() -> DrawnTokens | None:
             hidden, self.last_stages, self.last_reports = pipeline.receive(len(rows) + len(kept_rows))
@@ -256,9 +271,8 @@ class ModelRunner:
             feeds.append(self.guesses[index[n + g + n :]])
         return index[: n + g], feeds[0] if len(feeds) == 1 else torch.cat(feeds)
 
-    def _batch(self, chunks: list[Chunk], fed: Fed | None) -> tuple[ForwardBatch, list[Chunk], list[int]]:
-        """The window's flat batch (its rows' block tables set), the chunks that sample, one entry a row they
-        sample at (a chunk with drafts at its last 1 + drafts rows), and those rows.
+    def _batch(self, chunks: list[Chunk], fed: Fed | None) -> ForwardBatch:
+        """The window's flat batch (its rows' block tables set).
 
         Replayed windows read their rows' block tables themselves; eager ones go through the state's.
         """
@@ -277,22 +291,33 @@ class ModelRunner:
             batch.layout = self.state.layout(batch.spans)
         if self.recurrent and not (self.paged and self.model.backends.stepwise_spans):
             batch.in_steps(self.state.layout if self.paged else None)
-        ends = [(span.start + span.length, chunk) for span, chunk in zip(batch.spans, chunks, strict=True)]
-        last_rows = [end - chunk.sampled_rows + j for end, chunk in ends for j in range(chunk.sampled_rows)]
-        return batch, [chunk for _, chunk in ends for _ in range(chunk.sampled_rows)], last_rows
+        return batch
 
     def _eager(
         self, chunks: list[Chunk], fed: Fed | None, kept_rows: list[int]
     ) -> tuple[list[Chunk], torch.Tensor, torch.Tensor | None]:
         """One forward over the flat batch; the chunks that sample, their logits, and the final hidden
         states of `kept_rows` (None without any)."""
-        batch, sampling, last_rows = self._batch(chunks, fed)
+        batch = self._batch(chunks, fed)
+        sampling, last_rows = _sampled_rows(chunks)
         hidden = self.model(batch)
         kept = hidden[device_tensor(kept_rows, torch.long, self.device)] if kept_rows else None
         if not sampling:
             return [], hidden[:0], kept
         logits = self.model.logits(hidden[device_tensor(last_rows, torch.long, self.device)])
         return sampling, logits, kept
+
+
+def _sampled_rows(chunks: list[Chunk]) -> tuple[list[Chunk], list[int]]:
+    """The chunks that sample, one entry a row they sample at (a chunk with drafts at its last 1 + drafts
+    rows), and those rows of the window, flat in chunk order."""
+    sampling, rows, end = [], [], 0
+    for chunk in chunks:
+        end += len(chunk.tokens)
+        for j in range(chunk.sampled_rows):
+            sampling.append(chunk)
+            rows.append(end - chunk.sampled_rows + j)
+    return sampling, rows
 
 
 def _kept(chunks: list[Chunk]) -> tuple[list[Chunk], list[int]]:

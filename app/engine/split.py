@@ -20,6 +20,7 @@ import pickle
 import tempfile
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from multiprocessing.process import BaseProcess
@@ -30,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from app.engine.config import EngineConfig
+from app.engine.cuda_graphs import Bucket, GraphSizes
 from app.engine.paged_state import StateCopies
 from app.engine.park_index import ParkKey
 from app.engine.parking import Forgotten, Kept, Unlinked
@@ -99,10 +101,12 @@ class StageStart:
 
 @dataclass(frozen=True)
 class StageSetup:
-    """Sent to every worker once stage 0 has sized the paged state: the KV blocks and checkpoint slots."""
+    """Sent to every worker once stage 0 has sized the paged state: the KV blocks and checkpoint slots, and
+    the sizes of the window graphs every stage captures (None: windows run eagerly)."""
 
     blocks: int
     checkpoints: int
+    graphs: GraphSizes | None = None
 
 
 @dataclass(frozen=True)
@@ -128,7 +132,8 @@ class StageWork:
     forward, the rows whose final hidden states the last stage sends back, and the slots whose rows the
     recurrent layers read one at a time, to their row saves (`SequenceSpan.stepwise`); with parking, the
     changes stage 0's park made since the last window (before the copies) and the conversations it restores
-    in this one (`Unpark`s, after them). `stop` ends the workers."""
+    in this one (`Unpark`s, after them); the window graphs' bucket stage 0 replayed (None: it ran eagerly),
+    which a stage replays too where it holds it. `stop` ends the workers."""
 
     chunks: list[tuple[int, int, int]] = field(default_factory=list)
     saves: dict[int, tuple[int, int]] = field(default_factory=dict)
@@ -138,6 +143,7 @@ class StageWork:
     stepwise: dict[int, tuple[int, ...]] = field(default_factory=dict)
     parks: list[Kept | Forgotten | Unlinked] = field(default_factory=list)
     unparks: list[Unpark] = field(default_factory=list)
+    bucket: Bucket | None = None
     stop: bool = False
     stages: list[tuple[float, float]] = field(default_factory=list)  # (busy, wait) of the workers so far
     experts: list[ExpertUsage] = field(default_factory=list)  # routing reports of the workers so far
@@ -356,9 +362,12 @@ class StagePipeline:
         """Stage 0's part of the model."""
         return self.parts[0]
 
-    def wait_loaded(self, model: CausalLM, blocks: int, checkpoints: int) -> None:
+    def wait_loaded(
+        self, model: CausalLM, blocks: int, checkpoints: int, graphs: GraphSizes | None = None
+    ) -> None:
         """Once stage 0 holds `model` (its part) and has sized the state: wait for every worker's part, then
-        give them the state's size. A worker that could not load its part is a one-line error."""
+        give them the state's size and the window graphs' (`graphs`, None: eager windows). A worker that
+        could not load its part is a one-line error."""
         self.model = model
         for stage in range(1, len(self.parts)):
             loaded = self.link.recv_object(stage)
@@ -366,27 +375,33 @@ class StagePipeline:
             if loaded.error is not None:
                 raise StrataError(f"stage {stage} of the layer split: {loaded.error}")
         for stage in range(1, len(self.parts)):
-            self.link.send_object(StageSetup(blocks, checkpoints), stage)
+            self.link.send_object(StageSetup(blocks, checkpoints, graphs), stage)
         layers = [f"{p.layers.start}-{p.layers.stop - 1}" for p in self.parts]
         log.info("layer split: %d stages, layers %s", len(self.parts), ", ".join(layers))
 
-    def send(self, batch: ForwardBatch, rows: list[int], work: StageWork) -> None:
-        """Start a window down the stages: stage 0's layers here, then to the next stage with `work`; the
-        last stage answers with the final hidden states of `rows` (`receive`, in the order sent)."""
-        assert self.model is not None
+    def send(self, rows: list[int], work: StageWork, layers: Callable[[], torch.Tensor]) -> None:
+        """Start a window down the stages: stage 0's layers here (`layers()`: the stream and their last
+        output, [2, rows, hidden]), then to the next stage with `work`; the last stage answers with the
+        final hidden states of `rows` (`receive`, in the order sent)."""
         began = self._busy.mark()
-        decoder = self.model.model
-        x = decoder.embed_tokens(batch.input_ids)
-        x, pending = decoder.run_layers(batch, self.part.layers, x, None)
-        assert pending is not None  # every stage holds a layer
+        out = layers()
         work.rows = rows
-        self._dtype = x.dtype
+        self._dtype = out.dtype
         try:
             self.link.send_object(work, 1)
-            self.link.send_tensors([x, pending], 1)
+            self.link.send_tensors([out[0], out[1]], 1)
         except RuntimeError as exc:
             raise self._lost(exc) from exc
         self._busy.span(began)
+
+    def first_layers(self, batch: ForwardBatch) -> torch.Tensor:
+        """Stage 0's layers run eagerly over `batch`: [2, rows, hidden], the stream and the last one's
+        output."""
+        assert self.model is not None
+        decoder = self.model.model
+        x, pending = decoder.run_layers(batch, self.part.layers, decoder.embed_tokens(batch.input_ids), None)
+        assert pending is not None  # every stage holds a layer
+        return torch.stack((x, pending))
 
     def receive(self, rows: int) -> tuple[torch.Tensor | None, list[StageTimes], list[ExpertUsage]]:
         """The last stage's answer to the oldest window sent: the final hidden states [rows, hidden] of its

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from app.engine.config import EngineConfig
+from app.engine.cuda_graphs import StageGraphs, WindowRows
 from app.engine.expert_report import ExpertReporter
 from app.engine.paged_state import PagedState, device_kv_bytes, resident_blocks
 from app.engine.parking import ConversationPark, stage_directory, stage_identity
@@ -122,6 +123,11 @@ def run_stage(
     )
     if where.type == "cuda" and model.backends.paged_attention is not None:
         warm_up_kernels(model, state, config.max_batched_tokens, part, dtype)
+    graphs = None
+    if setup.graphs is not None:  # captured on a GPU; without one (tests) run over the static inputs
+        graphs = StageGraphs(model, state, setup.graphs, part, dtype)
+        if where.type == "cuda":
+            graphs.capture()
     park = None  # as stage 0 decides in EngineCore._conversation_park
     directory = stage_directory(config, stage, stages)
     if config.prefix_cache and (config.park_memory > 0 or directory is not None):
@@ -136,7 +142,7 @@ def run_stage(
         with torch.inference_mode():
             reporter = ExpertReporter(model, tiers, where.type)
             tiered = _Tiers(tiers, config.adapt_every)
-            _serve(stage, part, model, state, link, dtype, tiered, reporter, park)
+            _serve(stage, part, model, state, link, dtype, tiered, reporter, park, graphs)
     except Exception:
         traceback.print_exc()
         raise
@@ -173,15 +179,16 @@ def _serve(
     tiers: _Tiers,
     reporter: ExpertReporter,
     park: ConversationPark | None,
+    graphs: StageGraphs | None,
 ) -> None:
     """Run windows as they come from the stage before until a `StageWork` says stop (passed on); every
     EXPERT_REPORT_S seconds its layers' routing report goes down with a window. With a `park`, each window's
     changes to stage 0's park are made here first, and the conversations it restores restored after the
-    window's state copies, as stage 0 does."""
+    window's state copies, as stage 0 does. A window stage 0 replayed from its graphs replays the same
+    bucket of `graphs` where this stage holds it."""
     hidden = model.config.hidden_size
     reported = time.monotonic()
     clock = BusyClock(state.device)
-    paged = model.backends.paged_attention is not None
     while True:
         waited = time.perf_counter()
         work = link.recv_object(stage - 1)
@@ -205,16 +212,13 @@ def _serve(
         if park is not None:
             for key, tokens, slot, blocks in work.unparks:
                 park.restore_key(key, tokens, slot, blocks)
-        for slot, blocks in work.tables.items():
-            state.set_block_table(slot, blocks)
-        chunks = [(slot, [0] * rows, past) for slot, rows, past in work.chunks]
-        batch = ForwardBatch.build(chunks, state, state.device, work.saves, work.stepwise)
-        if paged:
-            batch.layout = state.layout(batch.spans)
-        if not (paged and model.backends.stepwise_spans):
-            batch.in_steps(state.layout if paged else None)
         tiers.before()
-        x, pending = model.model.run_layers(batch, part.layers, x, pending)
+        if graphs is not None and work.bucket is not None and graphs.holds(work.bucket):
+            window = WindowRows.of_stage(work.chunks, work.tables, work.saves, work.stepwise)
+            out = graphs.run_part(window, work.bucket, (x, pending))
+            x, pending = (out, None) if part.last else (out[0], out[1])
+        else:
+            x, pending = _eager_part(model, state, part, work, x, pending)
         reporter.swaps += tiers.after()
         now = time.monotonic()
         if reporter.layers and now - reported >= EXPERT_REPORT_S:
@@ -228,8 +232,32 @@ def _serve(
             continue
         final = None
         if work.rows:
-            final = model.model.final_norm(x, pending)[torch.tensor(work.rows, device=state.device)]
+            if pending is not None:  # an eager window's
+                x = model.model.final_norm(x, pending)
+            final = x[torch.tensor(work.rows, device=state.device)]
         clock.span(began)
         link.send_object(StageAnswer([*work.stages, (clock.oldest(), waited)], work.experts), 0)
         if final is not None:
             link.send_tensors([final], 0)
+
+
+def _eager_part(
+    model: CausalLM,
+    state: PagedState,
+    part: ModelPart,
+    work: StageWork,
+    x: torch.Tensor,
+    pending: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """This stage's layers run eagerly over the window: the stream and the last one's output."""
+    for slot, blocks in work.tables.items():
+        state.set_block_table(slot, blocks)
+    chunks = [(slot, [0] * rows, past) for slot, rows, past in work.chunks]
+    batch = ForwardBatch.build(chunks, state, state.device, work.saves, work.stepwise)
+    if model.backends.paged_attention is not None:
+        batch.layout = state.layout(batch.spans)
+        if not model.backends.stepwise_spans:
+            batch.in_steps(state.layout)
+    else:
+        batch.in_steps(None)
+    return model.model.run_layers(batch, part.layers, x, pending)

@@ -9,6 +9,10 @@ import torch
 from checkpoints import write_checkpoint
 from engine_helpers import complete, make_core, request, run, with_window_graphs
 
+from app.engine.core import EngineCore
+from app.engine.cuda_graphs import StageGraphs
+from app.engine.protocol import AddRequest
+
 # The interpreter runs every program of every kernel in Python: two layers a model, the hybrid one of each
 # kind (a Gated DeltaNet layer, then an attention layer), which covers every kernel the engine runs.
 TWO_LAYERS = {
@@ -120,17 +124,29 @@ def test_a_shared_prompt_start_is_continued_from_the_cache(hybrid: Path) -> None
     assert results[last.request_id].token_ids == complete(fresh, last.prompt_token_ids, **params).token_ids
 
 
+def _bucketed_arrivals(count: int) -> list[tuple[int, AddRequest]]:
+    """Up to four greedy requests with logprobs, one a window: a prompt read in one chunk that checkpoints
+    position 64 on the way, a short one, a follow-up of the first from the cache, a shorter one."""
+    params = {"max_tokens": 3, "temperature": 0, "ignore_eos": True, "logprobs": 1}
+    shared = _prompt(70, 9)
+    prompts = [shared, _prompt(20, 1), [*shared, *_prompt(6, 3)], _prompt(5, 4)]
+    return [(i, request(prompt, **params)) for i, prompt in enumerate(prompts[:count])]
+
+
+def _assert_same_answers(arrivals: list[tuple[int, AddRequest]], got: dict, expected: dict) -> None:
+    """Every request got the expected tokens, and their logprobs to rounding."""
+    for _, add in arrivals:
+        ours, theirs = got[add.request_id], expected[add.request_id]
+        assert ours.token_ids == theirs.token_ids
+        for a, b in zip(ours.logprobs, theirs.logprobs, strict=True):
+            assert a.chosen.logprob == pytest.approx(b.chosen.logprob, abs=1e-4)
+
+
 def test_windows_through_the_graphs_static_inputs_give_the_eager_windows_tokens(hybrid: Path) -> None:
     """Decode rows, prompt pieces, fresh slots, a checkpoint saved inside a chunk and a follow-up from it,
     padded to buckets: the same tokens (and logprobs to rounding) as every window run eagerly."""
     settings = {"backend": "triton", "parallel": 3, "max_batched_tokens": 72, "decode_share": 0.01}
-    params = {"max_tokens": 3, "temperature": 0, "ignore_eos": True, "logprobs": 1}
-    shared = _prompt(70, 9)  # read in one chunk that checkpoints position 64 on the way
-    arrivals = [
-        (0, request(shared, **params)),
-        (1, request(_prompt(20, 1), **params)),
-        (2, request([*shared, *_prompt(6, 3)], **params)),
-    ]
+    arrivals = _bucketed_arrivals(3)
     graphed = make_core(hybrid, **settings)
     used = with_window_graphs(graphed)
     padded, windows = run(graphed, arrivals)
@@ -139,8 +155,27 @@ def test_windows_through_the_graphs_static_inputs_give_the_eager_windows_tokens(
         w.prompt_tokens and w.decode_tokens for w in windows
     )
     assert sum(w.prefix_cache_hits for w in windows) > 0
-    for _, add in arrivals:
-        got, expected = padded[add.request_id], eager[add.request_id]
-        assert got.token_ids == expected.token_ids
-        for a, b in zip(got.logprobs, expected.logprobs, strict=True):
-            assert a.chosen.logprob == pytest.approx(b.chosen.logprob, abs=1e-4)
+    _assert_same_answers(arrivals, padded, eager)
+
+
+def test_a_split_whose_stages_replay_their_graphs_gives_the_tokens_of_the_model_run_whole(
+    hybrid: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both stages of a split, two slot groups in flight, run windows through their graphs' static inputs
+    (not captured on the CPU): stage 0 picks each window's bucket, every stage fills its own inputs and the
+    stream crosses between them. Decode rows, prompt pieces, fresh slots, a checkpoint inside a chunk and a
+    follow-up from it give the tokens (and logprobs to rounding) of the model run whole, eagerly."""
+    settings = {"backend": "triton", "parallel": 4, "max_batched_tokens": 72, "decode_share": 0.01}
+    arrivals = _bucketed_arrivals(4)
+    whole, _ = run(make_core(hybrid, **settings), arrivals)
+    monkeypatch.setattr(EngineCore, "_graphs_wanted", lambda self: True)
+    core = make_core(hybrid, layer_split="2", batch_groups=2, **settings)
+    try:
+        assert isinstance(core.runner.graphs, StageGraphs)
+        split, windows = run(core, arrivals)
+    finally:
+        core.close()
+    replayed = [w for w in windows if w.replayed]
+    assert any(w.prompt_tokens for w in replayed) and any(not w.prompt_tokens for w in replayed)
+    assert sum(w.prefix_cache_hits for w in windows) > 0
+    _assert_same_answers(arrivals, split, whole)
