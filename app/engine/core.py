@@ -440,9 +440,6 @@ class EngineCore:
         config = self.config
         if graphs is None or graphs.tiers or config.spec_tokens < 1 or state.stream is not None:
             return None
-        if self.pipeline is not None:
-            log.info("layer split: the MTP head's passes run eagerly (its captured pass is not built there)")
-            return None
         max_blocks = -(-self.max_model_len // config.block_size)
         head = HeadGraphs(self.loaded.model, state, config.parallel, config.spec_tokens, max_blocks)
         head.capture()

@@ -354,15 +354,29 @@ def test_the_demo_models_mtp_head_guesses_most_next_tokens() -> None:
     assert per_window > 1.8, per_window  # the head guesses the token after next right ~75% of the time
 
 
-def test_mtp_drafts_on_a_two_stage_split_give_the_tokens_of_the_whole_model(headed: Path) -> None:
+@pytest.mark.parametrize("captured", [False, True], ids=["eager head", "captured head"])
+def test_mtp_drafts_on_a_two_stage_split_give_the_tokens_of_the_whole_model(
+    headed: Path, monkeypatch: pytest.MonkeyPatch, captured: bool
+) -> None:
+    """With the head's passes eager, or through its captured pass's static inputs (run eagerly on the CPU;
+    on a split its guesses are read on the host)."""
     settings = {"parallel": 4, "max_batched_tokens": 128, "decode_share": 0.01}
     whole, _ = _tokens(make_core(headed, **settings), {"temperature": 0}, 4)
     core = make_core(headed, spec="mtp", layer_split="2", **settings)
+    passes: list[bool] = []
     try:
+        assert core.mtp is not None
+        if captured:
+            max_blocks = -(-core.max_model_len // core.config.block_size)
+            head = HeadGraphs(core.loaded.model, core.runner.state, 4, 3, max_blocks)
+            run_head = head.run
+            monkeypatch.setattr(head, "run", lambda *args: passes.append(args[-1]) or run_head(*args))
+            core.mtp.graphs = head
         split, windows = _tokens(core, {"temperature": 0}, 4)
     finally:
         core.close()
     assert split == whole and any(w.drafts for w in windows)
+    assert (passes and not any(passes)) if captured else not passes
 
 
 def test_mtp_drafts_need_a_head(model: Path) -> None:
