@@ -196,7 +196,10 @@ async def burst(client: Client, clients: int, prompt_len: int, output_len: int) 
 
 async def observer(client: Client, peers: int, prompt_len: int, name: str, length: int) -> dict[str, Any]:
     """A stream of `length` tokens decoding alone, then `peers` prompts arriving together: its speed while
-    they are read."""
+    they are read, against its solo speed just before (`_ratio`), and against its solo speed at the same
+    context (`_ratio_same_context`): the harmonic mean of the speeds before and after the read, alone again
+    (its context grows while the peers are read, and its own attention with it; on a long read that alone
+    can halve a small model's speed)."""
     watched = Stream()
     task = asyncio.create_task(client.stream(SOLO_PROMPT, length, watched))
     while len(watched.events) < 200:
@@ -212,6 +215,13 @@ async def observer(client: Client, peers: int, prompt_len: int, name: str, lengt
     during = rate(watched, arrival, read)
     if task.done():
         raise RuntimeError("the watched stream ended before its peers were read")
+    alone = len(watched.events)  # the peers end four tokens after their first
+    while len(watched.events) < alone + 250:
+        if task.done():
+            task.result()
+            raise RuntimeError("the watched stream ended before it decoded alone again")
+        await asyncio.sleep(0.005)
+    after = rate(watched, watched.events[alone + 100], watched.events[alone + 249])
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
@@ -221,6 +231,8 @@ async def observer(client: Client, peers: int, prompt_len: int, name: str, lengt
         f"{name}_solo_tok_s": solo_rate,
         f"{name}_during_tok_s": during,
         f"{name}_ratio": during / solo_rate,
+        f"{name}_solo_after_tok_s": after,
+        f"{name}_ratio_same_context": during * (1 / solo_rate + 1 / after) / 2,
         f"{name}_read_s": read - arrival,
         f"{name}_peer_ttft_p50_s": statistics.median(ttfts),
         f"{name}_peer_ttft_max_s": ttfts[-1],
@@ -271,7 +283,7 @@ async def run(args: argparse.Namespace, config: dict[str, Any]) -> dict[str, Any
     result: dict[str, Any] = {}
     await client.stream(SOLO_PROMPT, 8)  # the first request pays for nothing that users would not see again
     hits = await client.cache_hits()
-    length = min(OBSERVER_TOKENS, config["max_position_embeddings"] - SOLO_PROMPT)
+    length = min(args.observer_tokens, config["max_position_embeddings"] - SOLO_PROMPT)
     scenarios = {
         "solo": lambda: solo(client, args.output_len * 2),
         "burst": lambda: burst(client, args.clients, args.prompt_len, args.output_len),
@@ -305,6 +317,12 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--long-peers", type=int, default=0, help="peers of the long-prompt observer run")
     parser.add_argument("--long-prompt-len", type=int, default=8192)
+    parser.add_argument(
+        "--observer-tokens",
+        type=int,
+        default=OBSERVER_TOKENS,
+        help="the watched stream's most tokens (raise it where its peers' prompts take long to read)",
+    )
     parser.add_argument("--scenarios", help="run only these, e.g. solo,observer (default: all)")
     parser.add_argument("--port", type=int, default=8123)
     parser.add_argument("--seed", type=int, default=0)

@@ -22,7 +22,7 @@ from app.engine.blocks import ROOT, BlockPool
 from app.engine.drafts import DraftSource, NgramDrafter
 from app.engine.prefix_cache import PrefixHit, StateCheckpoints
 from app.engine.protocol import SamplingParams
-from app.engine.window_cost import DecodeWindowCost, WindowCost
+from app.engine.window_cost import DecodeWindowCost, WindowCost, chunk_pairs
 
 UNCALIBRATED_CHUNK = 256
 HOLD_S = 1.0  # the longest a request whose prompt was read waits for others' prompts before it decodes
@@ -326,10 +326,10 @@ class Scheduler:
                 chunk = self._with_drafts(self._chunk(request, take))
                 window.chunks.append(chunk)
                 budget -= len(chunk.tokens)
-        share = _Share(
-            self, len(window.chunks), budget, paced=max(len(window.chunks), self._decoding_beside(group))
-        )
-        for request in [r for r in ours if r.phase is Phase.PROMPT]:
+        reading = [r for r in ours if r.phase is Phase.PROMPT]
+        paced = max(len(window.chunks), self._decoding_beside(group))
+        share = _Share(self, len(window.chunks), budget, paced, reading[0].computed if reading else 0)
+        for request in reading:
             take = share.take(request.pending, request.computed)
             if take <= 0:
                 break
@@ -640,13 +640,16 @@ class Scheduler:
         """Learn from how long a window took, from planning it to handing out its tokens, and settle the
         decoding slots' credit: what it took beyond the cost it was charged at planning, or below it.
 
-        `replayed` says the window replayed a CUDA graph: a decode-only one then says nothing about windows
-        with prompt rows, which the window-cost fit describes (at their bucket's rows).
+        The window-cost fit describes windows with prompt rows (at their bucket's rows where `replayed`: the
+        window replayed a CUDA graph) and learns from them alone: decode-only windows have their own means,
+        and where they run eagerly too (a CPU's) the hundreds of them between two prompt windows would wash
+        those out of a fit that follows the latest windows.
         """
         rows = sum(len(c.tokens) for c in window.chunks)
         decode = window.decode_tokens
-        if not replayed or rows > decode:
-            self.cost.observe(self.padded(rows) if replayed else rows, len(window.chunks), seconds)
+        if rows > decode:
+            ran = self.padded(rows) if replayed else rows
+            self.cost.observe(ran, len(window.chunks), seconds, window_pairs(window.chunks, ran))
         if decode and rows == decode:
             self.decode_cost.observe(decode, seconds)
         if window.charged is not None:
@@ -670,7 +673,7 @@ class Scheduler:
         a decode row beside one prompt chunk); the windows that run refine it. Without a start, windows that
         all read the same chunk size beside decoding slots could never tell fixed from per-row costs."""
         for rows, seconds in windows:
-            self.cost.observe(rows, 2, seconds)
+            self.cost.observe(rows, 2, seconds, chunk_pairs(rows, 0))
 
     def padded(self, rows: int) -> int:
         """The rows a window of `rows` rows with prompt rows runs as: its graph bucket, or itself."""
@@ -690,12 +693,16 @@ class Scheduler:
             solo = self.cost.predict(decode_rows, decode_rows)
         return solo
 
-    def credit_cap(self, decode_rows: int, allowed: float) -> float:
-        """The most credit decoding slots may build: what a window with a full token budget costs."""
+    def credit_cap(self, decode_rows: int, allowed: float, past: int | None = None) -> float:
+        """The most credit decoding slots may build: what a window with a full token budget costs, its chunk
+        read after `past` positions (by default where the furthest prompt being read is)."""
         if not self.cost.calibrated:
             return allowed
-        full = self.padded(decode_rows + self.config.max_batched_tokens)
-        return max(allowed, self.cost.predict(full, decode_rows + 1))
+        if past is None:
+            past = max((r.computed for r in self.running if r.phase is Phase.PROMPT), default=0)
+        budget = self.config.max_batched_tokens
+        full = self.padded(decode_rows + budget)
+        return max(allowed, self.cost.predict(full, decode_rows + 1, chunk_pairs(budget, past)))
 
     def _predict(self, window: Window) -> float | None:
         """Expected seconds of a planned window (at its bucket's rows), None while unknown."""
@@ -704,7 +711,8 @@ class Scheduler:
             return self.solo_seconds(rows)
         if not self.cost.calibrated:
             return None
-        return self.cost.predict(self.padded(rows), len(window.chunks))
+        ran = self.padded(rows)
+        return self.cost.predict(ran, len(window.chunks), window_pairs(window.chunks, ran))
 
     def _charge(self, window: Window) -> float | None:
         """Charge the decoding slots' credit for a window being planned, at its predicted cost (returned).
@@ -760,15 +768,18 @@ class _Share:
     such multiple even past the token budget, so that it progresses.
     """
 
-    def __init__(self, scheduler: Scheduler, decode_rows: int, tokens: int, paced: int | None = None) -> None:
+    def __init__(
+        self, scheduler: Scheduler, decode_rows: int, tokens: int, paced: int | None = None, past: int = 0
+    ) -> None:
         """`paced`: the decode rows whose solo speed sets the time budget (the window's own, or with slot
-        groups those of another group it holds up, where more)."""
+        groups those of another group it holds up, where more); `past`: where the first prompt chunk would
+        start."""
         paced = decode_rows if paced is None else paced
         self.cost = scheduler.cost
         self.fill = scheduler.fill
         self.minimum = scheduler.config.block_size
         self.align = scheduler.config.prompt_align
-        self.rows, self.sequences = decode_rows, decode_rows
+        self.rows, self.sequences, self.pairs = decode_rows, decode_rows, 0
         self.tokens = tokens
         self.limit: float | None = None
         self.first = True
@@ -777,8 +788,9 @@ class _Share:
         if solo is not None and self.cost.calibrated:
             allowed = solo / scheduler.planned_share
             self.limit = allowed + scheduler.credit
-            one_block = self.cost.predict(scheduler.padded(decode_rows + self.minimum), decode_rows + 1)
-            capped = scheduler.credit >= scheduler.credit_cap(paced, allowed)
+            block = scheduler.padded(decode_rows + self.minimum)
+            one_block = self.cost.predict(block, decode_rows + 1, chunk_pairs(self.minimum, past))
+            capped = scheduler.credit >= scheduler.credit_cap(paced, allowed, past)
             sharing = scheduler.config.decode_share < 1
             self.saving = one_block > allowed and sharing and not capped
             self.owing = one_block > self.limit and sharing and not capped
@@ -792,7 +804,8 @@ class _Share:
         """
         take = min(pending, self.tokens)
         if self.limit is not None:
-            window = self.cost.rows_within(self.limit - self.cost.predict(0, self.sequences))
+            spent = self.cost.predict(self.rows, self.sequences, self.pairs)
+            window = self.rows + self.cost.rows_within(self.limit - spent, past)
             afford = self.fill(window) - self.rows
             if self.first and self.saving:
                 take = take if afford >= take else 0
@@ -808,4 +821,13 @@ class _Share:
             self.tokens -= take
             self.rows += take
             self.sequences += 1
+            self.pairs += chunk_pairs(take, past)
         return take
+
+
+def window_pairs(chunks: list[Chunk], ran: int) -> int:
+    """The attention pairs of a window's prompt chunks (`chunk_pairs`), and of the padding sequence where it
+    runs as `ran` rows (a graph bucket's)."""
+    pairs = sum(chunk_pairs(len(c.tokens), c.past) for c in chunks if not c.decode)
+    padding = ran - sum(len(c.tokens) for c in chunks)
+    return pairs + chunk_pairs(padding, 0) if padding > 0 else pairs

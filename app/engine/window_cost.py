@@ -1,76 +1,98 @@
-"""How long a window takes as a function of its rows and sequences, learned from the windows that ran."""
+"""How long a window takes as a function of its rows, sequences and attention pairs, learned from the windows
+that ran."""
 
 from __future__ import annotations
 
+import math
 
-def _solve3(m: list[list[float]], v: list[float]) -> list[float] | None:
-    """Solve the 3x3 system m x = v by Gaussian elimination; None when it is (nearly) singular."""
+PAIRS_UNIT = 1e6  # attention pairs are fitted in millions, near the rows' scale
+# the features each fit tries, most first: fixed, per row, per sequence, per attention pair
+_SUBSETS = ((0, 1, 2, 3), (0, 1, 3), (0, 1, 2), (0, 1))
+
+
+def _solve(m: list[list[float]], v: list[float]) -> list[float] | None:
+    """Solve the square system m x = v by Gaussian elimination; None when it is (nearly) singular."""
+    n = len(v)
     a = [[*row, rhs] for row, rhs in zip(m, v, strict=True)]
-    for col in range(3):
-        pivot = max(range(col, 3), key=lambda r: abs(a[r][col]))
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(a[r][col]))
         if abs(a[pivot][col]) < 1e-12:
             return None
         a[col], a[pivot] = a[pivot], a[col]
-        for r in range(3):
+        for r in range(n):
             if r != col:
                 f = a[r][col] / a[col][col]
                 a[r] = [x - f * y for x, y in zip(a[r], a[col], strict=True)]
-    return [a[i][3] / a[i][i] for i in range(3)]
+    return [a[i][n] / a[i][i] for i in range(n)]
+
+
+def chunk_pairs(rows: int, past: int) -> int:
+    """The attention pairs of a prompt chunk of `rows` rows after `past` positions: each row attends to the
+    past and to the chunk's rows up to itself."""
+    return rows * past + rows * (rows + 1) // 2
 
 
 class WindowCost:
-    """Fits seconds = fixed + per_row * rows + per_sequence * sequences by weighted least squares.
+    """Fits seconds = fixed + per_row * rows + per_sequence * sequences + per_pair * pairs by weighted least
+    squares.
 
-    Recent windows weigh more (`decay` per window), so the fit follows the machine and the context lengths. A
-    window pays per row (projections, experts) and per sequence in it (attention and recurrent-state work run
-    once per sequence). Until windows of two different sizes have run, `calibrated` is False; while rows and
-    sequences cannot be told apart, the per-sequence cost is taken as 0.
+    Recent windows weigh more (`decay` per window), so the fit follows the machine. A window pays per row
+    (projections, experts), per sequence in it (attention and recurrent-state work run once per sequence) and
+    per attention pair of its prompt chunks (`chunk_pairs`: a chunk late in a long prompt attends to all of
+    it, and costs many times an early one of the same rows). Until windows of two different sizes have run,
+    `calibrated` is False; a cost the windows cannot tell apart from the others (say sequences, while every
+    window held two) is taken as 0.
     """
 
     def __init__(self, decay: float = 0.95) -> None:
         self.decay = decay
-        self._xtx = [[0.0] * 3 for _ in range(3)]
-        self._xty = [0.0] * 3
-        self._fit: tuple[float, float, float] | None = None
+        self._xtx = [[0.0] * 4 for _ in range(4)]
+        self._xty = [0.0] * 4
+        self._fit: tuple[float, float, float, float] | None = None
 
-    def observe(self, rows: int, sequences: int, seconds: float) -> None:
-        """Add one window's size and duration."""
-        x = (1.0, float(rows), float(sequences))
-        for i in range(3):
+    def observe(self, rows: int, sequences: int, seconds: float, pairs: int = 0) -> None:
+        """Add one window's size (its prompt chunks' attention `pairs` among it) and duration."""
+        x = (1.0, float(rows), float(sequences), pairs / PAIRS_UNIT)
+        for i in range(4):
             self._xty[i] = self.decay * self._xty[i] + x[i] * seconds
-            for j in range(3):
+            for j in range(4):
                 self._xtx[i][j] = self.decay * self._xtx[i][j] + x[i] * x[j]
-        solution = _solve3(self._xtx, self._xty)
-        if solution is not None and solution[1] > 0 and solution[2] >= 0:
-            self._fit = (max(solution[0], 0.0), solution[1], solution[2])
-            return
-        # Windows of only two shapes (say a prompt alone, then the same chunk beside the same decode rows)
-        # cannot separate rows from sequences: fit fixed + per_row alone until they can.
-        (a, b), (c, d) = self._xtx[0][:2], self._xtx[1][:2]
-        det = a * d - b * c
-        if abs(det) < 1e-12:
-            self._fit = None
-            return
-        fixed = (d * self._xty[0] - b * self._xty[1]) / det
-        per_row = (a * self._xty[1] - c * self._xty[0]) / det
-        self._fit = (max(fixed, 0.0), per_row, 0.0) if per_row > 0 else None
+        self._fit = None
+        for subset in _SUBSETS:  # the first whose costs are all positive (per row) or not negative
+            m = [[self._xtx[i][j] for j in subset] for i in subset]
+            solution = _solve(m, [self._xty[i] for i in subset])
+            if solution is None:
+                continue
+            costs = dict(zip(subset, solution, strict=True))
+            if costs[1] > 0 and costs.get(2, 0.0) >= 0 and costs.get(3, 0.0) >= 0:
+                self._fit = (max(costs[0], 0.0), costs[1], costs.get(2, 0.0), costs.get(3, 0.0))
+                return
 
     @property
     def calibrated(self) -> bool:
-        """True once the fixed, per-row and per-sequence costs are known."""
+        """True once the fixed and per-row costs are known."""
         return self._fit is not None
 
-    def predict(self, rows: int, sequences: int) -> float:
+    def predict(self, rows: int, sequences: int, pairs: int = 0) -> float:
         """Expected seconds of a window (requires `calibrated`)."""
-        fixed, per_row, per_sequence = self._require()
-        return fixed + per_row * rows + per_sequence * sequences
+        fixed, per_row, per_sequence, per_pair = self._require()
+        return fixed + per_row * rows + per_sequence * sequences + per_pair * pairs / PAIRS_UNIT
 
-    def rows_within(self, seconds: float) -> int:
-        """The most rows one more sequence may add to a window within `seconds` (requires `calibrated`)."""
-        _, per_row, per_sequence = self._require()
-        return max(int((seconds - per_sequence) / per_row), 0)
+    def rows_within(self, seconds: float, past: int = 0) -> int:
+        """The most rows one more sequence may add to a window within `seconds`, read after `past` positions
+        (requires `calibrated`)."""
+        _, per_row, per_sequence, per_pair = self._require()
+        budget = seconds - per_sequence
+        if budget <= 0:
+            return 0
+        # per_row * r + per_pair * (r * past + r * (r + 1) / 2) <= budget, for the largest r
+        a = per_pair / PAIRS_UNIT / 2
+        b = per_row + per_pair / PAIRS_UNIT * (past + 0.5)
+        if a <= 0:
+            return int(budget / b)
+        return int((-b + math.sqrt(b * b + 4 * a * budget)) / (2 * a))
 
-    def _require(self) -> tuple[float, float, float]:
+    def _require(self) -> tuple[float, float, float, float]:
         if self._fit is None:
             raise ValueError("window cost is not calibrated yet")
         return self._fit

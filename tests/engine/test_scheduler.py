@@ -9,8 +9,17 @@ from collections.abc import Callable
 import pytest
 
 from app.engine.protocol import SamplingParams
-from app.engine.scheduler import HOLD_S, SHARE_MARGIN, Phase, Request, Scheduler, SchedulerConfig, Window
-from app.engine.window_cost import DecodeWindowCost, WindowCost
+from app.engine.scheduler import (
+    HOLD_S,
+    SHARE_MARGIN,
+    Phase,
+    Request,
+    Scheduler,
+    SchedulerConfig,
+    Window,
+    window_pairs,
+)
+from app.engine.window_cost import DecodeWindowCost, WindowCost, chunk_pairs
 
 
 def _scheduler(**overrides: object) -> Scheduler:
@@ -142,6 +151,23 @@ def test_window_cost_recovers_fixed_per_row_and_per_sequence_costs() -> None:
     assert cost.rows_within(0.0111) == 100  # one more sequence (1 ms) and 100 rows (10 ms)
 
 
+def test_window_cost_learns_what_a_chunk_late_in_a_long_prompt_costs() -> None:
+    # Attention pairs: a chunk of 100 rows after 10,000 positions attends to 1,005,050 pairs of positions.
+    assert chunk_pairs(100, 10_000) == 100 * 10_000 + 5050
+    cost = WindowCost()
+    true = (0.004, 0.0001, 0.001, 2e-9)
+    shapes = [(1, 1, 0), (64, 2, 0), (512, 2, 0), (512, 2, 8000), (2048, 3, 20_000), (256, 5, 50_000)]
+    for rows, sequences, past in shapes:
+        pairs = chunk_pairs(rows, past)
+        cost.observe(rows, sequences, true[0] + true[1] * rows + true[2] * sequences + true[3] * pairs, pairs)
+    late = chunk_pairs(1000, 90_000)  # a late chunk's attention costs nearly twice its rows
+    assert cost.predict(1001, 2, late) == pytest.approx(0.004 + 0.1001 + 0.002 + 2e-9 * late, rel=1e-6)
+    # one more sequence of r rows after 90,000 positions within 0.2 s: 0.001 + 1e-4 r + 2e-9 (90,000 r +
+    # r (r + 1) / 2) <= 0.2 holds up to r = 708 (0.19974 s; 709 rows take 0.20002)
+    assert cost.rows_within(0.2, past=90_000) == 708
+    assert cost.rows_within(0.2) == 1951  # at the start of a prompt
+
+
 def test_decode_share_limits_prompt_chunks_once_window_cost_is_known() -> None:
     scheduler = _scheduler(max_batched_tokens=4096, decode_share=0.5)
     for rows, sequences in [(1, 1), (100, 1), (400, 2), (2000, 3), (50, 5), (8, 8)]:
@@ -211,11 +237,13 @@ def test_decode_window_cost_is_kept_per_row_count() -> None:
 def _simulate(
     scheduler: Scheduler,
     windows: int,
-    eager: WindowCost | Callable[[int, int], float],
+    eager: WindowCost | Callable[[int, int, int], float],
     replayed_seconds: float,
     overlap: bool = False,
+    graphs: bool = True,
 ) -> list[tuple]:
-    """Run windows whose time comes from a model: decode-only windows replay graphs, others run eagerly.
+    """Run windows whose time comes from a model of (rows, sequences, attention pairs): decode-only windows
+    take `replayed_seconds` (replaying graphs, unless not `graphs`: a CPU's), others run eagerly.
 
     With `overlap`, each window is observed only after the next one is planned (as the engine runs them).
     """
@@ -231,8 +259,10 @@ def _simulate(
         if not window.chunks:
             break
         rows = sum(len(c.tokens) for c in window.chunks)
-        replayed = rows == window.decode_tokens
-        seconds = replayed_seconds if replayed else cost(rows, len(window.chunks))
+        decode_only = rows == window.decode_tokens
+        pairs = window_pairs(window.chunks, rows)
+        seconds = replayed_seconds if decode_only else cost(rows, len(window.chunks), pairs)
+        replayed = decode_only and graphs
         if overlap:
             ran = (window, seconds, replayed)
         else:
@@ -277,11 +307,11 @@ def test_a_prompt_the_share_keeps_waiting_takes_no_blocks_and_evicts_no_cached_o
         scheduler.cost.observe(rows, sequences, 0.008 + 0.00001 * rows + 0.0001 * sequences)
     earlier = _request("earlier", 400, max_tokens=1)
     scheduler.add(earlier)
-    _simulate(scheduler, 3, lambda rows, sequences: 0.012, 0.001)
+    _simulate(scheduler, 3, lambda *_: 0.012, 0.001)
     scheduler.finish(earlier, "stop")
     assert len(scheduler.pool.match(earlier.prompt, 400)) == 25
     scheduler.add(_request("a", 4, max_tokens=10_000))
-    _simulate(scheduler, 2, lambda rows, sequences: 0.012, 0.001)
+    _simulate(scheduler, 2, lambda *_: 0.012, 0.001)
     long = Request("long", [9] * 700, SamplingParams(max_tokens=100), 0.0)  # 44 blocks; 38 free or cached
     scheduler.add(long)
     window = _run(scheduler, 0.001)
@@ -295,7 +325,7 @@ def test_the_share_holds_when_prompt_windows_cost_more_than_the_fit_predicts(ove
     # Mixture-of-experts windows cost a step, not a line: a few rows already read most experts' weights, so
     # the linear fit misjudges them; what they take beyond it is paid back by the windows after. Overlapped,
     # a window is planned before the one before it has been observed: its charge is taken when planned.
-    def true_cost(rows: int, sequences: int) -> float:
+    def true_cost(rows: int, sequences: int, pairs: int = 0) -> float:
         return 0.002 + 0.006 * min(rows, 32) / 32 + 0.00001 * rows
 
     scheduler = _scheduler(max_batched_tokens=1024, decode_share=0.5, parallel=9, kv_blocks=400)
@@ -312,6 +342,29 @@ def test_the_share_holds_when_prompt_windows_cost_more_than_the_fit_predicts(ove
     assert 0.49 <= share <= 0.6
 
 
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "cpu"])
+def test_the_share_holds_while_a_long_prompts_late_chunks_attend_to_all_of_it(graphs: bool) -> None:
+    # A window's attention grows with the positions its chunks follow: the last chunks of a 24K-token prompt
+    # cost over four times its first (2 ns a pair). The fit starts from windows at the prompt's start, as
+    # calibrated graphs give it; it learns the pairs' cost from the chunks read, and prices each next chunk
+    # at its own position, so the decoding slot keeps its share throughout. On a CPU, where decode-only
+    # windows run eagerly too, the many of them between two chunks do not wash the chunks out of the fit.
+    def true_cost(rows: int, sequences: int, pairs: int) -> float:
+        return 0.004 + 0.00001 * rows + 2e-9 * pairs
+
+    scheduler = _scheduler(max_batched_tokens=2048, decode_share=0.5, kv_blocks=4096)
+    for rows in (64, 256, 1024, 2048):
+        scheduler.cost.observe(rows, 2, true_cost(rows, 2, chunk_pairs(rows, 0)), chunk_pairs(rows, 0))
+    scheduler.add(_request("a", 4, max_tokens=100_000))
+    _simulate(scheduler, 3, true_cost, 0.002, overlap=True, graphs=graphs)
+    scheduler.add(_request("long", 24_000))
+    log = _simulate(scheduler, 20_000, true_cost, 0.002, overlap=True, graphs=graphs)
+    reading = log[: max(i for i, w in enumerate(log) if w[1]) + 1]
+    assert sum(w[1] for w in reading) == 24_000
+    share = len(reading) * 0.002 / sum(w[2] for w in reading)  # "a" gets a token in every window
+    assert 0.49 <= share <= 0.6
+
+
 def test_windows_decode_only_while_an_overrun_is_paid_back() -> None:
     # One block beside the decode row is predicted to fit the share (3 ms of 4), but windows with prompt rows
     # take 6 ms (a fit that misjudges small windows, held fixed here): each leaves a debt that the next
@@ -319,11 +372,11 @@ def test_windows_decode_only_while_an_overrun_is_paid_back() -> None:
     scheduler = _scheduler(max_batched_tokens=512, decode_share=0.5)
     for rows, sequences in [(17, 2), (100, 2), (400, 3), (60, 5)]:
         scheduler.cost.observe(rows, sequences, 0.0025 + 0.00002 * rows)
-    scheduler.cost.observe = lambda rows, sequences, seconds: None  # type: ignore[method-assign]
+    scheduler.cost.observe = lambda *args: None  # type: ignore[method-assign]
     scheduler.add(_request("a", 4, max_tokens=10_000))
-    _simulate(scheduler, 3, lambda rows, sequences: 0.006, 0.002)
+    _simulate(scheduler, 3, lambda *_: 0.006, 0.002)
     scheduler.add(_request("long", 3000))
-    log = _simulate(scheduler, 400, lambda rows, sequences: 0.006, 0.002, overlap=True)
+    log = _simulate(scheduler, 400, lambda *_: 0.006, 0.002, overlap=True)
     reading = log[: max(i for i, w in enumerate(log) if w[1]) + 1]
     assert any(w[1] == 0 for w in reading)  # decode-only windows between the prompt pieces
     assert 0.49 <= len(reading) * 0.002 / sum(w[2] for w in reading) <= 0.6
