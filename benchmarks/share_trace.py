@@ -1,11 +1,13 @@
 """Trace the decode share window by window: one slot decoding, then peers' prompts arriving together.
 
     python benchmarks/share_trace.py [--shape q30-half] [--peers 31] [--prompt-len 512] [--no-overlap]
+    python benchmarks/share_trace.py --model DIR --device cpu [--max-batched-tokens 8192] [--peers 4 ...]
 
-Runs an in-process engine on a random-weight model of the shape (as benchmarks/gpu_bench.py) and prints, for
-every window while the peers' prompts are read: its decode and prompt rows, the rows it was padded to, the
-cost charged when it was planned, the seconds it took, the scheduler's prediction for a one-block window,
-what a window may cost (the solo decode window over the share) and the credit after it.
+Runs an in-process engine on a random-weight model of the shape (as benchmarks/gpu_bench.py), or on a
+checkpoint on disk (`--model`, on `--device`), and prints, for every window while the peers' prompts are read:
+its decode and prompt rows, the rows it was padded to, the cost charged when it was planned, the seconds it
+took, the scheduler's prediction for a one-block window, what a window may cost (the solo decode window over
+the share) and the credit after it.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from app.engine.config import EngineConfig
+from app.engine.core import EngineCore
 from app.engine.protocol import AddRequest, SamplingParams
 from app.engine.scheduler import Window
 from benchmarks.gpu_bench import PROMPT_LEN, bench_config, open_engine
@@ -31,21 +35,29 @@ def main() -> None:
     parser.add_argument("--peers", type=int, default=31)
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--no-overlap", action="store_true")
+    parser.add_argument("--model", type=Path, help="a checkpoint on disk instead of a random shape")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--max-batched-tokens", type=int, default=8192)
     args = parser.parse_args()
-    config = bench_config(args.shape)
-    core = open_engine(config, exact=False, eager=False)
+    if args.model is not None:
+        settings = {"model": str(args.model), "device": args.device, "parallel": 8, "kv_memory": 2 << 30}
+        core = EngineCore(EngineConfig(**settings, max_batched_tokens=args.max_batched_tokens))
+        vocab = core.loaded.model.config.vocab_size
+    else:
+        config = bench_config(args.shape)
+        core = open_engine(config, exact=False, eager=False)
+        vocab = config["vocab_size"]
     if args.no_overlap:
         core.config = msgspec.structs.replace(core.config, overlap=False)
     scheduler = core.scheduler
-    vocab = config["vocab_size"]
     generator = torch.Generator().manual_seed(7)
     trace: list[dict] = []
     observed: dict[int, float] = {}
     schedule, observe = scheduler.schedule, scheduler.observe
 
-    def traced_schedule() -> Window:
+    def traced_schedule(*args: object, **kwargs: object) -> Window:
         credit = scheduler.credit
-        window = schedule()
+        window = schedule(*args, **kwargs)  # type: ignore[arg-type]
         rows = sum(len(c.tokens) for c in window.chunks)
         decode = window.decode_tokens
         solo = scheduler.solo_seconds(decode) if decode else None
@@ -78,7 +90,8 @@ def main() -> None:
     scheduler.schedule = traced_schedule  # type: ignore[method-assign]
     scheduler.observe = traced_observe  # type: ignore[method-assign]
     watched = torch.randint(3, vocab, (PROMPT_LEN,), generator=generator).tolist()
-    core.add_request(AddRequest("watched", watched, SamplingParams(max_tokens=8000, temperature=0)))
+    room = core.max_model_len - PROMPT_LEN  # it decodes until its peers are read
+    core.add_request(AddRequest("watched", watched, SamplingParams(max_tokens=room, temperature=0)))
     for _ in range(80):
         core.step()
     start = len(trace)
