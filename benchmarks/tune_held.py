@@ -44,7 +44,8 @@ EXPERT_TILES = {
     "tiles 16x64x64 w4 s4": MoeTiles(16, 64, 64, 4, 4),
     "tiles 128x128x64 w8 s1": MoeTiles(128, 128, 64, 8, 1),  # a prompt's (default: 3 stages)
     "tiles 128x128x64 w8 s3": MoeTiles(128, 128, 64, 8, 3),
-    "rows 1x4x256 w1": MoeTiles(1, 4, 256, 1, 2, rowwise=True),
+    "rows 1x4x256 w1": MoeTiles(1, 4, 256, 1, 2, rowwise=True),  # the i-quants' step capped at 128
+    "rows 1x4x64 w1": MoeTiles(1, 4, 64, 1, 2, rowwise=True),  # the i-quants' step before
 }
 DENSE_TILES = {
     "tiles 16x32x128 w4 s4": MoeTiles(16, 32, 128, 4, 4),

@@ -53,14 +53,23 @@ import triton
 import triton.language as tl
 
 # a step's smallest and largest k: on tiles, and for sums on the CUDA cores (`rowwise`)
-# a K-quant's step within half a super-block, an i-quant's within a quarter (more shared memory a value)
+# a K-quant's step within half a super-block, an i-quant's within a quarter (more shared memory a value).
+# An i-quant's rowwise step is half a super-block: a step's lane shuffles grow little with it (IQ4_XS 7
+# at 64 and 128, IQ3_S 14 and 22), so a larger step sums more values a shuffle; compiled for sm_90 it holds
+# 72-96 registers a thread at 128 against 51-72 at 64, no spills (IQ3_S 255 at 256, so not 256). Chosen from
+# the compiled kernels (`python tests/kernels/sm90_compile.py rowwise-registers`), not timed.
 STEP_LIMITS = {
     "Q8_0": (32, 1 << 12),
     **dict.fromkeys(("Q4_K", "Q5_K"), (64, 256)),
     "Q6_K": (32, 128),
     **dict.fromkeys(("IQ4_XS", "IQ3_XXS", "IQ3_S"), (32, 64)),
 }
-ROWWISE_STEP_LIMITS = {**STEP_LIMITS, "Q4_K": (256, 1024), "Q5_K": (256, 1024)}
+ROWWISE_STEP_LIMITS = {
+    **STEP_LIMITS,
+    "Q4_K": (256, 1024),
+    "Q5_K": (256, 1024),
+    **dict.fromkeys(("IQ4_XS", "IQ3_XXS", "IQ3_S"), (32, 128)),
+}
 # offsets into `quant_tables` (constexpr: the compiled kernels read them)
 IQ3_XXS_GRID, IQ3_S_GRID = tl.constexpr(0), tl.constexpr(256)
 # IQ4_NL's levels (kvalues_iq4nl): the first eight plus 128 as the bytes of one word, the last eight (all

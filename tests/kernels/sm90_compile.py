@@ -5,15 +5,21 @@ kernels are not compiled at all). Prints each kernel's shared memory; exits non-
 block, and prints its 16-byte loads a thread; `q8_0-loads` compiles Q8_0's programs with pointers, strides and
 k 16-byte aligned (as launches over rows of 256 values a multiple specialise them) and prints their global
 loads by width and their warp shuffles (16-byte / 2-byte / shuffles): held Q8_0's codes load as 16-byte
-vectors (or 16-byte asynchronous copies), only the scales two bytes at a time."""
+vectors (or 16-byte asynchronous copies), only the scales two bytes at a time. `rowwise-registers` compiles
+the i-quants' row sums at steps of k of 64, 128 and 256 and prints the registers a thread and the
+bytes spilled that ptxas reports, with the warp shuffles a step."""
 
 from __future__ import annotations
 
+import re
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import triton
 from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -92,6 +98,28 @@ def compile_q8_0_loads() -> None:
     print(line)
 
 
+def compile_rowwise_registers() -> None:
+    """The i-quants' row sums (1 x 4 columns, one warp, gate and up) at steps of 64, 128 and 256 values:
+    registers a thread, bytes spilled, lane shuffles a step."""
+    ptxas = get_ptxas(90).path
+    for kind in ("IQ4_XS", "IQ3_XXS", "IQ3_S"):
+        line = kind
+        for step in (64, 128, 256):
+            constants = {"MODE": 1, "X_ROW_DIV": 1, "HELD": HELD_CODES[kind], "SWIGLU": True, "SCALE": False}
+            constants |= {"PDL": True, "BLOCK_M": 1, "BLOCK_N": 4, "BLOCK_K": step}
+            ptx = _compiled(_held_rowwise, constants, 1, aligned=True).asm["ptx"]
+            with tempfile.TemporaryDirectory() as folder:
+                source = Path(folder) / "kernel.ptx"
+                source.write_text(ptx)
+                command = [ptxas, "-v", "--gpu-name=sm_90a", str(source), "-o", str(Path(folder) / "out")]
+                report = subprocess.run(command, capture_output=True, text=True, check=True).stderr
+            registers = re.search(r"Used (\d+) registers", report)
+            spilled = re.search(r"(\d+) bytes spill stores", report)
+            assert registers is not None and spilled is not None, report
+            line += f" {step}:{registers.group(1)}/{spilled.group(1)}/{ptx.count('shfl.sync')}"
+        print(line)
+
+
 def compile_blocks() -> None:
     """The block-copy kernel for q30's bf16 blocks (4,096 words) and 8-bit ones (2,304), pointers aligned."""
     pointers = ("src_k", "src_v", "dst_k", "dst_v", "src_ids", "dst_ids")
@@ -113,5 +141,7 @@ if __name__ == "__main__":
             compile_blocks()
         elif name == "q8_0-loads":
             compile_q8_0_loads()
+        elif name == "rowwise-registers":
+            compile_rowwise_registers()
         else:
             compile_held(name)

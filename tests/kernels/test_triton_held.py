@@ -26,7 +26,7 @@ from app.kernels.triton_quant import IQ3_S_GRID, IQ3_XXS_GRID, IQ4_NL_LEVELS, qu
 KINDS = list(HELD_BLOCKS)
 # a type of each form of the sums on the CUDA cores (Q8_0's and Q4_K's own; every other type widens its
 # values as Q6_K does, and the projections' test below runs each of them there)
-ROWWISE_FORMS = ["Q8_0", "Q4_K", "Q6_K"]
+ROWWISE_FORMS = ["Q8_0", "Q4_K", "Q6_K", "IQ4_XS", "IQ3_XXS", "IQ3_S"]
 HIDDEN, INTER = 256, 256  # whole Q4_K super-blocks
 # fp16 activations: Triton's interpreter does not compute bf16 dots (the GPU test runs bf16)
 DTYPE = torch.float16
@@ -73,6 +73,8 @@ def test_a_held_weights_type_is_told_by_its_row_width() -> None:
     with pytest.raises(ValueError, match="hold no known blocks"):
         held_kind(torch.empty(3, 100, dtype=torch.uint8), 256)
     assert quant_step("Q4_K", 768, 128) == 128 and quant_step("Q4_K", 256, 512) == 256
+    # an i-quant's tile step is a quarter super-block, its row sums' half of one
+    assert quant_step("IQ4_XS", 2048, 256) == 64 and quant_step("IQ3_S", 2048, 256, rowwise=True) == 128
     assert quant_step("Q8_0", 768, 512) == 256
     assert quant_step("Q8_0", 96, 128) == 32
 
