@@ -91,17 +91,29 @@ class WindowRows:
 
     @staticmethod
     def of_chunks(chunks: Sequence[Chunk]) -> WindowRows:
-        n = len(chunks)
-        lengths = np.fromiter((len(c.tokens) for c in chunks), np.int64, n)
+        """A window's chunks, in one pass over them (a decode window's host time is mostly this)."""
+        lengths, pasts, slots, tables, ids, sampled = [], [], [], [], [], []
+        saves, step_saves = [], []
+        for i, c in enumerate(chunks):
+            lengths.append(len(c.tokens))
+            pasts.append(c.past)
+            slots.append(c.slot)
+            tables.append(c.request.blocks)
+            ids += c.tokens
+            sampled.append(c.sampled_rows)
+            if c.save is not None:
+                saves.append((i, c.save))
+            if c.stepwise:
+                step_saves.append((i, c.step_saves))
         return WindowRows(
-            lengths=lengths,
-            pasts=np.fromiter((c.past for c in chunks), np.int64, n),
-            slots=np.fromiter((c.slot for c in chunks), np.int64, n),
-            tables=[c.request.blocks for c in chunks],
-            ids=np.fromiter((t for c in chunks for t in c.tokens), np.int64, int(lengths.sum())),
-            saves=[(i, c.save) for i, c in enumerate(chunks) if c.save is not None],
-            step_saves=[(i, c.step_saves) for i, c in enumerate(chunks) if c.stepwise],
-            sampled=np.fromiter((c.sampled_rows for c in chunks), np.int64, n),
+            lengths=np.array(lengths, np.int64),
+            pasts=np.array(pasts, np.int64),
+            slots=np.array(slots, np.int64),
+            tables=tables,
+            ids=np.array(ids, np.int64),
+            saves=saves,
+            step_saves=step_saves,
+            sampled=np.array(sampled, np.int64),
         )
 
     @staticmethod
