@@ -50,6 +50,9 @@ class BlockPool:
     whose contents are computed is registered under its chain hash (`commit`); when no request holds it any
     more it stays cached, evictable, until a new block is needed and it is the least recently released one.
     Only full, committed blocks are ever shared, and nobody writes into a full block, so sharing is safe.
+
+    Every change the pool makes to a table gives it a new stamp (`stamp_of`), never given before: a layer
+    split sends a table down its stages only when its stamp moved since it last sent it.
     """
 
     def __init__(self, total: int, block_size: int, caching: bool = False) -> None:
@@ -67,6 +70,16 @@ class BlockPool:
         self._idle_on_device: OrderedDict[int, None] = OrderedDict()
         self._pins: dict[int, int] = {}  # holds on blocks that are not requests' (saved states' tails)
         self.reclaim: Callable[[], bool] | None = None  # drops one pin when blocks run short; False: none
+        self._stamps: dict[int, int] = {}  # id of a non-empty table -> the stamp of its latest change
+        self._stamp = 0
+
+    def stamp_of(self, table: list[int]) -> int:
+        """The stamp of the pool's latest change to `table` (0: none since it was last emptied)."""
+        return self._stamps.get(id(table), 0)
+
+    def _changed(self, table: list[int]) -> None:
+        self._stamp += 1
+        self._stamps[id(table)] = self._stamp
 
     @property
     def free(self) -> int:
@@ -101,6 +114,7 @@ class BlockPool:
             block = heapq.heappop(self._free) if self._free else self._evict()
             self._refs[block] = 1
             table.append(block)
+        self._changed(table)
         return True
 
     def release(self, table: list[int]) -> None:
@@ -115,6 +129,7 @@ class BlockPool:
                 else:
                     heapq.heappush(self._free, block)
         table.clear()
+        self._stamps.pop(id(table), None)
 
     def match(self, tokens: list[int], limit: int) -> list[int]:
         """The cached blocks holding the longest prefix of `tokens` of at most `limit` tokens, in order.
@@ -150,15 +165,20 @@ class BlockPool:
     def take(self, table: list[int], blocks: list[int]) -> None:
         """Append cached `blocks` (from `match`) to an empty or matching table and hold them."""
         for block in blocks:
-            if self._refs[block] == 0:
-                del self._evictable[self._meta[block].key]
-                self._idle_on_device.pop(block, None)
-            self._refs[block] += 1
+            self._hold(block)
             table.append(block)
+        if blocks:
+            self._changed(table)
+
+    def _hold(self, block: int) -> None:
+        if self._refs[block] == 0:
+            del self._evictable[self._meta[block].key]
+            self._idle_on_device.pop(block, None)
+        self._refs[block] += 1
 
     def pin(self, block: int) -> None:
         """Hold a block for something other than a request (it does not count as used)."""
-        self.take([], [block])
+        self._hold(block)
         self._pins[block] = self._pins.get(block, 0) + 1
 
     def unpin(self, block: int) -> None:
@@ -249,6 +269,8 @@ class BlockPool:
             self._rename(block, spare)
             self._refs[block], self._refs[spare] = 0, 1
             table[index] = spare
+        if chosen:
+            self._changed(table)
         for block in emptied:  # free only now: no block is copied from after it was copied to
             heapq.heappush(self._free, block)
         return made, len(table) if pending is None else pending

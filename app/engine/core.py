@@ -239,6 +239,7 @@ class EngineCore:
         if self.park is not None:
             self.park.reserve_pinned()
         self.scheduler = Scheduler(self._scheduler_config(state, graphs), parked=self.park)
+        self.runner.table_stamp = self.scheduler.pool.stamp_of
         if graphs is not None and self.pipeline is None:  # prompt windows priced before the first one runs
             self.scheduler.calibrate(graphs.time_mixed())
         self.streams: dict[str, TextStream] = {}

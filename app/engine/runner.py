@@ -90,6 +90,10 @@ class ModelRunner:
         self._drawn: torch.Tensor | None = None  # the tokens of the last window launched, on the device
         self.guesses: torch.Tensor | None = None  # the MTP head's guesses left on the device, flat (core.py)
         self.grammars: Grammars | None = None  # set by the engine once a request has a grammar
+        # on a layer split: the stamp of a block table (`BlockPool.stamp_of`, set by the engine), and the
+        # stamp of each slot's table as last sent down the stages (sent again only once it changed)
+        self.table_stamp: Callable[[list[int]], int] | None = None
+        self._sent_tables: dict[int, int] = {}
         self.device = model.model.embed_tokens.weight.device
 
     def warm_up(self, most_rows: int) -> None:
@@ -200,7 +204,7 @@ class ModelRunner:
         work = StageWork(
             chunks=[(c.slot, len(c.tokens), c.past) for c in chunks],
             saves={c.slot: c.save for c in chunks if c.save is not None},
-            tables={c.slot: c.request.blocks for c in chunks},
+            tables=self._changed_tables(chunks),
             copies=copies,
             stepwise=stepwise_rows(chunks) if self.recurrent else {},
             parks=self.park.take_mirror() if self.park is not None else [],
@@ -228,6 +232,18 @@ class ModelRunner:
 
         launched.later = draw
         return launched
+
+    def _changed_tables(self, chunks: list[Chunk]) -> dict[int, list[int]]:
+        """The chunks' block tables the stages do not hold yet, by slot (all without `table_stamp`)."""
+        tables = {}
+        for chunk in chunks:
+            blocks = chunk.request.blocks
+            stamp = None if self.table_stamp is None else self.table_stamp(blocks)
+            if stamp is None or self._sent_tables.get(chunk.slot) != stamp:
+                tables[chunk.slot] = blocks
+                if stamp is not None:
+                    self._sent_tables[chunk.slot] = stamp
+        return tables
 
     def collect(self, launched: Launched) -> list[Sampled]:
         """Wait for a launched window's tokens; one per chunk that samples, in launch order."""

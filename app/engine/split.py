@@ -128,7 +128,9 @@ class StageAnswer:
 @dataclass
 class StageWork:
     """One window for the stages after the first: each chunk's (slot, rows, past), the checkpoints spans
-    leave (slot -> (position, checkpoint slot)), the chunks' block tables, the state copies before the
+    leave (slot -> (position, checkpoint slot)), the chunks' block tables that changed since stage 0 last
+    sent them (each stage keeps every slot's latest: a long conversation's table is not sent every window),
+    the state copies before the
     forward, the rows whose final hidden states the last stage sends back, and the slots whose rows the
     recurrent layers read one at a time, to their row saves (`SequenceSpan.stepwise`); with parking, the
     changes stage 0's park made since the last window (before the copies) and the conversations it restores

@@ -189,6 +189,7 @@ def _serve(
     hidden = model.config.hidden_size
     reported = time.monotonic()
     clock = BusyClock(state.device)
+    tables: dict[int, list[int]] = {}  # every slot's block table as stage 0 last sent it
     while True:
         waited = time.perf_counter()
         work = link.recv_object(stage - 1)
@@ -212,13 +213,14 @@ def _serve(
         if park is not None:
             for key, tokens, slot, blocks in work.unparks:
                 park.restore_key(key, tokens, slot, blocks)
+        tables.update(work.tables)
         tiers.before()
         if graphs is not None and work.bucket is not None and graphs.holds(work.bucket):
-            window = WindowRows.of_stage(work.chunks, work.tables, work.saves, work.stepwise)
+            window = WindowRows.of_stage(work.chunks, tables, work.saves, work.stepwise)
             out = graphs.run_part(window, work.bucket, (x, pending))
             x, pending = (out, None) if part.last else (out[0], out[1])
         else:
-            x, pending = _eager_part(model, state, part, work, x, pending)
+            x, pending = _eager_part(model, state, part, work, tables, x, pending)
         reporter.swaps += tiers.after()
         now = time.monotonic()
         if reporter.layers and now - reported >= EXPERT_REPORT_S:
@@ -246,12 +248,14 @@ def _eager_part(
     state: PagedState,
     part: ModelPart,
     work: StageWork,
+    tables: dict[int, list[int]],
     x: torch.Tensor,
     pending: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """This stage's layers run eagerly over the window: the stream and the last one's output."""
-    for slot, blocks in work.tables.items():
-        state.set_block_table(slot, blocks)
+    """This stage's layers run eagerly over the window (`tables`: every slot's block table): the stream and
+    the last one's output."""
+    for slot, _, _ in work.chunks:
+        state.set_block_table(slot, tables[slot])
     chunks = [(slot, [0] * rows, past) for slot, rows, past in work.chunks]
     batch = ForwardBatch.build(chunks, state, state.device, work.saves, work.stepwise)
     if model.backends.paged_attention is not None:

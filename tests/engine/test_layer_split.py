@@ -9,12 +9,14 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from checkpoints import write_checkpoint
 from engine_helpers import complete, make_core, random_prompt, request, run
 
 from app.engine.config import EngineConfig
 from app.engine.core import EngineCore
 from app.engine.expert_report import joined
+from app.engine.paged_state import kv_block_bytes, slot_state_bytes
 from app.engine.protocol import EXPERT_REPORT_S, AddRequest, ExpertUsage
 from app.engine.split import split_layers, stage_gpus, stages_for
 from app.errors import StrataError
@@ -140,6 +142,37 @@ def test_a_split_with_kv_in_host_ram_gives_the_tokens_of_the_whole_model(
         assert sum(w.kv_host_reads for w in windows) > 0
     finally:
         core.close()
+
+
+def test_a_split_whose_pool_runs_short_preempts_and_gives_the_tokens_of_the_model_run_whole(
+    checkpoint: Path,
+) -> None:
+    """A pool of about 70 blocks of 4 on the stage that fits fewest, three requests growing to 120 tokens:
+    preempted requests give their blocks back and take others when read again, and every stage gets each
+    table again once it changed (not every window: `BlockPool.stamp_of`)."""
+    params = {"max_tokens": 60, "temperature": 0, "ignore_eos": True}
+    adds = [request(random_prompt(60, 20 + i), **params) for i in range(3)]
+    roomy = make_core(checkpoint)
+    expected = [complete(roomy, a.prompt_token_ids, **params).token_ids for a in adds]
+    config = roomy.loaded.model.config
+    parts = split_layers("2", config.num_hidden_layers)
+    memory = max(
+        70 * kv_block_bytes(config, 4, torch.float32, p.layers)
+        + 16 * slot_state_bytes(config, torch.float32, p.layers)
+        for p in parts
+    )
+    core = make_core(checkpoint, kv_memory=memory, block_size=4, layer_split="2", batch_groups=2)
+    sent: list[int] = []
+    changed = core.runner._changed_tables
+    core.runner._changed_tables = lambda chunks: sent.append(len(t := changed(chunks))) or t  # type: ignore[method-assign]
+    try:
+        assert core.scheduler.pool.total <= 80
+        results, windows = run(core, [(0, a) for a in adds])
+    finally:
+        core.close()
+    assert sum(w.preempted for w in windows) >= 1
+    assert [results[a.request_id].token_ids for a in adds] == expected
+    assert 0 in sent  # a window whose tables had all been sent before sent none
 
 
 def _routing_reports_cover_every_stage(core: EngineCore) -> None:

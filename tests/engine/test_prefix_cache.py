@@ -98,3 +98,28 @@ def test_checkpoint_blocks_are_given_back_when_the_pool_runs_short() -> None:
     pool.release(table)
     assert pool.free == 2 and len(checkpoints) == 1
     assert pool.grow(table, 12) and len(checkpoints) == 0
+
+
+def test_every_change_to_a_table_gives_it_a_stamp_never_given_before() -> None:
+    pool = BlockPool(total=8, block_size=4, caching=True)
+    pool.on_device = 4  # blocks 4..7 live in host RAM
+    table: list[int] = []
+    assert pool.stamp_of(table) == 0
+    assert pool.grow(table, 8)  # blocks 0 and 1
+    stamps = [pool.stamp_of(table)]
+    assert pool.grow(table, 8) and pool.stamp_of(table) == stamps[-1]  # nothing to grow: no change
+    other: list[int] = []
+    assert pool.grow(other, 8)  # blocks 2 and 3: another table's change leaves this one's stamp alone
+    assert pool.stamp_of(table) == stamps[-1] and pool.stamp_of(other) not in stamps
+    assert pool.grow(table, 12) and table[-1] >= pool.on_device  # a third block, in host RAM
+    stamps.append(pool.stamp_of(table))
+    pool.release(other)
+    assert pool.place(table, 3, 8, [])[0] == 1 and table[-1] < pool.on_device  # moved onto the device
+    stamps.append(pool.stamp_of(table))
+    pool.release(table)
+    assert pool.stamp_of(table) == 0 and not table
+    pool.take(table, [])
+    assert pool.stamp_of(table) == 0  # taking nothing changes nothing
+    assert pool.grow(table, 4)
+    stamps.append(pool.stamp_of(table))
+    assert len(set(stamps)) == len(stamps) and 0 not in stamps
