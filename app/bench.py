@@ -163,9 +163,29 @@ def _summary(
         "decode_solo_tok_s": _round(solo),
         "decode_during_peer_reads_tok_s": _round(during_reads),
         "windows": len(windows),
+        "windows_replayed_share": _round(statistics.fmean(w.replayed for w in windows) if windows else None),
         **_host_times(windows),
+        **_stages(windows, wall),
         **_expert_tier(windows),
         **_drafts(windows),
+    }
+
+
+def _stages(windows: list[WindowStats], wall: float) -> dict[str, list[float]]:
+    """On a layer split: each stage's busy and waiting seconds over the run's wall time, in stage order (the
+    share of the run each stage worked, and waited for its window or the answer); nothing without a split."""
+    timed = [w.stages for w in windows if w.stages]
+    if not timed or wall <= 0:
+        return {}
+    count = max(len(times) for times in timed)
+    busy, wait = [0.0] * count, [0.0] * count
+    for times in timed:
+        for stage, t in enumerate(times):
+            busy[stage] += t.busy_s
+            wait[stage] += t.wait_s
+    return {
+        "stage_busy_share": [round(b / wall, 4) for b in busy],
+        "stage_wait_share": [round(w / wall, 4) for w in wait],
     }
 
 

@@ -80,3 +80,16 @@ def test_bench_reports_throughput_latency_decode_during_peer_reads_and_expert_so
     # On the CPU the host does all the work: a window's host time is its whole step.
     assert 0 < summary["host_ms_p50_prompt_windows"] <= summary["step_ms_p50_prompt_windows"]
     assert 0 < summary["host_ms_p50_decode_windows"] <= summary["step_ms_p50_decode_windows"]
+
+
+def test_bench_on_a_layer_split_reports_each_stages_busy_and_waiting_share(
+    checkpoint: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["bench", "--model", str(checkpoint), "--dtype", "float32", "--kv-memory", "64MiB"]
+    args += ["--concurrency", "2", "--prompt-len", "64", "--output-len", "12", "--layer-split", "2"]
+    assert main(args) == 0
+    summary = json.loads(capsys.readouterr().out)
+    busy, wait = summary["stage_busy_share"], summary["stage_wait_share"]
+    assert len(busy) == len(wait) == 2
+    assert all(0 < b <= 1 for b in busy) and all(w >= 0 for w in wait)
+    assert summary["windows_replayed_share"] == 0  # a CPU replays no graphs
