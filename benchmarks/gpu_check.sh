@@ -8,7 +8,8 @@
 # HTTP (benchmarks/http_burst.py: 32 clients at once, a slot decoding while peers' prompts are read).
 # split: the split's GPU tests, then `strata bench` on each shape's random checkpoint at 1, 2, 4, 8 and 32
 # concurrent, whole on one GPU, split in two with one slot group, and with pipelined groups (on a machine of
-# one GPU both stages share it: --stage-gpus 0,0).
+# one GPU both stages share it: --stage-gpus 0,0); then over HTTP a decoding slot while a peer's 32K prompt is
+# read on the split (two groups).
 # gguf: the held-weight GPU tests (GGUF_TESTS=0 skips them, GGUF_TESTS_K selects as pytest -k), then benchmarks/gguf_bench.py on a random q30
 # file of each quant type named (default Q4_K), also with the expert tier at a 25% budget (--expert-cache 32)
 # for the types in TIER_KINDS (default: every one named), and llama.cpp on the same files
@@ -138,6 +139,11 @@ if [[ $what == split ]]; then
                     --prompt-len 512 --output-len 128 $split >>"$out/split.jsonl" 2>>"$out/split.log" || status=1
             done
         done
+        # a decoding slot while a peer's 32K prompt is read on the split, over HTTP
+        python3 benchmarks/http_burst.py --model "$dir" --long-peers 1 --long-prompt-len 32768 \
+            --scenarios solo,long_peers --out "$out/split-long-peer.jsonl" --serve-arg=--layer-split=2 \
+            --serve-arg=--stage-gpus="$cards" --serve-arg=--batch-groups=2 --serve-arg=--parallel=8 \
+            --serve-arg=--kv-memory=24GiB 2>&1 | tee -a "$out/split.log" || status=1
     done
 fi
 if [[ $what == drafts ]]; then
