@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # One call on a fresh GPU machine: GPU tests, then the benchmark of the given shapes.
-#   bash benchmarks/gpu_check.sh [tests|bench|all|serving|split|tier|tier-large] [shape ...]
+#   bash benchmarks/gpu_check.sh [tests|bench|all|serving|split|tier|tier-large|serving-large] [shape ...]
 # tier: the expert tier's GPU tests and benchmarks/expert_tier.py on q30-half (no expert / 96 resident on the
 # random router's routing; 32 resident on Zipf and the demo model's routing, frozen / blocking / async);
-# tier-large: the full 48-layer Qwen3-Next shape built tiered (368 experts a layer on the card).
+# tier-large: the full 48-layer Qwen3-Next shape built tiered (368 experts a layer on the card);
+# serving-large: the same shape served over HTTP (`strata serve --expert-cache 368`, its weights drawn as they
+# load: `random_checkpoint.py --drawn-on-load`), one stream, then 8 clients with 8K-token prompts at once.
 # serving: writes each shape as a random checkpoint on disk, starts `strata serve` on it and drives it over
 # HTTP (benchmarks/http_burst.py: 32 clients at once, a slot decoding while peers' prompts are read).
 # split: the split's GPU tests, then `strata bench` on each shape's random checkpoint at 1, 2, 4, 8 and 32
@@ -163,6 +165,15 @@ fi
 if [[ $what == tier-large ]]; then
     python3 benchmarks/expert_tier.py --shape qnext --resident 368 --routing zipf --adapt blocking \
         --out "$out/tier.jsonl" 2>&1 | tee "$out/tier.log" || status=1
+fi
+if [[ $what == serving-large ]]; then
+    # the same shape served over HTTP, its weights drawn as they load (160 GB would not fit the disk)
+    dir=${CHECKPOINTS:-/tmp}/strata-qnext-drawn
+    [[ -f $dir/random_weights.json ]] || python3 benchmarks/random_checkpoint.py --shape qnext --drawn-on-load "$dir"
+    python3 benchmarks/http_burst.py --model "$dir" --clients 8 --prompt-len 8192 --output-len 128 \
+        --scenarios solo,burst --out "$out/serving-large.jsonl" --serve-arg=--expert-cache=368 \
+        --serve-arg=--parallel=8 --serve-arg=--kv-memory=8GiB --ready-timeout 1800 2>&1 \
+        | tee "$out/serving-large.log" || status=1
 fi
 if [[ $what == gguf ]]; then
     # the kinds to time are the arguments (default Q4_K); llama.cpp builds (niced) beside Strata's runs from

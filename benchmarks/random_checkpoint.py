@@ -1,11 +1,14 @@
 """Full-size random-weight HF directories on disk, for benchmarks that start `strata serve` like a user would.
 
     python benchmarks/random_checkpoint.py --shape q30-half /tmp/q30-half [--layers N] [--context TOKENS]
+        [--drawn-on-load]
 
 Writes config.json, a word-level tokenizer covering the vocabulary, and one safetensors shard per decoder
 layer (plus one for the rest) with `model.safetensors.index.json`, under HF's tensor names (one tensor per
 expert). Weights are drawn on the GPU when there is one: N(0, 0.02) for matrices, the ranges trained models
-have for the Gated DeltaNet decays, and norms as initialised (1, or 0 for Qwen3-Next's (1 + w) norms).
+have for the Gated DeltaNet decays, and norms as initialised (1, or 0 for Qwen3-Next's (1 + w) norms). With
+`--drawn-on-load` no weight file is written: the directory's weights are drawn as they load
+(app/loading/random_weights.py), for shapes larger than the disk (Qwen3-Next-80B-A3B's 48 layers, 160 GB).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from app.kernels.reference import REFERENCE
 from app.loading.loader import tensor_sources
+from app.loading.random_weights import write_marker
 from app.models.config import ModelConfig
 from app.models.qwen3 import CausalLM
 from benchmarks.byte_tokenizer import write_byte_tokenizer
@@ -102,12 +106,18 @@ def main() -> None:
         help="a byte-level BPE tokenizer of the vocabulary's size (benchmarks/byte_tokenizer.py) instead of "
         "the word-level one, for structured output",
     )
+    parser.add_argument("--drawn-on-load", action="store_true", help="no weight files: drawn as they load")
     args = parser.parse_args()
     began = time.perf_counter()
     config = shape(args.shape, layers=args.layers)
     if args.context:
         config["max_position_embeddings"] = args.context
-    written = write_random_checkpoint(args.path, config)
+    if args.drawn_on_load:
+        write_config_and_tokenizer(args.path, config)
+        write_marker(args.path)
+        written = 0
+    else:
+        written = write_random_checkpoint(args.path, config)
     if args.byte_tokenizer:
         write_byte_tokenizer(args.path, config["vocab_size"])
     print(f"wrote {written / 1e9:.1f} GB to {args.path} in {time.perf_counter() - began:.0f} s", flush=True)

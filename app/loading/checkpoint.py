@@ -9,6 +9,7 @@ import torch
 from app.jsonfile import read_json_object
 from app.loading.fill import Extent
 from app.loading.gguf_file import GGUFCheckpoint, is_gguf
+from app.loading.random_weights import RandomWeights, is_random_weights
 from app.loading.safetensors import CheckpointError, SafetensorsFile
 from app.models.config import ConfigError, ModelConfig
 
@@ -88,9 +89,12 @@ class CheckpointDir:
         return (value,) if isinstance(value, int) else tuple(value)
 
 
-Checkpoint = CheckpointDir | GGUFCheckpoint  # what the loader reads tensors from
+Checkpoint = CheckpointDir | GGUFCheckpoint | RandomWeights  # what the loader reads tensors from
 
 
 def open_checkpoint(path: Path | str) -> Checkpoint:
-    """The model at `path`: a GGUF file (by its suffix) or an HF directory."""
-    return GGUFCheckpoint(path) if is_gguf(path) else CheckpointDir(path)
+    """The model at `path`: a GGUF file (by its suffix), a directory of weights drawn as they load
+    (`random_weights.json`), or an HF directory."""
+    if is_gguf(path):
+        return GGUFCheckpoint(path)
+    return RandomWeights(path) if is_random_weights(path) else CheckpointDir(path)

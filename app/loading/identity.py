@@ -6,6 +6,7 @@ import hashlib
 from pathlib import Path
 
 from app.loading.gguf_file import gguf_shards
+from app.loading.random_weights import MARKER
 
 SAMPLE = 1 << 16  # bytes read from each end of a weight file
 
@@ -18,7 +19,7 @@ def model_identity(path: Path) -> str:
         files = gguf_shards(path)
     else:
         digest.update((path / "config.json").read_bytes())
-        files = sorted([*path.glob("*.safetensors"), *path.glob("*.gguf")])
+        files = sorted([*path.glob("*.safetensors"), *path.glob("*.gguf"), *path.glob(MARKER)])
     for weights in files:
         size = weights.stat().st_size
         digest.update(f"{weights.name}:{size}".encode())
