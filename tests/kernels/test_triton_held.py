@@ -26,7 +26,7 @@ from app.kernels.triton_quant import IQ3_S_GRID, IQ3_XXS_GRID, IQ4_NL_LEVELS, qu
 KINDS = list(HELD_BLOCKS)
 # a type of each form of the sums on the CUDA cores (Q8_0's and Q4_K's own; every other type widens its
 # values as Q6_K does, and the projections' test below runs each of them there)
-ROWWISE_FORMS = ["Q8_0", "Q4_K", "Q6_K", "IQ4_XS", "IQ3_XXS", "IQ3_S"]
+ROWWISE_FORMS = ["Q8_0", "Q4_K", "Q6_K", "IQ4_XS", "IQ3_S"]  # IQ3_XXS reads its grid as IQ3_S does
 HIDDEN, INTER = 256, 256  # whole Q4_K super-blocks
 # fp16 activations: Triton's interpreter does not compute bf16 dots (the GPU test runs bf16)
 DTYPE = torch.float16
