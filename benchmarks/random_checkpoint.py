@@ -25,11 +25,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from app.kernels.reference import REFERENCE
-from app.loading.loader import tensor_sources
-from app.loading.random_weights import write_marker
+from app.loading.random_weights import draw, tensor_shapes, write_marker
 from app.models.config import ModelConfig
-from app.models.qwen3 import CausalLM
 from benchmarks.byte_tokenizer import write_byte_tokenizer
 from benchmarks.shapes import shape
 
@@ -48,42 +45,24 @@ def write_config_and_tokenizer(path: Path, config: dict[str, Any]) -> None:
     (path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
 
 
-def _random(name: str, shape_: torch.Size, offset_norm: bool, generator: torch.Generator) -> torch.Tensor:
-    device = generator.device
-    if name.endswith("A_log"):
-        return torch.empty(shape_, device=device).uniform_(1, 16, generator=generator).log()
-    if name.endswith("dt_bias"):
-        return torch.ones(shape_, device=device)
-    if len(shape_) == 1 and "norm" in name:
-        return torch.zeros(shape_, device=device) if offset_norm else torch.ones(shape_, device=device)
-    return torch.empty(shape_, device=device).normal_(0.0, 0.02, generator=generator)
-
-
 def write_random_checkpoint(path: Path, config: dict[str, Any], seed: int = 0) -> int:
     """Write the directory; returns the bytes of weights written."""
     from safetensors.torch import save_file
 
     write_config_and_tokenizer(path, config)
     model_config = ModelConfig.from_dict(config)
-    with torch.device("meta"):
-        model = CausalLM(
-            model_config, mtp_layers=int(config.get("num_nextn_predict_layers", 0)), backends=REFERENCE
-        )
-    params = dict(model.named_parameters())
+    shapes = tensor_shapes(model_config, int(config.get("num_nextn_predict_layers", 0)))
     shards: dict[str, list[str]] = defaultdict(list)
-    for name in tensor_sources(model):
+    for name in shapes:
         parts = name.split(".")
         shards[f"layer-{int(parts[2]):03d}" if name.startswith("model.layers.") else "rest"].append(name)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     generator = torch.Generator(device=device).manual_seed(seed)
-    sources = tensor_sources(model)
     weight_map, written = {}, 0
     for shard, names in sorted(shards.items()):
         tensors = {}
         for name in names:
-            source = sources[name]
-            shape_ = params[source.param][source.index].shape
-            value = _random(name, shape_, model_config.offset_norm, generator)
+            value = draw(name, shapes[name], model_config.offset_norm, generator)
             tensors[name] = value.to(torch.bfloat16).cpu()
             written += tensors[name].numel() * 2
         file = f"{shard}.safetensors"

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from app.jsonfile import read_json_object
+from app.jsonfile import directory_eos_ids, read_json_object
 from app.loading.fill import Extent
 from app.loading.gguf_file import GGUFCheckpoint, is_gguf
 from app.loading.random_weights import RandomWeights, is_random_weights
@@ -75,18 +75,7 @@ class CheckpointDir:
 
     def eos_token_ids(self) -> tuple[int, ...]:
         """End-of-sequence ids from generation_config.json, then config.json, without repeats."""
-        ids = list(self._generation_config_eos())
-        ids += [i for i in self.config.eos_token_ids if i not in ids]
-        return tuple(ids)
-
-    def _generation_config_eos(self) -> tuple[int, ...]:
-        path = self.path / "generation_config.json"
-        if not path.is_file():
-            return ()
-        value = read_json_object(path).get("eos_token_id")
-        if value is None:
-            return ()
-        return (value,) if isinstance(value, int) else tuple(value)
+        return directory_eos_ids(self.path, self.config.eos_token_ids)
 
 
 Checkpoint = CheckpointDir | GGUFCheckpoint | RandomWeights  # what the loader reads tensors from

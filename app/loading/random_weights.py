@@ -6,8 +6,8 @@ machine's disk 64 GB): `strata serve`, `strata bench` and every stage of a layer
 as they would its checkpoint, each drawing the same tensors. A tensor is bf16, drawn from its name and the
 marker's seed: a large one is a stretch of one base of N(0, 0.02) values starting where its name says
 (weights whose values matter only through their statistics: projections, experts, embeddings); a small one
-is drawn whole as `benchmarks/random_checkpoint.py` draws it (the Gated DeltaNet decays in the ranges trained
-models have, norms as initialised).
+is drawn whole as `benchmarks/random_checkpoint.py` draws every tensor it writes (`draw`: the Gated DeltaNet
+decays in the ranges trained models have, norms as initialised).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from app.jsonfile import read_json_object
+from app.jsonfile import directory_eos_ids, read_json_object
 from app.kernels.reference import REFERENCE
 from app.models.config import ModelConfig
 from app.models.qwen3 import CausalLM
@@ -53,15 +53,17 @@ def tensor_shapes(config: ModelConfig, mtp_layers: int) -> dict[str, tuple[int, 
 
 
 def draw(name: str, shape: tuple[int, ...], offset_norm: bool, generator: torch.Generator) -> torch.Tensor:
-    """A small tensor as a random checkpoint holds it (fp32): the Gated DeltaNet decays' logs uniform in
-    log(1..16), their biases 1, norms as initialised (0 for Qwen3-Next's 1 + w norms), the rest N(0, 0.02)."""
+    """A tensor as a random checkpoint holds it (fp32, on the generator's device): the Gated DeltaNet decays'
+    logs uniform in log(1..16), their biases 1, norms as initialised (0 for Qwen3-Next's 1 + w norms), the
+    rest N(0, 0.02)."""
+    device = generator.device
     if name.endswith("A_log"):
-        return torch.empty(shape).uniform_(1, 16, generator=generator).log()
+        return torch.empty(shape, device=device).uniform_(1, 16, generator=generator).log()
     if name.endswith("dt_bias"):
-        return torch.ones(shape)
+        return torch.ones(shape, device=device)
     if len(shape) == 1 and "norm" in name:
-        return torch.zeros(shape) if offset_norm else torch.ones(shape)
-    return torch.empty(shape).normal_(0.0, 0.02, generator=generator)
+        return torch.zeros(shape, device=device) if offset_norm else torch.ones(shape, device=device)
+    return torch.empty(shape, device=device).normal_(0.0, 0.02, generator=generator)
 
 
 class RandomWeights:
@@ -115,10 +117,4 @@ class RandomWeights:
 
     def eos_token_ids(self) -> tuple[int, ...]:
         """End-of-sequence ids from generation_config.json, then config.json, without repeats."""
-        ids: list[int] = []
-        path = self.path / "generation_config.json"
-        if path.is_file():
-            value = read_json_object(path).get("eos_token_id")
-            ids = [] if value is None else [value] if isinstance(value, int) else list(value)
-        ids += [i for i in self.config.eos_token_ids if i not in ids]
-        return tuple(ids)
+        return directory_eos_ids(self.path, self.config.eos_token_ids)
