@@ -20,6 +20,7 @@ import statistics
 import tempfile
 import threading
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -87,38 +88,63 @@ def run_bench(
     """Start an engine, run the scenario, return the summary; with `grammar` every request follows it
     (structured output), and a request that ends before `output_len` tokens fails the run, so that every
     run generates the same tokens."""
+    return next(run_benches(config, [concurrency], prompt_len, output_len, seed, grammar))
+
+
+def run_benches(
+    config: EngineConfig,
+    concurrencies: Sequence[int],
+    prompt_len: int,
+    output_len: int,
+    seed: int = 0,
+    grammar: Grammar | None = None,
+) -> Iterator[dict]:
+    """Start one engine and run the scenario at each concurrency in turn, yielding each run's summary as it
+    ends. Every run's prompts are new random tokens (no prefix-cache hit between runs)."""
     rng = random.Random(seed)
-    windows: list[WindowStats] = []
     with EngineClient.start(config) as client:
         vocab = client.ready.vocab_size
-        prompts = [[rng.randrange(3, vocab) for _ in range(prompt_len)] for _ in range(concurrency)]
-        params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True, grammar=grammar)
         if grammar is not None:  # the engine builds its grammar tokenizer at the first grammar: not timed
-            list(client.submit(prompts[0][:8], SamplingParams(max_tokens=2, grammar=grammar)))
+            warm = [rng.randrange(3, vocab) for _ in range(8)]
+            list(client.submit(warm, SamplingParams(max_tokens=2, grammar=grammar)))
+        windows: list[WindowStats] = []
         client.add_stats_listener(windows.append)
-        timelines = [Timeline() for _ in range(concurrency)]
-        threads = [
-            threading.Thread(target=_consume, args=(client, prompts[i], params, timelines[i]))
-            for i in range(concurrency)
-        ]
-        start = time.perf_counter()
-        threads[0].start()
-        while len(timelines[0].token_times) < min(SOLO_TOKENS, output_len) and threads[0].is_alive():
-            time.sleep(0.001)
-        for thread in threads[1:]:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        wall = time.perf_counter() - start
-        ready = client.ready
-    short = [len(t.token_times) for t in timelines if len(t.token_times) < output_len]
-    if short:
-        raise StrataError(
-            f"{len(short)} requests ended before {output_len} tokens (at {min(short)})"
-            + (": the grammar closed" if grammar is not None else "")
-        )
-    summary = _summary(config, ready, concurrency, prompt_len, output_len, timelines, windows, wall)
-    return {**summary, "grammar": grammar.kind if grammar is not None else None}
+        for concurrency in concurrencies:
+            prompts = [[rng.randrange(3, vocab) for _ in range(prompt_len)] for _ in range(concurrency)]
+            windows.clear()
+            timelines, wall = _run_scenario(client, prompts, output_len, grammar)
+            short = [len(t.token_times) for t in timelines if len(t.token_times) < output_len]
+            if short:
+                raise StrataError(
+                    f"{len(short)} requests ended before {output_len} tokens (at {min(short)})"
+                    + (": the grammar closed" if grammar is not None else "")
+                )
+            summary = _summary(
+                config, client.ready, concurrency, prompt_len, output_len, timelines, list(windows), wall
+            )
+            yield {**summary, "grammar": grammar.kind if grammar is not None else None}
+
+
+def _run_scenario(
+    client: EngineClient, prompts: list[list[int]], output_len: int, grammar: Grammar | None
+) -> tuple[list[Timeline], float]:
+    """Request 0 alone for its first SOLO_TOKENS tokens, then the others together; each request's
+    timeline and the run's wall time."""
+    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True, grammar=grammar)
+    timelines = [Timeline() for _ in prompts]
+    threads = [
+        threading.Thread(target=_consume, args=(client, prompt, params, timeline))
+        for prompt, timeline in zip(prompts, timelines, strict=True)
+    ]
+    start = time.perf_counter()
+    threads[0].start()
+    while len(timelines[0].token_times) < min(SOLO_TOKENS, output_len) and threads[0].is_alive():
+        time.sleep(0.001)
+    for thread in threads[1:]:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return timelines, time.perf_counter() - start
 
 
 def _summary(

@@ -324,7 +324,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="measure concurrent requests offline (no HTTP)")
     _add_engine_options(bench)
-    bench.add_argument("--concurrency", type=int, default=4)
+    bench.add_argument(
+        "--concurrency",
+        type=int,
+        nargs="+",
+        default=[4],
+        help="requests at once; several values run one after the other on one engine, a JSON line each",
+    )
     bench.add_argument("--prompt-len", type=int, default=512)
     bench.add_argument("--output-len", type=int, default=64)
     bench.add_argument("--seed", type=int, default=0)
@@ -533,13 +539,12 @@ def run_serve(args: argparse.Namespace) -> None:
 
 def run_bench(args: argparse.Namespace) -> None:
     """`strata bench`: print the JSON summary of a synthetic concurrent run."""
-    from app.bench import run_bench as bench
-    from app.bench import run_follow_up
+    from app.bench import run_benches, run_follow_up
 
-    if args.concurrency < 1 or args.prompt_len < 1 or args.output_len < 1:
+    if min(args.concurrency) < 1 or args.prompt_len < 1 or args.output_len < 1:
         raise StrataError("--concurrency, --prompt-len and --output-len must be at least 1")
     if args.follow_up:
-        summary = run_follow_up(engine_config(args), args.prompt_len, args.output_len, args.seed)
+        print(json.dumps(run_follow_up(engine_config(args), args.prompt_len, args.output_len, args.seed)))
     else:
         grammar = None
         if args.json_schema is not None:
@@ -552,8 +557,10 @@ def run_bench(args: argparse.Namespace) -> None:
             except InvalidRequest as e:
                 raise StrataError(str(e)) from None
         config = engine_config(args)
-        summary = bench(config, args.concurrency, args.prompt_len, args.output_len, args.seed, grammar)
-    print(json.dumps(summary))
+        for summary in run_benches(
+            config, args.concurrency, args.prompt_len, args.output_len, args.seed, grammar
+        ):
+            print(json.dumps(summary), flush=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One call on a fresh GPU machine: GPU tests, then the benchmark of the given shapes.
+# One call on a fresh GPU machine: GPU tests (GPU_TESTS_K selects as pytest -k), then the benchmark of the given
+# shapes.
 #   bash benchmarks/gpu_check.sh [tests|bench|all|serving|split|tier|tier-large|serving-large] [shape ...]
 # tier: the expert tier's GPU tests and benchmarks/expert_tier.py on q30-half (no expert / 96 resident on the
 # random router's routing; 32 resident on Zipf and the demo model's routing, frozen / blocking / async);
@@ -8,8 +9,8 @@
 # load: `random_checkpoint.py --drawn-on-load`), one stream, then 8 clients with 8K-token prompts at once.
 # serving: writes each shape as a random checkpoint on disk, starts `strata serve` on it and drives it over
 # HTTP (benchmarks/http_burst.py: 32 clients at once, a slot decoding while peers' prompts are read).
-# split: the split's GPU tests, then `strata bench` on each shape's random checkpoint at 1, 2, 4, 8 and 32
-# concurrent, whole on one GPU, split in two with one slot group, and with pipelined groups (on a machine of
+# split: the split's GPU tests (SPLIT_TESTS=0 skips them), then `strata bench` on each shape's weights drawn as they load at 1, 2, 4, 8
+# and 32 concurrent (one engine a configuration), whole on one GPU, split in two with one slot group, and with pipelined groups (on a machine of
 # one GPU both stages share it: --stage-gpus 0,0); then over HTTP a decoding slot while a peer's 32K prompt is
 # read on the split (two groups).
 # gguf: the held-weight GPU tests (GGUF_TESTS=0 skips them, GGUF_TESTS_K selects as pytest -k), then benchmarks/gguf_bench.py on a random q30
@@ -25,7 +26,7 @@
 # 128K bf16 again with a copy a run of host blocks instead of the block-copy kernel: STRATA_KV_GATHER=0);
 # then benchmarks/chat_turns.py on a random checkpoint of the shape: 8 users with 16K-token chats taking turns
 # two at a time, 64K tokens of the pool on the card, blocks moved onto the card or left where first given.
-# long-burst: a random checkpoint of the shape taking 128K positions served on a simulated 24 GB card (experts
+# long-burst: the shape's weights drawn as they load, taking 128K positions, served on a simulated 24 GB card (experts
 # and KV capped: SERVE_ARGS, by default --expert-vram 14GiB, --kv-memory 40GiB of which --kv-resident 65536
 # tokens on the device) and driven over HTTP: 4 peers with 96K-token prompts (LONG_PROMPT) arriving together
 # beside a decoding stream, their first-token times against one read alone; then the same with every expert on
@@ -54,7 +55,8 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 status=0
 if [[ $what == tests || $what == all ]]; then
-    python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu 2>&1 | tee "$out/gpu-tests.log" || status=1
+    python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu -k "${GPU_TESTS_K:-}" 2>&1 | tee "$out/gpu-tests.log" \
+        || status=1
 fi
 if [[ $what == bench || $what == all ]]; then
     args=()
@@ -112,8 +114,8 @@ if [[ $what == serving ]]; then
 fi
 if [[ $what == long-burst ]]; then
     s=${shapes%% *}
-    dir=${CHECKPOINTS:-/tmp}/strata-$s-128k
-    [[ -f $dir/model.safetensors.index.json ]] || python3 benchmarks/random_checkpoint.py --shape "$s" \
+    dir=${CHECKPOINTS:-/tmp}/strata-$s-128k-drawn
+    [[ -f $dir/random_weights.json ]] || python3 benchmarks/random_checkpoint.py --shape "$s" --drawn-on-load \
         --context 131072 "$dir"
     # the 24 GB card's budget, then (unless SERVE_ARGS names one) the same KV with every expert on the card
     budgets=("${SERVE_ARGS:---expert-vram=14GiB --kv-memory=40GiB --kv-resident=65536}")
@@ -127,19 +129,20 @@ if [[ $what == long-burst ]]; then
     done
 fi
 if [[ $what == split ]]; then
-    python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_layer_split_gpu.py 2>&1 \
-        | tee "$out/gpu-tests.log" || status=1
+    if [[ ${SPLIT_TESTS:-1} != 0 ]]; then
+        python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_layer_split_gpu.py 2>&1 \
+            | tee "$out/gpu-tests.log" || status=1
+    fi
     for s in $shapes; do
-        dir=${CHECKPOINTS:-/tmp}/strata-$s
-        [[ -f $dir/model.safetensors.index.json ]] || python3 benchmarks/random_checkpoint.py --shape "$s" "$dir"
+        # weights drawn as they load: no 30-160 GB written to the disk first
+        dir=${CHECKPOINTS:-/tmp}/strata-$s-drawn
+        [[ -f $dir/random_weights.json ]] || python3 benchmarks/random_checkpoint.py --shape "$s" --drawn-on-load "$dir"
         cards=$(python3 -c "import torch; print('0,1' if torch.cuda.device_count() > 1 else '0,0')")
         for split in "" "--layer-split 2 --stage-gpus $cards --batch-groups 1" \
             "--layer-split 2 --stage-gpus $cards --batch-groups 2"; do
-            for c in 1 2 4 8 32; do
-                # shellcheck disable=SC2086
-                python3 -m app.cli bench --model "$dir" --parallel 32 --kv-memory 24GiB --concurrency "$c" \
-                    --prompt-len 512 --output-len 128 $split >>"$out/split.jsonl" 2>>"$out/split.log" || status=1
-            done
+            # shellcheck disable=SC2086
+            python3 -m app.cli bench --model "$dir" --parallel 32 --kv-memory 24GiB --concurrency 1 2 4 8 32 \
+                --prompt-len 512 --output-len 128 $split >>"$out/split.jsonl" 2>>"$out/split.log" || status=1
         done
         # a decoding slot while a peer's 32K prompt is read on the split, over HTTP
         python3 benchmarks/http_burst.py --model "$dir" --long-peers 1 --long-prompt-len 32768 \

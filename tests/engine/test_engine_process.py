@@ -82,14 +82,20 @@ def test_bench_reports_throughput_latency_decode_during_peer_reads_and_expert_so
     assert 0 < summary["host_ms_p50_decode_windows"] <= summary["step_ms_p50_decode_windows"]
 
 
-def test_bench_on_a_layer_split_reports_each_stages_busy_and_waiting_share(
+def test_bench_on_a_layer_split_reports_each_stages_busy_and_waiting_share_for_each_concurrency(
     checkpoint: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     args = ["bench", "--model", str(checkpoint), "--dtype", "float32", "--kv-memory", "64MiB"]
-    args += ["--concurrency", "2", "--prompt-len", "64", "--output-len", "12", "--layer-split", "2"]
+    args += ["--concurrency", "1", "2", "--prompt-len", "64", "--output-len", "12", "--layer-split", "2"]
     assert main(args) == 0
-    summary = json.loads(capsys.readouterr().out)
-    busy, wait = summary["stage_busy_share"], summary["stage_wait_share"]
-    assert len(busy) == len(wait) == 2
-    assert all(0 < b <= 1 for b in busy) and all(w >= 0 for w in wait)
-    assert summary["windows_replayed_share"] == 0  # a CPU replays no graphs
+    lines = capsys.readouterr().out.splitlines()
+    summaries = [json.loads(line) for line in lines]  # one engine, a run and a JSON line a concurrency
+    assert [s["concurrency"] for s in summaries] == [1, 2]
+    assert [len(s["ttft_s"]) for s in summaries] == [1, 2]
+    # each run counts its own windows: at most one a token a request (both runs' together would be more)
+    assert all(s["windows"] <= 12 * s["concurrency"] for s in summaries)
+    for summary in summaries:
+        busy, wait = summary["stage_busy_share"], summary["stage_wait_share"]
+        assert len(busy) == len(wait) == 2
+        assert all(0 < b <= 1 for b in busy) and all(w >= 0 for w in wait)
+        assert summary["windows_replayed_share"] == 0  # a CPU replays no graphs
