@@ -123,7 +123,8 @@ if [[ $what == long-burst ]]; then
     for args in "${budgets[@]}"; do
         read -ra serve <<<"$args"
         python3 benchmarks/http_burst.py --model "$dir" --clients 8 --long-peers 4 \
-            --long-prompt-len "${LONG_PROMPT:-98304}" --scenarios solo,long_peers --out "$out/long-burst.jsonl" \
+            --long-prompt-len "${LONG_PROMPT:-98304}" --observer-tokens 30000 --scenarios solo,long_peers \
+            --out "$out/long-burst.jsonl" \
             "${serve[@]/#/--serve-arg=}" --serve-arg=--parallel=8 --serve-arg=--max-batched-tokens=8192 \
             2>&1 | tee -a "$out/long-burst.log" || status=1
     done
