@@ -199,7 +199,7 @@ PERSON_SCHEMA = {
 
 
 def write_wide_checkpoint(path: Path) -> Path:
-    """A two-layer qwen3_moe whose matrices' rows are whole Q4_K super-blocks (256 values)."""
+    """A one-layer qwen3_moe whose matrices' rows are whole Q4_K super-blocks (256 values)."""
     return write_checkpoint(
-        path, "qwen3_moe", hidden_size=256, moe_intermediate_size=256, head_dim=64, num_hidden_layers=2
+        path, "qwen3_moe", hidden_size=256, moe_intermediate_size=256, head_dim=64, num_hidden_layers=1
     )

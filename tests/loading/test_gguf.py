@@ -96,7 +96,7 @@ def test_a_q8_0_files_experts_stay_its_q8_0_blocks_on_the_cpu(next_dir: Path, tm
 
 @pytest.fixture(scope="module")
 def wide_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A two-layer qwen3_moe whose matrices' rows are whole Q4_K super-blocks (256 values)."""
+    """A one-layer qwen3_moe whose matrices' rows are whole Q4_K super-blocks (256 values)."""
     return write_wide_checkpoint(tmp_path_factory.mktemp("wide"))
 
 
@@ -110,7 +110,7 @@ def test_the_gpu_kernels_read_a_files_blocks_where_they_lie(wide_dir: Path, tmp_
     path = write_gguf(wide_dir, tmp_path / f"wide-{quant}.gguf", quant)
     core = make_core(path, backend="triton")
     model = core.loaded.model
-    layer = model.model.layers[1]
+    layer = model.model.layers[0]
     held = (layer.mlp.experts.gate_up, layer.mlp.experts.down, layer.mlp.gate.weight)
     held += (layer.self_attn.qkv_weight, layer.self_attn.o_proj.weight, model.lm_head.weight)
     assert all(p.dtype == torch.uint8 for p in held)
