@@ -1,5 +1,6 @@
 """A non-editable install of the package (what `pip install .` makes) serves the chat and Monitor pages: the
-templates and static files travel inside it."""
+templates and static files travel inside it. It runs as `make run` installs it on a machine without an NVIDIA
+GPU: torch's CPU build, which brings no Triton."""
 
 from __future__ import annotations
 
@@ -45,7 +46,10 @@ def test_an_installed_package_serves_the_chat_and_monitor_pages(tmp_path: Path) 
     shutil.rmtree(source)  # the installed copy alone from here on
     assert (installed / "webui" / "templates" / "chat.html").is_file()
     assert (installed / "webui" / "static" / "chat.js").is_file()
-    run_env = {**os.environ, "PYTHONPATH": str(installed)}
+    no_triton = tmp_path / "no-triton" / "triton"  # `import triton` fails, as without the package
+    no_triton.mkdir(parents=True)
+    (no_triton / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'triton'\")\n")
+    run_env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(no_triton.parent), str(installed)])}
     where = subprocess.run(
         [sys.executable, "-c", "import app, webui.pages as p; print(app.__file__); print(p.TEMPLATES_DIR)"],
         check=True,
@@ -60,5 +64,8 @@ def test_an_installed_package_serves_the_chat_and_monitor_pages(tmp_path: Path) 
         for path, text in (("/", "chat.js"), ("/monitor", "monitor.js"), ("/static/chat.js", "")):
             answer = httpx.get(server.url + path, timeout=10)
             assert answer.status_code == 200 and text in answer.text
+        body = {"model": "model", "prompt": "Hello", "max_tokens": 3, "temperature": 0}
+        completion = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+        assert completion.status_code == 200 and completion.json()["usage"]["completion_tokens"] == 3
     finally:
         stop_server(server)

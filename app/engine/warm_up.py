@@ -20,7 +20,6 @@ import dataclasses
 import torch
 
 from app.engine.paged_state import PagedState
-from app.kernels.triton_moe import DECODE_TOKENS
 from app.models.batch import ForwardBatch
 from app.models.expert_tier import TieredExperts
 from app.models.qwen3 import CausalLM, ModelPart
@@ -33,6 +32,8 @@ def warm_up_windows(most_rows: int) -> tuple[tuple[int, ...], ...]:
     """WARM_UP_WINDOWS, then windows of about the most rows the MoE kernels' decode tiles take and of
     `most_rows` (the engine's token budget a window), the sizes at which launch choices change, each of a
     multiple of 16 rows and of one that is not (Triton specialises integer arguments on it)."""
+    from app.kernels.triton_moe import DECODE_TOKENS  # here: a CPU-only install has no Triton
+
     most_rows = max(most_rows, 4)
     near = (DECODE_TOKENS - 1, 1), (DECODE_TOKENS - 2,), (most_rows - 1, 1), (most_rows - 3,)
     return (*WARM_UP_WINDOWS, *near)
