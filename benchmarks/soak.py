@@ -98,7 +98,7 @@ async def sample_memory(
         while time.monotonic() < deadline:
             children = [c for c in server.children(recursive=True) if "python" in c.name().lower()]
             engine = max((c.memory_info().rss for c in children), default=0)
-            parked = (await http.get("/metrics")).json()["parked_bytes_ram"]
+            parked = (await http.get("/metrics?format=json")).json()["parked_bytes_ram"]
             samples.append((time.monotonic() - began, server.memory_info().rss, engine - parked))
             await asyncio.sleep(5)
 

@@ -664,29 +664,32 @@ def _system_families(sample: dict[str, Any], base: list[str]) -> Iterator[Metric
 
 
 def _wants_prometheus(output: str | None, accept: str) -> bool:
+    """Prometheus text unless `?format=json`, or an Accept header asking for JSON and not for text (a
+    scraper's or curl's `*/*`, a browser's and none at all get the text, as from vLLM)."""
     if output is not None:
         return output == "prometheus"
-    return "text/plain" in accept or "application/openmetrics-text" in accept
+    texts = ("text/plain", "application/openmetrics-text")
+    return "application/json" not in accept or any(kind in accept for kind in texts)
 
 
 @get(
     "/metrics",
     guards=[require_api_key],
-    summary="Server metrics: Prometheus text for scrapers, JSON otherwise",
+    summary="Server metrics: Prometheus text, or JSON when asked for",
     description=(
-        "With `?format=prometheus`, or an Accept header naming `text/plain` or "
-        "`application/openmetrics-text` (what Prometheus sends), the answer is the Prometheus text format "
-        "0.0.4 with vLLM's metric names (`vllm:*`, labels `model_name` and `engine`), `strata:*` for the "
-        "server's own values and `http_*` for the HTTP API. Otherwise (or with `?format=json`) it is one "
-        "JSON object holding the same gauges and counters, keyed by their names without the prefix, the "
-        "state of every slot under `slots`, and each histogram's `count` and `sum`."
+        "The Prometheus text format 0.0.4 with vLLM's metric names (`vllm:*`, labels `model_name` and "
+        "`engine`), `strata:*` for the server's own values and `http_*` for the HTTP API, as scrapers, "
+        "curl and browsers get it. With `?format=json`, or an Accept header naming `application/json` and "
+        "neither `text/plain` nor `application/openmetrics-text`, it is one JSON object holding the same "
+        "gauges and counters, keyed by their names without the prefix, the state of every slot under "
+        "`slots`, and each histogram's `count` and `sum`."
     ),
 )
 async def metrics_route(
     request: Request,
     output: Annotated[
         Literal["prometheus", "json"] | None,
-        QueryParameter(name="format", description="prometheus or json; default: chosen by the Accept header"),
+        QueryParameter(name="format", description="prometheus or json; default: by the Accept header, text"),
     ] = None,
 ) -> Response:
     """Prometheus exposition or JSON snapshot of the server's metrics. With a series per expert the text

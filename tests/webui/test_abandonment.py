@@ -69,7 +69,7 @@ async def _cut_chat(server: Server, prompt: str, rng: random.Random) -> bool:
 
 
 def _metrics(server: Server) -> dict[str, Any]:
-    return httpx.get(server.url + "/metrics", timeout=10).json()
+    return httpx.get(server.url + "/metrics?format=json", timeout=10).json()
 
 
 def test_streams_cut_anywhere_leak_nothing_and_free_everything(server: Server) -> None:

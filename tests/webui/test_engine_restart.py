@@ -81,6 +81,6 @@ def test_a_killed_engine_fails_its_streams_fast_and_is_replaced(model_dir: Path,
         assert again.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
         # the first answer's conversation, written before the kill, is known to the new engine
         assert list(park.glob("*.park"))
-        assert httpx.get(f"{url}/metrics", timeout=10).json()["parked_conversations_disk"] >= 1
+        assert httpx.get(f"{url}/metrics?format=json", timeout=10).json()["parked_conversations_disk"] >= 1
     finally:
         stop_server(server)
