@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -61,6 +62,7 @@ logger = logging.getLogger(__name__)
 
 STARTED = int(time.time())
 EVENT_STREAM = "text/event-stream"
+MAX_CHOICES = 16  # `n` at most: each choice is a request of its own in the engine
 STREAM_HEADERS = {
     "content-type": f"{EVENT_STREAM}; charset=utf-8",
     "cache-control": "no-cache",
@@ -113,6 +115,7 @@ class _Reply(ABC):
         self.model = link.model_name
         self.tokenizer = link.tokenizer
         self.wants_logprobs = top_logprobs is not None
+        self.index = 0  # the choice this reply writes (a request with `n` > 1 has a reply a choice)
 
     def token_text(self, token_id: int) -> str:
         """The text of one token, special tokens included."""
@@ -171,7 +174,9 @@ class _ChatReply(_Reply):
 
     def opening(self) -> list[msgspec.Struct]:
         """The first chunk: the assistant's role and empty content."""
-        return [self._chunk([ChatChunkChoice(0, ChatDelta("assistant", ""), None, None)], msgspec.UNSET)]
+        return [
+            self._chunk([ChatChunkChoice(self.index, ChatDelta("assistant", ""), None, None)], msgspec.UNSET)
+        ]
 
     def piece(self, text: str, positions: list[PositionLogprobs]) -> list[msgspec.Struct]:
         """The deltas of what the text adds: content, reasoning, tool calls."""
@@ -190,13 +195,13 @@ class _ChatReply(_Reply):
             reasoning_content=parts.reasoning or None,
             tool_calls=calls or None,
         )
-        return [self._chunk([ChatChunkChoice(0, delta, logprobs, None)], msgspec.UNSET)]
+        return [self._chunk([ChatChunkChoice(self.index, delta, logprobs, None)], msgspec.UNSET)]
 
     def end(self, finish_reason: str | None) -> list[msgspec.Struct]:
         """What was held back, then an empty delta with the finish reason."""
         held = self._deltas(self.splitter.finish(), None)
         reason = _with_tools(finish_reason, self.splitter.calls)
-        return [*held, self._chunk([ChatChunkChoice(0, ChatDelta(), None, reason)], msgspec.UNSET)]
+        return [*held, self._chunk([ChatChunkChoice(self.index, ChatDelta(), None, reason)], msgspec.UNSET)]
 
     def usage_chunk(self, usage: Usage) -> msgspec.Struct:
         """No choices, and the usage."""
@@ -214,7 +219,7 @@ class _ChatReply(_Reply):
         if parts.reasoning:
             message.reasoning_content = parts.reasoning
         reason = _with_tools(finish_reason, self.splitter.calls)
-        choice = ChatChoice(0, message, self._logprobs(positions), reason)
+        choice = ChatChoice(self.index, message, self._logprobs(positions), reason)
         return ChatCompletion(self.id, self.created, self.model, [choice], usage)
 
 
@@ -256,12 +261,12 @@ class _CompletionReply(_Reply):
 
     def piece(self, text: str, positions: list[PositionLogprobs]) -> list[msgspec.Struct]:
         """A piece of text."""
-        choice = CompletionChoice(0, text, self._logprobs(positions), None)
+        choice = CompletionChoice(self.index, text, self._logprobs(positions), None)
         return [self._completion([choice], msgspec.UNSET)]
 
     def end(self, finish_reason: str | None) -> list[msgspec.Struct]:
         """No text, and the finish reason."""
-        return [self._completion([CompletionChoice(0, "", None, finish_reason)], msgspec.UNSET)]
+        return [self._completion([CompletionChoice(self.index, "", None, finish_reason)], msgspec.UNSET)]
 
     def usage_chunk(self, usage: Usage) -> msgspec.Struct:
         """No choices, and the usage."""
@@ -271,7 +276,8 @@ class _CompletionReply(_Reply):
         self, text: str, positions: list[PositionLogprobs], finish_reason: str | None, usage: Usage
     ) -> msgspec.Struct:
         """A `text_completion`."""
-        return self._completion([CompletionChoice(0, text, self._logprobs(positions), finish_reason)], usage)
+        choice = CompletionChoice(self.index, text, self._logprobs(positions), finish_reason)
+        return self._completion([choice], usage)
 
 
 def _check_model(link: EngineLink, model: str | None) -> None:
@@ -383,8 +389,8 @@ def _sampling_params(
 ) -> SamplingParams:
     """The engine's parameters for a request, checked against the model; InvalidRequest names the field.
     A grammar comes from the structured-output fields or from `tool_grammar` (not both)."""
-    if request.n != 1:
-        raise InvalidRequest("only n=1 is supported", "n")
+    if request.n is not None and not 1 <= request.n <= MAX_CHOICES:
+        raise InvalidRequest(f"n must be in [1, {MAX_CHOICES}]", "n")
     grammar = request_grammar(request)
     if grammar is not None and tool_grammar is not None:
         raise InvalidRequest(
@@ -427,32 +433,87 @@ def _event(body: msgspec.Struct) -> bytes:
     return b"data: " + msgspec.json.encode(body) + b"\n\n"
 
 
-async def _events(
-    link: EngineLink, prompt: list[int], params: SamplingParams, reply: _Reply, include_usage: bool
-) -> AsyncIterator[bytes]:
-    """The server-sent events of a streamed answer; closing it early aborts the request in the engine."""
-    completion_tokens = 0
+async def _choice_chunks(
+    link: EngineLink, prompt: list[int], params: SamplingParams, reply: _Reply
+) -> AsyncIterator[tuple[msgspec.Struct | None, int]]:
+    """One choice's stream chunks, each with the tokens it adds (a last item of no chunk carries the tokens
+    of outputs that made none); closing it early aborts the request in the engine."""
+    for chunk in reply.opening():
+        yield chunk, 0
+    async with aclosing(link.stream(prompt, params)) as outputs:
+        async for output in outputs:
+            tokens = len(output.token_ids)
+            chunks = reply.piece(output.text, output.logprobs) if output.text or output.logprobs else []
+            if output.finished:
+                chunks += reply.end(output.finish_reason)
+            for chunk in chunks:
+                yield chunk, tokens
+                tokens = 0
+            if tokens:
+                yield None, tokens
+
+
+async def _merged(streams: list[AsyncIterator[Any]]) -> AsyncIterator[Any]:
+    """The items of several async iterators as they come; the first error ends all of them."""
+    if len(streams) == 1:
+        async with aclosing(streams[0]) as only:  # type: ignore[type-var]
+            async for item in only:
+                yield item
+        return
+    queue: asyncio.Queue[tuple[int, Any, BaseException | None]] = asyncio.Queue()
+
+    async def pump(number: int, stream: AsyncIterator[Any]) -> None:
+        try:
+            async with aclosing(stream):  # type: ignore[type-var]
+                async for item in stream:
+                    await queue.put((number, item, None))
+        except Exception as exc:
+            await queue.put((number, None, exc))
+            return
+        await queue.put((number, _ENDED, None))
+
+    tasks = [asyncio.create_task(pump(i, stream)) for i, stream in enumerate(streams)]
     try:
-        for chunk in reply.opening():
-            yield _event(chunk)
-        async with aclosing(link.stream(prompt, params)) as outputs:
-            async for output in outputs:
-                completion_tokens += len(output.token_ids)
-                if output.text or output.logprobs:
-                    for chunk in reply.piece(output.text, output.logprobs):
-                        yield _event(chunk)
-                if output.finished:
-                    for chunk in reply.end(output.finish_reason):
-                        yield _event(chunk)
+        running = len(tasks)
+        while running:
+            _, item, error = await queue.get()
+            if error is not None:
+                raise error
+            if item is _ENDED:
+                running -= 1
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+_ENDED = object()  # a choice's stream has no more items
+
+
+async def _events(
+    link: EngineLink, prompt: list[int], choices: list[tuple[SamplingParams, _Reply]], include_usage: bool
+) -> AsyncIterator[bytes]:
+    """The server-sent events of a streamed answer, its choices' chunks as they come; closing it early
+    aborts every unfinished choice in the engine."""
+    completion_tokens = 0
+    streams = [_choice_chunks(link, prompt, params, reply) for params, reply in choices]
+    try:
+        async with aclosing(_merged(streams)) as chunks:
+            async for chunk, tokens in chunks:
+                completion_tokens += tokens
+                if chunk is not None:
+                    yield _event(chunk)
     except EngineError as exc:
         yield _event(ErrorResponse(ErrorDetail(f"the engine failed: {exc}", "service_unavailable")))
         return
     except Exception as exc:
-        logger.exception("streaming %s failed", reply.id)
+        logger.exception("streaming %s failed", choices[0][1].id)
         yield _event(ErrorResponse(ErrorDetail(f"internal error: {type(exc).__name__}", "internal_error")))
         return
     if include_usage:
-        yield _event(reply.usage_chunk(_usage(prompt, completion_tokens)))
+        yield _event(choices[0][1].usage_chunk(_usage(prompt, completion_tokens)))
     yield b"data: [DONE]\n\n"
 
 
@@ -462,31 +523,66 @@ def _usage(prompt: list[int], completion_tokens: int) -> Usage:
 
 async def _whole(
     link: EngineLink, prompt: list[int], params: SamplingParams, reply: _Reply
-) -> msgspec.Struct:
-    """Run a request to its end and return the whole answer."""
+) -> tuple[msgspec.Struct, int]:
+    """Run one choice's request to its end: the whole answer and its tokens."""
     outputs: list[RequestOutput] = []
     async with aclosing(link.stream(prompt, params)) as stream:
         async for output in stream:
             outputs.append(output)
     token_count = sum(len(output.token_ids) for output in outputs)
-    return reply.whole(
+    answer = reply.whole(
         "".join(output.text for output in outputs),
         [position for output in outputs for position in output.logprobs],
         outputs[-1].finish_reason if outputs else None,
         _usage(prompt, token_count),
     )
+    return answer, token_count
+
+
+async def _all_choices(
+    link: EngineLink, prompt: list[int], choices: list[tuple[SamplingParams, _Reply]]
+) -> msgspec.Struct:
+    """Every choice run to its end at once: one answer holding their choices in order, and their usage."""
+    answers = await asyncio.gather(*(_whole(link, prompt, params, reply) for params, reply in choices))
+    first = answers[0][0]
+    first.choices = [choice for answer, _ in answers for choice in answer.choices]  # type: ignore[attr-defined]
+    first.usage = _usage(prompt, sum(tokens for _, tokens in answers))  # type: ignore[attr-defined]
+    return first
+
+
+def _choices(
+    request: SamplingRequest, params: SamplingParams, make_reply: Callable[[], _Reply]
+) -> list[tuple[SamplingParams, _Reply]]:
+    """The engine request and the reply of each of the request's `n` choices: one answer id, choice i's
+    reply writing index i, and with a seed choice i sampling from the seed plus i (reproducible, and not n
+    copies of one draw)."""
+    choices: list[tuple[SamplingParams, _Reply]] = []
+    for i in range(request.n or 1):
+        reply = make_reply()
+        if choices:
+            reply.id, reply.created = choices[0][1].id, choices[0][1].created
+        reply.index = i
+        seeded = params if params.seed is None else msgspec.structs.replace(params, seed=params.seed + i)
+        choices.append((seeded, reply))
+    return choices
 
 
 async def _answer(
-    link: EngineLink, request: SamplingRequest, prompt: list[int], params: SamplingParams, reply: _Reply
+    link: EngineLink,
+    request: SamplingRequest,
+    prompt: list[int],
+    params: SamplingParams,
+    make_reply: Callable[[], _Reply],
 ) -> Response[Any]:
-    """The whole answer as JSON, or a stream of server-sent events when the request asks for one."""
+    """The whole answer as JSON, or a stream of server-sent events when the request asks for one; each of
+    its `n` choices is a request of its own in the engine, written by a reply of `make_reply`."""
     if link.dead:
         raise EngineError(link.dead)
+    choices = _choices(request, params, make_reply)
     if not request.stream:
-        return Response(await _whole(link, prompt, params, reply))
+        return Response(await _all_choices(link, prompt, choices))
     include_usage = request.stream_options is not None and request.stream_options.include_usage
-    events = _events(link, prompt, params, reply, include_usage)
+    events = _events(link, prompt, choices, include_usage)
     # Closing the events after the response (sent, or cut short by the client leaving) aborts an unfinished
     # request at once instead of whenever the generator is garbage-collected.
     return Stream(events, headers=STREAM_HEADERS, background=BackgroundTask(events.aclose))
@@ -519,9 +615,10 @@ async def chat_completions(data: ChatCompletionRequest, link: EngineLink) -> Res
     tool_grammar = tool_choice_grammar(data)
     params = _sampling_params(link, data, prompt, "messages", max_tokens_param, logprobs, tool_grammar)
     thinking = opens_thinking(link.decode_special, prompt)
-    reply = _ChatReply(link, logprobs, thinking=thinking, tools=tools is not None)
     link.observer.count_features(_features(params, tools is not None, tool_grammar, thinking))
-    return await _answer(link, data, prompt, params, reply)
+    return await _answer(
+        link, data, prompt, params, lambda: _ChatReply(link, logprobs, thinking, tools is not None)
+    )
 
 
 @post(
@@ -538,7 +635,7 @@ async def completions(data: CompletionRequest, link: EngineLink) -> Response[Tex
     prompt = await _completion_prompt(link, data.prompt)
     params = _sampling_params(link, data, prompt, "prompt", "max_tokens", data.logprobs)
     link.observer.count_features(_features(params))
-    return await _answer(link, data, prompt, params, _CompletionReply(link, data.logprobs))
+    return await _answer(link, data, prompt, params, lambda: _CompletionReply(link, data.logprobs))
 
 
 _ROUTE: dict[str, Any] = {"guards": [require_api_key], "responses": _ERROR_RESPONSES, "tags": ["OpenAI"]}

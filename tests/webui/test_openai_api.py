@@ -154,6 +154,33 @@ def test_stream_equals_whole_answer(server: Server, path: str, body: dict[str, A
     assert "".join(chunk_text(chunk) for chunk in plain) == whole_text(whole)
 
 
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [(CHAT, {"messages": HELLO}), (COMPLETIONS, {"prompt": "A good assistant"})],
+    ids=["chat", "completions"],
+)
+def test_n_choices_are_requests_seeded_one_apart(server: Server, path: str, body: dict[str, Any]) -> None:
+    """`n` choices: indices 0..n-1 under one id, choice i the answer of one request with seed + i, the
+    usage their tokens together; streamed, each choice's chunks carry its index and add up to it."""
+    body = {**body, "max_tokens": 10, "temperature": 1.0, "ignore_eos": True}
+    answer = ok(server, path, {**body, "n": 3, "seed": 40})
+    assert [choice["index"] for choice in answer["choices"]] == [0, 1, 2]
+    alone = [ok(server, path, {**body, "seed": 40 + i}) for i in range(3)]
+    for choice, single in zip(answer["choices"], alone, strict=True):
+        assert whole_text({"choices": [choice]}) == whole_text(single)
+    texts = {whole_text({"choices": [choice]}) for choice in answer["choices"]}
+    assert len(texts) > 1  # three draws, not one copied
+    usage = answer["usage"]
+    assert usage["completion_tokens"] == 30 and usage["prompt_tokens"] == alone[0]["usage"]["prompt_tokens"]
+    chunks = stream(server, path, {**body, "n": 3, "seed": 40, "stream_options": {"include_usage": True}})
+    *pieces, usage_chunk = chunks
+    assert {chunk["id"] for chunk in chunks} == {chunks[0]["id"]} and usage_chunk["usage"] == usage
+    for i, single in enumerate(alone):
+        mine = [chunk for chunk in pieces if chunk["choices"][0]["index"] == i]
+        assert "".join(chunk_text(chunk) for chunk in mine) == whole_text(single)
+        assert mine[-1]["choices"][0]["finish_reason"] == "length"
+
+
 def test_token_id_prompts_equal_text_prompt(server: Server) -> None:
     text = "Questions are cheap"
     ids = ok(server, "/tokenize", {"prompt": text})["tokens"]
@@ -230,7 +257,8 @@ ERRORS = {  # every one is an invalid_request_error: (path, body, status, param)
     "wrong type": (CHAT, {"messages": HELLO, "temperature": "hot"}, 400, "temperature"),
     "wrong content": (CHAT, {"messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content"),
     "top_p range": (CHAT, {"messages": HELLO, "top_p": 1.5}, 400, "top_p"),
-    "n=2": (CHAT, {"messages": HELLO, "n": 2}, 400, "n"),
+    "n=17": (CHAT, {"messages": HELLO, "n": 17}, 400, "n"),
+    "n=0": (COMPLETIONS, {"prompt": "hi", "n": 0}, 400, "n"),
     "unknown model": (CHAT, {"model": "gpt-4o", "messages": HELLO}, 404, "model"),
     "missing messages": (CHAT, {"max_tokens": 3}, 400, "messages"),
     "empty messages": (CHAT, {"messages": []}, 400, "messages"),
@@ -365,24 +393,30 @@ def test_disconnects_abort_requests(server: Server) -> None:
     expected = whole_text(ok(server, COMPLETIONS, probe))
     long = {"prompt": "The river town woke slowly.", "max_tokens": 3500, **GREEDY}
     rng = random.Random(0)
-    for _ in range(20):
+    for i in range(20):
         wanted = rng.randint(0, 6)
-        with httpx.stream(
-            "POST", server.url + COMPLETIONS, json={**long, "stream": True}, timeout=TIMEOUT
-        ) as r:
+        body = {**long, "stream": True, "n": 1 + i % 2}  # every choice of a request aborted with it
+        with httpx.stream("POST", server.url + COMPLETIONS, json=body, timeout=TIMEOUT) as r:
             assert r.status_code == 200
             read = 0
             for line in r.iter_lines():
                 if read >= wanted:
                     break
                 read += line.startswith("data: ")
+    running = ok_get(server, "/metrics?format=json")["num_requests_running"]
+    for _ in range(30):  # aborted at once, not when their 3500 tokens are done
+        if running == 0:
+            break
+        time.sleep(0.1)
+        running = ok_get(server, "/metrics?format=json")["num_requests_running"]
+    assert running == 0
     assert whole_text(ok(server, COMPLETIONS, probe)) == expected
 
     async def four_long() -> list[float]:
         async with httpx.AsyncClient(timeout=TIMEOUT) as client:
             return await asyncio.gather(*(_first_chunk_seconds(client, server, long) for _ in range(4)))
 
-    # 20 abandoned requests of 3500 tokens would hold the 4 slots for minutes if they were not aborted.
+    # 30 abandoned requests of 3500 tokens would hold the 4 slots for minutes if they were not aborted.
     assert max(asyncio.run(four_long())) < 5.0
 
 
@@ -402,7 +436,8 @@ def test_engine_death_mid_stream_sends_error_event() -> None:
 
     async def collect() -> list[bytes]:
         return [
-            event async for event in _events(link, [1], SamplingParams(), _CompletionReply(link, None), True)
+            event
+            async for event in _events(link, [1], [(SamplingParams(), _CompletionReply(link, None))], True)
         ]
 
     events = asyncio.run(collect())
