@@ -116,6 +116,7 @@ class _Reply(ABC):
         self.tokenizer = link.tokenizer
         self.wants_logprobs = top_logprobs is not None
         self.index = 0  # the choice this reply writes (a request with `n` > 1 has a reply a choice)
+        self.counted_n = 1  # the `n` its engine request is counted with (the request's on choice 0, else 1)
 
     def token_text(self, token_id: int) -> str:
         """The text of one token, special tokens included."""
@@ -440,7 +441,7 @@ async def _choice_chunks(
     of outputs that made none); closing it early aborts the request in the engine."""
     for chunk in reply.opening():
         yield chunk, 0
-    async with aclosing(link.stream(prompt, params)) as outputs:
+    async with aclosing(link.stream(prompt, params, reply.counted_n)) as outputs:
         async for output in outputs:
             tokens = len(output.token_ids)
             chunks = reply.piece(output.text, output.logprobs) if output.text or output.logprobs else []
@@ -526,7 +527,7 @@ async def _whole(
 ) -> tuple[msgspec.Struct, int]:
     """Run one choice's request to its end: the whole answer and its tokens."""
     outputs: list[RequestOutput] = []
-    async with aclosing(link.stream(prompt, params)) as stream:
+    async with aclosing(link.stream(prompt, params, reply.counted_n)) as stream:
         async for output in stream:
             outputs.append(output)
     token_count = sum(len(output.token_ids) for output in outputs)
@@ -561,7 +562,7 @@ def _choices(
         reply = make_reply()
         if choices:
             reply.id, reply.created = choices[0][1].id, choices[0][1].created
-        reply.index = i
+        reply.index, reply.counted_n = i, (request.n or 1) if i == 0 else 1
         seeded = params if params.seed is None else msgspec.structs.replace(params, seed=params.seed + i)
         choices.append((seeded, reply))
     return choices

@@ -123,7 +123,8 @@ class SamplingRequest(_Body, kw_only=True):
     repetition_penalty, stop_token_ids, ignore_eos, skip_special_tokens and include_stop_str_in_output
     are vLLM's extensions; top_k -1 or 0 turns it off. `spec_tokens` is Strata's: the most draft tokens
     a window verifies for this request (0: none; absent: the server's `--spec`). `n` (1 to 16) choices
-    are as many requests in the engine, choice i seeded with `seed` + i where a seed is given.
+    are as many requests in the engine, choice i seeded with `seed` + i where a seed is given (in
+    /metrics each choice counts as a request, the first observed in `vllm:request_params_n` with n).
 
     Structured output (one of them): OpenAI's `response_format`, or vLLM's `guided_json` (a JSON schema),
     `guided_regex`, `guided_choice`, `guided_grammar` (Lark) and `structured_outputs`; every token keeps

@@ -163,7 +163,11 @@ def test_n_choices_are_requests_seeded_one_apart(server: Server, path: str, body
     """`n` choices: indices 0..n-1 under one id, choice i the answer of one request with seed + i, the
     usage their tokens together; streamed, each choice's chunks carry its index and add up to it."""
     body = {**body, "max_tokens": 10, "temperature": 1.0, "ignore_eos": True}
+    before = ok_get(server, "/metrics?format=json")["request_params_n"]
     answer = ok(server, path, {**body, "n": 3, "seed": 40})
+    after = ok_get(server, "/metrics?format=json")["request_params_n"]
+    # each choice counts as a request, the first with the request's n
+    assert (after["count"] - before["count"], after["sum"] - before["sum"]) == (3, 5)
     assert [choice["index"] for choice in answer["choices"]] == [0, 1, 2]
     alone = [ok(server, path, {**body, "seed": 40 + i}) for i in range(3)]
     for choice, single in zip(answer["choices"], alone, strict=True):
