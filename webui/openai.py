@@ -63,6 +63,7 @@ logger = logging.getLogger(__name__)
 STARTED = int(time.time())
 EVENT_STREAM = "text/event-stream"
 MAX_CHOICES = 16  # `n` at most: each choice is a request of its own in the engine
+MAX_PROMPTS = 64  # prompts of one batched completion request at most
 STREAM_HEADERS = {
     "content-type": f"{EVENT_STREAM}; charset=utf-8",
     "cache-control": "no-cache",
@@ -116,7 +117,6 @@ class _Reply(ABC):
         self.tokenizer = link.tokenizer
         self.wants_logprobs = top_logprobs is not None
         self.index = 0  # the choice this reply writes (a request with `n` > 1 has a reply a choice)
-        self.counted_n = 1  # the `n` its engine request is counted with (the request's on choice 0, else 1)
 
     def token_text(self, token_id: int) -> str:
         """The text of one token, special tokens included."""
@@ -365,18 +365,18 @@ def _features(
     return [*features, "thinking"] if thinking else features
 
 
-async def _completion_prompt(link: EngineLink, prompt: str | list[str | int | list[int]]) -> list[int]:
-    """The token ids of a completion prompt: text, token ids, or a one-element list of either."""
-    if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
-        prompt = prompt[0]
+async def _completion_prompts(link: EngineLink, prompt: str | list[str | int | list[int]]) -> list[list[int]]:
+    """The token ids of each prompt of a completion request: text, token ids, or a list of either (a batch:
+    up to MAX_PROMPTS prompts, each answered by its own choices)."""
     if isinstance(prompt, str):
-        return await link.encode(prompt)
+        return [await link.encode(prompt)]
     if all(isinstance(token, int) for token in prompt):
-        return prompt
-    raise InvalidRequest(
-        "batched prompts are not supported: send one prompt (a string or a list of token ids) per request",
-        "prompt",
-    )
+        return [prompt]  # type: ignore[list-item]
+    if any(isinstance(item, int) for item in prompt):
+        raise InvalidRequest("a prompt is a string, a list of token ids, or a list of either", "prompt")
+    if len(prompt) > MAX_PROMPTS:
+        raise InvalidRequest(f"at most {MAX_PROMPTS} prompts a request", "prompt")
+    return [await link.encode(item) if isinstance(item, str) else item for item in prompt]  # type: ignore[misc]
 
 
 def _sampling_params(
@@ -434,14 +434,26 @@ def _event(body: msgspec.Struct) -> bytes:
     return b"data: " + msgspec.json.encode(body) + b"\n\n"
 
 
+@dataclass
+class _Choice:
+    """One choice of an answer: the engine request that makes it (its prompt and parameters) and the reply
+    that writes it; `counted_n` the `n` the request is counted with in /metrics."""
+
+    prompt: list[int]
+    params: SamplingParams
+    reply: _Reply
+    counted_n: int = 1
+
+
 async def _choice_chunks(
-    link: EngineLink, prompt: list[int], params: SamplingParams, reply: _Reply
+    link: EngineLink, choice: _Choice
 ) -> AsyncIterator[tuple[msgspec.Struct | None, int]]:
     """One choice's stream chunks, each with the tokens it adds (a last item of no chunk carries the tokens
     of outputs that made none); closing it early aborts the request in the engine."""
+    reply = choice.reply
     for chunk in reply.opening():
         yield chunk, 0
-    async with aclosing(link.stream(prompt, params, reply.counted_n)) as outputs:
+    async with aclosing(link.stream(choice.prompt, choice.params, choice.counted_n)) as outputs:
         async for output in outputs:
             tokens = len(output.token_ids)
             chunks = reply.piece(output.text, output.logprobs) if output.text or output.logprobs else []
@@ -494,14 +506,13 @@ _ENDED = object()  # a choice's stream has no more items
 
 
 async def _events(
-    link: EngineLink, prompt: list[int], choices: list[tuple[SamplingParams, _Reply]], include_usage: bool
+    link: EngineLink, choices: list[_Choice], prompt_tokens: int, include_usage: bool
 ) -> AsyncIterator[bytes]:
     """The server-sent events of a streamed answer, its choices' chunks as they come; closing it early
     aborts every unfinished choice in the engine."""
     completion_tokens = 0
-    streams = [_choice_chunks(link, prompt, params, reply) for params, reply in choices]
     try:
-        async with aclosing(_merged(streams)) as chunks:
+        async with aclosing(_merged([_choice_chunks(link, choice) for choice in choices])) as chunks:
             async for chunk, tokens in chunks:
                 completion_tokens += tokens
                 if chunk is not None:
@@ -510,80 +521,82 @@ async def _events(
         yield _event(ErrorResponse(ErrorDetail(f"the engine failed: {exc}", "service_unavailable")))
         return
     except Exception as exc:
-        logger.exception("streaming %s failed", choices[0][1].id)
+        logger.exception("streaming %s failed", choices[0].reply.id)
         yield _event(ErrorResponse(ErrorDetail(f"internal error: {type(exc).__name__}", "internal_error")))
         return
     if include_usage:
-        yield _event(choices[0][1].usage_chunk(_usage(prompt, completion_tokens)))
+        yield _event(choices[0].reply.usage_chunk(_usage(prompt_tokens, completion_tokens)))
     yield b"data: [DONE]\n\n"
 
 
-def _usage(prompt: list[int], completion_tokens: int) -> Usage:
-    return Usage(len(prompt), completion_tokens, len(prompt) + completion_tokens)
+def _usage(prompt_tokens: int, completion_tokens: int) -> Usage:
+    return Usage(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens)
 
 
-async def _whole(
-    link: EngineLink, prompt: list[int], params: SamplingParams, reply: _Reply
-) -> tuple[msgspec.Struct, int]:
+async def _whole(link: EngineLink, choice: _Choice) -> tuple[msgspec.Struct, int]:
     """Run one choice's request to its end: the whole answer and its tokens."""
     outputs: list[RequestOutput] = []
-    async with aclosing(link.stream(prompt, params, reply.counted_n)) as stream:
+    async with aclosing(link.stream(choice.prompt, choice.params, choice.counted_n)) as stream:
         async for output in stream:
             outputs.append(output)
     token_count = sum(len(output.token_ids) for output in outputs)
-    answer = reply.whole(
+    answer = choice.reply.whole(
         "".join(output.text for output in outputs),
         [position for output in outputs for position in output.logprobs],
         outputs[-1].finish_reason if outputs else None,
-        _usage(prompt, token_count),
+        _usage(len(choice.prompt), token_count),
     )
     return answer, token_count
 
 
-async def _all_choices(
-    link: EngineLink, prompt: list[int], choices: list[tuple[SamplingParams, _Reply]]
-) -> msgspec.Struct:
+async def _all_choices(link: EngineLink, choices: list[_Choice], prompt_tokens: int) -> msgspec.Struct:
     """Every choice run to its end at once: one answer holding their choices in order, and their usage."""
-    answers = await asyncio.gather(*(_whole(link, prompt, params, reply) for params, reply in choices))
+    answers = await asyncio.gather(*(_whole(link, choice) for choice in choices))
     first = answers[0][0]
     first.choices = [choice for answer, _ in answers for choice in answer.choices]  # type: ignore[attr-defined]
-    first.usage = _usage(prompt, sum(tokens for _, tokens in answers))  # type: ignore[attr-defined]
+    first.usage = _usage(prompt_tokens, sum(tokens for _, tokens in answers))  # type: ignore[attr-defined]
     return first
 
 
 def _choices(
-    request: SamplingRequest, params: SamplingParams, make_reply: Callable[[], _Reply]
-) -> list[tuple[SamplingParams, _Reply]]:
-    """The engine request and the reply of each of the request's `n` choices: one answer id, choice i's
-    reply writing index i, and with a seed choice i sampling from the seed plus i (reproducible, and not n
-    copies of one draw)."""
-    choices: list[tuple[SamplingParams, _Reply]] = []
-    for i in range(request.n or 1):
-        reply = make_reply()
-        if choices:
-            reply.id, reply.created = choices[0][1].id, choices[0][1].created
-        reply.index, reply.counted_n = i, (request.n or 1) if i == 0 else 1
-        seeded = params if params.seed is None else msgspec.structs.replace(params, seed=params.seed + i)
-        choices.append((seeded, reply))
+    request: SamplingRequest,
+    requests: list[tuple[list[int], SamplingParams]],
+    make_reply: Callable[[], _Reply],
+) -> list[_Choice]:
+    """The `n` choices of each prompt's request (`requests`: prompt, parameters), prompt by prompt: one
+    answer id, choice k written at index k, and with a seed the i-th choice of a prompt sampling from the
+    seed plus i (reproducible, and not n copies of one draw). The first choice of each prompt counts the
+    request's `n` in /metrics."""
+    n = request.n or 1
+    choices: list[_Choice] = []
+    for prompt, params in requests:
+        for i in range(n):
+            reply = make_reply()
+            if choices:
+                reply.id, reply.created = choices[0].reply.id, choices[0].reply.created
+            reply.index = len(choices)
+            seeded = params if params.seed is None else msgspec.structs.replace(params, seed=params.seed + i)
+            choices.append(_Choice(prompt, seeded, reply, n if i == 0 else 1))
     return choices
 
 
 async def _answer(
     link: EngineLink,
     request: SamplingRequest,
-    prompt: list[int],
-    params: SamplingParams,
+    requests: list[tuple[list[int], SamplingParams]],
     make_reply: Callable[[], _Reply],
 ) -> Response[Any]:
-    """The whole answer as JSON, or a stream of server-sent events when the request asks for one; each of
-    its `n` choices is a request of its own in the engine, written by a reply of `make_reply`."""
+    """The whole answer as JSON, or a stream of server-sent events when the request asks for one: the `n`
+    choices of each prompt (`requests`: prompt, parameters), each a request of its own in the engine,
+    written by a reply of `make_reply`."""
     if link.dead:
         raise EngineError(link.dead)
-    choices = _choices(request, params, make_reply)
+    choices = _choices(request, requests, make_reply)
+    prompt_tokens = sum(len(prompt) for prompt, _ in requests)
     if not request.stream:
-        return Response(await _all_choices(link, prompt, choices))
+        return Response(await _all_choices(link, choices, prompt_tokens))
     include_usage = request.stream_options is not None and request.stream_options.include_usage
-    events = _events(link, prompt, choices, include_usage)
+    events = _events(link, choices, prompt_tokens, include_usage)
     # Closing the events after the response (sent, or cut short by the client leaving) aborts an unfinished
     # request at once instead of whenever the generator is garbage-collected.
     return Stream(events, headers=STREAM_HEADERS, background=BackgroundTask(events.aclose))
@@ -618,7 +631,7 @@ async def chat_completions(data: ChatCompletionRequest, link: EngineLink) -> Res
     thinking = opens_thinking(link.decode_special, prompt)
     link.observer.count_features(_features(params, tools is not None, tool_grammar, thinking))
     return await _answer(
-        link, data, prompt, params, lambda: _ChatReply(link, logprobs, thinking, tools is not None)
+        link, data, [(prompt, params)], lambda: _ChatReply(link, logprobs, thinking, tools is not None)
     )
 
 
@@ -633,10 +646,10 @@ async def completions(data: CompletionRequest, link: EngineLink) -> Response[Tex
     _check_model(link, data.model)
     if data.echo:
         raise InvalidRequest("echo is not supported", "echo")
-    prompt = await _completion_prompt(link, data.prompt)
-    params = _sampling_params(link, data, prompt, "prompt", "max_tokens", data.logprobs)
-    link.observer.count_features(_features(params))
-    return await _answer(link, data, prompt, params, lambda: _CompletionReply(link, data.logprobs))
+    prompts = await _completion_prompts(link, data.prompt)
+    requests = [(p, _sampling_params(link, data, p, "prompt", "max_tokens", data.logprobs)) for p in prompts]
+    link.observer.count_features(_features(requests[0][1]))
+    return await _answer(link, data, requests, lambda: _CompletionReply(link, data.logprobs))
 
 
 _ROUTE: dict[str, Any] = {"guards": [require_api_key], "responses": _ERROR_RESPONSES, "tags": ["OpenAI"]}

@@ -180,7 +180,8 @@ class ChatCompletionRequest(SamplingRequest, kw_only=True):
 
 
 class CompletionRequest(SamplingRequest, kw_only=True):
-    """POST /v1/completions: `prompt` is a string, a list of token ids, or a one-element list of either.
+    """POST /v1/completions: `prompt` is a string, a list of token ids, or a list of either (a batch of up to
+    64 prompts: `n` choices each, prompt by prompt, in one answer).
 
     `logprobs` (0-20) asks for the chosen tokens' log-probabilities and that many alternatives each; `echo`
     is not supported.

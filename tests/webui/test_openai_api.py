@@ -15,7 +15,7 @@ from serving import API_KEY, Server
 from app.cli import main
 from app.engine.client import EngineError
 from app.engine.protocol import RequestOutput, SamplingParams
-from webui.openai import _CompletionReply, _events
+from webui.openai import _Choice, _CompletionReply, _events
 
 TIMEOUT = 60.0
 CHAT = "/v1/chat/completions"
@@ -185,6 +185,25 @@ def test_n_choices_are_requests_seeded_one_apart(server: Server, path: str, body
         assert mine[-1]["choices"][0]["finish_reason"] == "length"
 
 
+def test_a_batch_of_prompts_gets_each_prompts_choices_in_order(server: Server) -> None:
+    prompts = ["Once upon a time", [9, 8, 7, 6]]
+    body = {"max_tokens": 6, "temperature": 1.0, "ignore_eos": True, "seed": 7}
+    answer = ok(server, COMPLETIONS, {**body, "prompt": prompts, "n": 2})
+    assert [choice["index"] for choice in answer["choices"]] == [0, 1, 2, 3]
+    alone = [ok(server, COMPLETIONS, {**body, "prompt": p, "seed": 7 + i}) for p in prompts for i in range(2)]
+    assert [c["text"] for c in answer["choices"]] == [whole_text(single) for single in alone]
+    prompt_tokens = alone[0]["usage"]["prompt_tokens"] + alone[2]["usage"]["prompt_tokens"]
+    assert answer["usage"] == {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": 24,
+        "total_tokens": prompt_tokens + 24,
+    }
+    chunks = stream(server, COMPLETIONS, {**body, "prompt": prompts, "n": 2})
+    for index, single in enumerate(alone):
+        mine = [chunk for chunk in chunks if chunk["choices"][0]["index"] == index]
+        assert "".join(chunk_text(chunk) for chunk in mine) == whole_text(single)
+
+
 def test_token_id_prompts_equal_text_prompt(server: Server) -> None:
     text = "Questions are cheap"
     ids = ok(server, "/tokenize", {"prompt": text})["tokens"]
@@ -275,7 +294,9 @@ ERRORS = {  # every one is an invalid_request_error: (path, body, status, param)
         400,
         "max_completion_tokens",
     ),
-    "batched prompts": (COMPLETIONS, {"prompt": ["a", "b"]}, 400, "prompt"),
+    "65 prompts": (COMPLETIONS, {"prompt": ["a"] * 65}, 400, "prompt"),
+    "ids beside prompts": (COMPLETIONS, {"prompt": ["a", 5]}, 400, "prompt"),
+    "a batched prompt too long": (COMPLETIONS, {"prompt": ["hi", TOO_LONG]}, 400, "prompt"),
     "echo": (COMPLETIONS, {"prompt": "a", "echo": True}, 400, "echo"),
     "outside vocabulary": (COMPLETIONS, {"prompt": [1, 10**6]}, 400, "prompt"),
     "logprobs range": (COMPLETIONS, {"prompt": "a", "logprobs": 50}, 400, "logprobs"),
@@ -430,7 +451,7 @@ class _FailingLink:
     model_name = "m"
     tokenizer = None
 
-    async def stream(self, prompt_token_ids: list[int], params: SamplingParams) -> Any:
+    async def stream(self, prompt_token_ids: list[int], params: SamplingParams, n: int = 1) -> Any:
         yield RequestOutput("r", token_ids=[1], text="a")
         raise EngineError("engine process exited with status -9")
 
@@ -441,7 +462,9 @@ def test_engine_death_mid_stream_sends_error_event() -> None:
     async def collect() -> list[bytes]:
         return [
             event
-            async for event in _events(link, [1], [(SamplingParams(), _CompletionReply(link, None))], True)
+            async for event in _events(
+                link, [_Choice([1], SamplingParams(), _CompletionReply(link, None))], 1, True
+            )
         ]
 
     events = asyncio.run(collect())
