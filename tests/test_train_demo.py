@@ -158,8 +158,13 @@ def test_dense_experts_equal_the_reference_loop_over_experts() -> None:
     torch.testing.assert_close(tool.all_experts(x, ids, weights, gate_up, down), expected)
 
 
-def test_the_corpus_reads_the_standard_library_then_installed_packages() -> None:
+def test_the_corpus_reads_the_standard_library_then_installed_packages(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     tool = _tool()
+    stdlib = Path(tool.sysconfig.get_paths()["stdlib"])
+    # the standard library's asyncio package for the whole of it (parsing every module takes 15 s)
+    monkeypatch.setattr(tool.sysconfig, "get_paths", lambda: {"stdlib": str(stdlib / "asyncio")})
     texts = tool.corpus(1 << 40, packages=("msgspec", "no-such-package-here"))
     sources = {s["source"]: s for s in texts.sources}
     assert list(sources) == ["Python standard library", "msgspec"]
@@ -167,9 +172,7 @@ def test_the_corpus_reads_the_standard_library_then_installed_packages() -> None
     assert sum(s["files"] for s in texts.sources) == len(texts.train) + len(texts.held_out)
     assert len(texts.held_out) == -(-len(texts.train + texts.held_out) // tool.HELD_OUT_EVERY)
     assert any("class Struct" in text for text in texts.train + texts.held_out)
-    assert len(texts.train_chats) > 1000 and all(
-        c.startswith("<|im_start|>user\n") for c in texts.train_chats
-    )
+    assert len(texts.train_chats) > 200 and all(c.startswith("<|im_start|>user\n") for c in texts.train_chats)
 
 
 def test_documented_functions_become_conversations_in_the_chat_layout() -> None:
