@@ -466,6 +466,9 @@ async def _choice_chunks(
                 yield None, tokens
 
 
+_ENDED = object()  # a stream of `_merged` has no more items
+
+
 async def _merged(streams: list[AsyncIterator[Any]]) -> AsyncIterator[Any]:
     """The items of several async iterators as they come; the first error ends all of them."""
     if len(streams) == 1:
@@ -473,23 +476,23 @@ async def _merged(streams: list[AsyncIterator[Any]]) -> AsyncIterator[Any]:
             async for item in only:
                 yield item
         return
-    queue: asyncio.Queue[tuple[int, Any, BaseException | None]] = asyncio.Queue()
+    queue: asyncio.Queue[tuple[Any, BaseException | None]] = asyncio.Queue()
 
-    async def pump(number: int, stream: AsyncIterator[Any]) -> None:
+    async def pump(stream: AsyncIterator[Any]) -> None:
         try:
             async with aclosing(stream):  # type: ignore[type-var]
                 async for item in stream:
-                    await queue.put((number, item, None))
+                    await queue.put((item, None))
         except Exception as exc:
-            await queue.put((number, None, exc))
+            await queue.put((None, exc))
             return
-        await queue.put((number, _ENDED, None))
+        await queue.put((_ENDED, None))
 
-    tasks = [asyncio.create_task(pump(i, stream)) for i, stream in enumerate(streams)]
+    tasks = [asyncio.create_task(pump(stream)) for stream in streams]
     try:
         running = len(tasks)
         while running:
-            _, item, error = await queue.get()
+            item, error = await queue.get()
             if error is not None:
                 raise error
             if item is _ENDED:
@@ -500,9 +503,6 @@ async def _merged(streams: list[AsyncIterator[Any]]) -> AsyncIterator[Any]:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-
-
-_ENDED = object()  # a choice's stream has no more items
 
 
 async def _events(
