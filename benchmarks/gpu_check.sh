@@ -9,10 +9,10 @@
 # load: `random_checkpoint.py --drawn-on-load`), one stream, then 8 clients with 8K-token prompts at once.
 # serving: writes each shape as a random checkpoint on disk, starts `strata serve` on it and drives it over
 # HTTP (benchmarks/http_burst.py: 32 clients at once, a slot decoding while peers' prompts are read).
-# split: the split's GPU tests (SPLIT_TESTS=0 skips them), then `strata bench` on each shape's weights drawn as they load at 1, 2, 4, 8
-# and 32 concurrent (one engine a configuration), whole on one GPU, split in two with one slot group, and with pipelined groups (on a machine of
-# one GPU both stages share it: --stage-gpus 0,0); then over HTTP a decoding slot while a peer's 32K prompt is
-# read on the split (two groups).
+# split: the split's GPU tests (SPLIT_TESTS=0 skips them), then `strata bench` on each shape's weights drawn as
+# they load at 1, 2, 4, 8 and 32 concurrent (one engine a configuration), whole on one GPU, split in two with
+# one slot group, and with pipelined groups (on a machine of one GPU both stages share it: --stage-gpus 0,0);
+# then over HTTP a decoding slot while a peer's 32K prompt is read on the split (two groups).
 # gguf: the held-weight GPU tests (GGUF_TESTS=0 skips them, GGUF_TESTS_K selects as pytest -k), then benchmarks/gguf_bench.py on a random q30
 # file of each quant type named (default Q4_K), also with the expert tier at a 25% budget (--expert-cache 32)
 # for the types in TIER_KINDS (default: every one named), and llama.cpp on the same files
@@ -26,9 +26,9 @@
 # 128K bf16 again with a copy a run of host blocks instead of the block-copy kernel: STRATA_KV_GATHER=0);
 # then benchmarks/chat_turns.py on a random checkpoint of the shape: 8 users with 16K-token chats taking turns
 # two at a time, 64K tokens of the pool on the card, blocks moved onto the card or left where first given.
-# long-burst: the shape's weights drawn as they load, taking 128K positions, served on a simulated 24 GB card (experts
-# and KV capped: SERVE_ARGS, by default --expert-vram 14GiB, --kv-memory 40GiB of which --kv-resident 65536
-# tokens on the device) and driven over HTTP: 4 peers with 96K-token prompts (LONG_PROMPT) arriving together
+# long-burst: the shape's weights drawn as they load, taking 128K positions, served on a simulated 24 GB card
+# (experts and KV capped: SERVE_ARGS, by default --expert-vram 14GiB, --kv-memory 40GiB of which
+# --kv-resident 65536 tokens on the device) and driven over HTTP: 4 peers with 96K-token prompts (LONG_PROMPT) arriving together
 # beside a decoding stream, their first-token times against one read alone; then the same with every expert on
 # the card (unless SERVE_ARGS is given).
 # decode: the fused decode steps' GPU tests and the end-to-end ones, then the decode windows of Qwen3-Next's

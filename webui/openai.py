@@ -550,8 +550,14 @@ async def _whole(link: EngineLink, choice: _Choice) -> tuple[msgspec.Struct, int
 
 
 async def _all_choices(link: EngineLink, choices: list[_Choice], prompt_tokens: int) -> msgspec.Struct:
-    """Every choice run to its end at once: one answer holding their choices in order, and their usage."""
-    answers = await asyncio.gather(*(_whole(link, choice) for choice in choices))
+    """Every choice run to its end at once: one answer holding their choices in order, and their usage (a
+    choice that fails cancels the others, which aborts their requests)."""
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(_whole(link, choice)) for choice in choices]
+    except ExceptionGroup as failed:  # the first failure, as one request's would be (a 503, a 400)
+        raise failed.exceptions[0] from None
+    answers = [task.result() for task in tasks]
     first = answers[0][0]
     first.choices = [choice for answer, _ in answers for choice in answer.choices]  # type: ignore[attr-defined]
     first.usage = _usage(prompt_tokens, sum(tokens for _, tokens in answers))  # type: ignore[attr-defined]

@@ -312,9 +312,9 @@ def _bf16_weights(
             names.add(f"{prefix}.qkv_weight")
     names -= set(packed)
     stored: dict[str, set[torch.dtype]] = {}
+    dtype_of = getattr(checkpoint, "dtype_of", None)  # weights drawn as they load: without drawing
     for name, source in tensor_sources(model).items():
         if source.param in names:
-            dtype_of = getattr(checkpoint, "dtype_of", None)  # weights drawn as they load: without drawing
             dtype = dtype_of(name) if dtype_of is not None else checkpoint.tensor(name).dtype
             stored.setdefault(source.param, set()).add(dtype)
     return {name for name, dtypes in stored.items() if dtypes == {torch.bfloat16}}

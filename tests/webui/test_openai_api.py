@@ -15,7 +15,7 @@ from serving import API_KEY, Server
 from app.cli import main
 from app.engine.client import EngineError
 from app.engine.protocol import RequestOutput, SamplingParams
-from webui.openai import _Choice, _CompletionReply, _events
+from webui.openai import _all_choices, _Choice, _CompletionReply, _events
 
 TIMEOUT = 60.0
 CHAT = "/v1/chat/completions"
@@ -468,6 +468,10 @@ def test_engine_death_mid_stream_sends_error_event() -> None:
         ]
 
     events = asyncio.run(collect())
+    # not streamed, two choices: the engine's failure itself (the route answers it with a 503)
+    two = [_Choice([1], SamplingParams(), _CompletionReply(link, None)) for _ in range(2)]
+    with pytest.raises(EngineError, match="status -9"):
+        asyncio.run(_all_choices(link, two, 1))
     chunks = [json.loads(event.removeprefix(b"data: ")) for event in events]
     assert chunk_text(chunks[0]) == "a"
     assert chunks[-1]["error"]["type"] == "service_unavailable"
