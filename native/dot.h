@@ -297,10 +297,9 @@ struct Q8Blocks : Blocks<R, Q8_BLOCK, Q8_0_BYTES, Q8Blocks<R>> {
 // first 32 of a 64-weight stretch) or the high nibbles (the next 32) of the stretch's 32 bytes.
 template <int R>
 struct Q4KBlocks : Blocks<R, QK_K, Q4_K_BYTES, Q4KBlocks<R>> {
-    // The step (d * scale) and shift (dmin * min) of group j (0..7) of super-block b (Q4_K's and Q5_K's).
-    static void group(const unsigned char* b, int j, float& step, float& shift) {
+    // The 6-bit scale and min of group j (0..7) of super-block b.
+    static void fields(const unsigned char* b, int j, int& scale, int& least) {
         const unsigned char* p = b + 4;
-        int scale, least;
         if (j < 4) {
             scale = p[j] & 63;
             least = p[j + 4] & 63;
@@ -308,27 +307,34 @@ struct Q4KBlocks : Blocks<R, QK_K, Q4_K_BYTES, Q4KBlocks<R>> {
             scale = (p[j + 4] & 15) | ((p[j - 4] >> 6) << 4);
             least = (p[j + 4] >> 4) | ((p[j] >> 6) << 4);
         }
+    }
+    // The step (d * scale) and shift (dmin * min) of group j (0..7) of super-block b (Q4_K's and Q5_K's).
+    static void group(const unsigned char* b, int j, float& step, float& shift) {
+        int scale, least;
+        fields(b, j, scale, least);
         step = half(b) * static_cast<float>(scale);
         shift = half(b + 2) * static_cast<float>(least);
     }
-    void widen(int r, int64_t col, float* wide) const {
-        float step, shift;
-        group(this->block(r, col), static_cast<int>(col % QK_K) / 32, step, shift);
-        widen_scaled(r, col, step, shift, wide);
-    }
-    // The step and shift of each of the 16 passes over the super-block from column `col` (a multiple of QK_K).
-    void super_scales(int r, int64_t col, float* steps, float* shifts) const {
-        const unsigned char* b = this->block(r, col);
+    // The steps and shifts of the eight groups of super-block b: `group`'s products, d and dmin widened once.
+    static void super_scales(const unsigned char* b, float* steps, float* shifts) {
+        const float d = half(b), dmin = half(b + 2);
         for (int j = 0; j < 8; ++j) {
-            group(b, j, steps[2 * j], shifts[2 * j]);
-            steps[2 * j + 1] = steps[2 * j], shifts[2 * j + 1] = shifts[2 * j];
+            int scale, least;
+            fields(b, j, scale, least);
+            steps[j] = d * static_cast<float>(scale);
+            shifts[j] = dmin * static_cast<float>(least);
         }
     }
-    // LANES weights from column `col` under their group's step and shift (`super_scales`).
-    void widen_scaled(int r, int64_t col, float step, float shift, float* wide) const {
+    void widen(int r, int64_t col, float* wide) const {
+        float step, shift;
         const unsigned char* b = this->block(r, col);
-        const int in = static_cast<int>(col % QK_K), stretch = in / 64, high = (in % 64) / 32;
-        widen_nibbles(b + 16 + stretch * 32 + in % 32, 4 * high, step, shift, wide);
+        const int in = static_cast<int>(col % QK_K);
+        group(b, in / 32, step, shift);
+        widen_scaled(b, in, step, shift, wide);
+    }
+    // LANES weights of super-block b from its weight `in` under their group's step and shift (`super_scales`).
+    static void widen_scaled(const unsigned char* b, int in, float step, float shift, float* wide) {
+        widen_nibbles(b + 16 + in / 64 * 32 + in % 32, 4 * (in % 64 / 32), step, shift, wide);
     }
 };
 
@@ -339,21 +345,17 @@ template <int R>
 struct Q5KBlocks : Blocks<R, QK_K, Q5_K_BYTES, Q5KBlocks<R>> {
     void widen(int r, int64_t col, float* wide) const {
         float step, shift;
-        Q4KBlocks<R>::group(this->block(r, col), static_cast<int>(col % QK_K) / 32, step, shift);
-        widen_scaled(r, col, step, shift, wide);
-    }
-    // The step and shift of each of the 16 passes over the super-block from column `col` (a multiple of QK_K).
-    void super_scales(int r, int64_t col, float* steps, float* shifts) const {
         const unsigned char* b = this->block(r, col);
-        for (int j = 0; j < 8; ++j) {
-            Q4KBlocks<R>::group(b, j, steps[2 * j], shifts[2 * j]);
-            steps[2 * j + 1] = steps[2 * j], shifts[2 * j + 1] = shifts[2 * j];
-        }
+        const int in = static_cast<int>(col % QK_K);
+        Q4KBlocks<R>::group(b, in / 32, step, shift);
+        widen_scaled(b, in, step, shift, wide);
     }
-    // LANES weights from column `col` under their group's step and shift (`super_scales`).
-    void widen_scaled(int r, int64_t col, float step, float shift, float* wide) const {
-        const unsigned char* b = this->block(r, col);
-        const int in = static_cast<int>(col % QK_K), j = in / 32;
+    static void super_scales(const unsigned char* b, float* steps, float* shifts) {
+        Q4KBlocks<R>::super_scales(b, steps, shifts);
+    }
+    // LANES weights of super-block b from its weight `in` under their group's step and shift (`super_scales`).
+    static void widen_scaled(const unsigned char* b, int in, float step, float shift, float* wide) {
+        const int j = in / 32;
         int8_t codes[LANES];
         split_codes(b + 48 + j / 2 * 32 + in % 32, 4 * (j % 2), b + 16 + in % 32, j, 1, 0, codes);
         widen_int8(codes, step, shift, wide);
@@ -460,15 +462,21 @@ inline void dot_block(const Rows& w, int64_t cols, const float* const* xs, float
     int64_t col = 0;
     if constexpr (has_super_scales<Rows>::value) {
         for (; col + QK_K <= full; col += QK_K) {
-            float steps[R][QK_K / LANES], shifts[R][QK_K / LANES];
-            for (int r = 0; r < R; ++r) w.super_scales(r, col, steps[r], shifts[r]);
+            const unsigned char* b[R];
+            float steps[R][8], shifts[R][8];
+            for (int r = 0; r < R; ++r) {
+                b[r] = w.block(r, col);
+                Rows::super_scales(b[r], steps[r], shifts[r]);
+            }
+#pragma GCC unroll 16
             for (int at = 0; at < QK_K; at += LANES) {
                 if (ahead) {
                     for (int r = 0; r < R; ++r) __builtin_prefetch(ahead->at(r, col + at));
                 }
                 float wide[R][LANES];
-                const int pass = at / LANES;
-                for (int r = 0; r < R; ++r) w.widen_scaled(r, col + at, steps[r][pass], shifts[r][pass], wide[r]);
+                for (int r = 0; r < R; ++r) {
+                    Rows::widen_scaled(b[r], at, steps[r][at / 32], shifts[r][at / 32], wide[r]);
+                }
                 add_pass<R, C>(part, wide, xs, col + at);
             }
         }
@@ -561,10 +569,11 @@ inline void widen_all(const char** rows, int64_t cols, float* buffer) {
         int64_t col = 0;
         if constexpr (has_super_scales<Rows>::value) {
             for (; col + QK_K <= full; col += QK_K) {
-                float steps[QK_K / LANES], shifts[QK_K / LANES];
-                w.super_scales(r, col, steps, shifts);
-                for (int pass = 0; pass < QK_K / LANES; ++pass) {
-                    w.widen_scaled(r, col + pass * LANES, steps[pass], shifts[pass], wide + col + pass * LANES);
+                const unsigned char* b = w.block(r, col);
+                float steps[8], shifts[8];
+                Rows::super_scales(b, steps, shifts);
+                for (int at = 0; at < QK_K; at += LANES) {
+                    Rows::widen_scaled(b, at, steps[at / 32], shifts[at / 32], wide + col + at);
                 }
             }
         }
