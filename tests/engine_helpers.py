@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,9 +45,13 @@ def request(prompt: list[int], **params: object) -> AddRequest:
 
 
 def run(
-    core: EngineCore, arrivals: list[tuple[int, AddRequest]], aborts: dict[int, list[str]] | None = None
+    core: EngineCore,
+    arrivals: list[tuple[int, AddRequest]],
+    aborts: dict[int, list[str]] | None = None,
+    after_window: Callable[[], None] | None = None,
 ) -> tuple[dict[str, Completion], list[WindowStats]]:
-    """Step until idle; each (window, request) is added before that window runs, each abort likewise."""
+    """Step until idle; each (window, request) is added before that window runs, each abort likewise;
+    `after_window` is called after each step."""
     results = {add.request_id: Completion() for _, add in arrivals}
     stats: list[WindowStats] = []
     pending = sorted(arrivals, key=lambda a: a[0])
@@ -65,6 +70,8 @@ def run(
             outputs += step_outputs
             if window_stats is not None:
                 stats.append(window_stats)
+            if after_window is not None:
+                after_window()
         _collect(results, outputs)
     return results, stats
 

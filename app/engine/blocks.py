@@ -9,7 +9,7 @@ import hashlib
 import heapq
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 ROOT = b""  # the chain hash before the first block
@@ -38,13 +38,26 @@ class _Cached:
     tokens: tuple[int, ...]
 
 
+@dataclass
+class Donor:
+    """A table whose device blocks `BlockPool.place` may lend to another table (a prompt being read lends to
+    a decoding request, whose every window reads its blocks): its first `content` blocks hold keys and
+    values; its blocks before `start` hold none it could lend (where the next look begins, moved on as
+    blocks are lent and looked past)."""
+
+    table: list[int]
+    content: int
+    start: int = 0
+
+
 class BlockPool:
     """`total` KV blocks of `block_size` tokens each (the tensors live in the runner).
 
     Free blocks are handed out lowest first: with `--kv-resident` the lowest live on the device, which so
     fills first, and a sequence's blocks come in runs of consecutive numbers where they can (one copy a run).
     Blocks numbered from `on_device` on live in host RAM; `place` moves a table's blocks there onto the device
-    where a block there is free or only cached (its contents then go to host RAM, still cached).
+    where a block there is free or only cached (its contents then go to host RAM, still cached), or where a
+    donor's table lends one (its contents go to host RAM, in the donor's table).
 
     A block is held by every request whose table lists it (a reference count). With `caching`, a full block
     whose contents are computed is registered under its chain hash (`commit`); when no request holds it any
@@ -215,20 +228,27 @@ class BlockPool:
         return done, parent
 
     def place(
-        self, table: list[int], content: int, most: int, copies: list[tuple[int, int]], start: int = 0
+        self,
+        table: list[int],
+        content: int,
+        most: int,
+        copies: list[tuple[int, int]],
+        start: int = 0,
+        donors: Sequence[Donor] = (),
     ) -> tuple[int, int]:
         """Move the table's blocks from `start` on that live in host RAM and that only it holds onto the
-        device, in order, while a block there is free or only cached; (block copies that took, at most
-        `most`; the first index still to look at next time: the table's length when nothing was left).
+        device, in order, while a block there is free or only cached, or a donor lends one (`_lend`); (block
+        copies that took, at most `most`; the first index still to look at next time: the table's length when
+        nothing was left).
 
         The table's first `content` blocks hold keys and values, which go with them; a cached block keeps its
         registration. A cached block the device gives up goes to a free block in host RAM, still cached, or
         when none is free is forgotten. The copies, (source, target) in the order they must be made before
-        anything reads or writes these blocks again, are appended to `copies`: those of the cached blocks
-        first, then the table's. With no device block free or only cached, nothing is looked at (a window of
-        long conversations on a full device pays nothing).
+        anything reads or writes these blocks again, are appended to `copies`: those of lent blocks as they
+        are lent, those of the cached blocks, then the table's. With no device block free or only cached and
+        no donor, nothing is looked at (a window of long conversations on a full device pays nothing).
         """
-        if not (self._free and self._free[0] < self.on_device) and not self._idle_on_device:
+        if not (self._free and self._free[0] < self.on_device) and not self._idle_on_device and not donors:
             return 0, start
         made, chosen, spares, given_up = 0, [], [], []
         index, pending = start, None
@@ -250,6 +270,9 @@ class BlockPool:
                     made += 1
                 else:
                     self._forget(spare)
+            elif (lent := self._lend(donors, most - made - moved, len(given_up), copies)) is not None:
+                spare, cost = lent
+                made += cost
             else:
                 pending = index if pending is None else pending
                 break
@@ -274,6 +297,40 @@ class BlockPool:
         for block in emptied:  # free only now: no block is copied from after it was copied to
             heapq.heappush(self._free, block)
         return made, len(table) if pending is None else pending
+
+    def _lend(
+        self, donors: Sequence[Donor], budget: int, reserved: int, copies: list[tuple[int, int]]
+    ) -> tuple[int, int] | None:
+        """A device block taken out of a donor's table, the first from its `start` that only the donor holds:
+        a free block in host RAM takes its place, its keys and values copied there (appended to `copies`)
+        where it holds any; (the block, copies made), or None when no donor has such a block, fewer than
+        `reserved` + 1 host blocks are free, or its copy would pass `budget`."""
+        if len(self._free) <= reserved:
+            return None
+        for donor in donors:
+            table = donor.table
+            while donor.start < len(table) and not self._lendable(table[donor.start]):
+                donor.start += 1
+            if donor.start == len(table):
+                continue
+            index, block = donor.start, table[donor.start]
+            cost = int(index < donor.content)
+            if cost > budget:
+                return None
+            donor.start += 1
+            home = heapq.heappop(self._free)
+            if cost:
+                copies.append((block, home))
+            self._rename(block, home)
+            self._refs[block], self._refs[home] = 0, 1
+            table[index] = home
+            self._changed(table)
+            return block, cost
+        return None
+
+    def _lendable(self, block: int) -> bool:
+        """Whether a table's block lives on the device and only that table holds it."""
+        return block < self.on_device and self._refs[block] == 1
 
     def _rename(self, block: int, to: int) -> None:
         """A cached block's registration (if any) now names `to`, which holds its contents."""

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
-from app.engine.blocks import ROOT, BlockPool
+from app.engine.blocks import ROOT, BlockPool, Donor
 from app.engine.drafts import DraftSource, NgramDrafter
 from app.engine.prefix_cache import PrefixHit, StateCheckpoints
 from app.engine.protocol import SamplingParams
@@ -78,6 +78,7 @@ class Request:
     chain_key: bytes = ROOT
     park_missed: bool = False  # no parked conversation continued it when it was first looked up
     placed: int = 0  # blocks of `blocks` that `_place` has looked at (on the device, moved there, or shared)
+    lend_from: int = 0  # while its prompt is read: blocks of `blocks` before this hold none it could lend
     held_since: float | None = None  # its prompt was read while others' waited: it decodes after them
     drafter: DraftSource | None = None  # its draft source, while it drafts
     rollback: int | None = None  # its slot's recurrent state went past `computed`; this draft slot holds it
@@ -381,20 +382,45 @@ class Scheduler:
         Block copies are bounded by `kv_place_blocks`, or by twice the blocks the requests have that were not
         looked at yet where that is more: the window would read those over the link anyway, so moving them
         and the cached blocks they displace costs it at most two such reads, once, and every later window
-        reads them from the device."""
+        reads them from the device.
+
+        Where the device has no block free or only cached, requests reading their prompts lend theirs to the
+        decoding requests (`Donor`): a decoding request's every window reads all its blocks, and one that
+        reads any in host RAM runs eagerly, not from its graph, while a long prompt read beside it reads its
+        earlier blocks once a chunk, streamed anyway once it passes what the device holds."""
         if self.pool.on_device >= self.pool.total or self.config.kv_place_blocks <= 0:
             return
         requests = list(dict.fromkeys(c.request for c in window.chunks))
         most = max(self.config.kv_place_blocks, 2 * sum(len(r.blocks) - r.placed for r in requests))
         unparked = {id(blocks) for _, _, blocks in window.unparks}
         size, moves, before = self.pool.block_size, window.block_copies, len(window.block_copies)
-        for request in requests:
+
+        def content(request: Request) -> int:
             written = request.computed + self.spec_tokens(request)
-            content = 0 if id(request.blocks) in unparked else -(-written // size)
-            made, request.placed = self.pool.place(request.blocks, content, most, moves, request.placed)
+            return 0 if id(request.blocks) in unparked else -(-written // size)
+
+        decoding = any(r.phase is Phase.DECODE for r in requests)  # only decoding requests borrow
+        reading = [r for r in self.running if r.phase is Phase.PROMPT] if decoding else []
+        stamps = [self.pool.stamp_of(r.blocks) for r in reading]
+        donors = [Donor(r.blocks, content(r), r.lend_from) for r in reading]
+        moved_in: list[Request] = []  # prompts whose own blocks moved onto the device: some may be lent again
+        for request in requests:
+            lending = donors if request.phase is Phase.DECODE else ()
+            own = self.pool.stamp_of(request.blocks)
+            made, request.placed = self.pool.place(
+                request.blocks, content(request), most, moves, request.placed, lending
+            )
+            if request.phase is Phase.PROMPT and self.pool.stamp_of(request.blocks) != own:
+                moved_in.append(request)
             most -= made
             if most <= 0:
                 break
+        for lender, stamp, donor in zip(reading, stamps, donors, strict=True):
+            lender.lend_from = donor.start
+            if self.pool.stamp_of(lender.blocks) != stamp:
+                lender.placed = 0  # its lent blocks come back once the device has room
+        for request in moved_in:
+            request.lend_from = 0
         to_device = sum(target < self.pool.on_device for _, target in moves[before:])
         window.moved = (to_device, len(moves) - before - to_device)
 
@@ -604,7 +630,7 @@ class Scheduler:
         request.computed = 0
         request.rollback = None
         request.cached_blocks, request.chain_key = 0, ROOT
-        request.placed = 0
+        request.placed = request.lend_from = 0
         request.phase = Phase.WAITING
         self.waiting.appendleft(request)
 

@@ -14,10 +14,10 @@ from engine_helpers import assert_parked_follow_up_continues, complete, make_cor
 
 from app.engine import core as core_module
 from app.engine import kv_stream
-from app.engine.blocks import BlockPool
+from app.engine.blocks import BlockPool, Donor
 from app.engine.kv_stream import StreamedKV, shifted
 from app.engine.paged_state import device_kv_bytes, kv_block_bytes
-from app.engine.scheduler import Scheduler
+from app.engine.scheduler import Phase, Scheduler
 from app.errors import StrataError
 
 GREEDY = {"max_tokens": 20, "temperature": 0, "ignore_eos": True}
@@ -137,6 +137,70 @@ def test_placing_a_table_takes_free_then_idle_device_blocks_and_keeps_their_cach
     assert copies == [(4, 1)] and table == [2, 3, 1, 5]
     assert pool.place(table, 4, 8, copies := [], start=3) == (2, 4)  # the next window goes on from there
     assert copies == [(0, 4), (5, 0)] and table == [2, 3, 1, 0]
+
+
+def test_a_prompt_being_read_lends_its_device_blocks_to_a_decoding_table() -> None:
+    """Eight blocks of two, four on the device, all held by a prompt being read (three with keys and values):
+    a decoding table's host blocks take the prompt's first ones, whose contents go to free host blocks first
+    (the decoding table's contents after them), and the prompt's table is next looked at past them; a budget
+    that leaves no copy for the decoding table's own lends nothing."""
+
+    def pools() -> tuple[BlockPool, list[int], list[int]]:
+        pool = BlockPool(8, 2)
+        pool.on_device = 4
+        reading: list[int] = []
+        decoding: list[int] = []
+        assert pool.grow(reading, 8) and pool.grow(decoding, 4)
+        return pool, reading, decoding
+
+    pool, reading, decoding = pools()
+    assert (reading, decoding) == ([0, 1, 2, 3], [4, 5])
+    copies: list[tuple[int, int]] = []
+    donor = Donor(reading, 3)
+    assert pool.place(decoding, 1, 10, copies, donors=[donor]) == (3, 2)
+    assert copies == [(0, 6), (1, 7), (4, 0)]  # block 5 holds nothing yet: no copy
+    assert decoding == [0, 1] and reading == [6, 7, 2, 3] and pool.free == 2
+    assert donor.start == 2  # the next look at the reader's table begins past what it lent
+
+    pool, reading, decoding = pools()
+    assert pool.place(decoding, 1, 1, copies := [], donors=[Donor(reading, 3)]) == (0, 0)
+    assert copies == [] and reading == [0, 1, 2, 3]
+
+
+def test_a_decoding_request_keeps_its_blocks_on_the_device_while_a_long_prompt_is_read(
+    checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Six blocks on the "device", filled by a 400-token prompt being read: the request decoding beside it
+    takes the reader's device blocks as it grows, so it never reads a block from host RAM (on a GPU its
+    windows of decode rows alone replay their graphs); every token is what a pool wholly on the device gives.
+    Without the lending its new blocks stay in host RAM while the prompt is read."""
+    whole = make_core(checkpoint)
+    decoding = request(random_prompt(28, 1), **(decoding_params := {**GREEDY, "max_tokens": 40}))
+    reading = request(random_prompt(400, 2), **(reading_params := {**GREEDY, "max_tokens": 4}))
+    expected = {
+        add.request_id: complete(whole, add.prompt_token_ids, **params).token_ids
+        for add, params in ((decoding, decoding_params), (reading, reading_params))
+    }
+
+    def decoding_blocks_in_host_ram() -> int:
+        """The most blocks the decoding request held in host RAM after a window, while the prompt was read."""
+        core = make_core(checkpoint, kv_resident=96, parallel=2, max_batched_tokens=64, decode_share=0.5)
+        scheduler, most = core.scheduler, 0
+
+        def look() -> None:
+            nonlocal most
+            running = scheduler.running
+            if any(r.phase is Phase.PROMPT for r in running):
+                held = [b for r in running if r.phase is Phase.DECODE for b in r.blocks]
+                most = max(most, sum(b >= scheduler.pool.on_device for b in held))
+
+        done, _ = run(core, [(0, decoding), (1, reading)], after_window=look)
+        assert {key: done[key].token_ids for key in expected} == expected
+        return most
+
+    assert decoding_blocks_in_host_ram() == 0
+    monkeypatch.setattr(BlockPool, "_lend", lambda self, *args: None)
+    assert decoding_blocks_in_host_ram() > 0
 
 
 @pytest.mark.parametrize("kernel", [False, True])
