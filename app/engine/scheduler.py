@@ -157,6 +157,10 @@ class Window:
     `cache_queries` / `cache_hits`: prompt tokens of the requests admitted, and how many came from the cache.
     `unparks`: (parked conversation, slot, block table) to copy back from the host, after the restores.
     `charged`: the seconds the decoding slots' credit was charged for the window when it was planned.
+    `paced`: the decode rows whose speed set its prompt rows' time budget: its own, or with slot groups those
+    of another group that it holds up in the stages where more (a window of no decode rows of its own then
+    spends their credit). `beside_prompts`: with slot groups, planned while a prompt was being read or waited
+    (its decode rows then shared the stages with prompt rows: what it took says nothing of their solo cost).
     `moved`: KV blocks its requests' blocks copied (to the device, to host RAM) in `block_copies` (`_place`).
     """
 
@@ -169,6 +173,8 @@ class Window:
     cache_hits: int = 0
     unparks: list[tuple[object, int, list[int]]] = field(default_factory=list)
     charged: float | None = None
+    paced: int = 0
+    beside_prompts: bool = False
     moved: tuple[int, int] = (0, 0)
 
     @property
@@ -328,7 +334,8 @@ class Scheduler:
                 window.chunks.append(chunk)
                 budget -= len(chunk.tokens)
         reading = [r for r in ours if r.phase is Phase.PROMPT]
-        paced = max(len(window.chunks), self._decoding_beside(group))
+        window.paced = paced = max(len(window.chunks), self._decoding_beside(group))
+        window.beside_prompts = self.config.groups > 1 and self._prompts_pending()
         share = _Share(self, len(window.chunks), budget, paced, reading[0].computed if reading else 0)
         for request in reading:
             take = share.take(request.pending, request.computed)
@@ -669,17 +676,21 @@ class Scheduler:
         The window-cost fit describes windows with prompt rows (at their bucket's rows where `replayed`: the
         window replayed a CUDA graph) and learns from them alone: decode-only windows have their own means,
         and where they run eagerly too (a CPU's) the hundreds of them between two prompt windows would wash
-        those out of a fit that follows the latest windows.
+        those out of a fit that follows the latest windows. With slot groups a decode-only window planned
+        while prompts are read shares the stages with another group's prompt rows, and what it took is the
+        read's as much as its own: their means learn only from the others (the share would otherwise follow
+        the read: on two stages sharing a core, a slot's decode windows behind 2,048-row prompt windows
+        raised its `solo` from 10 to 137 ms, and the read ran nearly unpaced).
         """
         rows = sum(len(c.tokens) for c in window.chunks)
         decode = window.decode_tokens
         if rows > decode:
             ran = self.padded(rows) if replayed else rows
             self.cost.observe(ran, len(window.chunks), seconds, window_pairs(window.chunks, ran))
-        if decode and rows == decode:
+        if decode and rows == decode and not window.beside_prompts:
             self.decode_cost.observe(decode, seconds)
         if window.charged is not None:
-            self._add_credit(decode, window.charged - seconds)
+            self._add_credit(decode or window.paced, window.charged - seconds)
         elif decode and (solo := self.solo_seconds(decode)) is not None:
             self._add_credit(decode, solo / self.planned_share - seconds)
 
@@ -744,9 +755,16 @@ class Scheduler:
         """Charge the decoding slots' credit for a window being planned, at its predicted cost (returned).
 
         Charged now, not when the window has run: the next window is planned while this one runs, and must
-        not spend the same credit. None (nothing charged) for a window without decode rows or of unknown cost.
+        not spend the same credit. A window of prompt rows alone that holds up another slot group's decoding
+        slots (`Window.paced`) spends their credit: all it costs comes on top of their own windows. None
+        (nothing charged) for a window that holds up no decode rows or of unknown cost.
         """
         decode = window.decode_tokens
+        if not decode and window.paced and window.chunks:
+            predicted = self._predict(window) if self.solo_seconds(window.paced) is not None else None
+            if predicted is not None:
+                self._add_credit(window.paced, -predicted)
+            return predicted
         solo = self.solo_seconds(decode) if decode else None
         predicted = self._predict(window) if solo is not None else None
         if solo is None or predicted is None:
@@ -812,7 +830,8 @@ class _Share:
         self.saving = self.owing = False
         solo = scheduler.solo_seconds(paced) if paced else None
         if solo is not None and self.cost.calibrated:
-            allowed = solo / scheduler.planned_share
+            # a window of no decode rows adds all it costs to the held-up slots' own windows
+            allowed = solo / scheduler.planned_share - (solo if not decode_rows else 0.0)
             self.limit = allowed + scheduler.credit
             block = scheduler.padded(decode_rows + self.minimum)
             one_block = self.cost.predict(block, decode_rows + 1, chunk_pairs(self.minimum, past))

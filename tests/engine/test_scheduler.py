@@ -480,6 +480,50 @@ def test_pipelined_groups_take_turns_and_a_busy_groups_slots_wait() -> None:
     assert all(c.decode for c in third.chunks)
 
 
+def test_a_groups_prompt_windows_spend_the_credit_of_the_slot_they_hold_up_and_keep_the_share() -> None:
+    # Two slot groups: "a" decodes in one (1 ms a window alone) while a long prompt is read in the other.
+    # Each of the reader's windows holds up "a"'s next one in the stages, so what that one takes (from the
+    # tokens before it to its own) carries half the reader's window. The reader's windows are charged to
+    # "a"'s credit, and "a"'s windows beside the read do not teach its solo cost: "a" keeps about half its
+    # speed. (The reader's group plans empty windows while it saves credit: they take no time.)
+    eager = WindowCost()
+    for rows, sequences in [(1, 1), (100, 1), (400, 2), (2000, 3), (50, 5), (8, 8)]:
+        eager.observe(rows, sequences, 0.008 + 0.00001 * rows + 0.0001 * sequences)
+    scheduler = _scheduler(max_batched_tokens=512, decode_share=0.5, groups=2, parallel=2)
+    for rows, sequences in [(1, 1), (100, 1), (400, 2), (2000, 3), (50, 5), (8, 8)]:
+        scheduler.cost.observe(rows, sequences, eager.predict(rows, sequences))
+    decoding, reading = _request("a", 4, max_tokens=10_000), _request("long", 3000)
+    scheduler.add(decoding)
+    log: list[tuple[int, int, float]] = []
+    held = 0.0  # what the next window of "a" carries of the reader's window before it
+    for index in range(2000):
+        if index == 40:  # "a"'s solo cost learnt
+            scheduler.add(reading)
+            start = len(log)
+        window = scheduler.schedule()
+        scheduler.advance(window)
+        if not window.chunks:
+            continue
+        if window.prompt_tokens and not window.decode_tokens:
+            whole = eager.predict(window.prompt_tokens, len(window.chunks))
+            seconds, held = whole / 2, whole / 2
+        else:
+            seconds, held = 0.001 * window.decode_tokens + held, 0.0
+        scheduler.observe(window, seconds)
+        for chunk in window.chunks:
+            if chunk.samples:
+                chunk.request.output.append(7)
+        log.append((window.decode_tokens, window.prompt_tokens, seconds))
+        if index > 40 and reading.phase is not Phase.PROMPT and not scheduler.waiting:
+            break
+    assert scheduler.group_of(decoding.slot) != scheduler.group_of(reading.slot)
+    read = log[start:]
+    assert sum(w[1] for w in read) == 3000
+    share = sum(w[0] for w in read) * 0.001 / sum(w[2] for w in read)
+    assert 0.45 <= share <= 0.65
+    assert scheduler.solo_seconds(1) == pytest.approx(0.001, rel=0.01)
+
+
 class _Guesses:
     """A draft source that always guesses the same tokens."""
 
