@@ -156,6 +156,19 @@ def test_adapting_makes_the_most_routed_experts_resident() -> None:
     assert counts.pcie_bytes == 2 * tier.expert_bytes() and counts.adapt_wait_s > 0
 
 
+def test_an_expert_routed_within_noise_of_a_resident_one_does_not_take_its_place() -> None:
+    """Experts 0 and 1 resident: expert 2 routed three times against resident 0's once is within the noise
+    of their counts (SWAP_MARGIN) and moves nothing; routed four times more (beside 1 and 3), it takes 0's
+    place."""
+    tier = _tier(2, seed=4)
+    x, _, weights = _routing(3, 5)
+    tier(x, torch.tensor([[1, 2, 3], [1, 2, 3], [1, 2, 0]]), weights)
+    assert tier.adapt() == 0 and tier.locations()[:3] == [0, 0, 1]
+    x, _, weights = _routing(4, 6)
+    tier(x, torch.tensor([[2, 1, 3]] * 4), weights)
+    assert tier.adapt() == 1 and tier.locations()[:3] == [1, 0, 0]
+
+
 def test_a_streamed_layers_routing_does_not_steer_adaptation() -> None:
     """A layer computed from its whole host part streamed ahead pays the same whichever experts are resident,
     so a long prompt's window leaves the counts to the windows that do stop for misses (a decoding slot's)."""
@@ -167,8 +180,8 @@ def test_a_streamed_layers_routing_does_not_steer_adaptation() -> None:
     tier.stream, tier.position = Streaming(), 1  # type: ignore[assignment]
     x, _, weights = _routing(400, 7)  # more routed entries than a small window's
     tier(x, torch.tensor([[4, 5, 6]] * 400), weights)
-    x, _, weights = _routing(2, 8)
-    tier(x, torch.tensor([[3, 7, 1], [3, 7, 2]]), weights)  # a decode window's
+    x, _, weights = _routing(8, 8)
+    tier(x, torch.tensor([[3, 7, 1], [3, 7, 2]] * 4), weights)  # a few decode windows'
     assert tier.adapt() == 2 and tier.locations() == [1, 1, 1, 0, 1, 1, 1, 0]
     tier.stream = None
     x, _, weights = _routing(400, 7)
