@@ -41,7 +41,8 @@ class MoeTiles:
     `rowwise` (weights held as GGUF blocks only): each row of a tile summed by itself in fp32 on the CUDA
     cores (`_held_rowwise`), so a row's bits depend on block_n, block_k and num_warps, not on block_m.
     `columns_first` (Q8_0 blocks only): the widened weights [block_n, block_k] are the dot's left operand
-    and the tile's rows its right one, so that the tensor cores take the weights from registers.
+    and the tile's rows its right one, so that the tensor cores take the weights from registers; a form
+    benchmarks/tune_held.py times beside the tiles (no window size takes it by default).
     """
 
     block_m: int
@@ -67,14 +68,11 @@ PER_PAIR_TOKENS = 2
 # 16-row tiles' 156, Q8_0's 219 against 426: a tile widens every value for its one or two real rows).
 HELD_ROWWISE_TILES = MoeTiles(block_m=1, block_n=4, block_k=256, num_warps=1, num_stages=2, rowwise=True)
 HELD_PER_PAIR_TOKENS = 8
-# Q8_0's experts from 9 tokens on: the widened weights the dot's left operand, held in registers (at 32
-# tokens 458 us a layer against 770 for the 16-row tiles, in the file's layout at four stages). Since Q8_0
-# is held reordered its codes are staged in shared memory by 16-byte copies, 32 KB a stage for gate and up:
-# two stages (64 KB, three programs an SM) rather than four (132 KB, one), chosen from the compiled sizes,
-# not yet timed on a card.
-Q8_0_DECODE_TILES = MoeTiles(
-    block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=2, columns_first=True
-)
+# Q8_0's experts from 9 tokens on take the 16-row tiles too. Since Q8_0 is held reordered (a row's codes, then
+# its scales) the tiles read its codes 16 bytes at a time, and on an H100 its experts at 32 tokens took 274 us
+# a layer in them against 442 widened columns first (`MoeTiles.columns_first`, two stages; 310 at one), which
+# had been the faster form (458 against 770 us on an H200) while the file's layout made every load two bytes
+# (benchmarks/tune_held.py, docs/PERFORMANCE.md 2026-12-05).
 DECODE_TOKENS = 64  # windows of up to this many tokens take the decode tiles (a row's bits the same in all)
 # Held types whose tiles run one pipeline stage: staging IQ3_S's grid reads costs more than it hides (its
 # experts at 32 tokens 1.40 ms a layer against 2.16 at four stages, 2,048 tokens 3.37 against 4.89: tune_held,
@@ -86,14 +84,14 @@ def moe_tiles(tokens: int, exact: bool, held: tuple[str, ...] = ()) -> MoeTiles:
     """The tiles for a batch of `tokens` rows (`held`: the types of the experts' two weights where they are
     held as GGUF blocks, which may differ); with `exact` the same for every batch size. A row's bits are the
     same in every window of one range: held weights' windows of up to HELD_PER_PAIR_TOKENS tokens (rowwise
-    sums), up to DECODE_TOKENS (16-row tiles; Q8_0's, both weights Q8_0, widened columns first), beyond
-    (128-row tiles); those of ONE_STAGE_HELD types in one pipeline stage."""
+    sums), up to DECODE_TOKENS (16-row tiles), beyond (128-row tiles); those of ONE_STAGE_HELD types in one
+    pipeline stage."""
     if exact:
         return EXACT_TILES
     if held and tokens <= HELD_PER_PAIR_TOKENS:
         return HELD_ROWWISE_TILES
     if tokens <= DECODE_TOKENS:
-        tiles = Q8_0_DECODE_TILES if held and set(held) == {"Q8_0"} else EXACT_TILES
+        tiles = EXACT_TILES
     else:
         tiles = MoeTiles(block_m=128, block_n=128, block_k=64, num_warps=8)
     return replace(tiles, num_stages=1) if ONE_STAGE_HELD & set(held) else tiles

@@ -73,7 +73,7 @@ def compile_held(kind: str) -> None:
     rowwise = {"BLOCK_M": 2, "BLOCK_N": 4, "BLOCK_K": ROWWISE_STEP_LIMITS[kind][0]}
     shared = compile_for_sm_90(_grouped_matmul, common | tiles, num_warps=4)
     line = f"{kind} tiles {shared} rows {compile_for_sm_90(_held_rowwise, common | rowwise, num_warps=1)}"
-    if kind == "Q8_0":  # its decode tiles widen columns first (triton_moe.Q8_0_DECODE_TILES)
+    if kind == "Q8_0":  # its tiles may widen columns first (triton_moe.MoeTiles.columns_first)
         first = common | tiles | {"COLUMNS_FIRST": True, "BLOCK_K": 256}
         line += f" columns-first {compile_for_sm_90(_grouped_matmul, first, num_warps=4)}"
     print(line)
