@@ -139,17 +139,19 @@ if [[ $what == split ]]; then
         dir=${CHECKPOINTS:-/tmp}/strata-$s-drawn
         [[ -f $dir/random_weights.json ]] || python3 benchmarks/random_checkpoint.py --shape "$s" --drawn-on-load "$dir"
         cards=$(python3 -c "import torch; print('0,1' if torch.cuda.device_count() > 1 else '0,0')")
+        # --kv-memory is a stage's: two stages sharing an 80 GB card take half each
+        kv=$([[ $cards == 0,1 ]] && echo 24GiB || echo 12GiB)
         for split in "" "--layer-split 2 --stage-gpus $cards --batch-groups 1" \
             "--layer-split 2 --stage-gpus $cards --batch-groups 2"; do
             # shellcheck disable=SC2086
-            python3 -m app.cli bench --model "$dir" --parallel 32 --kv-memory 24GiB --concurrency 1 2 4 8 32 \
+            python3 -m app.cli bench --model "$dir" --parallel 32 --kv-memory $kv --concurrency 1 2 4 8 32 \
                 --prompt-len 512 --output-len 128 $split >>"$out/split.jsonl" 2>>"$out/split.log" || status=1
         done
         # a decoding slot while a peer's 32K prompt is read on the split, over HTTP
         python3 benchmarks/http_burst.py --model "$dir" --long-peers 1 --long-prompt-len 32768 \
             --scenarios solo,long_peers --out "$out/split-long-peer.jsonl" --serve-arg=--layer-split=2 \
             --serve-arg=--stage-gpus="$cards" --serve-arg=--batch-groups=2 --serve-arg=--parallel=8 \
-            --serve-arg=--kv-memory=24GiB 2>&1 | tee -a "$out/split.log" || status=1
+            --serve-arg=--kv-memory=$kv 2>&1 | tee -a "$out/split.log" || status=1
     done
 fi
 if [[ $what == drafts ]]; then
