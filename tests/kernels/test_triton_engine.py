@@ -133,43 +133,54 @@ def _bucketed_arrivals() -> list[tuple[int, AddRequest]]:
     return [(i, request(prompt, **params)) for i, prompt in enumerate(prompts)]
 
 
-def _assert_same_answers(arrivals: list[tuple[int, AddRequest]], got: dict, expected: dict) -> None:
-    """Every request got the expected tokens, and their logprobs to rounding."""
-    for _, add in arrivals:
-        ours, theirs = got[add.request_id], expected[add.request_id]
+def _assert_same_answers(arrivals: list[tuple[int, AddRequest]], got: dict, expected: list) -> None:
+    """Every request got the tokens expected of it (`expected`: in the order of `arrivals`), and their
+    logprobs to rounding."""
+    for (_, add), theirs in zip(arrivals, expected, strict=True):
+        ours = got[add.request_id]
         assert ours.token_ids == theirs.token_ids
         for a, b in zip(ours.logprobs, theirs.logprobs, strict=True):
             assert a.chosen.logprob == pytest.approx(b.chosen.logprob, abs=1e-4)
 
 
-def test_windows_through_the_graphs_static_inputs_give_the_eager_windows_tokens(hybrid: Path) -> None:
+BUCKETED = {"backend": "triton", "parallel": 4, "max_batched_tokens": 72, "decode_share": 0.01}
+
+
+@pytest.fixture(scope="module")
+def eager_bucketed(hybrid: Path) -> list:
+    """`_bucketed_arrivals`' answers (in their order) from the hybrid model run whole, every window eagerly:
+    the reference of the tests through the windows' graphs, run once."""
+    arrivals = _bucketed_arrivals()
+    answers = run(make_core(hybrid, **BUCKETED), arrivals)[0]
+    return [answers[add.request_id] for _, add in arrivals]
+
+
+def test_windows_through_the_graphs_static_inputs_give_the_eager_windows_tokens(
+    hybrid: Path, eager_bucketed: list
+) -> None:
     """Decode rows, prompt pieces, fresh slots, a checkpoint saved inside a chunk and a follow-up from it,
     padded to buckets: the same tokens (and logprobs to rounding) as every window run eagerly."""
-    settings = {"backend": "triton", "parallel": 3, "max_batched_tokens": 72, "decode_share": 0.01}
     arrivals = _bucketed_arrivals()
-    graphed = make_core(hybrid, **settings)
+    graphed = make_core(hybrid, **BUCKETED)
     used = with_window_graphs(graphed)
     padded, windows = run(graphed, arrivals)
-    eager, _ = run(make_core(hybrid, **settings), arrivals)
     assert {b.decode for b in used} == {True, False} and any(
         w.prompt_tokens and w.decode_tokens for w in windows
     )
     assert sum(w.prefix_cache_hits for w in windows) > 0
-    _assert_same_answers(arrivals, padded, eager)
+    _assert_same_answers(arrivals, padded, eager_bucketed)
 
 
 def test_a_split_whose_stages_replay_their_graphs_gives_the_tokens_of_the_model_run_whole(
-    hybrid: Path, monkeypatch: pytest.MonkeyPatch
+    hybrid: Path, eager_bucketed: list, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Both stages of a split, two slot groups in flight, run windows through their graphs' static inputs
     (not captured on the CPU): stage 0 picks each window's bucket, every stage fills its own inputs and the
     stream crosses between them. Decode rows, prompt pieces, fresh slots, a checkpoint inside a chunk and a
     follow-up from it give the tokens (and logprobs to rounding) of the model run whole, eagerly."""
-    settings = {"backend": "triton", "parallel": 4, "max_batched_tokens": 72, "decode_share": 0.01}
     arrivals = _bucketed_arrivals()
-    whole, _ = run(make_core(hybrid, **settings), arrivals)
     monkeypatch.setattr(EngineCore, "_graphs_wanted", lambda self: True)
-    core = make_core(hybrid, layer_split="2", batch_groups=2, **settings)
+    core = make_core(hybrid, layer_split="2", batch_groups=2, **BUCKETED)
     try:
         assert isinstance(core.runner.graphs, StageGraphs)
         split, windows = run(core, arrivals)
@@ -178,4 +189,4 @@ def test_a_split_whose_stages_replay_their_graphs_gives_the_tokens_of_the_model_
     replayed = [w for w in windows if w.replayed]
     assert any(w.prompt_tokens for w in replayed) and any(not w.prompt_tokens for w in replayed)
     assert sum(w.prefix_cache_hits for w in windows) > 0
-    _assert_same_answers(arrivals, split, whole)
+    _assert_same_answers(arrivals, split, eager_bucketed)
