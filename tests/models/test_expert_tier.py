@@ -9,7 +9,7 @@ import torch
 from app.kernels.cpu_experts import experts_swiglu_sum
 from app.kernels.reference import experts_reference
 from app.models.expert_costs import MissCosts
-from app.models.expert_tier import ExpertStaging, TierCounts, TieredExperts
+from app.models.expert_tier import ADAPT_DECAY, ADAPT_MEMORY, ExpertStaging, TierCounts, TieredExperts
 
 EXPERTS, HIDDEN, INTER, TOP_K = 8, 16, 12, 3
 
@@ -167,6 +167,21 @@ def test_an_expert_routed_within_noise_of_a_resident_one_does_not_take_its_place
     x, _, weights = _routing(4, 6)
     tier(x, torch.tensor([[2, 1, 3]] * 4), weights)
     assert tier.adapt() == 1 and tier.locations()[:3] == [1, 0, 0]
+
+
+def test_few_entries_since_the_last_adaptation_keep_more_of_the_older_counts() -> None:
+    """The counts remember about ADAPT_MEMORY entries an expert: an adaptation after few entries keeps most
+    of the older counts, one after many halves them (ADAPT_DECAY at least)."""
+    tier = _tier(2, seed=4)
+    memory = ADAPT_MEMORY * tier.experts
+    assert tier.heat is not None
+    tier.heat[5] = memory / 4
+    tier.adapt()
+    assert tier.heat[5].item() == pytest.approx(memory / 4 * 0.75)
+    tier.heat[6] += 2 * memory
+    tier.adapt()
+    assert tier.heat[5].item() == pytest.approx(memory / 4 * 0.75 * ADAPT_DECAY)
+    assert tier.heat[6].item() == pytest.approx(2 * memory * ADAPT_DECAY)
 
 
 def test_a_streamed_layers_routing_does_not_steer_adaptation() -> None:
