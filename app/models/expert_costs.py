@@ -7,12 +7,15 @@ misses are split between them to make the slower side as fast as it can be: the 
 go over PCIe first (their CPU cost grows with rows, their copy does not), the rest stay on the CPU.
 `MissCosts` holds the machine's figures, measured at start (`measure`) or described (tests, experiments); the
 CPU pool's rate then follows what its runs take while serving (`observe_cpu`), so a figure measured on a busy
-host at start corrects itself within a few windows.
+host at start corrects itself within a few windows, and so does the link's (`observe_pcie`, the copies timed
+on the device by `CopyTimes`): the two read the same host memory at once, and each gets less of it then than
+alone, where they were measured at start.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +50,12 @@ class MissCosts:
         if per_expert > 0:
             self.cpu_bytes_s += OBSERVED_WEIGHT * (self.expert_bytes / per_expert - self.cpu_bytes_s)
 
+    def observe_pcie(self, experts: int, seconds: float) -> None:
+        """Fold in the device time of one step's copies of `experts` experts: the link's rate moves a step
+        towards what they showed."""
+        if experts > 0 and seconds > 0:
+            self.pcie_bytes_s += OBSERVED_WEIGHT * (experts * self.expert_bytes / seconds - self.pcie_bytes_s)
+
     def pcie_s(self) -> float:
         """Seconds to copy one expert to the device."""
         return self.expert_bytes / self.pcie_bytes_s
@@ -79,6 +88,45 @@ class MissCosts:
                 self.unobserved = 0
                 return best - 1
         return best
+
+
+class CopyTimes:
+    """The device time of the staging copies each host step queues, read without waiting for them: events on
+    the stream before and after a step's copies (`start`, `stop`), folded into the costs' link rate
+    (`MissCosts.observe_pcie`) at a later step (`poll`, from `start`) once the device has run them. At most
+    `most` steps' events wait to be read (the device that far behind, the oldest are dropped unread)."""
+
+    def __init__(self, costs: MissCosts, most: int = 8) -> None:
+        self.costs = costs
+        self.most = most
+        self._pending: deque[tuple[int, torch.cuda.Event, torch.cuda.Event]] = deque()
+        self._spare: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    def start(self) -> tuple[torch.cuda.Event, torch.cuda.Event]:
+        """Read the copies that have run, then mark the stream before a step's copies; returns the events to
+        hand to `stop`."""
+        self.poll()
+        events = self._spare.pop() if self._spare else _timing_events()
+        events[0].record()
+        return events
+
+    def stop(self, events: tuple[torch.cuda.Event, torch.cuda.Event], experts: int) -> None:
+        """Mark the stream after a step's copies of `experts` experts (`events` from `start`)."""
+        events[1].record()
+        self._pending.append((experts, *events))
+        if len(self._pending) > self.most:
+            self._pending.popleft()
+
+    def poll(self) -> None:
+        """Fold in every timed step whose copies the device has run, oldest first."""
+        while self._pending and self._pending[0][2].query():
+            experts, began, ended = self._pending.popleft()
+            self.costs.observe_pcie(experts, began.elapsed_time(ended) / 1e3)
+            self._spare.append((began, ended))
+
+
+def _timing_events() -> tuple[torch.cuda.Event, torch.cuda.Event]:
+    return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
 
 def measure(

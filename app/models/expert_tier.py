@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from app.kernels.interface import ExpertsFn, HostExpertsFn
-from app.models.expert_costs import MissCosts, measure
+from app.models.expert_costs import CopyTimes, MissCosts, measure
 from app.models.moe import RoutedExperts, SparseMoE, expert_parts
 from app.models.pieces import Pieces
 
@@ -356,6 +356,7 @@ class TieredExperts(nn.Module):
         self._streamed: torch.Tensor | None = None  # streamed layers' entries from VRAM / PCIe, not yet read
         self.link: HostLink | None = None  # pinned buffers small captured windows' host steps use
         self.costs: MissCosts | None = None
+        self.copy_times: CopyTimes | None = None  # on a GPU: the staging copies timed into `costs`
         self.pcie_frac: float | None = None  # forces this share of a window's missed experts over PCIe
         self.served = [0, 0, 0]  # routed entries served from VRAM / CPU / PCIe since `take_counts`
         self.pcie_bytes = 0  # bytes copied to the device (staging and swaps) since `take_counts`
@@ -870,7 +871,12 @@ class TieredExperts(nn.Module):
         hosts = [self.host_of[e] for e in missed[:copied]]
         self.served[PCIE] += sum(rows[:copied])
         self.pcie_bytes += copied * self.expert_bytes()
-        return self.staging.load(missed[:copied], hosts, self.host_gate_up, self.host_down)
+        if self.copy_times is None:
+            return self.staging.load(missed[:copied], hosts, self.host_gate_up, self.host_down)
+        events = self.copy_times.start()
+        staged = self.staging.load(missed[:copied], hosts, self.host_gate_up, self.host_down)
+        self.copy_times.stop(events, copied)
+        return staged
 
     def _serve_large(
         self,
@@ -996,8 +1002,10 @@ def use_staging(
     held = first.experts - first.resident  # host slots with an expert in them (the last one is free)
     costs = measure(first.host_kernel, first.host_gate_up[:held], first.host_down[:held], device)
     link = HostLink(HOST_READ_ENTRIES, first.host_down.shape[1], first.experts)  # rows: hidden, held or not
+    copy_times = CopyTimes(costs)
     for tier in tiers:
         tier.staging, tier.costs, tier.pcie_frac, tier.link = staging, costs, pcie_frac, link
+        tier.copy_times = copy_times
     layers = tiers if layers is None else layers
     assert staging.gate_up is not None and staging.down is not None
     area = staging.gate_up.nbytes + staging.down.nbytes

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.models.expert_costs import PROBE_EVERY, MissCosts
+from app.models.expert_costs import OBSERVED_WEIGHT, PROBE_EVERY, CopyTimes, MissCosts
 
 EXPERT = 9_437_184  # one Qwen3-30B-A3B expert in bf16: 3 x 2048 x 768 x 2 bytes
 H200_HOST = MissCosts(EXPERT, pcie_bytes_s=55e9, cpu_bytes_s=60e9, cpu_row_s=150e-6)  # 16 cores, PCIe 5
@@ -53,3 +53,67 @@ def test_a_cpu_rate_measured_too_low_is_probed_and_corrected_by_what_the_pool_ta
         costs.observe_cpu(1, 1, EXPERT / 50e9)
     assert 45e9 < costs.cpu_bytes_s < 50e9
     assert 3 <= costs.plan([1] * 8) <= 5 and costs.unobserved == 0
+
+
+class _Event:
+    """A CUDA event as `CopyTimes` uses one: recorded, queried, timed against another (milliseconds)."""
+
+    def __init__(self, clock: list[float]) -> None:
+        self.clock, self.at, self.ran = clock, 0.0, False
+
+    def record(self) -> None:
+        self.at, self.ran = self.clock[0], False
+
+    def query(self) -> bool:
+        return self.ran
+
+    def elapsed_time(self, end: _Event) -> float:
+        return (end.at - self.at) * 1e3
+
+
+def test_the_links_rate_follows_the_copies_timed_on_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Measured alone at 52 GB/s, the link copies at 26 while the CPU pool reads the same host memory: the
+    copies' device time, read at later steps once they have run (never waited for), moves the rate there,
+    and the split leaves more of a token's misses to the CPU."""
+    costs = MissCosts(EXPERT, pcie_bytes_s=52e9, cpu_bytes_s=60e9, cpu_row_s=30e-6)
+    before = costs.plan([1] * 8)
+    clock = [0.0]
+    made: list[_Event] = []
+
+    def events() -> tuple[_Event, _Event]:
+        made.extend((_Event(clock), _Event(clock)))
+        return made[-2], made[-1]
+
+    monkeypatch.setattr("app.models.expert_costs._timing_events", events)
+    times = CopyTimes(costs, most=3)
+    for step in range(12):
+        pair = times.start()
+        clock[0] += 2 * EXPERT / 26e9  # two experts' copies at 26 GB/s
+        times.stop(pair, 2)
+        if step % 2:  # the device has run the copies of every step so far
+            for event in made:
+                event.ran = True
+    assert len(made) <= 2 * 3  # each pair is used again once read
+    assert 26e9 < costs.pcie_bytes_s < 30e9
+    assert costs.plan([1] * 8) < before
+
+
+def test_copies_the_device_has_not_run_are_not_read_and_the_oldest_are_dropped() -> None:
+    """Five steps' copies, none run yet: nothing is read; once they have run, only the newest `most` (2) are,
+    each moving the rate a step (OBSERVED_WEIGHT) towards 26 GB/s."""
+    costs = MissCosts(EXPERT, pcie_bytes_s=52e9, cpu_bytes_s=60e9, cpu_row_s=30e-6)
+    times = CopyTimes(costs, most=2)
+    clock = [0.0]
+    pairs = []
+    for _ in range(5):
+        pairs.append((_Event(clock), _Event(clock)))
+        pairs[-1][0].record()
+        clock[0] += EXPERT / 26e9
+        times.stop(pairs[-1], 1)  # type: ignore[arg-type]
+        times.poll()
+    assert costs.pcie_bytes_s == 52e9
+    for pair in pairs:
+        pair[1].ran = True
+    times.poll()
+    once = 52e9 + OBSERVED_WEIGHT * (26e9 - 52e9)
+    assert costs.pcie_bytes_s == pytest.approx(once + OBSERVED_WEIGHT * (26e9 - once))
