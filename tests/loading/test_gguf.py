@@ -323,7 +323,8 @@ def test_an_expert_tier_over_a_files_blocks_holds_them_on_the_device_and_in_host
     assert torch.equal(tier.host_down[tier.host_of[5]], GGUFCheckpoint(path).held_blocks(name)[1])
     assert complete(core, prompt, **params).token_ids == whole
     if adapt_every:
-        assert any(tier.slots[e] >= 0 for e in range(2, 8))  # a host expert moved onto the device
+        # a host expert moved onto the device (in a layer whose routing beats the counts' noise)
+        assert any(t.slots[e] >= 0 for t in core.tiers for e in range(2, 8))
     config = core.loaded.model.config
     blocks = 3 * config.hidden_size * config.moe_intermediate_size // 32 * 34
     layers = sum(config.moe_layers) + 1  # the MTP layer's too
