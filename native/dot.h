@@ -262,6 +262,45 @@ inline void grid_codes(const unsigned char (*grid)[4], const int* ids, unsigned 
 // (llama.cpp's ksigns table, computed).
 inline unsigned xxs_signs(unsigned id) { return id | (static_cast<unsigned>(__builtin_popcount(id)) & 1u) << 7; }
 
+#if defined(__AVX512VBMI__) && defined(__AVX512BW__)
+#define DOT_GRID_PERMUTES 1
+// 64 IQ3_XXS codes at once: value l % 4 of grid point ids[l / 4] (16 ids), negated where bit l of `signs` is
+// set. The grid's 1,024 bytes are eight tables of 128 (32 points each), each looked up by a two-register byte
+// permute and kept where an id's top three bits name it: a few instructions for 64 values where a point's
+// four bytes were loaded and inserted one point at a time (on this repository's VM one row of an expert took
+// 485 us against 760; a gather of the 16 points, as IQ3_S's, 680).
+inline void xxs_codes_64(const unsigned char* ids, uint64_t signs, int8_t* codes) {
+    const __m512i which = _mm512_set_epi64(0x0f0f0f0f0e0e0e0e, 0x0d0d0d0d0c0c0c0c, 0x0b0b0b0b0a0a0a0a,
+                                           0x0909090908080808, 0x0707070706060606, 0x0505050504040404,
+                                           0x0303030302020202, 0x0101010100000000);  // value l: id l / 4
+    const __m512i spread =
+        _mm512_permutexvar_epi8(which, _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ids))));
+    const __m512i table = _mm512_and_si512(_mm512_srli_epi16(spread, 5), _mm512_set1_epi8(7));
+    const __m512i within = _mm512_set1_epi32(0x03020100);  // value l % 4 of its point
+    const __m512i at = _mm512_or_si512(_mm512_slli_epi16(_mm512_and_si512(spread, _mm512_set1_epi8(31)), 2), within);
+    const unsigned char* grid = tables.iq3_xxs[0];
+    __m512i out = _mm512_setzero_si512();
+    for (int t = 0; t < 8; ++t) {
+        const __m512i first = _mm512_loadu_si512(grid + 128 * t), second = _mm512_loadu_si512(grid + 128 * t + 64);
+        const __mmask64 here = _mm512_cmpeq_epi8_mask(table, _mm512_set1_epi8(static_cast<char>(t)));
+        out = _mm512_mask_mov_epi8(out, here, _mm512_permutex2var_epi8(first, at, second));
+    }
+    _mm512_storeu_si512(codes, _mm512_mask_sub_epi8(out, signs, _mm512_setzero_si512(), out));
+}
+#endif
+#if defined(__AVX512BW__)
+#define DOT_GRID_GATHER 1
+// 64 IQ3_S codes at once: its 16 grid points (ids: the low bytes `low`, bit i of `ninth` id i's ninth bit)
+// gathered in one load, negated where bit l of `signs` is set (on this repository's VM one row of an expert
+// took 485 us against 830; sixteen byte-permute tables, as IQ3_XXS's eight, 800).
+inline void s_codes_64(const unsigned char* low, unsigned ninth, uint64_t signs, int8_t* codes) {
+    __m512i ids = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(low)));
+    ids = _mm512_mask_or_epi32(ids, static_cast<__mmask16>(ninth), ids, _mm512_set1_epi32(256));
+    const __m512i points = _mm512_i32gather_epi32(ids, tables.iq3_s[0], 4);
+    _mm512_storeu_si512(codes, _mm512_mask_sub_epi8(points, signs, _mm512_setzero_si512(), points));
+}
+#endif
+
 // R rows of GGUF blocks of VALUES weights and BYTES bytes each, widened LANES weights at a time by Reader's
 // `widen` (row r, from column `col`, a multiple of LANES: LANES divides every group of weights that shares a
 // scale, so a pass's weights share one). A pass prefetches the bytes of its share of the row; rows hold whole
@@ -409,6 +448,22 @@ struct IQ3XXSBlocks : Blocks<R, QK_K, IQ3_XXS_BYTES, IQ3XXSBlocks<R>> {
         grid_codes(tables.iq3_xxs, ids, signs, codes);
         widen_int8(codes, half(b) * (0.5f + static_cast<float>(word >> 28)) * 0.5f, 0.0f, wide);
     }
+#ifdef DOT_GRID_PERMUTES
+    // Super-block b's 256 codes and its eight groups' steps (`widen`'s, 64 values a lookup).
+    static void super_codes(const unsigned char* b, int8_t* codes, float* steps) {
+        uint32_t words[8];
+        std::memcpy(words, b + 66, sizeof words);
+        const float d = half(b);
+        for (int j = 0; j < 8; ++j) steps[j] = d * (0.5f + static_cast<float>(words[j] >> 28)) * 0.5f;
+        for (int q = 0; q < 4; ++q) {
+            uint64_t signs = 0;
+            for (int k = 0; k < 8; ++k) {
+                signs |= static_cast<uint64_t>(xxs_signs((words[2 * q + k / 4] >> 7 * (k % 4)) & 127)) << 8 * k;
+            }
+            xxs_codes_64(b + 2 + 16 * q, signs, codes + 64 * q);
+        }
+    }
+#endif
 };
 
 // R IQ3_S rows: super-blocks of an fp16 d, the low bytes of 64 9-bit ids of IQ3_S grid points (four weights
@@ -429,6 +484,18 @@ struct IQ3SBlocks : Blocks<R, QK_K, IQ3_S_BYTES, IQ3SBlocks<R>> {
         grid_codes(tables.iq3_s, ids, signs, codes);
         widen_int8(codes, half(b) * static_cast<float>(1 + 2 * scale), 0.0f, wide);
     }
+#ifdef DOT_GRID_GATHER
+    // Super-block b's 256 codes and its eight groups' steps (`widen`'s, 64 values a gather).
+    static void super_codes(const unsigned char* b, int8_t* codes, float* steps) {
+        const float d = half(b);
+        for (int j = 0; j < 8; ++j) steps[j] = d * static_cast<float>(1 + 2 * ((b[106 + j / 2] >> 4 * (j % 2)) & 15));
+        for (int q = 0; q < 4; ++q) {
+            uint64_t signs;
+            std::memcpy(&signs, b + 74 + 8 * q, sizeof signs);
+            s_codes_64(b + 2 + 16 * q, b[66 + 2 * q] | b[67 + 2 * q] << 8, signs, codes + 64 * q);
+        }
+    }
+#endif
 };
 
 // Whether a reader works out a super-block's scales once (`super_scales`, then `widen_scaled` a pass: Q4_K and
@@ -437,6 +504,13 @@ template <typename Rows, typename = void>
 struct has_super_scales : std::false_type {};
 template <typename Rows>
 struct has_super_scales<Rows, std::void_t<decltype(&Rows::super_scales)>> : std::true_type {};
+
+// Whether a reader decodes a whole super-block's codes at once (`super_codes`, then a pass widens its share under
+// its group's step: the IQ3 types with AVX-512, 64 codes a lookup, `xxs_codes_64` and `s_codes_64`).
+template <typename Rows, typename = void>
+struct has_super_codes : std::false_type {};
+template <typename Rows>
+struct has_super_codes<Rows, std::void_t<decltype(&Rows::super_codes)>> : std::true_type {};
 
 // part[r][c] += one pass's widened weights of each row times token vector c from column `col`.
 template <int R, int C>
@@ -477,6 +551,21 @@ inline void dot_block(const Rows& w, int64_t cols, const float* const* xs, float
                 for (int r = 0; r < R; ++r) {
                     Rows::widen_scaled(b[r], at, steps[r][at / 32], shifts[r][at / 32], wide[r]);
                 }
+                add_pass<R, C>(part, wide, xs, col + at);
+            }
+        }
+    }
+    if constexpr (has_super_codes<Rows>::value) {
+        for (; col + QK_K <= full; col += QK_K) {
+            alignas(64) int8_t codes[R][QK_K];
+            float steps[R][8];
+            for (int r = 0; r < R; ++r) Rows::super_codes(w.block(r, col), codes[r], steps[r]);
+            for (int at = 0; at < QK_K; at += LANES) {
+                if (ahead) {
+                    for (int r = 0; r < R; ++r) __builtin_prefetch(ahead->at(r, col + at));
+                }
+                float wide[R][LANES];
+                for (int r = 0; r < R; ++r) widen_int8(codes[r] + at, steps[r][at / 32], 0.0f, wide[r]);
                 add_pass<R, C>(part, wide, xs, col + at);
             }
         }
@@ -575,6 +664,14 @@ inline void widen_all(const char** rows, int64_t cols, float* buffer) {
                 for (int at = 0; at < QK_K; at += LANES) {
                     Rows::widen_scaled(b, at, steps[at / 32], shifts[at / 32], wide + col + at);
                 }
+            }
+        }
+        if constexpr (has_super_codes<Rows>::value) {
+            for (; col + QK_K <= full; col += QK_K) {
+                alignas(64) int8_t codes[QK_K];
+                float steps[8];
+                Rows::super_codes(w.block(r, col), codes, steps);
+                for (int at = 0; at < QK_K; at += LANES) widen_int8(codes + at, steps[at / 32], 0.0f, wide + col + at);
             }
         }
         for (; col < full; col += LANES) w.widen(r, col, wide + col);
