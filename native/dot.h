@@ -430,6 +430,26 @@ struct IQ4XSBlocks : Blocks<R, QK_K, IQ4_XS_BYTES, IQ4XSBlocks<R>> {
         level_codes(b + 8 + 16 * j, 4 * (in % 32 / 16), codes);
         widen_int8(codes, half(b) * static_cast<float>(scale - 32), 0.0f, wide);
     }
+#ifdef DOT_GRID_PERMUTES
+    // Super-block b's 256 codes and its eight groups' steps (`widen`'s): two groups' 64 levels a byte permute.
+    static void super_codes(const unsigned char* b, int8_t* codes, float* steps) {
+        const float d = half(b);
+        const int high = b[2] | b[3] << 8;
+        for (int j = 0; j < 8; ++j) {
+            steps[j] = d * static_cast<float>((((b[4 + j / 2] >> 4 * (j % 2)) & 15) | ((high >> 2 * j) & 3) << 4) - 32);
+        }
+        const __m512i levels = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tables.iq4)));
+        // a group's 16 bytes twice: low nibbles (its first 16 weights), then high (the next 16)
+        const __m512i shifts = _mm512_set_epi64(0x0004000400040004, 0x0004000400040004, 0, 0, 0x0004000400040004,
+                                                0x0004000400040004, 0, 0);
+        for (int q = 0; q < 4; ++q) {
+            const __m512i two = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 8 + 32 * q)));
+            const __m512i twice = _mm512_shuffle_i64x2(two, two, _MM_SHUFFLE(1, 1, 0, 0));
+            const __m512i ids = _mm512_and_si512(_mm512_srlv_epi16(twice, shifts), _mm512_set1_epi8(15));
+            _mm512_storeu_si512(codes + 64 * q, _mm512_permutexvar_epi8(ids, levels));
+        }
+    }
+#endif
 };
 
 // R IQ3_XXS rows: super-blocks of an fp16 d, 64 ids of IQ3_XXS grid points (four weights each), and per group j
@@ -506,7 +526,7 @@ template <typename Rows>
 struct has_super_scales<Rows, std::void_t<decltype(&Rows::super_scales)>> : std::true_type {};
 
 // Whether a reader decodes a whole super-block's codes at once (`super_codes`, then a pass widens its share under
-// its group's step: the IQ3 types with AVX-512, 64 codes a lookup, `xxs_codes_64` and `s_codes_64`).
+// its group's step: the i-quants with AVX-512, 64 codes a lookup, IQ3's `xxs_codes_64` and `s_codes_64`).
 template <typename Rows, typename = void>
 struct has_super_codes : std::false_type {};
 template <typename Rows>
