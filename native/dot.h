@@ -415,6 +415,34 @@ struct Q6KBlocks : Blocks<R, QK_K, Q6_K_BYTES, Q6KBlocks<R>> {
         const float step = half(b + 208) * static_cast<float>(reinterpret_cast<const int8_t*>(b + 192)[in / 16]);
         widen_int8(codes, step, 0.0f, wide);
     }
+#ifdef DOT_GRID_GATHER
+    static constexpr int STEP = 16;  // values a step of `super_codes` serves
+    // Super-block b's 256 codes and each 16-value group's step (`widen`'s): a half's 64 low bytes and 32 high
+    // ones give its 128 codes in two steps of 64, the high bit pairs shifted by 16-bit lanes.
+    static void super_codes(const unsigned char* b, int8_t* codes, float* steps) {
+        const float d = half(b + 208);
+        const auto* scales = reinterpret_cast<const int8_t*>(b + 192);
+        for (int g = 0; g < QK_K / STEP; ++g) steps[g] = d * static_cast<float>(scales[g]);
+        const __m512i low = _mm512_set1_epi8(15), pair = _mm512_set1_epi8(3), offset = _mm512_set1_epi8(32);
+        // the bit pairs of a half's first 64 codes (pair 0 for the first 32, 1 for the next) and its last 64 (2, 3)
+        const __m512i early = _mm512_set_epi64(0x0002000200020002, 0x0002000200020002, 0x0002000200020002,
+                                               0x0002000200020002, 0, 0, 0, 0);
+        const __m512i late = _mm512_set_epi64(0x0006000600060006, 0x0006000600060006, 0x0006000600060006,
+                                              0x0006000600060006, 0x0004000400040004, 0x0004000400040004,
+                                              0x0004000400040004, 0x0004000400040004);
+        for (int part = 0; part < 2; ++part) {
+            const __m512i ql = _mm512_loadu_si512(b + 64 * part);
+            const __m256i high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * part));
+            const __m512i qh = _mm512_inserti64x4(_mm512_castsi256_si512(high), high, 1);
+            const __m512i first = _mm512_or_si512(_mm512_and_si512(ql, low),
+                                                  _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, early), pair), 4));
+            const __m512i second = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), low),
+                                                   _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, late), pair), 4));
+            _mm512_storeu_si512(codes + 128 * part, _mm512_sub_epi8(first, offset));
+            _mm512_storeu_si512(codes + 128 * part + 64, _mm512_sub_epi8(second, offset));
+        }
+    }
+#endif
 };
 
 // R IQ4_XS rows: super-blocks of an fp16 d, the high bit pairs of eight 6-bit scales (16 bits), their low
@@ -431,12 +459,14 @@ struct IQ4XSBlocks : Blocks<R, QK_K, IQ4_XS_BYTES, IQ4XSBlocks<R>> {
         widen_int8(codes, half(b) * static_cast<float>(scale - 32), 0.0f, wide);
     }
 #ifdef DOT_GRID_PERMUTES
+    static constexpr int STEP = 32;  // values a step of `super_codes` serves
     // Super-block b's 256 codes and its eight groups' steps (`widen`'s): two groups' 64 levels a byte permute.
     static void super_codes(const unsigned char* b, int8_t* codes, float* steps) {
         const float d = half(b);
         const int high = b[2] | b[3] << 8;
         for (int j = 0; j < 8; ++j) {
-            steps[j] = d * static_cast<float>((((b[4 + j / 2] >> 4 * (j % 2)) & 15) | ((high >> 2 * j) & 3) << 4) - 32);
+            const int scale = ((b[4 + j / 2] >> 4 * (j % 2)) & 15) | ((high >> 2 * j) & 3) << 4;
+            steps[j] = d * static_cast<float>(scale - 32);
         }
         const __m512i levels = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tables.iq4)));
         // a group's 16 bytes twice: low nibbles (its first 16 weights), then high (the next 16)
@@ -469,6 +499,7 @@ struct IQ3XXSBlocks : Blocks<R, QK_K, IQ3_XXS_BYTES, IQ3XXSBlocks<R>> {
         widen_int8(codes, half(b) * (0.5f + static_cast<float>(word >> 28)) * 0.5f, 0.0f, wide);
     }
 #ifdef DOT_GRID_PERMUTES
+    static constexpr int STEP = 32;  // values a step of `super_codes` serves
     // Super-block b's 256 codes and its eight groups' steps (`widen`'s, 64 values a lookup).
     static void super_codes(const unsigned char* b, int8_t* codes, float* steps) {
         uint32_t words[8];
@@ -505,6 +536,7 @@ struct IQ3SBlocks : Blocks<R, QK_K, IQ3_S_BYTES, IQ3SBlocks<R>> {
         widen_int8(codes, half(b) * static_cast<float>(1 + 2 * scale), 0.0f, wide);
     }
 #ifdef DOT_GRID_GATHER
+    static constexpr int STEP = 32;  // values a step of `super_codes` serves
     // Super-block b's 256 codes and its eight groups' steps (`widen`'s, 64 values a gather).
     static void super_codes(const unsigned char* b, int8_t* codes, float* steps) {
         const float d = half(b);
@@ -578,14 +610,14 @@ inline void dot_block(const Rows& w, int64_t cols, const float* const* xs, float
     if constexpr (has_super_codes<Rows>::value) {
         for (; col + QK_K <= full; col += QK_K) {
             alignas(64) int8_t codes[R][QK_K];
-            float steps[R][8];
+            float steps[R][QK_K / Rows::STEP];
             for (int r = 0; r < R; ++r) Rows::super_codes(w.block(r, col), codes[r], steps[r]);
             for (int at = 0; at < QK_K; at += LANES) {
                 if (ahead) {
                     for (int r = 0; r < R; ++r) __builtin_prefetch(ahead->at(r, col + at));
                 }
                 float wide[R][LANES];
-                for (int r = 0; r < R; ++r) widen_int8(codes[r] + at, steps[r][at / 32], 0.0f, wide[r]);
+                for (int r = 0; r < R; ++r) widen_int8(codes[r] + at, steps[r][at / Rows::STEP], 0.0f, wide[r]);
                 add_pass<R, C>(part, wide, xs, col + at);
             }
         }
@@ -689,9 +721,9 @@ inline void widen_all(const char** rows, int64_t cols, float* buffer) {
         if constexpr (has_super_codes<Rows>::value) {
             for (; col + QK_K <= full; col += QK_K) {
                 alignas(64) int8_t codes[QK_K];
-                float steps[8];
+                float steps[QK_K / Rows::STEP];
                 Rows::super_codes(w.block(r, col), codes, steps);
-                for (int at = 0; at < QK_K; at += LANES) widen_int8(codes + at, steps[at / 32], 0.0f, wide + col + at);
+                for (int at = 0; at < QK_K; at += LANES) widen_int8(codes + at, steps[at / Rows::STEP], 0.0f, wide + col + at);
             }
         }
         for (; col < full; col += LANES) w.widen(r, col, wide + col);
