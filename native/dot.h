@@ -263,7 +263,7 @@ inline void grid_codes(const unsigned char (*grid)[4], const int* ids, unsigned 
 inline unsigned xxs_signs(unsigned id) { return id | (static_cast<unsigned>(__builtin_popcount(id)) & 1u) << 7; }
 
 #if defined(__AVX512VBMI__) && defined(__AVX512BW__)
-#define DOT_GRID_PERMUTES 1
+#define DOT_AVX512_VBMI 1
 // 64 IQ3_XXS codes at once: value l % 4 of grid point ids[l / 4] (16 ids), negated where bit l of `signs` is
 // set. The grid's 1,024 bytes are eight tables of 128 (32 points each), each looked up by a two-register byte
 // permute and kept where an id's top three bits name it: a few instructions for 64 values where a point's
@@ -289,7 +289,7 @@ inline void xxs_codes_64(const unsigned char* ids, uint64_t signs, int8_t* codes
 }
 #endif
 #if defined(__AVX512BW__)
-#define DOT_GRID_GATHER 1
+#define DOT_AVX512_BW 1
 // 64 IQ3_S codes at once: its 16 grid points (ids: the low bytes `low`, bit i of `ninth` id i's ninth bit)
 // gathered in one load, negated where bit l of `signs` is set (on this repository's VM one row of an expert
 // took 485 us against 830; sixteen byte-permute tables, as IQ3_XXS's eight, 800).
@@ -412,17 +412,18 @@ struct Q6KBlocks : Blocks<R, QK_K, Q6_K_BYTES, Q6KBlocks<R>> {
         const int in = static_cast<int>(col % QK_K), part = in / 128, k = in % 128 / 32, l = in % 32;
         int8_t codes[LANES];
         split_codes(b + 64 * part + 32 * (k % 2) + l, 4 * (k / 2), b + 128 + 32 * part + l, 2 * k, 3, 32, codes);
-        const float step = half(b + 208) * static_cast<float>(reinterpret_cast<const int8_t*>(b + 192)[in / 16]);
-        widen_int8(codes, step, 0.0f, wide);
+        widen_int8(codes, step(b, in / 16), 0.0f, wide);
     }
-#ifdef DOT_GRID_GATHER
+    // The step (d * scale) of 16-value group g of super-block b.
+    static float step(const unsigned char* b, int g) {
+        return half(b + 208) * static_cast<float>(reinterpret_cast<const int8_t*>(b + 192)[g]);
+    }
+#ifdef DOT_AVX512_BW
     static constexpr int STEP = 16;  // values a step of `super_codes` serves
     // Super-block b's 256 codes and each 16-value group's step (`widen`'s): a half's 64 low bytes and 32 high
     // ones give its 128 codes in two steps of 64, the high bit pairs shifted by 16-bit lanes.
     static void super_codes(const unsigned char* b, int8_t* codes, float* steps) {
-        const float d = half(b + 208);
-        const auto* scales = reinterpret_cast<const int8_t*>(b + 192);
-        for (int g = 0; g < QK_K / STEP; ++g) steps[g] = d * static_cast<float>(scales[g]);
+        for (int g = 0; g < QK_K / STEP; ++g) steps[g] = step(b, g);
         const __m512i low = _mm512_set1_epi8(15), pair = _mm512_set1_epi8(3), offset = _mm512_set1_epi8(32);
         // the bit pairs of a half's first 64 codes (pair 0 for the first 32, 1 for the next) and its last 64 (2, 3)
         const __m512i early = _mm512_set_epi64(0x0002000200020002, 0x0002000200020002, 0x0002000200020002,
@@ -452,22 +453,21 @@ template <int R>
 struct IQ4XSBlocks : Blocks<R, QK_K, IQ4_XS_BYTES, IQ4XSBlocks<R>> {
     void widen(int r, int64_t col, float* wide) const {
         const unsigned char* b = this->block(r, col);
-        const int in = static_cast<int>(col % QK_K), j = in / 32, high = b[2] | b[3] << 8;
-        const int scale = ((b[4 + j / 2] >> 4 * (j % 2)) & 15) | ((high >> 2 * j) & 3) << 4;
+        const int in = static_cast<int>(col % QK_K), j = in / 32;
         int8_t codes[LANES];
         level_codes(b + 8 + 16 * j, 4 * (in % 32 / 16), codes);
-        widen_int8(codes, half(b) * static_cast<float>(scale - 32), 0.0f, wide);
+        widen_int8(codes, step(b, j), 0.0f, wide);
     }
-#ifdef DOT_GRID_PERMUTES
+    // The step (d * (scale - 32)) of group j of super-block b.
+    static float step(const unsigned char* b, int j) {
+        const int scale = ((b[4 + j / 2] >> 4 * (j % 2)) & 15) | (((b[2] | b[3] << 8) >> 2 * j) & 3) << 4;
+        return half(b) * static_cast<float>(scale - 32);
+    }
+#ifdef DOT_AVX512_VBMI
     static constexpr int STEP = 32;  // values a step of `super_codes` serves
     // Super-block b's 256 codes and its eight groups' steps (`widen`'s): two groups' 64 levels a byte permute.
     static void super_codes(const unsigned char* b, int8_t* codes, float* steps) {
-        const float d = half(b);
-        const int high = b[2] | b[3] << 8;
-        for (int j = 0; j < 8; ++j) {
-            const int scale = ((b[4 + j / 2] >> 4 * (j % 2)) & 15) | ((high >> 2 * j) & 3) << 4;
-            steps[j] = d * static_cast<float>(scale - 32);
-        }
+        for (int j = 0; j < 8; ++j) steps[j] = step(b, j);
         const __m512i levels = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tables.iq4)));
         // a group's 16 bytes twice: low nibbles (its first 16 weights), then high (the next 16)
         const __m512i shifts = _mm512_set_epi64(0x0004000400040004, 0x0004000400040004, 0, 0, 0x0004000400040004,
@@ -496,16 +496,19 @@ struct IQ3XXSBlocks : Blocks<R, QK_K, IQ3_XXS_BYTES, IQ3XXSBlocks<R>> {
         const int ids[4] = {b[2 + first], b[3 + first], b[4 + first], b[5 + first]};
         int8_t codes[LANES];
         grid_codes(tables.iq3_xxs, ids, signs, codes);
-        widen_int8(codes, half(b) * (0.5f + static_cast<float>(word >> 28)) * 0.5f, 0.0f, wide);
+        widen_int8(codes, step(b, word), 0.0f, wide);
     }
-#ifdef DOT_GRID_PERMUTES
+    // The step (d * (0.5 + s) * 0.5) of the group whose 32-bit word is `word`, of super-block b.
+    static float step(const unsigned char* b, uint32_t word) {
+        return half(b) * (0.5f + static_cast<float>(word >> 28)) * 0.5f;
+    }
+#ifdef DOT_AVX512_VBMI
     static constexpr int STEP = 32;  // values a step of `super_codes` serves
     // Super-block b's 256 codes and its eight groups' steps (`widen`'s, 64 values a lookup).
     static void super_codes(const unsigned char* b, int8_t* codes, float* steps) {
         uint32_t words[8];
         std::memcpy(words, b + 66, sizeof words);
-        const float d = half(b);
-        for (int j = 0; j < 8; ++j) steps[j] = d * (0.5f + static_cast<float>(words[j] >> 28)) * 0.5f;
+        for (int j = 0; j < 8; ++j) steps[j] = step(b, words[j]);
         uint64_t signs[4];  // a sign bit a weight: `xxs_signs` of the groups' four 7-bit ids, eight groups at once
 #if defined(__AVX512BITALG__) && defined(__AVX512VL__)
         const __m256i all = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(words)), seven = _mm256_set1_epi32(127);
@@ -541,17 +544,19 @@ struct IQ3SBlocks : Blocks<R, QK_K, IQ3_S_BYTES, IQ3SBlocks<R>> {
         int ids[4];
         for (int e = 0; e < 4; ++e) ids[e] = b[2 + first + e] | ((ninth >> e) & 1) << 8;
         const unsigned signs = b[74 + in / 8] | b[75 + in / 8] << 8;
-        const int scale = (b[106 + j / 2] >> 4 * (j % 2)) & 15;
         int8_t codes[LANES];
         grid_codes(tables.iq3_s, ids, signs, codes);
-        widen_int8(codes, half(b) * static_cast<float>(1 + 2 * scale), 0.0f, wide);
+        widen_int8(codes, step(b, j), 0.0f, wide);
     }
-#ifdef DOT_GRID_GATHER
+    // The step (d * (1 + 2s)) of group j of super-block b.
+    static float step(const unsigned char* b, int j) {
+        return half(b) * static_cast<float>(1 + 2 * ((b[106 + j / 2] >> 4 * (j % 2)) & 15));
+    }
+#ifdef DOT_AVX512_BW
     static constexpr int STEP = 32;  // values a step of `super_codes` serves
     // Super-block b's 256 codes and its eight groups' steps (`widen`'s, 64 values a gather).
     static void super_codes(const unsigned char* b, int8_t* codes, float* steps) {
-        const float d = half(b);
-        for (int j = 0; j < 8; ++j) steps[j] = d * static_cast<float>(1 + 2 * ((b[106 + j / 2] >> 4 * (j % 2)) & 15));
+        for (int j = 0; j < 8; ++j) steps[j] = step(b, j);
         for (int q = 0; q < 4; ++q) {
             uint64_t signs;
             std::memcpy(&signs, b + 74 + 8 * q, sizeof signs);
