@@ -155,6 +155,7 @@ class Tiering:
             if isinstance(moe, SparseMoE) and isinstance(moe.experts, RoutedExperts)
         ]
         self.gates = {moe: moe.gate for moe, _ in self.layers}
+        self.blocks = {moe: moe.block_kernel for moe, _ in self.layers}
 
     def all_resident(self) -> None:
         for moe, routed in self.layers:
@@ -197,6 +198,8 @@ class Tiering:
                 moe.gate = gate
             else:
                 moe.gate = SkewedGate(gate, per_layer[i], 0.02 * hidden**0.5, i).cuda()
+            # the fused MoE block routes by the gate's weight alone: a replaced router takes the unfused path
+            moe.block_kernel = self.blocks[moe] if moe.gate is gate else None
 
 
 class BuiltTiers(Tiering):
@@ -210,6 +213,7 @@ class BuiltTiers(Tiering):
             if isinstance(moe, SparseMoE) and isinstance(moe.experts, TieredExperts)
         ]
         self.gates = {moe: moe.gate for moe, _ in self.layers}
+        self.blocks = {moe: moe.block_kernel for moe, _ in self.layers}
 
     def all_resident(self) -> None:
         raise SystemExit("a shape larger than the card has no all-resident form")

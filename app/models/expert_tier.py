@@ -30,14 +30,15 @@ from app.models.moe import RoutedExperts, SparseMoE, expert_parts
 from app.models.pieces import Pieces
 
 ADAPT_DECAY = 0.5  # the least share of the earlier routing counts kept when the tier adapts again
-# The counts remember about this many routed entries per expert of a layer: at each adaptation the older
-# counts are scaled by 1 - (entries counted since the last one) / (ADAPT_MEMORY * experts), by ADAPT_DECAY at
-# least. Batch-1 decode routes 16 windows' 128 entries between two adaptations of q30's 128-expert layers, and
-# halving the counts each time kept so few that the tier chased noise; a window of 8 rows or more counts
-# enough to keep halving them. `python benchmarks/tier_adaptation.py` (32 of 128 resident, Zipf routing, batch
-# 1, 20,000 tokens): 0.017 swaps a token a layer against 0.125, 68.9% of entries on the device against 67.4%
-# (the best 32 would hold 69.5%); uniform routing 0.095 swaps against 0.336; a routing moved to other experts
-# is followed more slowly (60.9% held over the next 400 tokens against 65.3%); batch 8 unchanged.
+# The counts remember about this many counts (`count`: a window routing to the expert) per expert of a
+# layer: at each adaptation the older counts are scaled by 1 - (counts since the last one) / (ADAPT_MEMORY *
+# experts), by ADAPT_DECAY at least. Batch-1 decode routes 16 windows' 128 entries between two adaptations
+# of q30's 128-expert layers, and halving the counts each time kept so few that the tier chased noise; a
+# window of 8 rows or more counts enough to keep halving them. `python benchmarks/tier_adaptation.py` (32 of
+# 128 resident, Zipf routing, batch 1, 20,000 tokens): 0.017 swaps a token a layer against 0.125, 68.9% of
+# entries on the device against 67.4% (the best 32 would hold 69.5%); uniform routing 0.095 swaps against
+# 0.336; a routing moved to other experts is followed more slowly (60.9% held over the next 400 tokens
+# against 65.3%); batch 8 unchanged (counted by entries then: `count`).
 ADAPT_MEMORY = 8
 # An incoming expert takes an outgoing one's place only where its count beats the other's by this many
 # standard deviations of their difference (counts as Poisson: sqrt of their sum). `python
@@ -346,8 +347,8 @@ class TieredExperts(nn.Module):
         self._host_of = torch.tensor(
             self.host_of, dtype=torch.long, device="cpu"
         )  # `host_of` as a tensor (host)
-        self.heat: torch.Tensor | None = None  # routed entries per expert since the last adaptation, decayed
-        self._remembered = 0.0  # the entries the heat held after its last decay
+        self.heat: torch.Tensor | None = None  # windows routed to each expert (`count`), decayed
+        self._remembered = 0.0  # what the heat held after its last decay
         self.slot_heat: torch.Tensor | None = None  # [slots, experts]: routed entries per state slot
         self.staging: ExpertStaging | None = None  # with `costs`: misses may go over PCIe (`use_staging`)
         self.stream: LayerStream | None = None  # large windows' layer-ahead copies (`use_staging`)
@@ -620,8 +621,7 @@ class TieredExperts(nn.Module):
         if not self._streams(top_ids.numel()):
             # a streamed layer copies its whole host part whichever experts are resident: its routing says
             # nothing about which should be (a long prompt's would crowd out the decoding slots')
-            picks = top_ids.flatten()
-            self.heat.index_add_(0, picks, torch.ones_like(picks, dtype=torch.float32))
+            self.count(top_ids, live)
         if self.slot_heat is not None and row_slots is not None:
             picks = row_slots[:, None] * self.experts + top_ids
             counted = torch.ones_like(top_ids, dtype=torch.float32) if live is None else live[:, None].float()
@@ -634,6 +634,23 @@ class TieredExperts(nn.Module):
         if self.pieces is not None:
             return self._captured(x, top_ids, top_weights, live)
         return self._split(x, top_ids, top_weights, live)
+
+    def count(self, top_ids: torch.Tensor, live: torch.Tensor | None = None) -> None:
+        """Add a window's routing to the heat: one for each expert a live row routed to, however many rows
+        did. A missed expert costs a window one read of its weights from host RAM (the CPU pool's few rows
+        are bound by that read) or one copy over PCIe, whatever its rows, so the experts worth holding are
+        those routed in the most windows; counted by entries, a prompt chunk's hundreds of rows spread over
+        every expert outweighed a decoding slot's eight a window and moved its experts out while it was
+        read. Padding rows (`live` 0) count nothing."""
+        assert self.heat is not None
+        picks = top_ids.flatten()
+        if top_ids.shape[0] == 1:  # a window's one row is never padding
+            self.heat.index_add_(0, picks, torch.ones_like(picks, dtype=torch.float32))
+            return
+        counted = torch.ones_like(top_ids, dtype=torch.float32) if live is None else live[:, None].float()
+        touched = torch.zeros(self.experts, dtype=torch.float32, device=self.heat.device)
+        touched.scatter_reduce_(0, picks, counted.expand_as(top_ids).flatten(), reduce="amax")
+        self.heat.add_(touched)
 
     def _weights(self, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
         """An expert's gate_up and down where it is computed: its device slot, or host RAM."""

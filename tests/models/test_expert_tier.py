@@ -49,6 +49,12 @@ def _routing(tokens: int, seed: int) -> tuple[torch.Tensor, ...]:
     return x, ids, weights
 
 
+def _decode(tier: TieredExperts, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> None:
+    """Each row through the tier as a window of its own (batch-1 decode)."""
+    for row in range(x.shape[0]):
+        tier(x[row : row + 1], ids[row : row + 1], weights[row : row + 1])
+
+
 @pytest.mark.parametrize("resident", [0, 2, 7])
 def test_a_frozen_tier_sums_like_the_reference_term_for_term(resident: int) -> None:
     tier = _tier(resident)
@@ -143,7 +149,7 @@ def test_adapting_makes_the_most_routed_experts_resident() -> None:
     tier = _tier(2, seed=4)
     x, _, weights = _routing(12, 5)
     hot = torch.tensor([[5, 6, e % 4] for e in range(12)])  # experts 5 and 6 in every row
-    tier(x, hot, weights)
+    _decode(tier, x, hot, weights)
     assert tier.adapt() == 2
     assert tier.locations() == [1, 1, 1, 1, 1, 0, 0, 1]
     assert tier.gate_up is not None and {tier.slots[5], tier.slots[6]} == {0, 1}
@@ -162,11 +168,29 @@ def test_an_expert_routed_within_noise_of_a_resident_one_does_not_take_its_place
     place."""
     tier = _tier(2, seed=4)
     x, _, weights = _routing(3, 5)
-    tier(x, torch.tensor([[1, 2, 3], [1, 2, 3], [1, 2, 0]]), weights)
+    _decode(tier, x, torch.tensor([[1, 2, 3], [1, 2, 3], [1, 2, 0]]), weights)
     assert tier.adapt() == 0 and tier.locations()[:3] == [0, 0, 1]
     x, _, weights = _routing(4, 6)
-    tier(x, torch.tensor([[2, 1, 3]] * 4), weights)
+    _decode(tier, x, torch.tensor([[2, 1, 3]] * 4), weights)
     assert tier.adapt() == 1 and tier.locations()[:3] == [1, 0, 0]
+
+
+def test_a_window_counts_each_expert_it_routes_to_once_and_padding_rows_not_at_all() -> None:
+    """A missed expert costs a window one read of its weights, whatever its rows: a prompt chunk routed to
+    every expert counts each once, and the decoding slot's experts, routed in more windows, stay resident
+    (counted by entries, the chunk's experts 5 to 7 would have taken their places)."""
+    tier = _tier(2, seed=4)
+    x, _, weights = _routing(6, 5)
+    tier(x, torch.tensor([[5, 6, 7]] * 5 + [[0, 1, 2]]), weights, torch.tensor([1, 1, 1, 1, 1, 0]))
+    assert tier.heat is not None and tier.heat.tolist() == [0, 0, 0, 0, 0, 1, 1, 1]
+    tier.heat.zero_()
+    chunk = torch.tensor([[0, 1, 2]] + [[5, 6, 7]] * 30 + [[0, 1, 2], [3, 4, 2]])  # a decode row first
+    x, _, weights = _routing(chunk.shape[0], 6)
+    for _ in range(8):
+        tier(x[:1], chunk[:1], weights[:1])  # a decode-only window
+        tier(x, chunk, weights)  # the decode row beside a prompt chunk
+    assert tier.heat.tolist() == [16, 16, 16, 8, 8, 8, 8, 8]
+    assert tier.adapt() == 0 and tier.locations()[:2] == [0, 0]
 
 
 def test_few_entries_since_the_last_adaptation_keep_more_of_the_older_counts() -> None:
@@ -196,11 +220,11 @@ def test_a_streamed_layers_routing_does_not_steer_adaptation() -> None:
     x, _, weights = _routing(400, 7)  # more routed entries than a small window's
     tier(x, torch.tensor([[4, 5, 6]] * 400), weights)
     x, _, weights = _routing(8, 8)
-    tier(x, torch.tensor([[3, 7, 1], [3, 7, 2]] * 4), weights)  # a few decode windows'
+    _decode(tier, x, torch.tensor([[3, 7, 1], [3, 7, 2]] * 4), weights)  # a few decode windows
     assert tier.adapt() == 2 and tier.locations() == [1, 1, 1, 0, 1, 1, 1, 0]
     tier.stream = None
-    x, _, weights = _routing(400, 7)
-    tier(x, torch.tensor([[4, 5, 6]] * 400), weights)  # the same window unstreamed counts
+    x, _, weights = _routing(20, 7)
+    _decode(tier, x, torch.tensor([[4, 5, 6]] * 20), weights)  # unstreamed windows count
     assert tier.adapt() == 2 and tier.slots[4] >= 0 and tier.slots[5] >= 0
 
 
@@ -211,7 +235,7 @@ def test_asynchronous_swaps_fill_spare_slots_and_land_at_the_next_forward() -> N
     assert tier.gate_up is not None and tier.gate_up.shape[0] == 3 and tier.spare_slots == [2]
     x, _, weights = _routing(12, 7)
     hot = torch.tensor([[5, 6, e % 4] for e in range(12)])
-    tier(x, hot, weights)
+    _decode(tier, x, hot, weights)
     assert tier.adapt() == 1  # the hottest expert in host RAM, into the spare slot
     assert tier.locations() == [0, 0, 1, 1, 1, 1, 1, 1]  # not landed yet
     assert tier.adapt() == 0  # one round at a time
