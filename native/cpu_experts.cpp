@@ -222,17 +222,24 @@ void expert_swiglu(uintptr_t x_ptr, uintptr_t gate_up_ptr, uintptr_t down_ptr, u
 // y [n, hidden] += the weighted SwiGLU of several experts of one layer, each over the rows routed to it:
 // expert experts[e] (an index into gate_up [E, 2 * inter, hidden] / down [E, hidden, inter], and their scales
 // [E, rows]) takes entries offsets[e] .. offsets[e + 1] of rows / weights. One call for a window's CPU share.
+// With channels_ptr (0: none; fp32, bf16 and int8 weights), expert e sums only its first channels[e]
+// intermediate channels (gate and up rows, down columns): its share where the others are summed elsewhere.
 // Every index is checked against n (rows of x and y), total (experts in gate_up / down) and entries (the
 // length of rows / weights) before any memory is read.
 void experts_swiglu_sum(uintptr_t x_ptr, uintptr_t gate_up_ptr, uintptr_t down_ptr, uintptr_t y_ptr,
                         uintptr_t gate_up_scales_ptr, uintptr_t down_scales_ptr, int64_t hidden, int64_t inter,
                         int kind_code, int threads, uintptr_t experts_ptr, uintptr_t offsets_ptr,
                         uintptr_t rows_ptr, uintptr_t weights_ptr, int64_t count, int64_t n, int64_t total,
-                        int64_t entries) {
+                        int64_t entries, uintptr_t channels_ptr) {
     const Kind kind = checked_kind(kind_code, gate_up_scales_ptr, down_scales_ptr);
     const auto* experts = reinterpret_cast<const int64_t*>(experts_ptr);
     const auto* offsets = reinterpret_cast<const int64_t*>(offsets_ptr);
     const auto* rows = reinterpret_cast<const int64_t*>(rows_ptr);
+    const auto* channels = reinterpret_cast<const int64_t*>(channels_ptr);
+    if (channels && kind != Kind::F32 && kind != Kind::BF16 && kind != Kind::I8) {
+        // a held GGUF row is not its leading columns' blocks followed by the rest (Q8_0 keeps its codes first)
+        throw pybind11::value_error("channels are for fp32, bf16 and int8 weights");
+    }
     if (offsets[0] != 0 || offsets[count] != entries) {
         throw pybind11::value_error("offsets must bound each expert's entries of rows and weights");
     }
@@ -246,6 +253,12 @@ void experts_swiglu_sum(uintptr_t x_ptr, uintptr_t gate_up_ptr, uintptr_t down_p
         }
         groups.push_back(stacked_expert(gate_up_ptr, down_ptr, gate_up_scales_ptr, down_scales_ptr, kind, experts[e],
                                         hidden, inter, offsets[e], offsets[e + 1]));
+        if (channels) {
+            if (channels[e] <= 0 || channels[e] > inter) {
+                throw pybind11::value_error("channels must be in [1, " + std::to_string(inter) + "]");
+            }
+            groups.back().inter = channels[e];  // the matrices keep their rows' full length
+        }
     }
     for (int64_t k = 0; k < entries; ++k) {
         if (rows[k] < 0 || rows[k] >= n) throw pybind11::value_error("rows must be in [0, " + std::to_string(n) + ")");

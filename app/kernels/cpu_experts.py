@@ -99,11 +99,15 @@ def expert_swiglu_reference(
     down: torch.Tensor,
     gate_up_scales: torch.Tensor | None = None,
     down_scales: torch.Tensor | None = None,
+    channels: int | None = None,
 ) -> torch.Tensor:
-    """y [n, hidden] fp32 = down @ (silu(gate @ x) * (up @ x)) for x [n, hidden], in fp32 (torch)."""
+    """y [n, hidden] fp32 = down @ (silu(gate @ x) * (up @ x)) for x [n, hidden], in fp32 (torch); with
+    `channels`, over the first so many intermediate channels only."""
     hidden, inter = expert_sizes(gate_up, down)
     gate, up = (x.float() @ _dequantized(gate_up, gate_up_scales, hidden).T).chunk(2, dim=-1)
-    return (torch.nn.functional.silu(gate) * up) @ _dequantized(down, down_scales, inter).T
+    kept = inter if channels is None else channels
+    act = torch.nn.functional.silu(gate[:, :kept]) * up[:, :kept]
+    return act @ _dequantized(down, down_scales, inter)[:, :kept].T
 
 
 def experts_swiglu_sum_reference(
@@ -117,6 +121,7 @@ def experts_swiglu_sum_reference(
     gate_up_scales: torch.Tensor | None = None,
     down_scales: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    channels: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`experts_swiglu_sum` in torch: expert by expert, each result weighted and added at its rows."""
     y = torch.zeros(x.shape, dtype=torch.float32) if out is None else out
@@ -124,7 +129,8 @@ def experts_swiglu_sum_reference(
         first, last = int(offsets[i]), int(offsets[i + 1])
         picked = rows[first:last]
         scales = (None, None) if gate_up_scales is None else (gate_up_scales[expert], down_scales[expert])
-        out = expert_swiglu_reference(x[picked], gate_up[expert], down[expert], *scales)
+        kept = None if channels is None else int(channels[i])
+        out = expert_swiglu_reference(x[picked], gate_up[expert], down[expert], *scales, channels=kept)
         y.index_add_(0, picked, out * weights[first:last, None].float())
     return y
 
@@ -140,18 +146,21 @@ def experts_swiglu_sum(
     gate_up_scales: torch.Tensor | None = None,
     down_scales: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    channels: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y [n, hidden] fp32: for each i, the SwiGLU of x [n, hidden] at rows[offsets[i]:offsets[i + 1]] through
     expert experts[i] of gate_up [E, 2 * inter, hidden] / down [E, hidden, inter] (int8 with fp32 scales
     [E, rows]), weighted by those entries of `weights` and added at those rows; on the CPU, one call.
-    With `out` (fp32, contiguous, shaped like x) the sums are added into it and it is returned. A row's
-    result never depends on which other rows share its experts."""
+    With `out` (fp32, contiguous, shaped like x) the sums are added into it and it is returned. With
+    `channels` [len(experts)], expert i sums its first channels[i] intermediate channels only (whole blocks
+    of a GGUF kind): its share where the others are summed elsewhere. A row's result never depends on which
+    other rows share its experts."""
     if out is not None and (out.shape != x.shape or out.dtype != torch.float32 or not out.is_contiguous()):
         raise ValueError("out must be a contiguous fp32 tensor shaped like x")
     if _native is None:
         _warn_once()
         return experts_swiglu_sum_reference(
-            x, experts, offsets, rows, weights, gate_up, down, gate_up_scales, down_scales, out
+            x, experts, offsets, rows, weights, gate_up, down, gate_up_scales, down_scales, out, channels
         )
     if gate_up.dim() != 3 or down.dim() != 3:
         raise ValueError(
@@ -168,6 +177,10 @@ def experts_swiglu_sum(
     count = experts.numel()
     if offsets.numel() != count + 1 or rows.numel() != weights.numel():
         raise ValueError("offsets must bound each expert's entries of rows and weights")
+    if channels is not None:
+        channels = as_contiguous(channels, torch.int64)
+        if channels.numel() != count:
+            raise ValueError("channels must give one count for each expert")
     x = as_contiguous(x, torch.float32)
     y = torch.zeros(x.shape, dtype=torch.float32) if out is None else out
     _native.experts_swiglu_sum(
@@ -189,6 +202,7 @@ def experts_swiglu_sum(
         n,
         gate_up.shape[0],
         rows.numel(),
+        channels.data_ptr() if channels is not None else 0,
     )
     return y
 

@@ -81,6 +81,30 @@ def test_several_experts_in_one_call_equal_the_reference(kind: torch.dtype) -> N
     torch.testing.assert_close(experts_swiglu_sum(*args), expected, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("kind", [torch.float32, torch.bfloat16, torch.int8], ids=["fp32", "bf16", "int8"])
+def test_an_experts_leading_channels_alone_equal_the_reference(kind: torch.dtype) -> None:
+    """An expert's share of its intermediate channels (the first `channels`, the rest summed elsewhere: the
+    expert tier's split miss) equals the reference's; a count outside the expert, a count missing, or GGUF
+    blocks are refused."""
+    gate_up, down, gate_up_scales, down_scales = _stacked(kind, 6)
+    x = torch.randn(7, HIDDEN, generator=torch.Generator().manual_seed(3))
+    routing = (torch.tensor([4, 1, 5]), torch.tensor([0, 1, 7, 9]), torch.tensor([3, 0, 1, 2, 3, 5, 6, 3, 6]))
+    weights = torch.rand(9, generator=torch.Generator().manual_seed(4))
+    args = (x, *routing, weights, gate_up, down, gate_up_scales, down_scales)
+    channels = torch.tensor([16, INTER, 24])
+    expected = experts_swiglu_sum_reference(*args, channels=channels)
+    got = experts_swiglu_sum(*args, channels=channels)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(got, experts_swiglu_sum(*args), rtol=1e-3, atol=1e-4)
+    for bad in ([0, 16, 16], [16, INTER + 1, 16], [16, 16]):
+        with pytest.raises(ValueError):
+            experts_swiglu_sum(*args, channels=torch.tensor(bad))
+    held_gate_up, _ = _blocks("Q8_0", 6, 2 * 64, HIDDEN, 1)
+    held_down, _ = _blocks("Q8_0", 6, HIDDEN, 64, 2)
+    with pytest.raises(ValueError, match="channels are for"):
+        experts_swiglu_sum(x, *routing, weights, held_gate_up, held_down, channels=torch.tensor([32, 32, 32]))
+
+
 @pytest.mark.parametrize("kind", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_the_cpu_sets_routed_experts_equal_the_reference_and_each_row_its_lone_self(
     kind: torch.dtype,
