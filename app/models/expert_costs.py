@@ -23,6 +23,10 @@ import torch
 from app.kernels.interface import HostExpertsFn
 
 OBSERVED_WEIGHT = 0.25  # how much one observed CPU pool run moves its rate
+GATE_UP_SHARE = 2 / 3  # a SwiGLU expert's bytes in its gate and up rows (2 x inter x hidden of 3)
+# A missed expert is split between the two sides only where that makes the slower side faster by this much:
+# the split costs a few more copies and two zero fills on the device, and a planning error as large.
+SPLIT_GAIN_S = 15e-6
 PROBE_EVERY = 64  # plans sending every miss over PCIe before one leaves an expert to the CPU pool, to time it
 
 
@@ -40,7 +44,7 @@ class MissCosts:
     cpu_row_s: float
     unobserved: int = 0  # plans since the CPU pool last ran that sent every missed expert over PCIe
 
-    def observe_cpu(self, experts: int, rows: int, seconds: float) -> None:
+    def observe_cpu(self, experts: float, rows: int, seconds: float) -> None:
         """Fold in a CPU pool run that took `seconds` for `experts` experts over `rows` routed rows in all:
         the rate an expert is read at for one row moves a step towards what the run showed."""
         if experts <= 0:
@@ -50,7 +54,7 @@ class MissCosts:
         if per_expert > 0:
             self.cpu_bytes_s += OBSERVED_WEIGHT * (self.expert_bytes / per_expert - self.cpu_bytes_s)
 
-    def observe_pcie(self, experts: int, seconds: float) -> None:
+    def observe_pcie(self, experts: float, seconds: float) -> None:
         """Fold in the device time of one step's copies of `experts` experts: the link's rate moves a step
         towards what they showed."""
         if experts > 0 and seconds > 0:
@@ -89,6 +93,34 @@ class MissCosts:
                 return best - 1
         return best
 
+    def share(self, rows: list[int], copied: int) -> tuple[int, float] | None:
+        """Whether to split one missed expert between the two sides, given `rows` (each missed expert's
+        routed rows, sorted descending) and the `copied` experts `plan` sends over PCIe: (i, f) where the
+        experts before i are copied whole, those after it stay with the CPU pool, and expert i's first f of
+        its intermediate channels are summed by the CPU pool, the rest on the device from a copy of their
+        gate and up rows and the whole down matrix; None where no split beats `plan` by SPLIT_GAIN_S.
+
+        One miss read by one side leaves the other idle (q30's expert: 164 us on the CPU pool, 188 us over
+        PCIe, where both together read the host's memory nearly twice as fast), so the expert at the
+        boundary is shared: the CPU pool's part costs f of its time, the copy GATE_UP_SHARE x (1 - f) of
+        the gate and up rows plus all of the down matrix (its columns are not contiguous in host RAM).
+        """
+        base, per_row, copy = self.expert_bytes / self.cpu_bytes_s, self.cpu_row_s, self.pcie_s()
+        left = base * (len(rows) - copied) + per_row * (sum(rows[copied:]) - len(rows) + copied)
+        best, best_s = None, max(copied * copy, left) - SPLIT_GAIN_S
+        # the expert split: the last one copied whole, or the first one left to the CPU pool
+        for split in (copied - 1, copied):
+            if not 0 <= split < len(rows):
+                continue
+            own = base + per_row * (rows[split] - 1)
+            before, after = split * copy, left - (own if split == copied else 0.0)
+            # the two sides even: before + copy * (1 - GATE_UP_SHARE * f) = after + own * f
+            f = (before + copy - after) / (own + GATE_UP_SHARE * copy)
+            seconds = before + copy * (1 - GATE_UP_SHARE * f)
+            if 0 < f < 1 and seconds < best_s:
+                best, best_s = (split, f), seconds
+        return best
+
 
 class CopyTimes:
     """The device time of the staging copies each host step queues, read without waiting for them: events on
@@ -99,7 +131,7 @@ class CopyTimes:
     def __init__(self, costs: MissCosts, most: int = 8) -> None:
         self.costs = costs
         self.most = most
-        self._pending: deque[tuple[int, torch.cuda.Event, torch.cuda.Event]] = deque()
+        self._pending: deque[tuple[float, torch.cuda.Event, torch.cuda.Event]] = deque()
         self._spare: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
     def start(self) -> tuple[torch.cuda.Event, torch.cuda.Event]:
@@ -110,8 +142,8 @@ class CopyTimes:
         events[0].record()
         return events
 
-    def stop(self, events: tuple[torch.cuda.Event, torch.cuda.Event], experts: int) -> None:
-        """Mark the stream after a step's copies of `experts` experts (`events` from `start`)."""
+    def stop(self, events: tuple[torch.cuda.Event, torch.cuda.Event], experts: float) -> None:
+        """Mark the stream after a step's copies of `experts` experts' bytes (`events` from `start`)."""
         events[1].record()
         self._pending.append((experts, *events))
         if len(self._pending) > self.most:

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from app.kernels.interface import ExpertsFn, HostExpertsFn
-from app.models.expert_costs import CopyTimes, MissCosts, measure
+from app.models.expert_costs import GATE_UP_SHARE, CopyTimes, MissCosts, measure
 from app.models.moe import RoutedExperts, SparseMoE, expert_parts
 from app.models.pieces import Pieces
 
@@ -53,6 +53,7 @@ HOST_READ_ENTRIES = 1024  # up to so many routed entries a window's routing is r
 STREAM_COVERAGE = 0.5  # a large window streams whole layers when its first layer misses this share of hosts
 STREAM_AT_ONCE = 8  # a window of this many routed entries an expert streams from its first tiered layer on
 STREAM_HEADROOM = 2 << 30  # device bytes left free beside a stream's second staging area and the KV pool
+SPLIT_ALIGN = 64  # a missed expert shared by the CPU pool and a copy is split at a multiple of these channels
 
 
 def _beyond_noise(hot: float, cold: float) -> bool:
@@ -126,12 +127,34 @@ class ExpertStaging:
         self.slots = slots
         self.gate_up: torch.Tensor | None = None
         self.down: torch.Tensor | None = None
+        self.zeroed = 0  # the leading gate rows of the last slot known to be zero (`load_rest`)
 
     def allocate(self, gate_up: torch.Tensor, down: torch.Tensor, device: torch.device) -> None:
-        """Room for `slots` experts shaped like gate_up / down [experts, ...] on `device` (once)."""
+        """Room for `slots` experts shaped like gate_up / down [experts, ...] on `device` (once), zeroed: a
+        slot holds finite weights only, ever."""
         if self.gate_up is None:
-            self.gate_up = torch.empty((self.slots, *gate_up.shape[1:]), dtype=gate_up.dtype, device=device)
-            self.down = torch.empty((self.slots, *down.shape[1:]), dtype=down.dtype, device=device)
+            self.gate_up = torch.zeros((self.slots, *gate_up.shape[1:]), dtype=gate_up.dtype, device=device)
+            self.down = torch.zeros((self.slots, *down.shape[1:]), dtype=down.dtype, device=device)
+            self.zeroed = gate_up.shape[1] // 2
+
+    def load_rest(self, host_slot: int, channels: int, gate_up: torch.Tensor, down: torch.Tensor) -> int:
+        """Queue the copy of the expert at `host_slot` of the host's gate_up / down into the last staging slot
+        (returned) from intermediate channel `channels` on: those gate and up rows and the whole down matrix
+        (its columns are not contiguous in host RAM), its first `channels` gate rows zero, so that the slot's
+        expert sums the other channels alone (silu(0) times the finite up rows left there adds nothing); the
+        CPU pool sums the first. The zero rows stay from one split to the next where they reach far enough."""
+        assert self.gate_up is not None and self.down is not None
+        inter, slot = gate_up.shape[1] // 2, self.slots - 1
+        target = self.gate_up[slot]
+        if self.zeroed < channels:
+            target[self.zeroed : channels].zero_()
+        self.zeroed = channels
+        for first in (0, inter):
+            target[first + channels : first + inter].copy_(
+                gate_up[host_slot, first + channels : first + inter], non_blocking=True
+            )
+        self.down[slot].copy_(down[host_slot], non_blocking=True)
+        return slot
 
     def load(
         self, experts: list[int], host_slots: list[int], gate_up: torch.Tensor, down: torch.Tensor
@@ -150,6 +173,8 @@ class ExpertStaging:
             self.gate_up[start:end].copy_(gate_up[first:last], non_blocking=True)
             self.down[start:end].copy_(down[first:last], non_blocking=True)
             start = end
+        if len(experts) == self.slots:
+            self.zeroed = 0  # the last slot holds a whole expert
         return {experts[i]: slot for slot, i in enumerate(order)}
 
 
@@ -221,6 +246,7 @@ class PoolArgs:
         self.experts = experts
         self._indices = torch.zeros(2 * experts + 1 + entries, dtype=torch.int64)
         self._weights = torch.zeros(entries, dtype=torch.float32)
+        self._channels = torch.zeros(experts, dtype=torch.int64)
         self._index_view, self._weight_view = self._indices.numpy(), self._weights.numpy()
 
     def fill(
@@ -240,6 +266,11 @@ class PoolArgs:
             indices[2 * at + 1 : 2 * at + 1 + entries],
             self._weights[:entries],
         )
+
+    def channels(self, counts: list[int]) -> torch.Tensor:
+        """Each expert's intermediate channels the pool sums (the kernel's `channels`), as a slice."""
+        self._channels.numpy()[: len(counts)] = counts
+        return self._channels[: len(counts)]
 
 
 class LayerStream:
@@ -854,8 +885,8 @@ class TieredExperts(nn.Module):
         if not picked:
             return {}, False
         missed = sorted(picked, key=lambda e: (-len(picked[e]), e))  # most rows first, ties in expert order
-        staged = self._stage(missed, [len(picked[e]) for e in missed])
-        on_cpu = sorted(missed[len(staged) :])
+        staged, split = self._stage(missed, [len(picked[e]) for e in missed], share=True)
+        on_cpu = sorted(e for e in missed if e not in staged or (split is not None and e == split[0]))
         if not on_cpu:
             return staged, False
         entries = [entry for expert in on_cpu for entry in picked[expert]]
@@ -871,29 +902,69 @@ class TieredExperts(nn.Module):
             [entry // width for entry in entries],
             [weights[entry] for entry in entries],
         )
+        read, shared = float(len(on_cpu)), {}
+        if split is not None:  # the pool sums the split expert's first channels, the device the others
+            expert, channels = split
+            kept = [channels if e == expert else self.intermediate for e in on_cpu]
+            shared = {"channels": self._pool_args.channels(kept)}
+            read -= 1 - channels / self.intermediate
         began = time.perf_counter()
-        self.host_kernel(x, hosts, bounds, rows, row_weights, self.host_gate_up, self.host_down, out=sums)
+        self.host_kernel(
+            x, hosts, bounds, rows, row_weights, self.host_gate_up, self.host_down, out=sums, **shared
+        )
         if self.costs is not None:
-            self.costs.observe_cpu(len(on_cpu), len(entries), time.perf_counter() - began)
+            self.costs.observe_cpu(read, len(entries), time.perf_counter() - began)
         return staged, True
 
-    def _stage(self, missed: list[int], rows: list[int]) -> dict[int, int]:
+    def _stage(
+        self, missed: list[int], rows: list[int], share: bool = False
+    ) -> tuple[dict[int, int], tuple[int, int] | None]:
         """Queue the copies of as many of the `missed` experts (most rows first, `rows` each) as the costs
-        send over PCIe into staging slots; returns their slots (expert -> slot) and counts them."""
+        send over PCIe into staging slots; returns their slots (expert -> slot) and counts them. With
+        `share`, one expert may be split between the two sides (`MissCosts.share`): its later channels
+        staged (`ExpertStaging.load_rest`) and among the slots returned, (expert, its channels the CPU pool
+        sums) returned beside them; else None."""
         if self.staging is None or self.costs is None:
-            return {}
+            return {}, None
         copied = min(self.costs.plan(rows, self.pcie_frac), self.staging.slots)
-        if not copied:
-            return {}
-        hosts = [self.host_of[e] for e in missed[:copied]]
-        self.served[PCIE] += sum(rows[:copied])
-        self.pcie_bytes += copied * self.expert_bytes()
-        if self.copy_times is None:
-            return self.staging.load(missed[:copied], hosts, self.host_gate_up, self.host_down)
-        events = self.copy_times.start()
-        staged = self.staging.load(missed[:copied], hosts, self.host_gate_up, self.host_down)
-        self.copy_times.stop(events, copied)
-        return staged
+        split = self._split_at(rows, copied) if share else None
+        whole = copied if split is None else split[0]
+        if not whole and split is None:
+            return {}, None
+        hosts = [self.host_of[e] for e in missed[:whole]]
+        self.served[PCIE] += sum(rows[:whole])
+        events = self.copy_times.start() if self.copy_times is not None else None
+        staged = self.staging.load(missed[:whole], hosts, self.host_gate_up, self.host_down) if whole else {}
+        copies, shared = float(whole), None
+        if split is not None:
+            expert, channels = missed[split[0]], split[1]
+            staged[expert] = self.staging.load_rest(
+                self.host_of[expert], channels, self.host_gate_up, self.host_down
+            )
+            copies += 1 - GATE_UP_SHARE * channels / self.intermediate
+            shared = (expert, channels)
+        self.pcie_bytes += round(copies * self.expert_bytes())
+        if events is not None and self.copy_times is not None:
+            self.copy_times.stop(events, copies)
+        return staged, shared
+
+    def _split_at(self, rows: list[int], copied: int) -> tuple[int, int] | None:
+        """Where `MissCosts.share` splits one of the missed experts (`rows` each, most first) when `plan`
+        copies `copied` whole: (its index, the channels the CPU pool sums, a multiple of SPLIT_ALIGN), or
+        None. Only plain weights are split (a GGUF block row holds no channel range to zero) and never while a
+        share of copies is forced (`pcie_frac`)."""
+        if (
+            self.costs is None
+            or self.staging is None
+            or self.pcie_frac is not None
+            or self.host_gate_up.dtype not in (torch.float32, torch.bfloat16)
+        ):
+            return None
+        shared = self.costs.share(rows, copied)
+        if shared is None or shared[0] >= self.staging.slots:  # the whole copies leave the last slot free
+            return None
+        channels = round(shared[1] * self.intermediate / SPLIT_ALIGN) * SPLIT_ALIGN
+        return (shared[0], channels) if 0 < channels < self.intermediate else None
 
     def _serve_large(
         self,
@@ -925,7 +996,7 @@ class TieredExperts(nn.Module):
             return {}, None
         by_rows.sort(key=lambda pair: -pair[0])  # most rows first; stable, so ties in expert order
         rows, missed = [count for count, _ in by_rows], [expert for _, expert in by_rows]
-        staged = self._stage(missed, rows)
+        staged, _ = self._stage(missed, rows)
         if len(staged) == len(missed):
             return staged, None
         self.served[CPU] += sum(rows[len(staged) :])

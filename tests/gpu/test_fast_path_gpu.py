@@ -10,7 +10,8 @@ from checkpoints import write_checkpoint
 from engine_helpers import complete, make_core, request, run
 
 from app.kernels import triton_launch
-from app.models.expert_tier import STREAM_COVERAGE
+from app.models.expert_costs import MissCosts
+from app.models.expert_tier import STREAM_COVERAGE, ExpertStaging
 from app.models.moe import SparseMoE
 
 pytestmark = [
@@ -201,13 +202,33 @@ def test_captured_mixed_windows_price_prompt_rows_before_any_window_runs(checkpo
     assert core.scheduler.cost.predict(256, 2) > 0
 
 
-@pytest.mark.parametrize(("pcie_frac", "eager"), [(None, False), (0.0, False), (1.0, False), (None, True)])
+@pytest.mark.parametrize(
+    ("pcie_frac", "eager", "split"),
+    [
+        (None, False, False),
+        (0.0, False, False),
+        (1.0, False, False),
+        (None, True, False),
+        (None, False, True),
+    ],
+)
 def test_a_frozen_expert_tier_on_the_gpu_gives_the_all_resident_tokens(
-    checkpoint: Path, pcie_frac: float | None, eager: bool
+    checkpoint: Path, pcie_frac: float | None, eager: bool, split: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Two experts a layer on the device (the Triton experts kernel), the misses computed on the CPU from
-    host RAM or copied over PCIe into staging slots (as measured, all on the CPU, all over PCIe), decode
+    host RAM or copied over PCIe into staging slots (as measured, all on the CPU, all over PCIe; or with
+    experts split between the two at 8 channels, where the test model's 32 would not be split at 64), decode
     windows replayed as piecewise graphs (or all eager): the greedy tokens of the all-resident model."""
+    splits = []
+    if split:  # both sides described as equally fast, so that a lone miss is split (at 8 of 32 channels)
+        monkeypatch.setattr("app.models.expert_tier.SPLIT_ALIGN", 8)
+        monkeypatch.setattr("app.models.expert_costs.SPLIT_GAIN_S", 0.0)
+        monkeypatch.setattr(MissCosts, "observe_cpu", lambda *observed: None)
+        monkeypatch.setattr(MissCosts, "observe_pcie", lambda *observed: None)
+        load_rest = ExpertStaging.load_rest
+        monkeypatch.setattr(
+            ExpertStaging, "load_rest", lambda self, *args: splits.append(args[1]) or load_rest(self, *args)
+        )
     settings = {"device": "cuda", "dtype": "float32", "parallel": 2}
     params = {"max_tokens": 16, "temperature": 0, "ignore_eos": True}
     arrivals = [(0, request(_prompt(40, 90), **params)), (1, request(_prompt(9, 91), **params))]
@@ -220,6 +241,8 @@ def test_a_frozen_expert_tier_on_the_gpu_gives_the_all_resident_tokens(
     assert (graphs is None) if eager else (graphs is not None and graphs.pieces and not graphs.graphs)
     costs = tiered.tiers[0].costs
     assert costs is not None
+    if split:
+        costs.pcie_bytes_s, costs.cpu_row_s = costs.cpu_bytes_s, 0.0
     measured = costs.pcie_bytes_s
     results, stats = run(tiered, arrivals)
     for _, add in arrivals:
@@ -231,6 +254,7 @@ def test_a_frozen_expert_tier_on_the_gpu_gives_the_all_resident_tokens(
     assert (pcie_frac != 1.0 or cpu == 0) and (pcie_frac != 0.0 or pcie == 0)
     if pcie_frac == 1.0:  # the copies' device time, read at later steps, moved the link's rate
         assert costs.pcie_bytes_s != measured
+    assert bool(splits) == split  # at 64 channels the test model's experts are never split
 
 
 @pytest.mark.parametrize("asynchronous", [False, True])

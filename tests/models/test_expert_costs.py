@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.models.expert_costs import OBSERVED_WEIGHT, PROBE_EVERY, CopyTimes, MissCosts
+from app.models.expert_costs import GATE_UP_SHARE, OBSERVED_WEIGHT, PROBE_EVERY, CopyTimes, MissCosts
 
 EXPERT = 9_437_184  # one Qwen3-30B-A3B expert in bf16: 3 x 2048 x 768 x 2 bytes
 H200_HOST = MissCosts(EXPERT, pcie_bytes_s=55e9, cpu_bytes_s=60e9, cpu_row_s=150e-6)  # 16 cores, PCIe 5
@@ -36,6 +36,23 @@ def test_the_experts_with_most_rows_go_first_and_the_split_is_no_worse_than_eith
     assert split <= sum(H200_HOST.cpu_s(r) for r in rows)
     assert split <= len(rows) * H200_HOST.pcie_s()
     assert copied >= 1  # the 40-row expert is the costliest on the CPU
+
+
+def test_a_lone_miss_is_shared_by_both_sides_where_that_evens_them() -> None:
+    """One miss read by one side leaves the other idle: the expert is split so that the CPU pool's first
+    channels and the copy of the rest (gate and up rows, all of down) end together, well before either side
+    alone would; misses that already split evenly by whole experts are left whole, and where the link is
+    useless nothing is shared."""
+    host = H200_HOST
+    shared = host.share([1], host.plan([1]))
+    assert shared is not None and shared[0] == 0
+    f = shared[1]
+    cpu, copy = f * host.cpu_s(1), (1 - GATE_UP_SHARE * f) * host.pcie_s()
+    assert cpu == pytest.approx(copy) and cpu < 0.7 * min(host.cpu_s(1), host.pcie_s())
+    assert host.share([1, 1], host.plan([1, 1])) is None
+    eight = host.share([1] * 8, host.plan([1] * 8))
+    assert eight is not None and eight[0] in (host.plan([1] * 8) - 1, host.plan([1] * 8))
+    assert RISER.share([1], RISER.plan([1])) is None
 
 
 @pytest.mark.parametrize(("frac", "copied"), [(0.0, 0), (0.5, 4), (1.0, 8)])

@@ -99,6 +99,33 @@ def test_missed_experts_copied_to_staging_slots_add_up_like_the_reference(
     assert tier.take_counts() == TierCounts([0, 0, 0], 0, 0.0)
 
 
+def test_a_lone_miss_shared_by_the_cpu_pool_and_a_staging_slot_adds_up_like_the_reference(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One missed expert, as fast on either side: the CPU pool sums its first channels, the experts kernel the
+    rest from the last staging slot, whose first gate rows are zero (over another expert's weights left there
+    by a whole copy), and the sum is the reference's; its entries count as the pool's, the copy's bytes as
+    the part copied. Whole copies beside a split take the other slots."""
+    monkeypatch.setattr("app.models.expert_tier.SPLIT_ALIGN", 4)
+    tier = _tier(5, seed=4)  # experts 5, 6 and 7 in host RAM
+    tier.staging = ExpertStaging(2)
+    tier.staging.allocate(tier.host_gate_up, tier.host_down, torch.device("cpu"))
+    tier.staging.load([6, 7], [1, 2], tier.host_gate_up, tier.host_down)  # stale weights in both slots
+    x, _, weights = _routing(2, 5)
+    # a lone miss split; three misses: one copied whole, one split, one on the pool
+    for ids, served in (([[7, 0, 1], [2, 3, 4]], [5, 1, 0]), ([[5, 6, 7], [0, 1, 2]], [3, 2, 1])):
+        # as described each time (the pool's observed rate would follow its tiny experts)
+        tier.costs = MissCosts(expert_bytes=1, pcie_bytes_s=1.0, cpu_bytes_s=1.0, cpu_row_s=0.0)
+        routing = torch.tensor(ids)
+        expected = experts_reference(x, routing, weights, *FULL[tier])
+        torch.testing.assert_close(tier._split(x, routing, weights), expected, rtol=1e-5, atol=1e-6)
+        assert tier.take_counts().served == served
+    assert tier.staging.gate_up is not None and tier.staging.gate_up[1, :8].abs().sum() == 0
+    tier.costs = MissCosts(expert_bytes=1, pcie_bytes_s=1.0, cpu_bytes_s=1.0, cpu_row_s=0.0)
+    tier._split(x, torch.tensor([[7, 0, 1], [2, 3, 4]]), weights)
+    assert tier.take_counts().pcie_bytes == round((1 - 2 / 3 * 8 / INTER) * tier.expert_bytes())  # f = 0.6
+
+
 @pytest.mark.parametrize("pcie_frac", [None, 0.5])
 @pytest.mark.parametrize("read_whole", [True, False], ids=["routing-read", "counts-read"])
 def test_the_misses_of_padding_rows_are_left_out(
