@@ -8,7 +8,7 @@
 # .llama/llama-src.tar.xz: llama.cpp's tree from llama-cpp-python's source distribution (LLAMA_CPP_PYTHON,
 #   default 0.3.36), without what a CUDA build of llama-bench and llama-batched-bench never reads (models,
 #   docs, tests, benches, the other backends), about 6 MB; benchmarks/llama_cpp.sh builds it there.
-# Both folders are ignored by git.
+# Both folders are ignored by git. On the machine, `source benchmarks/device_env.sh` installs the wheels.
 set -euo pipefail
 python=${PYTHON:-.venv/bin/python}
 version=${LLAMA_CPP_PYTHON:-0.3.36}

@@ -36,7 +36,7 @@
 # decode-bench: benchmarks/gpu_bench.py on qnext at 12 layers, at the most that fit, and on q30-half.
 # drafts: the drafts' and Gated DeltaNet kernels' GPU tests, then benchmarks/drafts.py on the demo model at 1, 4
 # and 8 slots (no drafts, n-gram, MTP head; 256 tokens each).
-# Wheels the machine's image lacks can sit in .whl/ (installed to /tmp/site first).
+# Wheels the machine's image lacks can sit in .whl/ (benchmarks/device_env.sh installs them to /tmp/site).
 # Results go to $OUT (or ./gpu-results): pytest log, bench.jsonl.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -45,12 +45,8 @@ shift || true
 shapes=${*:-q30-half}
 out=${OUT:-gpu-results}
 mkdir -p "$out"
-if compgen -G ".whl/*.whl" >/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-    export PYTHONPATH=/tmp/site
-fi
-export PYTHONUNBUFFERED=1
-python3 setup.py build_ext --inplace 2>&1 | tail -1  # the native CPU expert kernel, for this machine's CPU
+# shellcheck source=benchmarks/device_env.sh
+source benchmarks/device_env.sh  # the wheels of .whl/, unbuffered output, the native CPU kernel
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 status=0
