@@ -48,15 +48,21 @@ SOLO_PROMPT = 128
 OBSERVER_TOKENS = 8000  # the watched stream's length: it is cancelled once its peers have been read
 
 
-# counters read from /metrics before and after each scenario: the windows that ran (their steps, seconds, host
-# seconds, those replayed from CUDA graphs) and the expert tier's swaps and the windows' waits for them
+# counters read from /metrics before and after each scenario (a name, or a name and a label its samples must
+# carry): the windows that ran (their steps, seconds, host seconds, those replayed from CUDA graphs, those of
+# decode rows alone and their seconds), the expert tier's swaps and the windows' waits for them, and its
+# routed entries served from VRAM and in all
 TOTALS = {
     "steps": "strata:window_step_seconds_count",
     "step_s": "strata:window_step_seconds_sum",
     "host_s": "strata:window_host_seconds_sum",
     "replayed": "strata:windows_replayed_total",
+    "decode_steps": "strata:decode_windows_total",
+    "decode_step_s": "strata:decode_window_seconds_total",
     "swaps": "strata:expert_swaps_total",
     "adapt_wait_s": "strata:expert_adapt_wait_seconds_total",
+    "routed_vram": 'strata:expert_routed_total{source="vram"',
+    "routed": "strata:expert_routed_total",
 }
 
 
@@ -118,12 +124,13 @@ class Client:
     async def totals(self) -> dict[str, float]:
         """The counters of TOTALS so far (from /metrics; 0 where the server has none)."""
         text = (await self.http.get("/metrics", headers={"Accept": "text/plain"})).text
-        names = {metric: key for key, metric in TOTALS.items()}
         found = dict.fromkeys(TOTALS, 0.0)
         for line in text.splitlines():
-            key = names.get(line.partition("{")[0].partition(" ")[0])
-            if key is not None:
-                found[key] += float(line.rsplit(" ", 1)[-1])
+            name = line.partition("{")[0].partition(" ")[0]
+            for key, metric in TOTALS.items():
+                wanted, _, label = metric.partition("{")
+                if name == wanted and (not label or label in line.partition(" ")[0]):
+                    found[key] += float(line.rsplit(" ", 1)[-1])
         return found
 
     async def cards(self) -> dict[str, float]:
@@ -302,6 +309,9 @@ async def run(args: argparse.Namespace, config: dict[str, Any]) -> dict[str, Any
         result[f"{name}_step_ms_mean"] = 1000 * ran["step_s"] / steps if steps else None
         result[f"{name}_host_ms_mean"] = 1000 * ran["host_s"] / steps if steps else None
         result[f"{name}_replayed_share"] = ran["replayed"] / steps if steps else None
+        decoding = ran["decode_steps"]
+        result[f"{name}_decode_step_ms_mean"] = 1000 * ran["decode_step_s"] / decoding if decoding else None
+        result[f"{name}_vram_share"] = ran["routed_vram"] / ran["routed"] if ran["routed"] else None
         result[f"{name}_expert_swaps"] = ran["swaps"]
         result[f"{name}_adapt_wait_s"] = ran["adapt_wait_s"]
     if await client.cache_hits() != hits:

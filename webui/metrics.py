@@ -76,6 +76,12 @@ SCALARS = (
         "counter",
         "Windows replayed from captured CUDA graphs (others ran eagerly).",
     ),
+    ("strata:decode_windows_total", "counter", "Windows of decode rows alone (no prompt rows)."),
+    (
+        "strata:decode_window_seconds_total",
+        "counter",
+        "Seconds of the engine steps of windows of decode rows alone (no prompt rows).",
+    ),
     ("strata:parked_conversations_ram", "gauge", "Conversations parked in host RAM."),
     ("strata:parked_conversations_disk", "gauge", "Conversations parked on disk."),
     ("strata:parked_bytes_ram", "gauge", "Host RAM held by parked conversations."),
@@ -166,6 +172,8 @@ class ServerMetrics:
         self.window_seconds = 0.0
         self.windows_total = 0
         self.windows_replayed_total = 0
+        self.decode_windows_total = 0
+        self.decode_window_seconds_total = 0.0
         self.live_tok_s = 0.0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -295,6 +303,9 @@ class ServerMetrics:
         self.window_seconds = stats.duration_s
         self.windows_total = stats.window
         self.windows_replayed_total += stats.replayed
+        if stats.decode_tokens and not stats.prompt_tokens:
+            self.decode_windows_total += 1
+            self.decode_window_seconds_total += stats.step_s
         self.num_preemptions_total += stats.preempted
         self.prefix_cache_queries_total += stats.prefix_cache_queries
         self.prefix_cache_hits_total += stats.prefix_cache_hits
@@ -439,6 +450,8 @@ class ServerMetrics:
             "kv_blocks_total": self.kv_blocks_total,
             "windows_total": self.windows_total,
             "windows_replayed_total": self.windows_replayed_total,
+            "decode_windows_total": self.decode_windows_total,
+            "decode_window_seconds_total": self.decode_window_seconds_total,
             "parked_conversations_ram": self.parking.conversations_ram,
             "parked_conversations_disk": self.parking.conversations_disk,
             "parked_bytes_ram": self.parking.bytes_ram,
