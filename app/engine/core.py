@@ -201,10 +201,12 @@ class EngineCore:
             # the host's torch work is small beside the CPU pool's; torch's own threads would only contend
             torch.set_num_threads(1)
             log.info(
-                "expert tier: misses over PCIe at %.1f GB/s, on the CPU at %.1f GB/s + %.0f us per row",
+                "expert tier: misses over PCIe at %.1f GB/s, on the CPU at %.1f GB/s + %.0f us per row "
+                "(%.0f us of an expert not shrunk by a split)",
                 costs.pcie_bytes_s / 1e9,
                 costs.cpu_bytes_s / 1e9,
                 costs.cpu_row_s * 1e6,
+                costs.cpu_fixed_s * 1e6,
             )
         self.launched = 0  # windows launched, for the expert tier's adaptation
         progress.stage("warming up: the KV pool, kernels and decode graphs")

@@ -35,13 +35,16 @@ class MissCosts:
     """What one missed expert of `expert_bytes` costs on each side.
 
     pcie_bytes_s: pinned host-to-device copy rate; cpu_bytes_s: the CPU pool's rate reading an expert's
-    weights for one row; cpu_row_s: what each further row adds on the CPU.
+    weights for one row; cpu_row_s: what each further row adds on the CPU; cpu_fixed_s: of the CPU pool's
+    time for one expert and row, what summing only some of its channels does not shrink (the call, and each
+    down row's own work however short: `share`).
     """
 
     expert_bytes: int
     pcie_bytes_s: float
     cpu_bytes_s: float
     cpu_row_s: float
+    cpu_fixed_s: float = 0.0
     unobserved: int = 0  # plans since the CPU pool last ran that sent every missed expert over PCIe
 
     def observe_cpu(self, experts: float, rows: int, seconds: float) -> None:
@@ -102,8 +105,9 @@ class MissCosts:
 
         One miss read by one side leaves the other idle (q30's expert: 164 us on the CPU pool, 188 us over
         PCIe, where both together read the host's memory nearly twice as fast), so the expert at the
-        boundary is shared: the CPU pool's part costs f of its time, the copy GATE_UP_SHARE x (1 - f) of
-        the gate and up rows plus all of the down matrix (its columns are not contiguous in host RAM).
+        boundary is shared: the CPU pool's part costs `cpu_fixed_s` and f of the rest of its time, the copy
+        GATE_UP_SHARE x (1 - f) of the gate and up rows plus all of the down matrix (its columns are not
+        contiguous in host RAM).
         """
         base, per_row, copy = self.expert_bytes / self.cpu_bytes_s, self.cpu_row_s, self.pcie_s()
         left = base * (len(rows) - copied) + per_row * (sum(rows[copied:]) - len(rows) + copied)
@@ -114,8 +118,9 @@ class MissCosts:
                 continue
             own = base + per_row * (rows[split] - 1)
             before, after = split * copy, left - (own if split == copied else 0.0)
-            # the two sides even: before + copy * (1 - GATE_UP_SHARE * f) = after + own * f
-            f = (before + copy - after) / (own + GATE_UP_SHARE * copy)
+            fixed = min(self.cpu_fixed_s, own)
+            # the two sides even: before + copy * (1 - GATE_UP_SHARE * f) = after + fixed + (own - fixed) * f
+            f = (before + copy - after - fixed) / (own - fixed + GATE_UP_SHARE * copy)
             seconds = before + copy * (1 - GATE_UP_SHARE * f)
             if 0 < f < 1 and seconds < best_s:
                 best, best_s = (split, f), seconds
@@ -183,21 +188,27 @@ def measure(
     pcie_bytes_s = gate_up[0].nbytes * count / (time.perf_counter() - began)
     x = torch.randn(rows, down.shape[1])  # down's rows: the hidden size, also of weights held as blocks
 
-    def run(expert: int, count: int) -> float:
-        one = torch.tensor([expert])
+    def run(expert: int, count: int, **channels: torch.Tensor) -> float:
+        entries = (torch.tensor([expert]), torch.tensor([0, count]), torch.arange(count), torch.ones(count))
         began = time.perf_counter()
-        host_kernel(x, one, torch.tensor([0, count]), torch.arange(count), torch.ones(count), gate_up, down)
+        host_kernel(x, *entries, gate_up, down, **channels)
         return time.perf_counter() - began
 
     run(experts - 1, 1)  # first use (threads started)
+    # one row, `rows` rows, and (plain weights, which the pool can split) one row over half the channels
+    runs: list[tuple[int, dict[str, torch.Tensor]]] = [(1, {}), (rows, {})]
+    if gate_up.dtype in (torch.float32, torch.bfloat16):
+        runs.append((1, {"channels": torch.tensor([down.shape[2] // 2])}))
     timings = []
-    for count in (1, rows):
+    for count, channels in runs:
         # the best of three, each on an expert not read before (from RAM)
-        timings.append(min(run((experts - 2 - len(timings) * 3 - r) % experts, count) for r in range(3)))
-    one, many = timings
+        first = experts - 2 - len(timings) * 3
+        timings.append(min(run((first - r) % experts, count, **channels) for r in range(3)))
+    one, many = timings[:2]
     return MissCosts(
         expert_bytes=expert_bytes,
         pcie_bytes_s=pcie_bytes_s,
         cpu_bytes_s=expert_bytes / one,
         cpu_row_s=max(many - one, 0.0) / (rows - 1),
+        cpu_fixed_s=min(max(2 * timings[2] - one, 0.0), one) if len(timings) > 2 else 0.0,
     )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from app.models.expert_costs import GATE_UP_SHARE, OBSERVED_WEIGHT, PROBE_EVERY, CopyTimes, MissCosts
@@ -50,6 +52,11 @@ def test_a_lone_miss_is_shared_by_both_sides_where_that_evens_them() -> None:
     cpu, copy = f * host.cpu_s(1), (1 - GATE_UP_SHARE * f) * host.pcie_s()
     assert cpu == pytest.approx(copy) and cpu < 0.7 * min(host.cpu_s(1), host.pcie_s())
     assert host.share([1, 1], host.plan([1, 1])) is None
+    fixed = replace(host, cpu_fixed_s=0.2 * host.cpu_s(1))  # what summing fewer channels does not shrink
+    shared = fixed.share([1], 0)
+    assert shared is not None and shared[1] < f
+    cpu = fixed.cpu_fixed_s + shared[1] * (host.cpu_s(1) - fixed.cpu_fixed_s)
+    assert cpu == pytest.approx((1 - GATE_UP_SHARE * shared[1]) * host.pcie_s())
     eight = host.share([1] * 8, host.plan([1] * 8))
     assert eight is not None and eight[0] in (host.plan([1] * 8) - 1, host.plan([1] * 8))
     assert RISER.share([1], RISER.plan([1])) is None
