@@ -46,6 +46,8 @@ from benchmarks.roofline import measure_copy_bandwidth, roofline_tok_s
 
 SOLO_PROMPT = 128
 OBSERVER_TOKENS = 8000  # the watched stream's length: it is cancelled once its peers have been read
+WARM_TOKENS = 250  # the watched stream's tokens before its solo speed is timed (an expert tier adapting)
+SOLO_TOKENS = 150  # the tokens its solo speed is timed over, just before its peers arrive
 
 
 # counters read from /metrics before and after each scenario (a name, or a name and a label its samples must
@@ -206,15 +208,16 @@ async def observer(client: Client, peers: int, prompt_len: int, name: str, lengt
     they are read, against its solo speed just before (`_ratio`), and against its solo speed at the same
     context (`_ratio_same_context`): the harmonic mean of the speeds before and after the read, alone again
     (its context grows while the peers are read, and its own attention with it; on a long read that alone
-    can halve a small model's speed)."""
+    can halve a small model's speed). Its solo speed is taken over the SOLO_TOKENS after its first
+    WARM_TOKENS (an expert tier adapts to its routing meanwhile: the speed it keeps alone)."""
     watched = Stream()
     task = asyncio.create_task(client.stream(SOLO_PROMPT, length, watched))
-    while len(watched.events) < 200:
+    while len(watched.events) < WARM_TOKENS + SOLO_TOKENS:
         if task.done():
             task.result()  # raises what ended it
             raise RuntimeError("the watched stream ended before its peers arrived")
         await asyncio.sleep(0.005)
-    solo_start = watched.events[-150]
+    solo_start = watched.events[-SOLO_TOKENS]
     arrival = time.perf_counter()
     solo_rate = rate(watched, solo_start, arrival)
     streams = await asyncio.gather(*(client.stream(prompt_len, 4) for _ in range(peers)))
