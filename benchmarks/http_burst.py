@@ -52,8 +52,9 @@ SOLO_TOKENS = 150  # the tokens its solo speed is timed over, just before its pe
 
 # counters read from /metrics before and after each scenario (a name, or a name and a label its samples must
 # carry): the windows that ran (their steps, seconds, host seconds, those replayed from CUDA graphs, those of
-# decode rows alone and their seconds), the expert tier's swaps and the windows' waits for them, and its
-# routed entries served from VRAM and in all
+# decode rows alone and their seconds, the scheduler's predictions of windows with prompt rows paced beside
+# decoding slots and what those took), the KV blocks streamed from host RAM, the expert tier's swaps and the
+# windows' waits for them, and its routed entries served from VRAM and in all
 TOTALS = {
     "steps": "strata:window_step_seconds_count",
     "step_s": "strata:window_step_seconds_sum",
@@ -61,6 +62,9 @@ TOTALS = {
     "replayed": "strata:windows_replayed_total",
     "decode_steps": "strata:decode_windows_total",
     "decode_step_s": "strata:decode_window_seconds_total",
+    "paced_predicted_s": "strata:paced_window_predicted_seconds_total",
+    "paced_s": "strata:paced_window_seconds_total",
+    "kv_host_reads": "strata:kv_host_block_reads_total",
     "swaps": "strata:expert_swaps_total",
     "adapt_wait_s": "strata:expert_adapt_wait_seconds_total",
     "routed_vram": 'strata:expert_routed_total{source="vram"',
@@ -315,6 +319,9 @@ async def run(args: argparse.Namespace, config: dict[str, Any]) -> dict[str, Any
         decoding = ran["decode_steps"]
         result[f"{name}_decode_step_ms_mean"] = 1000 * ran["decode_step_s"] / decoding if decoding else None
         result[f"{name}_vram_share"] = ran["routed_vram"] / ran["routed"] if ran["routed"] else None
+        predicted = ran["paced_predicted_s"]
+        result[f"{name}_paced_over_predicted"] = ran["paced_s"] / predicted if predicted else None
+        result[f"{name}_kv_host_block_reads"] = ran["kv_host_reads"]
         result[f"{name}_expert_swaps"] = ran["swaps"]
         result[f"{name}_adapt_wait_s"] = ran["adapt_wait_s"]
     if await client.cache_hits() != hits:

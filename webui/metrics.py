@@ -78,6 +78,21 @@ SCALARS = (
     ),
     ("strata:decode_windows_total", "counter", "Windows of decode rows alone (no prompt rows)."),
     (
+        "strata:paced_windows_total",
+        "counter",
+        "Windows with prompt rows whose cost the scheduler predicted and charged to decoding slots.",
+    ),
+    (
+        "strata:paced_window_predicted_seconds_total",
+        "counter",
+        "The scheduler's predictions of what those windows take.",
+    ),
+    (
+        "strata:paced_window_seconds_total",
+        "counter",
+        "What those windows took, as the scheduler measured them (on a CPU: their computation).",
+    ),
+    (
         "strata:decode_window_seconds_total",
         "counter",
         "Seconds of the engine steps of windows of decode rows alone (no prompt rows).",
@@ -174,6 +189,9 @@ class ServerMetrics:
         self.windows_replayed_total = 0
         self.decode_windows_total = 0
         self.decode_window_seconds_total = 0.0
+        self.paced_windows_total = 0
+        self.paced_window_predicted_seconds_total = 0.0
+        self.paced_window_seconds_total = 0.0
         self.live_tok_s = 0.0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -306,6 +324,10 @@ class ServerMetrics:
         if stats.decode_tokens and not stats.prompt_tokens:
             self.decode_windows_total += 1
             self.decode_window_seconds_total += stats.step_s
+        if stats.prompt_tokens and stats.charged_s is not None and stats.cost_s is not None:
+            self.paced_windows_total += 1
+            self.paced_window_predicted_seconds_total += stats.charged_s
+            self.paced_window_seconds_total += stats.cost_s
         self.num_preemptions_total += stats.preempted
         self.prefix_cache_queries_total += stats.prefix_cache_queries
         self.prefix_cache_hits_total += stats.prefix_cache_hits
@@ -452,6 +474,9 @@ class ServerMetrics:
             "windows_replayed_total": self.windows_replayed_total,
             "decode_windows_total": self.decode_windows_total,
             "decode_window_seconds_total": self.decode_window_seconds_total,
+            "paced_windows_total": self.paced_windows_total,
+            "paced_window_predicted_seconds_total": self.paced_window_predicted_seconds_total,
+            "paced_window_seconds_total": self.paced_window_seconds_total,
             "parked_conversations_ram": self.parking.conversations_ram,
             "parked_conversations_disk": self.parking.conversations_disk,
             "parked_bytes_ram": self.parking.bytes_ram,

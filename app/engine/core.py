@@ -678,6 +678,8 @@ class EngineCore:
             kv_moved_to_device=done.window.moved[0],
             kv_moved_to_host=done.window.moved[1],
             replayed=done.replayed,
+            charged_s=done.window.charged,
+            cost_s=done.window.observed,
         )
         return outputs, stats
 

@@ -306,6 +306,8 @@ class WindowStats(msgspec.Struct, tag="stats", frozen=True):
     kv_moved_to_device: int = 0  # with --kv-resident: KV blocks copied onto the device before the window
     kv_moved_to_host: int = 0  # and cached blocks copied to host RAM to make room for them
     replayed: bool = False  # the window replayed captured CUDA graphs (else it ran eagerly)
+    charged_s: float | None = None  # the time the scheduler predicted and charged decoding slots for it
+    cost_s: float | None = None  # the time it took as the scheduler learned it (on a CPU: its computation)
 
     @property
     def kv_usage(self) -> float:

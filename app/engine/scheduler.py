@@ -156,7 +156,8 @@ class Window:
     block into another, `restores` copy a checkpoint into a slot (a request continuing from it).
     `cache_queries` / `cache_hits`: prompt tokens of the requests admitted, and how many came from the cache.
     `unparks`: (parked conversation, slot, block table) to copy back from the host, after the restores.
-    `charged`: the seconds the decoding slots' credit was charged for the window when it was planned.
+    `charged`: the seconds the decoding slots' credit was charged for the window when it was planned;
+    `observed`: the seconds it took, as `observe` learned them.
     `paced`: the decode rows whose speed set its prompt rows' time budget: its own, or with slot groups those
     of another group that it holds up in the stages where more (a window of no decode rows of its own then
     spends their credit). `beside_prompts`: with slot groups, planned while a prompt was being read or waited
@@ -173,6 +174,7 @@ class Window:
     cache_hits: int = 0
     unparks: list[tuple[object, int, list[int]]] = field(default_factory=list)
     charged: float | None = None
+    observed: float | None = None
     paced: int = 0
     beside_prompts: bool = False
     moved: tuple[int, int] = (0, 0)
@@ -682,6 +684,7 @@ class Scheduler:
         the read: on two stages sharing a core, a slot's decode windows behind 2,048-row prompt windows
         raised its `solo` from 10 to 137 ms, and the read ran nearly unpaced).
         """
+        window.observed = seconds
         rows = sum(len(c.tokens) for c in window.chunks)
         decode = window.decode_tokens
         if rows > decode:

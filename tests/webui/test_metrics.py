@@ -557,12 +557,16 @@ def test_kv_block_reads_are_counted_by_where_the_blocks_live() -> None:
     metrics.on_window(
         window(2, time.time(), [decoding(0, "a")], kv_vram_reads=31, kv_host_reads=10, replayed=True, **moved)
     )
-    metrics.on_window(window(3, time.time(), [reading(1, "b")], prompt_tokens=4, decode_tokens=1, step_s=0.3))
+    paced = {"prompt_tokens": 4, "decode_tokens": 1, "step_s": 0.5, "charged_s": 0.2, "cost_s": 0.3}
+    metrics.on_window(window(3, time.time(), [reading(1, "b")], **paced))
     metrics.on_window(window(4, time.time(), [decoding(0, "a")], decode_tokens=1, step_s=0.02))
     found = scrape(metrics)
     assert value(found, "strata:windows_replayed_total") == 1  # of 4
     assert value(found, "strata:decode_windows_total") == 1  # the last alone held decode rows only
     assert value(found, "strata:decode_window_seconds_total") == pytest.approx(0.02)
+    assert value(found, "strata:paced_windows_total") == 1  # the prompt window charged to the decoding slot
+    assert value(found, "strata:paced_window_predicted_seconds_total") == pytest.approx(0.2)
+    assert value(found, "strata:paced_window_seconds_total") == pytest.approx(0.3)
     assert value(found, "strata:kv_vram_block_reads_total") == 61
     assert value(found, "strata:kv_host_block_reads_total") == 20
     assert value(found, "strata:kv_blocks_moved_to_device_total") == 7
