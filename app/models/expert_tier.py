@@ -173,9 +173,14 @@ class ExpertStaging:
             self.gate_up[start:end].copy_(gate_up[first:last], non_blocking=True)
             self.down[start:end].copy_(down[first:last], non_blocking=True)
             start = end
-        if len(experts) == self.slots:
-            self.zeroed = 0  # the last slot holds a whole expert
+        self.written(len(experts))
         return {experts[i]: slot for slot, i in enumerate(order)}
+
+    def written(self, slots: int) -> None:
+        """Slots 0 to `slots` - 1 were given whole experts (here, or by a `LayerStream` using this area as its
+        first buffer): where the last slot is among them, its zero gate rows are gone."""
+        if slots >= self.slots:
+            self.zeroed = 0
 
 
 class HostLink:
@@ -283,8 +288,12 @@ class LayerStream:
     at least STREAM_COVERAGE of that layer's host experts (`begin`), from the next layer on. Every streamed
     layer computes each missed entry from the copy of its host part (`take`)."""
 
-    def __init__(self, tiers: list[TieredExperts], first: tuple[torch.Tensor, torch.Tensor]) -> None:
+    def __init__(self, tiers: list[TieredExperts], staging: ExpertStaging) -> None:
+        """`staging`'s area is the first of the two buffers (a streamed window stages nothing else)."""
+        assert staging.gate_up is not None and staging.down is not None
         self.tiers = tiers
+        self.staging = staging
+        first = (staging.gate_up, staging.down)
         self.buffers = [first, (torch.empty_like(first[0]), torch.empty_like(first[1]))]
         self.copies = torch.cuda.Stream(first[0].device)
         self.ready: dict[int, torch.cuda.Event] = {}
@@ -313,6 +322,8 @@ class LayerStream:
         tier = self.tiers[position]
         slots = max(tier.host_of) + 1
         gate_up, down = self.buffers[position % 2]
+        if position % 2 == 0:
+            self.staging.written(slots)
         queued = torch.cuda.Event()
         queued.record()
         self.copies.wait_event(queued)
@@ -1099,7 +1110,7 @@ def use_staging(
     area = staging.gate_up.nbytes + staging.down.nbytes
     room = torch.cuda.mem_get_info(device)[0] > area + STREAM_HEADROOM + keep_free
     if (pcie_frac is None or pcie_frac >= 1.0) and len(layers) > 1 and room:
-        stream = LayerStream(layers, (staging.gate_up, staging.down))
+        stream = LayerStream(layers, staging)
         for position, tier in enumerate(layers):
             tier.stream, tier.position = stream, position
     return costs

@@ -121,8 +121,12 @@ def test_a_lone_miss_shared_by_the_cpu_pool_and_a_staging_slot_adds_up_like_the_
         torch.testing.assert_close(tier._split(x, routing, weights), expected, rtol=1e-5, atol=1e-6)
         assert tier.take_counts().served == served
     assert tier.staging.gate_up is not None and tier.staging.gate_up[1, :8].abs().sum() == 0
+    # whole experts in every slot (as a layer stream writes them) take the zero rows: the next split zeroes
+    tier.staging.load([6, 7], [1, 2], tier.host_gate_up, tier.host_down)
     tier.costs = MissCosts(expert_bytes=1, pcie_bytes_s=1.0, cpu_bytes_s=1.0, cpu_row_s=0.0)
-    tier._split(x, torch.tensor([[7, 0, 1], [2, 3, 4]]), weights)
+    routing = torch.tensor([[7, 0, 1], [2, 3, 4]])
+    expected = experts_reference(x, routing, weights, *FULL[tier])
+    torch.testing.assert_close(tier._split(x, routing, weights), expected, rtol=1e-5, atol=1e-6)
     assert tier.take_counts().pcie_bytes == round((1 - 2 / 3 * 8 / INTER) * tier.expert_bytes())  # f = 0.6
 
 
