@@ -78,6 +78,11 @@ SCALARS = (
     ),
     ("strata:decode_windows_total", "counter", "Windows of decode rows alone (no prompt rows)."),
     (
+        "strata:decode_window_seconds_total",
+        "counter",
+        "What those windows took, as the scheduler measured them (on a CPU: their computation).",
+    ),
+    (
         "strata:paced_windows_total",
         "counter",
         "Windows with prompt rows whose cost the scheduler predicted and charged to decoding slots.",
@@ -91,11 +96,6 @@ SCALARS = (
         "strata:paced_window_seconds_total",
         "counter",
         "What those windows took, as the scheduler measured them (on a CPU: their computation).",
-    ),
-    (
-        "strata:decode_window_seconds_total",
-        "counter",
-        "Seconds of the engine steps of windows of decode rows alone (no prompt rows).",
     ),
     ("strata:parked_conversations_ram", "gauge", "Conversations parked in host RAM."),
     ("strata:parked_conversations_disk", "gauge", "Conversations parked on disk."),
@@ -321,9 +321,9 @@ class ServerMetrics:
         self.window_seconds = stats.duration_s
         self.windows_total = stats.window
         self.windows_replayed_total += stats.replayed
-        if stats.decode_tokens and not stats.prompt_tokens:
+        if stats.decode_tokens and not stats.prompt_tokens and stats.cost_s is not None:
             self.decode_windows_total += 1
-            self.decode_window_seconds_total += stats.step_s
+            self.decode_window_seconds_total += stats.cost_s
         if stats.prompt_tokens and stats.charged_s is not None and stats.cost_s is not None:
             self.paced_windows_total += 1
             self.paced_window_predicted_seconds_total += stats.charged_s

@@ -152,8 +152,8 @@ def experts_swiglu_sum(
     expert experts[i] of gate_up [E, 2 * inter, hidden] / down [E, hidden, inter] (int8 with fp32 scales
     [E, rows]), weighted by those entries of `weights` and added at those rows; on the CPU, one call.
     With `out` (fp32, contiguous, shaped like x) the sums are added into it and it is returned. With
-    `channels` [len(experts)], expert i sums its first channels[i] intermediate channels only (whole blocks
-    of a GGUF kind): its share where the others are summed elsewhere. A row's result never depends on which
+    `channels` [len(experts)] (fp32, bf16 and int8 weights), expert i sums its first channels[i] intermediate
+    channels only: its share where the others are summed elsewhere. A row's result never depends on which
     other rows share its experts."""
     if out is not None and (out.shape != x.shape or out.dtype != torch.float32 or not out.is_contiguous()):
         raise ValueError("out must be a contiguous fp32 tensor shaped like x")

@@ -253,6 +253,7 @@ class PoolArgs:
         self._weights = torch.zeros(entries, dtype=torch.float32)
         self._channels = torch.zeros(experts, dtype=torch.int64)
         self._index_view, self._weight_view = self._indices.numpy(), self._weights.numpy()
+        self._channel_view = self._channels.numpy()
 
     def fill(
         self, hosts: list[int], offsets: list[int], rows: list[int], weights: list[float]
@@ -274,7 +275,7 @@ class PoolArgs:
 
     def channels(self, counts: list[int]) -> torch.Tensor:
         """Each expert's intermediate channels the pool sums (the kernel's `channels`), as a slice."""
-        self._channels.numpy()[: len(counts)] = counts
+        self._channel_view[: len(counts)] = counts
         return self._channels[: len(counts)]
 
 

@@ -559,7 +559,7 @@ def test_kv_block_reads_are_counted_by_where_the_blocks_live() -> None:
     )
     paced = {"prompt_tokens": 4, "decode_tokens": 1, "step_s": 0.5, "charged_s": 0.2, "cost_s": 0.3}
     metrics.on_window(window(3, time.time(), [reading(1, "b")], **paced))
-    metrics.on_window(window(4, time.time(), [decoding(0, "a")], decode_tokens=1, step_s=0.02))
+    metrics.on_window(window(4, time.time(), [decoding(0, "a")], decode_tokens=1, step_s=0.05, cost_s=0.02))
     found = scrape(metrics)
     assert value(found, "strata:windows_replayed_total") == 1  # of 4
     assert value(found, "strata:decode_windows_total") == 1  # the last alone held decode rows only
