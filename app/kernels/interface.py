@@ -50,6 +50,9 @@ RouteKernel = Callable[
 ]
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 DeltaRuleFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+# routed experts: (x, top_ids, top_weights, gate_up, down) -> each row's weighted sum of its entries' experts;
+# an entry whose id is negative adds nothing and its expert's weights are not read (the device kernels and the
+# torch reference; the native CPU kernel refuses such ids)
 ExpertsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 PagedAttentionFn = Callable[..., torch.Tensor]  # (q, key_cache, value_cache, layout, scale[, gate])
 ConvVarlenFn = Callable[..., torch.Tensor]

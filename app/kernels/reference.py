@@ -104,12 +104,13 @@ def experts_reference(
     """Reference routed experts: rows grouped by expert, SwiGLU per expert, weighted and summed per row.
 
     x [tokens, hidden]; top_ids, top_weights [tokens, k]; gate_up [experts, 2I, hidden];
-    down [experts, hidden, I].
+    down [experts, hidden, I]. Entries with a negative id add nothing.
     """
     out = torch.zeros_like(x)
     flat_ids = top_ids.flatten()
     order = flat_ids.argsort(stable=True)
-    counts = torch.bincount(flat_ids, minlength=gate_up.shape[0]).tolist()
+    order = order[flat_ids[order] >= 0]
+    counts = torch.bincount(flat_ids[order], minlength=gate_up.shape[0]).tolist()
     rows = order // top_ids.shape[1]
     weights = top_weights.flatten()[order]
     start = 0

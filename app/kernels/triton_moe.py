@@ -574,15 +574,20 @@ def _held_rowwise(
 
 
 @triton.jit
-def _sum_choices(y_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """out[token] = sum over its TOP_K pair rows of y, added in choice order in fp32."""
+def _sum_choices(
+    y_ptr, ids_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr
+):
+    """out[token] = sum over its TOP_K pair rows of y, added in choice order in fp32; pairs whose id is
+    negative (never computed) are left out."""
     follow_previous(PDL)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < hidden
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for choice in tl.static_range(TOP_K):
-        acc += tl.load(y_ptr + (token * TOP_K + choice) * hidden + cols, mask=ok, other=0.0).to(tl.float32)
+        pair = token * TOP_K + choice
+        if tl.load(ids_ptr + pair) >= 0:
+            acc += tl.load(y_ptr + pair * hidden + cols, mask=ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + token * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
@@ -668,8 +673,9 @@ def fused_experts(
     """The weighted sum of each token's routed experts (same contract as `experts_reference`).
 
     x [tokens, hidden]; top_ids, top_weights [tokens, top_k]; gate_up [experts, 2I, hidden] (gate rows
-    first); down [experts, hidden, I]; either may be held as GGUF blocks (uint8 rows, `held_kind`). `tiles`
-    overrides the choice of `moe_tiles` (for tuning).
+    first); down [experts, hidden, I]; either may be held as GGUF blocks (uint8 rows, `held_kind`). An entry
+    whose id is negative adds nothing and reads no weights. `tiles` overrides the choice of `moe_tiles` (for
+    tuning).
     """
     tokens, hidden = x.shape
     top_k = top_ids.shape[1]
@@ -677,7 +683,8 @@ def fused_experts(
     out = torch.empty_like(x)
     block = 1024
     grid = (tokens, triton.cdiv(hidden, block))
-    _sum_choices[grid](y, out, hidden, TOP_K=top_k, BLOCK=block, **pdl(y.device, grid))
+    ids = top_ids.contiguous()
+    _sum_choices[grid](y, ids, out, hidden, TOP_K=top_k, BLOCK=block, **pdl(y.device, grid))
     return out
 
 
@@ -691,7 +698,7 @@ def expert_pairs(
     tiles: MoeTiles | None = None,
 ) -> torch.Tensor:
     """`fused_experts` before its sum: each (token, choice) pair's expert output times its routing weight,
-    [tokens * top_k, hidden] in x's dtype, row token * top_k + choice."""
+    [tokens * top_k, hidden] in x's dtype, row token * top_k + choice (left unwritten for a negative id)."""
     tokens, hidden = x.shape
     top_k = top_ids.shape[1]
     experts, intermediate = gate_up.shape[0], gate_up.shape[1] // 2

@@ -717,7 +717,7 @@ class TieredExperts(nn.Module):
         top_weights: torch.Tensor,
         live: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Resident experts' entries with the experts kernel on the device (the others weighted 0 there), the
+        """Resident experts' entries with the experts kernel on the device (the others skipped there), the
         missed ones where the costs send them; the sums added on the device. A small window's routing is
         read whole to the host (`_serve_small`), a large one's counted per expert on the device
         (`_serve_large`)."""
@@ -775,12 +775,11 @@ class TieredExperts(nn.Module):
         stream.prefetch(self.position + 1)
         gate_up, down = stream.take(self.position)
         slots = self.host_slot_of[ids]
-        missed = slots >= 0
-        misses = missed.sum()
+        misses = (slots >= 0).sum()
         counted = torch.stack([(ids < self.experts).sum() - misses, misses])
         self._streamed = counted if self._streamed is None else self._streamed + counted
         out = self._resident(x, top_ids, top_weights)
-        return out + self.kernel(x, slots.clamp_min(0), top_weights * missed, gate_up, down)
+        return out + self.kernel(x, slots, top_weights, gate_up, down)
 
     def _masked(self, top_ids: torch.Tensor, live: torch.Tensor | None) -> torch.Tensor:
         """The routing with padding rows' entries (`live` 0) pointing past the experts."""
@@ -817,25 +816,22 @@ class TieredExperts(nn.Module):
         return out + sums.to(x.dtype)
 
     def _resident(self, x: torch.Tensor, top_ids: torch.Tensor, top_weights: torch.Tensor) -> torch.Tensor:
-        """The resident experts' entries through the experts kernel (the others weighted 0); device work
-        only, so a CUDA graph can hold it."""
+        """The resident experts' entries through the experts kernel (the others' slot -1: the kernel skips
+        them); device work only, so a CUDA graph can hold it."""
         if not self.resident:
             return torch.zeros_like(x)
         assert self.slot_of is not None and self.gate_up is not None and self.down is not None
-        slots = self.slot_of[top_ids]
-        return self.kernel(x, slots.clamp_min(0), top_weights * (slots >= 0), self.gate_up, self.down)
+        return self.kernel(x, self.slot_of[top_ids], top_weights, self.gate_up, self.down)
 
     def _staged(
         self, x: torch.Tensor, staged: torch.Tensor, top_weights: torch.Tensor, live: torch.Tensor | None
     ) -> torch.Tensor:
         """The entries whose experts were copied into staging slots (`staged`: each entry's slot, -1 for the
-        others and on padding rows, weighted 0) through the experts kernel."""
+        others and on padding rows, which the kernel skips) through the experts kernel."""
         assert self.staging is not None and self.staging.gate_up is not None and self.staging.down is not None
         if live is not None:
             staged = staged.masked_fill(live[:, None] == 0, -1)
-        return self.kernel(
-            x, staged.clamp_min(0), top_weights * (staged >= 0), self.staging.gate_up, self.staging.down
-        )
+        return self.kernel(x, staged, top_weights, self.staging.gate_up, self.staging.down)
 
     def _captured_large(
         self,

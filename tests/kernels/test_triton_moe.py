@@ -49,6 +49,20 @@ def test_fused_experts_match_the_reference(tokens: int, experts: int, top_k: int
     torch.testing.assert_close(got.float(), expected, atol=tolerance, rtol=tolerance)
 
 
+@pytest.mark.parametrize("tokens", [1, 9, 70])
+def test_entries_with_a_negative_id_add_nothing(tokens: int) -> None:
+    # A tier passes -1 for the entries another part computes: the same bits as those entries weighted 0,
+    # without reading any expert for them (a row with every entry skipped sums to zero).
+    x, ids, weights, gate_up, down = _inputs(tokens, 8, 3, torch.float32, seed=5)
+    skipped = torch.rand(ids.shape, generator=torch.Generator().manual_seed(6)) < 0.4
+    skipped[0] = True
+    ids = ids.masked_fill(skipped, -1)
+    got = fused_experts(x, ids, weights, gate_up, down)
+    assert torch.equal(got, fused_experts(x, ids.clamp_min(0), weights * ~skipped, gate_up, down))
+    assert not got[0].any()
+    torch.testing.assert_close(got, experts_reference(x, ids, weights, gate_up, down), atol=1e-5, rtol=1e-5)
+
+
 def test_exact_tiles_do_not_follow_the_batch() -> None:
     assert moe_tiles(1, exact=True) == moe_tiles(4096, exact=True) == EXACT_TILES
     assert moe_tiles(4096, exact=False).block_m > EXACT_TILES.block_m
