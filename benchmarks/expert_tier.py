@@ -21,7 +21,8 @@ tier, would have served it).
 
 `--phases` measures only batch-1 decode, with the host's time per tiered layer split by phase: replaying the
 graph pieces, waiting for the device's work up to the layer's routing, planning, queueing the staging copies,
-the CPU pool's kernel, and the rest of the step.
+the CPU pool's kernel, and the rest of the step; and, from the profiler, the device's time per tiered layer
+by kernel or copy against the wall time a layer.
 """
 
 from __future__ import annotations
@@ -477,6 +478,7 @@ def phases(core: EngineCore, tiers: list[TieredExperts], vocab: int, warm: int) 
     """Batch-1 decode with the host's time per tiered layer by phase (`PhaseTimes`)."""
     read_prompt(core, tiers, PROMPTS[0], vocab, 1)
     decode(core, tiers, 1, vocab, warm)  # graphs captured and replayed before the timers go in
+    device = device_times(core, tiers, vocab)
     times = PhaseTimes()
     times.install(tiers)
     tok_s, served = decode(core, tiers, 1, vocab, warm)
@@ -484,7 +486,48 @@ def phases(core: EngineCore, tiers: list[TieredExperts], vocab: int, warm: int) 
     return {
         "decode_bs1_tok_s": round(tok_s, 1),
         "us_per_layer": times.per_layer_us(len(tiers)),
+        **device,
         **{f"decode_{k}_share": round(v / total, 3) for k, v in zip(EXPERT_SOURCES, served, strict=True)},
+    }
+
+
+def device_times(
+    core: EngineCore, tiers: list[TieredExperts], vocab: int, windows: int = 24
+) -> dict[str, Any]:
+    """Batch-1 decode windows under the profiler: the device's time per tiered layer by kernel or copy
+    (the 12 largest, microseconds a layer), their sum and the wall time a layer, which say whether a tiered
+    layer waits for the host or for extra device work."""
+    from torch.profiler import ProfilerActivity, profile
+
+    params = SamplingParams(max_tokens=windows + 12, temperature=0, ignore_eos=True)
+    prompt = torch.randint(3, vocab, (PROMPT_LEN,), generator=torch.Generator().manual_seed(7)).tolist()
+    core.add_request(AddRequest(f"profiled-{time.monotonic()}", prompt, params))
+
+    def decode_windows(count: int) -> None:
+        seen = 0
+        while seen < count:
+            _, stats = core.step()
+            if stats is not None and not stats.prompt_tokens and stats.decode_tokens == 1:
+                seen += 1
+
+    decode_windows(4)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as profiled:
+        began = time.perf_counter()
+        decode_windows(windows)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - began
+    while core.has_work():
+        core.step()
+    per_layer = windows * len(tiers)
+    device = sorted(
+        ((e.key, e.self_device_time_total) for e in profiled.key_averages() if e.self_device_time_total > 0),
+        key=lambda item: -item[1],
+    )
+    return {
+        "wall_us_per_layer": round(wall * 1e6 / per_layer, 1),
+        "device_us_per_layer": round(sum(t for _, t in device) / per_layer, 1),
+        "device_by_kernel": {name[:60]: round(t / per_layer, 1) for name, t in device[:12]},
     }
 
 
