@@ -185,13 +185,13 @@ class ExpertStaging:
 
 class HostLink:
     """Pinned host buffers through which a small window's tiered layers and the host step at each layer's
-    cut talk, so the step itself issues no device work. The graph before the cut packs the layer's routing
-    (padding rows' entries pointing past the experts), routing weights and input, all as fp32, into one
-    buffer, copies it to `down` and records `ready`; the step waits for that (`wait`, `read`), plans, queues
-    the staging copies and runs the CPU pool into the sums of `up`, after each expert's staging slot (-1 for
-    none); the graph after the cut copies `up` to the device in one piece (`unpack`). One link serves every
-    layer of a model: the layers run one after another and each step waits for its layer's copy, by when
-    the copies of the layer before it have run."""
+    cut talk, so the step itself issues no device work. The graph before the cut writes the layer's routing
+    (padding rows' entries pointing past the experts), routing weights and input, all as fp32, into `down`
+    (one kernel, `pack`) and records `ready`; the step waits for that (`wait`, `read`), plans, queues the
+    staging copies and runs the CPU pool into the sums of `up`, after each expert's staging slot (-1 for
+    none); the graph after the cut reads `up` where it lies (`stage_map`, `sums`; app/kernels/triton_tier.py).
+    One link serves every layer of a model: the layers run one after another and each step waits for its
+    layer's `ready`, by when the reads of the layer before it have run."""
 
     def __init__(self, entries: int, hidden: int, experts: int) -> None:
         self.entries, self.hidden, self.experts = entries, hidden, experts
@@ -203,18 +203,29 @@ class HostLink:
         self.summed_rows = 0  # rows of the sums the last step wrote (zeroed before the next one)
         self.staged: list[int] = []  # experts the staging map names now
 
-    def pack(self, ids: torch.Tensor, weights: torch.Tensor, x: torch.Tensor) -> None:
-        """(Captured) copy a layer's routing ids / weights [rows, k] and input x [rows, hidden] to `down`."""
-        packed = torch.cat([ids.flatten().float(), weights.flatten().float(), x.flatten().float()])
-        self.down[: packed.numel()].copy_(packed, non_blocking=True)
+    def pack(
+        self,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        x: torch.Tensor,
+        live: torch.Tensor | None,
+        slot_of: torch.Tensor,
+    ) -> torch.Tensor:
+        """(Captured) write a layer's routing ids / weights [rows, k] (padding rows' ids: the number of
+        experts) and input x [rows, hidden] to `down`; returns each entry's device slot (`slot_of`, -1 for
+        a host expert or on a padding row) on the device."""
+        from app.kernels.triton_tier import pack_routing  # Triton: devices only
+
+        slots = pack_routing(ids, weights, x, live, slot_of, self.down)
         self.ready.record()
+        return slots
 
     def wait(self) -> None:
-        """Wait until the device has copied the layer's routing and input here (`ready`)."""
+        """Wait until the device has written the layer's routing and input here (`ready`)."""
         self.ready.synchronize()
 
     def read(self, rows: int, width: int) -> tuple[list[float], list[float], torch.Tensor, torch.Tensor]:
-        """What `pack` copied for `rows` rows of `width` picks: ids and weights as lists, x [rows, hidden]
+        """What `pack` wrote for `rows` rows of `width` picks: ids and weights as lists, x [rows, hidden]
         (pinned, fp32), and the sums [rows, hidden] the CPU pool adds into (zero: what the last step's pool
         added is cleared here)."""
         entries = rows * width
@@ -234,12 +245,13 @@ class HostLink:
             self._stage_of[expert] = slot
         self.staged = list(staged)
 
-    def unpack(self, rows: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(Captured) the staging map [experts] (int64) and the CPU pool's sums [rows, hidden] (fp32) on
-        `device`, copied from `up` in one piece."""
-        up = torch.empty(self.experts + rows * self.hidden, dtype=torch.float32, device=device)
-        up.copy_(self.up[: up.numel()], non_blocking=True)
-        return up[: self.experts].long(), up[self.experts :].view(rows, self.hidden)
+    def stage_map(self) -> torch.Tensor:
+        """Each expert's staging slot as the step left it (fp32, -1 for none), in pinned memory."""
+        return self.up[: self.experts]
+
+    def sums(self, rows: int) -> torch.Tensor:
+        """The CPU pool's sums [rows, hidden] as the step left them (fp32, zero where it ran none), pinned."""
+        return self.up[self.experts : self.experts + rows * self.hidden].view(rows, self.hidden)
 
 
 class PoolArgs:
@@ -792,15 +804,14 @@ class TieredExperts(nn.Module):
         cut. The host step at the cut plans the misses, queues the staging copies and hands the next graph
         each expert's staging slot (the entries of staged experts run there) and the CPU pool's sum. A small
         window talks to its step through the pinned `HostLink` alone (the step launches nothing on the
-        device, and waits only for the copies to the host, not for the resident experts)."""
+        device, and waits only for the routing written to the host, not for the resident experts)."""
         assert self.pieces is not None and self.slot_of is not None
-        ids = self._masked(top_ids, live)
         link = self.link
-        if link is None or ids.numel() > min(HOST_READ_ENTRIES, link.entries):
-            return self._captured_large(x, ids, top_ids, top_weights, live)
-        rows, width = ids.shape
-        link.pack(ids, top_weights, x)
-        out = self._resident(x, top_ids, top_weights)
+        if link is None or top_ids.numel() > min(HOST_READ_ENTRIES, link.entries):
+            return self._captured_large(x, self._masked(top_ids, live), top_ids, top_weights, live)
+        rows, width = top_ids.shape
+        slots = link.pack(top_ids, top_weights, x, live, self.slot_of)
+        out = self._resident(x, top_ids, top_weights, slots)
 
         def step() -> None:
             link.wait()
@@ -810,18 +821,30 @@ class TieredExperts(nn.Module):
             link.summed_rows = rows if pooled else 0
 
         self.pieces.cut(step)
-        stage_of, sums = link.unpack(rows, x.device)
-        if self.staging is not None:
-            out = out + self._staged(x, stage_of[top_ids], top_weights, live)
-        return out + sums.to(x.dtype)
+        from app.kernels.triton_tier import add_parts, staged_slots  # Triton: devices only
 
-    def _resident(self, x: torch.Tensor, top_ids: torch.Tensor, top_weights: torch.Tensor) -> torch.Tensor:
+        staged = None
+        if self.staging is not None:
+            assert self.staging.gate_up is not None and self.staging.down is not None
+            at = staged_slots(top_ids, live, link.stage_map())
+            staged = self.kernel(x, at, top_weights, self.staging.gate_up, self.staging.down)
+        return add_parts(out, staged, link.sums(rows))
+
+    def _resident(
+        self,
+        x: torch.Tensor,
+        top_ids: torch.Tensor,
+        top_weights: torch.Tensor,
+        slots: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """The resident experts' entries through the experts kernel (the others' slot -1: the kernel skips
-        them); device work only, so a CUDA graph can hold it."""
+        them; `slots`: each entry's slot where already looked up); device work only, so a CUDA graph can hold
+        it."""
         if not self.resident:
             return torch.zeros_like(x)
         assert self.slot_of is not None and self.gate_up is not None and self.down is not None
-        return self.kernel(x, self.slot_of[top_ids], top_weights, self.gate_up, self.down)
+        slots = self.slot_of[top_ids] if slots is None else slots
+        return self.kernel(x, slots, top_weights, self.gate_up, self.down)
 
     def _staged(
         self, x: torch.Tensor, staged: torch.Tensor, top_weights: torch.Tensor, live: torch.Tensor | None
