@@ -51,7 +51,7 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
     tier = build(args.resident)
-    costs = use_staging([tier], args.pcie_frac)
+    costs = use_staging([tier], args.pcie_frac, link=select_backends("auto", "cuda").tier_link)
     assert costs is not None
     torch.set_num_threads(1)  # as the engine does with a tier on a GPU
     generator = torch.Generator().manual_seed(1)

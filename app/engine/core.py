@@ -196,7 +196,9 @@ class EngineCore:
         on_device = device_kv_bytes(
             model.config, config.kv_memory, config.kv_resident, config.block_size, self.kv_dtype
         )
-        costs = use_staging(self.tiers, config.pcie_frac, decoder_tiers(model), keep_free=on_device)
+        costs = use_staging(
+            self.tiers, config.pcie_frac, decoder_tiers(model), on_device, self.backends.tier_link
+        )
         if costs is not None:
             # the host's torch work is small beside the CPU pool's; torch's own threads would only contend
             torch.set_num_threads(1)

@@ -100,7 +100,7 @@ def run_stage(
         on_device = device_kv_bytes(
             model.config, config.kv_memory, config.kv_resident, config.block_size, kv_dtype, part.layers
         )
-        staged = use_staging(tiers, config.pcie_frac, decoder_tiers(model), keep_free=on_device)
+        staged = use_staging(tiers, config.pcie_frac, decoder_tiers(model), on_device, backends.tier_link)
         if staged is not None:
             torch.set_num_threads(1)  # as in the engine process: the CPU pool's threads do the host's work
     except Exception as exc:  # the engine process reports it, in one line

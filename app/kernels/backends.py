@@ -36,6 +36,7 @@ def triton_backends() -> Backends:
         qk_norm_rope_store,
         rms_norm,
     )
+    from app.kernels.triton_tier import TIER_LINK
 
     # STRATA_FUSED_DECODE=0 runs decode windows' Gated DeltaNet layers and shared-expert MoE blocks by their
     # pieces (for measurements).
@@ -58,6 +59,7 @@ def triton_backends() -> Backends:
         linear=few_rows_linear,
         moe_block=moe_block if fused else None,
         gdn_decode=gdn_decode if fused else None,
+        tier_link=TIER_LINK,
         held_blocks=frozenset(HELD_BLOCKS),
         held_linear=True,
         held_apart=True,

@@ -63,6 +63,23 @@ MoEBlockFn = Callable[..., torch.Tensor | None]
 
 
 @dataclass(frozen=True)
+class TierLinkFns:
+    """What a tiered layer of a captured small window does on the device around its cut (the expert tier's
+    `HostLink`, app/models/expert_tier.py), its pinned host buffers read and written in place:
+    `pack(ids, weights, x, live, slot_of, down) -> slots`: the routing ids / weights [rows, k] (a padding
+    row's ids, `live` 0: the number of experts) and input x [rows, hidden] written as fp32 into `down`, in
+    that order; returns each entry's device slot (slot_of[id], -1 on padding rows) [rows, k] int64.
+    `staged_slots(ids, live, stage_of) -> slots`: each entry's staging slot from the map `stage_of`
+    [experts] (fp32, -1 for none), -1 on padding rows.
+    `add_parts(resident, staged, sums) -> out`: resident + staged (None: none) + sums (fp32), each add
+    rounded to the activations' dtype as torch's adds are."""
+
+    pack: Callable[..., torch.Tensor]
+    staged_slots: Callable[..., torch.Tensor]
+    add_parts: Callable[..., torch.Tensor]
+
+
+@dataclass(frozen=True)
 class GatedDeltaNetWeights:
     """A Gated DeltaNet layer's parameters as a fused decode step reads them: the projections qkvz
     [k_heads * (2 dk + 2 per dv), hidden] and ba [2 v_heads, hidden] (grouped per key head), the conv
@@ -172,6 +189,7 @@ class Backends:
     moe_block: MoEBlockFn | None = None
     gdn_decode: GDNDecodeFn | None = None
     attention_decode: AttentionDecodeFn | None = None
+    tier_link: TierLinkFns | None = None
     exact: bool = False
     bf16_weights: bool = False
     held_blocks: frozenset[str] = frozenset()

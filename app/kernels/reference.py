@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from app.kernels.interface import CHUNK, Backends
+from app.kernels.interface import CHUNK, Backends, TierLinkFns
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -125,10 +125,48 @@ def experts_reference(
     return out
 
 
+def pack_routing_reference(
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    x: torch.Tensor,
+    live: torch.Tensor | None,
+    slot_of: torch.Tensor,
+    down: torch.Tensor,
+) -> torch.Tensor:
+    """`TierLinkFns.pack` in torch ops."""
+    experts = slot_of.numel()
+    masked = ids if live is None else ids.masked_fill(live[:, None] == 0, experts)
+    packed = torch.cat([masked.flatten().float(), weights.flatten().float(), x.flatten().float()])
+    down[: packed.numel()].copy_(packed)
+    slots = slot_of[ids]
+    return slots if live is None else slots.masked_fill(live[:, None] == 0, -1)
+
+
+def staged_slots_reference(
+    ids: torch.Tensor, live: torch.Tensor | None, stage_of: torch.Tensor
+) -> torch.Tensor:
+    """`TierLinkFns.staged_slots` in torch ops."""
+    slots = stage_of.to(ids.device).long()[ids]
+    return slots if live is None else slots.masked_fill(live[:, None] == 0, -1)
+
+
+def add_parts_reference(
+    resident: torch.Tensor, staged: torch.Tensor | None, sums: torch.Tensor
+) -> torch.Tensor:
+    """`TierLinkFns.add_parts` in torch ops."""
+    out = resident if staged is None else resident + staged
+    return out + sums.to(resident.device, resident.dtype)
+
+
+TIER_LINK_REFERENCE = TierLinkFns(
+    pack=pack_routing_reference, staged_slots=staged_slots_reference, add_parts=add_parts_reference
+)
+
 REFERENCE = Backends(
     name="torch",
     attention=causal_attention,
     delta_rule_prompt=delta_rule_chunked,
     delta_rule_step=delta_rule_recurrent,
     experts=experts_reference,
+    tier_link=TIER_LINK_REFERENCE,
 )

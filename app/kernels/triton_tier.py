@@ -6,8 +6,8 @@ it reads each expert's staging slot and the CPU pool's sums from there. Done wit
 dozen launches a layer (casts, a concatenation, copies each way, gathers, masks and adds), each a few
 microseconds of a batch-1 token's 24 layers. These kernels read and write the pinned buffers in place (a
 pinned tensor is addressable from the device) in three launches: `pack_routing` before the cut,
-`staged_slots` and `add_parts` after it. Each has the torch ops it replaces as its reference
-(`*_reference`), and gives their bits.
+`staged_slots` and `add_parts` after it (`TIER_LINK`). Each gives the bits of the torch ops it replaces
+(app/kernels/reference.py, `TIER_LINK_REFERENCE`).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from app.kernels.interface import TierLinkFns
 from app.kernels.triton_launch import follow_previous, pdl
 
 
@@ -97,23 +98,6 @@ def pack_routing(
     return slots
 
 
-def pack_routing_reference(
-    ids: torch.Tensor,
-    weights: torch.Tensor,
-    x: torch.Tensor,
-    live: torch.Tensor | None,
-    slot_of: torch.Tensor,
-    down: torch.Tensor,
-) -> torch.Tensor:
-    """`pack_routing` in torch ops."""
-    experts = slot_of.numel()
-    masked = ids if live is None else ids.masked_fill(live[:, None] == 0, experts)
-    packed = torch.cat([masked.flatten().float(), weights.flatten().float(), x.flatten().float()])
-    down[: packed.numel()].copy_(packed)
-    slots = slot_of[ids]
-    return slots if live is None else slots.masked_fill(live[:, None] == 0, -1)
-
-
 @triton.jit
 def _staged_slots(
     ids_ptr,
@@ -156,14 +140,6 @@ def staged_slots(ids: torch.Tensor, live: torch.Tensor | None, stage_of: torch.T
         **pdl(ids.device, grid),
     )
     return out
-
-
-def staged_slots_reference(
-    ids: torch.Tensor, live: torch.Tensor | None, stage_of: torch.Tensor
-) -> torch.Tensor:
-    """`staged_slots` in torch ops."""
-    slots = stage_of.to(ids.device).long()[ids]
-    return slots if live is None else slots.masked_fill(live[:, None] == 0, -1)
 
 
 @triton.jit
@@ -225,9 +201,4 @@ def add_parts(resident: torch.Tensor, staged: torch.Tensor | None, sums: torch.T
     return out
 
 
-def add_parts_reference(
-    resident: torch.Tensor, staged: torch.Tensor | None, sums: torch.Tensor
-) -> torch.Tensor:
-    """`add_parts` in torch ops."""
-    out = resident if staged is None else resident + staged
-    return out + sums.to(resident.device, resident.dtype)
+TIER_LINK = TierLinkFns(pack=pack_routing, staged_slots=staged_slots, add_parts=add_parts)

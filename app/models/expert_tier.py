@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from app.kernels.interface import ExpertsFn, HostExpertsFn
+from app.kernels.interface import ExpertsFn, HostExpertsFn, TierLinkFns
 from app.models.expert_costs import GATE_UP_SHARE, CopyTimes, MissCosts, measure
 from app.models.moe import RoutedExperts, SparseMoE, expert_parts
 from app.models.pieces import Pieces
@@ -193,8 +193,9 @@ class HostLink:
     One link serves every layer of a model: the layers run one after another and each step waits for its
     layer's `ready`, by when the reads of the layer before it have run."""
 
-    def __init__(self, entries: int, hidden: int, experts: int) -> None:
+    def __init__(self, entries: int, hidden: int, experts: int, fns: TierLinkFns) -> None:
         self.entries, self.hidden, self.experts = entries, hidden, experts
+        self.fns = fns  # the device's side: the graphs' kernels around the cut
         self.down = torch.empty(entries * (2 + hidden), dtype=torch.float32, pin_memory=True)
         self.up = torch.zeros(experts + entries * hidden, dtype=torch.float32, pin_memory=True)
         self.up[:experts] = -1
@@ -214,9 +215,7 @@ class HostLink:
         """(Captured) write a layer's routing ids / weights [rows, k] (padding rows' ids: the number of
         experts) and input x [rows, hidden] to `down`; returns each entry's device slot (`slot_of`, -1 for
         a host expert or on a padding row) on the device."""
-        from app.kernels.triton_tier import pack_routing  # Triton: devices only
-
-        slots = pack_routing(ids, weights, x, live, slot_of, self.down)
+        slots = self.fns.pack(ids, weights, x, live, slot_of, self.down)
         self.ready.record()
         return slots
 
@@ -821,14 +820,12 @@ class TieredExperts(nn.Module):
             link.summed_rows = rows if pooled else 0
 
         self.pieces.cut(step)
-        from app.kernels.triton_tier import add_parts, staged_slots  # Triton: devices only
-
         staged = None
         if self.staging is not None:
             assert self.staging.gate_up is not None and self.staging.down is not None
-            at = staged_slots(top_ids, live, link.stage_map())
+            at = link.fns.staged_slots(top_ids, live, link.stage_map())
             staged = self.kernel(x, at, top_weights, self.staging.gate_up, self.staging.down)
-        return add_parts(out, staged, link.sums(rows))
+        return link.fns.add_parts(out, staged, link.sums(rows))
 
     def _resident(
         self,
@@ -1104,9 +1101,12 @@ def use_staging(
     pcie_frac: float | None = None,
     layers: list[TieredExperts] | None = None,
     keep_free: int = 0,
+    link: TierLinkFns | None = None,
 ) -> MissCosts | None:
     """On a GPU: one staging area for the tiers' missed experts (as many slots as a layer has host slots)
     and this machine's costs (measured now) to split each window's misses between it and the CPU pool.
+    `link`: the backends' kernels through which captured small windows hand their routing to the host step
+    (`HostLink`; without them such windows take the large windows' way).
     `pcie_frac` forces that share of the missed experts over PCIe. `layers`: the tiers of the decoder's
     layers in the order a forward runs them (default: `tiers`); where the device has room for a second
     staging area beside the first and `keep_free` bytes still to be allocated (the KV pool), large windows
@@ -1120,10 +1120,12 @@ def use_staging(
     staging.allocate(first.host_gate_up, first.host_down, device)
     held = first.experts - first.resident  # host slots with an expert in them (the last one is free)
     costs = measure(first.host_kernel, first.host_gate_up[:held], first.host_down[:held], device)
-    link = HostLink(HOST_READ_ENTRIES, first.host_down.shape[1], first.experts)  # rows: hidden, held or not
+    host_link = None
+    if link is not None:  # rows: hidden, held or not
+        host_link = HostLink(HOST_READ_ENTRIES, first.host_down.shape[1], first.experts, link)
     copy_times = CopyTimes(costs)
     for tier in tiers:
-        tier.staging, tier.costs, tier.pcie_frac, tier.link = staging, costs, pcie_frac, link
+        tier.staging, tier.costs, tier.pcie_frac, tier.link = staging, costs, pcie_frac, host_link
         tier.copy_times = copy_times
     layers = tiers if layers is None else layers
     assert staging.gate_up is not None and staging.down is not None

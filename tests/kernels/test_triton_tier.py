@@ -6,14 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from app.kernels.triton_tier import (
-    add_parts,
-    add_parts_reference,
-    pack_routing,
-    pack_routing_reference,
-    staged_slots,
-    staged_slots_reference,
-)
+from app.kernels.reference import add_parts_reference, pack_routing_reference, staged_slots_reference
+from app.kernels.triton_tier import add_parts, pack_routing, staged_slots
 
 EXPERTS, WIDTH, HIDDEN = 16, 4, 40
 
