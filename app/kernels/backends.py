@@ -15,7 +15,13 @@ import torch
 
 from app.errors import StrataError
 from app.kernels.interface import HELD_BLOCKS, Backends
-from app.kernels.reference import REFERENCE, causal_attention, delta_rule_chunked, delta_rule_recurrent
+from app.kernels.reference import (
+    REFERENCE,
+    TIER_LINK_REFERENCE,
+    causal_attention,
+    delta_rule_chunked,
+    delta_rule_recurrent,
+)
 
 # the block types the native CPU expert kernel reads in place
 CPU_HELD_BLOCKS = ("Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ3_XXS", "IQ3_S")
@@ -39,8 +45,9 @@ def triton_backends() -> Backends:
     from app.kernels.triton_tier import TIER_LINK
 
     # STRATA_FUSED_DECODE=0 runs decode windows' Gated DeltaNet layers and shared-expert MoE blocks by their
-    # pieces (for measurements).
+    # pieces, STRATA_TIER_LINK=0 a tiered layer's captured hand-over by torch ops (for measurements).
     fused = os.environ.get("STRATA_FUSED_DECODE", "1") != "0"
+    tier_link = TIER_LINK if os.environ.get("STRATA_TIER_LINK", "1") != "0" else TIER_LINK_REFERENCE
     return Backends(
         name="triton",
         attention=causal_attention,
@@ -59,7 +66,7 @@ def triton_backends() -> Backends:
         linear=few_rows_linear,
         moe_block=moe_block if fused else None,
         gdn_decode=gdn_decode if fused else None,
-        tier_link=TIER_LINK,
+        tier_link=tier_link,
         held_blocks=frozenset(HELD_BLOCKS),
         held_linear=True,
         held_apart=True,
