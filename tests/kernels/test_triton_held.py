@@ -126,6 +126,16 @@ def test_up_to_eight_rows_held_experts_are_summed_on_the_cuda_cores_with_the_bit
     torch.testing.assert_close(window.float() / scale, expected / scale, atol=2e-3, rtol=0)
 
 
+@pytest.mark.parametrize(("tokens", "top_k"), [(2, 1), (9, 2)])
+def test_held_experts_skip_entries_with_a_negative_id(tokens: int, top_k: int) -> None:
+    # the row sums (2 tokens) and the tiles (9): a skipped entry adds nothing, as if weighted 0
+    x, ids, weights, (gate_up, _), (down, _) = _inputs(tokens, 4, top_k, "Q8_0", seed=8)
+    skipped = torch.zeros_like(ids, dtype=torch.bool)
+    skipped[0, -1] = True
+    got = fused_experts(x, ids.masked_fill(skipped, -1), weights, gate_up, down)
+    assert torch.equal(got, fused_experts(x, ids, weights * ~skipped, gate_up, down))
+
+
 def test_tiles_over_iq3_s_experts_run_one_pipeline_stage_and_others_keep_theirs() -> None:
     assert moe_tiles(12, exact=False, held=("IQ3_S", "Q4_K")).num_stages == 1
     assert moe_tiles(4096, exact=False, held=("IQ3_S", "IQ3_S")).num_stages == 1
