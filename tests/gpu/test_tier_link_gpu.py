@@ -1,0 +1,74 @@
+"""The expert tier's hand-over kernels (app/kernels/triton_tier.py) on the GPU, reading and writing pinned
+host buffers in place, inside a CUDA graph too: the bits of their torch references; and the experts kernel's
+skipped entries at Qwen3-30B-A3B's shapes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from app.kernels.reference import TIER_LINK_REFERENCE
+from app.kernels.triton_moe import fused_experts
+from app.kernels.triton_tier import TIER_LINK
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+EXPERTS, TOP_K, HIDDEN, INTER = 128, 8, 2048, 768
+
+
+def _window(rows: int) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    logits = torch.randn(rows, EXPERTS, device="cuda", generator=g)
+    weights, ids = logits.softmax(-1).topk(TOP_K, dim=-1)
+    x = torch.randn(rows, HIDDEN, device="cuda", generator=g).bfloat16()
+    live = (torch.arange(rows, device="cuda") % 3 != 2).int()
+    slot_of = torch.full((EXPERTS,), -1, dtype=torch.int64, device="cuda")
+    slot_of[::4] = torch.arange(EXPERTS // 4, device="cuda")
+    return ids, weights.bfloat16(), x, live, slot_of
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_the_hand_over_kernels_give_their_references_bits_in_pinned_memory_and_in_a_graph(rows: int) -> None:
+    ids, weights, x, live, slot_of = _window(rows)
+    size = rows * (2 * TOP_K + HIDDEN)
+    down = {name: torch.zeros(size, pin_memory=True) for name in ("kernel", "reference")}
+    stage_of = torch.full((EXPERTS,), -1.0, pin_memory=True)
+    stage_of[[3, 17, 90]] = torch.tensor([0.0, 1.0, 2.0])
+    sums = torch.randn(rows, HIDDEN, generator=torch.Generator().manual_seed(1)).pin_memory()
+    resident, staged = torch.randn(2, rows, HIDDEN, device="cuda").bfloat16()
+
+    def run(fns, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        slots = fns.pack(ids, weights, x, live, slot_of, out)
+        return slots, fns.staged_slots(ids, live, stage_of), fns.add_parts(resident, staged, sums)
+
+    want = run(TIER_LINK_REFERENCE, down["reference"])
+    got = run(TIER_LINK, down["kernel"])
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert torch.equal(down["kernel"], down["reference"])
+    graph = torch.cuda.CUDAGraph()
+    down["kernel"].zero_()
+    with torch.cuda.graph(graph):
+        captured = run(TIER_LINK, down["kernel"])
+    down["kernel"].zero_()
+    stage_of[3] = 5.0  # what a host step writes between the pieces is what the replay reads
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(down["kernel"], down["reference"])
+    assert torch.equal(captured[1], TIER_LINK_REFERENCE.staged_slots(ids, live, stage_of))
+
+
+@pytest.mark.parametrize("tokens", [1, 8, 300])
+def test_skipped_entries_add_nothing_at_full_shape(tokens: int) -> None:
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    x = torch.randn(tokens, HIDDEN, device="cuda", generator=g).bfloat16()
+    weights, ids = torch.randn(tokens, EXPERTS, device="cuda", generator=g).softmax(-1).topk(TOP_K, dim=-1)
+    gate_up = (torch.randn(EXPERTS, 2 * INTER, HIDDEN, device="cuda", generator=g) * 0.02).bfloat16()
+    down = (torch.randn(EXPERTS, HIDDEN, INTER, device="cuda", generator=g) * 0.02).bfloat16()
+    skipped = torch.rand(ids.shape, device="cuda", generator=g) < 0.5
+    weights = weights.bfloat16()
+    got = fused_experts(x, ids.masked_fill(skipped, -1), weights, gate_up, down)
+    assert torch.equal(got, fused_experts(x, ids, weights * ~skipped, gate_up, down))
