@@ -157,7 +157,7 @@ if [[ $what == drafts ]]; then
         | grep -v Warning | tee "$out/drafts.log" || status=1
 fi
 if [[ $what == tier ]]; then
-    python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_fast_path_gpu.py -k tier 2>&1 \
+    python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_tier_link_gpu.py tests/gpu/test_fast_path_gpu.py -k tier 2>&1 \
         | tee "$out/gpu-tests.log" || status=1
     python3 benchmarks/expert_tier.py --routing uniform --resident 0 96 --adapt frozen \
         --out "$out/tier.jsonl" 2>&1 | tee "$out/tier.log" || status=1
