@@ -44,6 +44,7 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 import torch
 from torch import nn
+from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -63,6 +64,7 @@ from app.models.placement import PLACEMENTS, layer_residency, spare_slots
 from app.models.qwen3 import CausalLM
 from app.text.tokenizer import Tokenizer
 from benchmarks.gpu_bench import WEIGHT_BUDGET, build_model, write_model_dir
+from benchmarks.profile_window import kernel_times
 from benchmarks.results import emit
 from benchmarks.roofline import measure_copy_bandwidth, roofline_tok_s
 from benchmarks.shapes import param_bytes, shape, with_layers
@@ -497,8 +499,6 @@ def device_times(
     """Batch-1 decode windows under the profiler: the device's time per tiered layer by kernel or copy
     (the 12 largest, microseconds a layer), their sum and the wall time a layer, which say whether a tiered
     layer waits for the host or for extra device work."""
-    from torch.profiler import ProfilerActivity, profile
-
     params = SamplingParams(max_tokens=windows + 12, temperature=0, ignore_eos=True)
     prompt = torch.randint(3, vocab, (PROMPT_LEN,), generator=torch.Generator().manual_seed(7)).tolist()
     core.add_request(AddRequest(f"profiled-{time.monotonic()}", prompt, params))
@@ -520,14 +520,11 @@ def device_times(
     while core.has_work():
         core.step()
     per_layer = windows * len(tiers)
-    device = sorted(
-        ((e.key, e.self_device_time_total) for e in profiled.key_averages() if e.self_device_time_total > 0),
-        key=lambda item: -item[1],
-    )
+    device = kernel_times(profiled)
     return {
         "wall_us_per_layer": round(wall * 1e6 / per_layer, 1),
-        "device_us_per_layer": round(sum(t for _, t in device) / per_layer, 1),
-        "device_by_kernel": {name[:60]: round(t / per_layer, 1) for name, t in device[:12]},
+        "device_us_per_layer": round(sum(us for _, us, _ in device) / per_layer, 1),
+        "device_by_kernel": {name[:60]: round(us / per_layer, 1) for name, us, _ in device[:12]},
     }
 
 

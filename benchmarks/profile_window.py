@@ -24,16 +24,21 @@ from benchmarks.gpu_bench import bench_config, open_engine
 from benchmarks.shapes import shape
 
 
+def kernel_times(prof: profile) -> list[tuple[str, float, int]]:
+    """Every kernel and copy the profiler saw on the GPU: (name, its own GPU microseconds, launches), most
+    time first."""
+    events = [(e.key, e.self_device_time_total, e.count) for e in prof.key_averages()]
+    return sorted((e for e in events if e[1] > 0), key=lambda e: -e[1])
+
+
 def _kernel_table(prof: profile, windows: int, top: int) -> None:
     """Kernels by total GPU time, per window."""
-    events = [e for e in prof.key_averages() if e.device_time_total > 0]
-    total = sum(e.self_device_time_total for e in events)
-    launches = sum(e.count for e in events if e.self_device_time_total > 0) / windows
+    events = kernel_times(prof)
+    total = sum(us for _, us, _ in events)
+    launches = sum(count for _, _, count in events) / windows
     print(f"  GPU time per window: {total / windows / 1000:.3f} ms in {launches:.0f} kernels and copies")
-    for e in sorted(events, key=lambda e: e.self_device_time_total, reverse=True)[:top]:
-        share = e.self_device_time_total / total
-        per = e.self_device_time_total / windows / 1000
-        print(f"  {per:8.3f} ms {share:6.1%} x{e.count // windows:<4} {e.key[:90]}")
+    for name, us, count in events[:top]:
+        print(f"  {us / windows / 1000:8.3f} ms {us / total:6.1%} x{count // windows:<4} {name[:90]}")
 
 
 def _decode_case(core, batch: int, vocab: int, windows: int = 10, top: int = 25) -> None:

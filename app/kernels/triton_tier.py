@@ -21,6 +21,16 @@ from app.kernels.triton_launch import follow_previous, pdl
 
 
 @triton.jit
+def _row_entries(ids_ptr, WIDTH: tl.constexpr, BLOCK_W: tl.constexpr):
+    """Row `program_id`'s place: the row, its entries' offsets and lanes (`at`, `in_row`) and their ids."""
+    row = tl.program_id(0).to(tl.int64)
+    picks = tl.arange(0, BLOCK_W)
+    in_row = picks < WIDTH
+    at = row * WIDTH + picks
+    return row, at, in_row, tl.load(ids_ptr + at, mask=in_row, other=0)
+
+
+@triton.jit
 def _pack_routing(
     ids_ptr,
     weights_ptr,
@@ -42,11 +52,7 @@ def _pack_routing(
     down[:entries] / down[entries:2 * entries], its input as fp32 into down[2 * entries + row * hidden:], and
     each entry's device slot (-1 for a host expert or a padding row) into slots."""
     follow_previous(PDL)
-    row = tl.program_id(0).to(tl.int64)
-    picks = tl.arange(0, BLOCK_W)
-    in_row = picks < WIDTH
-    at = row * WIDTH + picks
-    ids = tl.load(ids_ptr + at, mask=in_row, other=0)
+    row, at, in_row, ids = _row_entries(ids_ptr, WIDTH, BLOCK_W)
     weights = tl.load(weights_ptr + at, mask=in_row, other=0.0).to(tl.float32)
     slots = tl.load(slot_of_ptr + ids, mask=in_row, other=-1)
     if HAS_LIVE:
@@ -111,11 +117,7 @@ def _staged_slots(
 ):
     """Row `program_id`'s entries' staging slots from the map stage_of (fp32, -1 for none): -1 on padding."""
     follow_previous(PDL)
-    row = tl.program_id(0).to(tl.int64)
-    picks = tl.arange(0, BLOCK_W)
-    in_row = picks < WIDTH
-    at = row * WIDTH + picks
-    ids = tl.load(ids_ptr + at, mask=in_row, other=0)
+    row, at, in_row, ids = _row_entries(ids_ptr, WIDTH, BLOCK_W)
     slots = tl.load(stage_of_ptr + ids, mask=in_row, other=-1.0).to(tl.int64)
     if HAS_LIVE:
         slots = tl.where(tl.load(live_ptr + row) != 0, slots, -1)
