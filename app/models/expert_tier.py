@@ -402,6 +402,7 @@ class TieredExperts(nn.Module):
             self.host_of, dtype=torch.long, device="cpu"
         )  # `host_of` as a tensor (host)
         self.heat: torch.Tensor | None = None  # windows routed to each expert (`count`), decayed
+        self._ones = torch.ones(experts)  # `count`'s addend for a window of one row (on the device: `place`)
         self._remembered = 0.0  # what the heat held after its last decay
         self.slot_heat: torch.Tensor | None = None  # [slots, experts]: routed entries per state slot
         self.staging: ExpertStaging | None = None  # with `costs`: misses may go over PCIe (`use_staging`)
@@ -474,6 +475,7 @@ class TieredExperts(nn.Module):
         self._host_of = torch.tensor(self.host_of, dtype=torch.long, device="cpu")
         self.host_slot_of = torch.tensor([*self.host_of, -1], dtype=torch.long).to(device)
         self.heat = torch.zeros(self.experts, dtype=torch.float32, device=device)
+        self._ones = torch.ones(self.experts, dtype=torch.float32, device=device)
         self._remembered = 0.0
 
     def take_counts(self) -> TierCounts:
@@ -698,8 +700,8 @@ class TieredExperts(nn.Module):
         read. Padding rows (`live` 0) count nothing."""
         assert self.heat is not None
         picks = top_ids.flatten()
-        if top_ids.shape[0] == 1:  # a window's one row is never padding
-            self.heat.index_add_(0, picks, torch.ones_like(picks, dtype=torch.float32))
+        if top_ids.shape[0] == 1:  # a window's one row is never padding (one launch: no ones to make)
+            self.heat.index_add_(0, picks, self._ones[: picks.numel()])
             return
         counted = torch.ones_like(top_ids, dtype=torch.float32) if live is None else live[:, None].float()
         touched = torch.zeros(self.experts, dtype=torch.float32, device=self.heat.device)
