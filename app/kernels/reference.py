@@ -133,11 +133,11 @@ def pack_routing_reference(
     slot_of: torch.Tensor,
     down: torch.Tensor,
 ) -> torch.Tensor:
-    """`TierLinkFns.pack` in torch ops."""
+    """`TierLinkFns.pack` in torch ops (the copy to the host queued, not waited for: graphs hold it)."""
     experts = slot_of.numel()
     masked = ids if live is None else ids.masked_fill(live[:, None] == 0, experts)
     packed = torch.cat([masked.flatten().float(), weights.flatten().float(), x.flatten().float()])
-    down[: packed.numel()].copy_(packed)
+    down[: packed.numel()].copy_(packed, non_blocking=True)
     slots = slot_of[ids]
     return slots if live is None else slots.masked_fill(live[:, None] == 0, -1)
 
@@ -146,7 +146,7 @@ def staged_slots_reference(
     ids: torch.Tensor, live: torch.Tensor | None, stage_of: torch.Tensor
 ) -> torch.Tensor:
     """`TierLinkFns.staged_slots` in torch ops."""
-    slots = stage_of.to(ids.device).long()[ids]
+    slots = stage_of.to(ids.device, non_blocking=True).long()[ids]
     return slots if live is None else slots.masked_fill(live[:, None] == 0, -1)
 
 
@@ -155,7 +155,7 @@ def add_parts_reference(
 ) -> torch.Tensor:
     """`TierLinkFns.add_parts` in torch ops."""
     out = resident if staged is None else resident + staged
-    return out + sums.to(resident.device, resident.dtype)
+    return out + sums.to(resident.device, resident.dtype, non_blocking=True)
 
 
 TIER_LINK_REFERENCE = TierLinkFns(

@@ -49,16 +49,20 @@ def test_the_hand_over_kernels_give_their_references_bits_in_pinned_memory_and_i
     torch.cuda.synchronize()
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
     assert torch.equal(down["kernel"], down["reference"])
-    graph = torch.cuda.CUDAGraph()
-    down["kernel"].zero_()
-    with torch.cuda.graph(graph):
-        captured = run(TIER_LINK, down["kernel"])
-    down["kernel"].zero_()
-    stage_of[3] = 5.0  # what a host step writes between the pieces is what the replay reads
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(down["kernel"], down["reference"])
-    assert torch.equal(captured[1], TIER_LINK_REFERENCE.staged_slots(ids, live, stage_of))
+    expected = down["reference"].clone()
+    for fns, out in ((TIER_LINK, down["kernel"]), (TIER_LINK_REFERENCE, down["reference"])):
+        # both sets are captured (`STRATA_TIER_LINK=0` puts the references in the tier's graphs)
+        stage_of[3] = 0.0
+        graph = torch.cuda.CUDAGraph()
+        out.zero_()
+        with torch.cuda.graph(graph):
+            captured = run(fns, out)
+        out.zero_()
+        stage_of[3] = 5.0  # what a host step writes between the pieces is what the replay reads
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, expected)
+        assert torch.equal(captured[1], TIER_LINK_REFERENCE.staged_slots(ids, live, stage_of))
 
 
 @pytest.mark.parametrize("tokens", [1, 8, 300])
