@@ -189,13 +189,20 @@ def open_engine(
     context: int = PREFILL_LEN,
     kv_memory: int = 8 << 30,
     kv_resident: int | None = None,
+    expert_resident: int | None = None,
 ) -> EngineCore:
     """An in-process engine core on a random-weight model of the shape, built straight on the GPU (prompts
     of up to `context` tokens, keys and values of `kv_dtype` in `kv_memory` bytes, of which `kv_resident`
-    tokens on the device when given)."""
+    tokens on the device when given; with `expert_resident`, that many experts a layer on the device and the
+    others in pinned host RAM, adapting as `strata serve` does by default)."""
     device = "cuda"
     backends = select_backends("auto", device, exact=exact)
-    model = build_model(config, backends, device)
+    if expert_resident is None:
+        model = build_model(config, backends, device)
+    else:
+        from benchmarks.expert_tier import build_tiered_model
+
+        model = build_tiered_model(config, expert_resident, backends, spare=0)
     path = Path(tempfile.mkdtemp(prefix="strata-bench-")) / "random"
     write_model_dir(path, config)
     loaded = LoadedModel(model, Tokenizer.from_dir(path), CheckpointDir(path), (), torch.device(device))

@@ -1,14 +1,16 @@
 """A long prompt and the decode after it on one GPU, per KV dtype: what 8-bit keys and values cost and give.
 
     python benchmarks/kv_dtype_bench.py [--shape q30-half] [--contexts 32768 131072] [--kv auto fp8 int8]
-        [--kv-resident TOKENS] [--out results.jsonl]
+        [--kv-resident TOKENS] [--expert-resident N] [--out results.jsonl]
 
 For each KV dtype: an engine on gpu_bench's random-weight model of the shape (built on the GPU, Triton
 kernels, decode graphs; its context raised to the longest asked for, the weights being random), then for each
 context one prompt of that many tokens read in windows of 8,192 (prompt tok/s over the windows' time, time to
 first token) and 64 greedy decode windows of that request alone (tok/s, median ITL), with the KV bytes a token
 takes. With `--kv-resident`, only that many tokens of the pool live on the device and the rest stream in from
-host RAM (each run reports the share of block reads served from VRAM). A prompt served from the prefix cache,
+host RAM (each run reports the share of block reads served from VRAM); with `--expert-resident`, N experts
+a layer live on the device and the others in host RAM (the expert tier, adapting as `strata serve` does), so
+that both caps of a small card hold. A prompt served from the prefix cache,
 or a decode faster than the card could read the request's keys and values at its specified bandwidth (or, for
 the part in host RAM, than a PCIe 5.0 x16 link carries it), stops the run.
 """
@@ -74,7 +76,9 @@ def _long_request(core: EngineCore, context: int, vocab: int, seed: int) -> dict
     }
 
 
-def bench(shape: str, kv: str, contexts: list[int], resident: int | None = None) -> dict[str, Any]:
+def bench(
+    shape: str, kv: str, contexts: list[int], resident: int | None = None, experts: int | None = None
+) -> dict[str, Any]:
     longest = max(contexts) + DECODE_STEPS + 2
     config = {**bench_config(shape), "max_position_embeddings": longest + 64}  # open_engine's max_model_len
     core = open_engine(
@@ -85,6 +89,7 @@ def bench(shape: str, kv: str, contexts: list[int], resident: int | None = None)
         context=longest,
         kv_memory=24 << 30,
         kv_resident=resident,
+        expert_resident=experts,
     )
     model_config = core.loaded.model.config
     kv_dtype = core.runner.state.keys.dtype
@@ -97,6 +102,7 @@ def bench(shape: str, kv: str, contexts: list[int], resident: int | None = None)
         "cache_dtype": str(kv_dtype).removeprefix("torch."),
         "kv_bytes_per_token": per_token,
         "kv_resident": resident,
+        "expert_resident": experts,
         "device": torch.cuda.get_device_name(),
     }
     for n, context in enumerate(contexts):
@@ -122,10 +128,11 @@ def main() -> None:
     parser.add_argument("--contexts", type=int, nargs="+", default=[32768, 131072])
     parser.add_argument("--kv", nargs="+", default=["auto", "fp8", "int8"])
     parser.add_argument("--kv-resident", type=int, help="tokens of the pool on the device (the rest in RAM)")
+    parser.add_argument("--expert-resident", type=int, help="experts a layer on the device (the rest in RAM)")
     parser.add_argument("--out", help="also append the JSON lines to this file")
     args = parser.parse_args()
     for kv in args.kv:
-        line = bench(args.shape, kv, args.contexts, args.kv_resident)
+        line = bench(args.shape, kv, args.contexts, args.kv_resident, args.expert_resident)
         emit(line, args.out)
 
 
