@@ -81,6 +81,7 @@ def bench(
 ) -> dict[str, Any]:
     longest = max(contexts) + DECODE_STEPS + 2
     config = {**bench_config(shape), "max_position_embeddings": longest + 64}  # open_engine's max_model_len
+    began = time.perf_counter()
     core = open_engine(
         config,
         exact=False,
@@ -91,6 +92,7 @@ def bench(
         kv_resident=resident,
         expert_resident=experts,
     )
+    print(f"{shape} {kv}: engine ready in {time.perf_counter() - began:.0f} s", flush=True)
     model_config = core.loaded.model.config
     kv_dtype = core.runner.state.keys.dtype
     block = kv_block_bytes(model_config, 16, kv_dtype)
