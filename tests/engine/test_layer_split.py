@@ -84,6 +84,13 @@ def whole(checkpoint: Path) -> dict[int, list[list[int]]]:
     return tokens
 
 
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The qwen3_next checkpoint alone, for tests of how stages handle their park files: its files hold KV
+    and recurrent state, the other architecture's a part of that."""
+    return write_checkpoint(tmp_path_factory.mktemp("hybrid"), "qwen3_next", max_position_embeddings=4096)
+
+
 def _follow_up(core: EngineCore) -> list[list[int]]:
     """A conversation, then its next turn, which continues from the prefix cache."""
     first = random_prompt(70, 99)
@@ -189,8 +196,8 @@ def _routing_reports_cover_every_stage(core: EngineCore) -> None:
     assert sum(sum(row) for layer, row in pairs if layer in theirs) > 0
 
 
-def test_a_stage_that_ends_is_an_error_of_the_next_window_not_a_hang(checkpoint: Path) -> None:
-    core = make_core(checkpoint, layer_split="2")
+def test_a_stage_that_ends_is_an_error_of_the_next_window_not_a_hang(hybrid: Path) -> None:
+    core = make_core(hybrid, layer_split="2")
     try:
         assert core.pipeline is not None
         core.pipeline.workers[0].kill()
@@ -358,16 +365,16 @@ def test_every_stage_reads_its_own_file_of_a_follow_up_after_a_restart(
 
 
 def test_a_bad_file_of_another_stage_discards_the_conversation_on_every_stage(
-    checkpoint: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    hybrid: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Stage 0 checks every stage's file before it plans a restore: one stage's bad file means the follow-up
     reads its prompt, and every stage's file of it is deleted."""
-    follow_up, expected = _parked_turn(checkpoint, tmp_path)
+    follow_up, expected = _parked_turn(hybrid, tmp_path)
     (bad,) = (tmp_path / "split-2-stage-1").glob("*.park")
     data = bytearray(bad.read_bytes())
     data[-1] ^= 0xFF
     bad.write_bytes(bytes(data))
-    core = _split_park(checkpoint, tmp_path)
+    core = _split_park(hybrid, tmp_path)
     try:
         add = request(follow_up, max_tokens=10, temperature=0, ignore_eos=True)
         with caplog.at_level("WARNING", logger="strata.parking"):
@@ -382,12 +389,12 @@ def test_a_bad_file_of_another_stage_discards_the_conversation_on_every_stage(
 
 
 def test_another_stages_file_whose_other_part_was_lost_is_deleted_at_start(
-    checkpoint: Path, tmp_path: Path
+    hybrid: Path, tmp_path: Path
 ) -> None:
-    follow_up, expected = _parked_turn(checkpoint, tmp_path)
+    follow_up, expected = _parked_turn(hybrid, tmp_path)
     (own,) = (tmp_path / "split-2-stage-0").glob("*.park")
     own.unlink()
-    core = _split_park(checkpoint, tmp_path)
+    core = _split_park(hybrid, tmp_path)
     try:
         assert core.park is not None and core.park.stats().conversations_disk == 0
         assert not list((tmp_path / "split-2-stage-1").glob("*.park"))
