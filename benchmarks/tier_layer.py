@@ -25,13 +25,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from app.kernels.backends import select_backends
 from app.kernels.cpu_experts import experts_swiglu_sum, threads
+from app.kernels.interface import Backends
 from app.models.expert_tier import TieredExperts, use_staging
 
 EXPERTS, HIDDEN, INTER, TOP_K = 128, 2048, 768, 8
 
 
-def build(resident: int) -> TieredExperts:
-    backends = select_backends("auto", "cuda")
+def build(resident: int, backends: Backends) -> TieredExperts:
     tier = TieredExperts(EXPERTS, HIDDEN, INTER, backends.experts, resident, experts_swiglu_sum)
     generator = torch.Generator(device="cuda").manual_seed(0)
     gate_up, down = (
@@ -50,8 +50,9 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=200)
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
-    tier = build(args.resident)
-    costs = use_staging([tier], args.pcie_frac, link=select_backends("auto", "cuda").tier_link)
+    backends = select_backends("auto", "cuda")
+    tier = build(args.resident, backends)
+    costs = use_staging([tier], args.pcie_frac, link=backends.tier_link)
     assert costs is not None
     torch.set_num_threads(1)  # as the engine does with a tier on a GPU
     generator = torch.Generator().manual_seed(1)
