@@ -190,19 +190,16 @@ def open_engine(
     kv_memory: int = 8 << 30,
     kv_resident: int | None = None,
     expert_resident: int | None = None,
+    model: CausalLM | None = None,
 ) -> EngineCore:
     """An in-process engine core on a random-weight model of the shape, built straight on the GPU (prompts
     of up to `context` tokens, keys and values of `kv_dtype` in `kv_memory` bytes, of which `kv_resident`
     tokens on the device when given; with `expert_resident`, that many experts a layer on the device and the
-    others in pinned host RAM, adapting as `strata serve` does by default)."""
+    others in pinned host RAM, adapting as `strata serve` does by default). `model`: one `bench_model` built
+    with the same arguments, for another engine on the same weights."""
     device = "cuda"
-    backends = select_backends("auto", device, exact=exact)
-    if expert_resident is None:
-        model = build_model(config, backends, device)
-    else:
-        from benchmarks.expert_tier import build_tiered_model
-
-        model = build_tiered_model(config, expert_resident, backends, spare=0)
+    if model is None:
+        model = bench_model(config, exact, expert_resident)
     path = Path(tempfile.mkdtemp(prefix="strata-bench-")) / "random"
     write_model_dir(path, config)
     loaded = LoadedModel(model, Tokenizer.from_dir(path), CheckpointDir(path), (), torch.device(device))
@@ -220,6 +217,17 @@ def open_engine(
         enforce_eager=eager,
     )
     return EngineCore(engine, loaded)
+
+
+def bench_model(config: dict[str, Any], exact: bool, expert_resident: int | None = None) -> CausalLM:
+    """The shape's random-weight model on the GPU, with `expert_resident` experts a layer on the device and
+    the others in pinned host RAM when given (`open_engine`)."""
+    backends = select_backends("auto", "cuda", exact=exact)
+    if expert_resident is None:
+        return build_model(config, backends, "cuda")
+    from benchmarks.expert_tier import build_tiered_model
+
+    return build_tiered_model(config, expert_resident, backends, spare=0)
 
 
 def run_strata(config: dict[str, Any], exact: bool, eager: bool) -> dict[str, Any]:

@@ -3,8 +3,9 @@
     python benchmarks/kv_dtype_bench.py [--shape q30-half] [--contexts 32768 131072] [--kv auto fp8 int8]
         [--kv-resident TOKENS] [--expert-resident N] [--out results.jsonl]
 
-For each KV dtype: an engine on gpu_bench's random-weight model of the shape (built on the GPU, Triton
-kernels, decode graphs; its context raised to the longest asked for, the weights being random), then for each
+For each KV dtype: an engine on gpu_bench's random-weight model of the shape (built once on the GPU for all
+of them, Triton kernels, decode graphs; its context raised to the longest asked for, the weights being
+random), then for each
 context one prompt of that many tokens read in windows of 8,192 (prompt tok/s over the windows' time, time to
 first token) and 64 greedy decode windows of that request alone (tok/s, median ITL), with the KV bytes a token
 takes. With `--kv-resident`, only that many tokens of the pool live on the device and the rest stream in from
@@ -18,6 +19,7 @@ the part in host RAM, than a PCIe 5.0 x16 link carries it), stops the run.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import shutil
 import statistics
@@ -33,7 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from app.engine.core import EngineCore
 from app.engine.paged_state import kv_block_bytes
 from app.engine.protocol import AddRequest, SamplingParams
-from benchmarks.gpu_bench import bench_config, open_engine
+from app.models.qwen3 import CausalLM
+from benchmarks.gpu_bench import bench_config, bench_model, open_engine
 from benchmarks.results import emit
 from benchmarks.roofline import H200_HBM_BANDWIDTH, PCIE5_X16_BANDWIDTH
 
@@ -76,21 +79,33 @@ def _long_request(core: EngineCore, context: int, vocab: int, seed: int) -> dict
     }
 
 
-def bench(
-    shape: str, kv: str, contexts: list[int], resident: int | None = None, experts: int | None = None
-) -> dict[str, Any]:
+def bench_shape(shape: str, contexts: list[int]) -> dict[str, Any]:
+    """The shape's config, its positions raised to the longest context asked for (the engine's limit)."""
     longest = max(contexts) + DECODE_STEPS + 2
-    config = {**bench_config(shape), "max_position_embeddings": longest + 64}  # open_engine's max_model_len
+    return {**bench_config(shape), "max_position_embeddings": longest + 64}
+
+
+def bench(
+    shape: str,
+    kv: str,
+    contexts: list[int],
+    resident: int | None = None,
+    experts: int | None = None,
+    model: CausalLM | None = None,
+) -> dict[str, Any]:
+    """Every context's figures over `kv` keys and values, on `model` (the shape's `bench_model`) if given."""
+    config = bench_shape(shape, contexts)
     began = time.perf_counter()
     core = open_engine(
         config,
         exact=False,
         eager=False,
         kv_dtype=kv,
-        context=longest,
+        context=max(contexts) + DECODE_STEPS + 2,
         kv_memory=24 << 30,
         kv_resident=resident,
         expert_resident=experts,
+        model=model,
     )
     print(f"{shape} {kv}: engine ready in {time.perf_counter() - began:.0f} s", flush=True)
     model_config = core.loaded.model.config
@@ -120,6 +135,7 @@ def bench(
         print(shape, kv, context, json.dumps(result), flush=True)
     shutil.rmtree(core.loaded.checkpoint.path.parent, ignore_errors=True)
     del core
+    gc.collect()  # the next engine's KV pool and graphs need the memory this one's held
     torch.cuda.empty_cache()
     return line
 
@@ -133,8 +149,11 @@ def main() -> None:
     parser.add_argument("--expert-resident", type=int, help="experts a layer on the device (the rest in RAM)")
     parser.add_argument("--out", help="also append the JSON lines to this file")
     args = parser.parse_args()
-    for kv in args.kv:
-        line = bench(args.shape, kv, args.contexts, args.kv_resident, args.expert_resident)
+    began = time.perf_counter()
+    model = bench_model(bench_shape(args.shape, args.contexts), False, args.expert_resident)
+    print(f"{args.shape}: weights built in {time.perf_counter() - began:.0f} s", flush=True)
+    for kv in args.kv:  # an engine each on the same weights (the tier's residents as the last one left them)
+        line = bench(args.shape, kv, args.contexts, args.kv_resident, args.expert_resident, model)
         emit(line, args.out)
 
 
