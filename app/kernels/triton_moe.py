@@ -12,6 +12,7 @@ Nothing here synchronises with the host, so the whole block can be captured in a
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -66,7 +67,12 @@ PER_PAIR_TOKENS = 2
 # Held experts (benchmarks/tune_held.py on an H200, docs/KERNELS.md): windows of up to HELD_PER_PAIR_TOKENS
 # tokens sum each pair on the CUDA cores by itself (Q4_K's experts at 8 tokens 131 us a layer against the
 # 16-row tiles' 156, Q8_0's 219 against 426: a tile widens every value for its one or two real rows).
-HELD_ROWWISE_TILES = MoeTiles(block_m=1, block_n=4, block_k=256, num_warps=1, num_stages=2, rowwise=True)
+# Triton's interpreter (the CPU tests) pays per program, not per value: there a rowwise program takes 64
+# columns, the same code in 16x fewer programs (a row's bits differ from the GPU's, as block_n sets them).
+_ROWWISE_COLUMNS = 64 if os.environ.get("TRITON_INTERPRET") == "1" else 4
+HELD_ROWWISE_TILES = MoeTiles(
+    block_m=1, block_n=_ROWWISE_COLUMNS, block_k=256, num_warps=1, num_stages=2, rowwise=True
+)
 HELD_PER_PAIR_TOKENS = 8
 # Q8_0's experts from 9 tokens on take the 16-row tiles too. Since Q8_0 is held reordered (a row's codes, then
 # its scales) the tiles read its codes 16 bytes at a time, and on an H100 its experts at 32 tokens took 274 us
