@@ -41,7 +41,8 @@ class WindowCost:
     per attention pair of its prompt chunks (`chunk_pairs`: a chunk late in a long prompt attends to all of
     it, and costs many times an early one of the same rows). Until windows of two different sizes have run,
     `calibrated` is False; a cost the windows cannot tell apart from the others (say sequences, while every
-    window held two) is taken as 0.
+    window held two) is taken as 0, and a fixed cost that comes out below 0 (windows whose cost grows faster
+    than their rows) is fitted again without it rather than clipped.
     """
 
     def __init__(self, decay: float = 0.95) -> None:
@@ -59,14 +60,20 @@ class WindowCost:
                 self._xtx[i][j] = self.decay * self._xtx[i][j] + x[i] * x[j]
         self._fit = None
         for subset in _SUBSETS:  # the first whose costs are all positive (per row) or not negative
-            m = [[self._xtx[i][j] for j in subset] for i in subset]
-            solution = _solve(m, [self._xty[i] for i in subset])
-            if solution is None:
-                continue
-            costs = dict(zip(subset, solution, strict=True))
-            if costs[1] > 0 and costs.get(2, 0.0) >= 0 and costs.get(3, 0.0) >= 0:
-                self._fit = (max(costs[0], 0.0), costs[1], costs.get(2, 0.0), costs.get(3, 0.0))
+            costs = self._solve_for(subset)
+            if costs is not None and costs[0] < 0:
+                # refit without the fixed cost: taking it as 0 in this fit would raise every prediction by
+                # what it was below 0 (most, relatively, those of small windows)
+                costs = self._solve_for(subset[1:])
+            if costs is not None and costs[1] > 0 and costs.get(2, 0.0) >= 0 and costs.get(3, 0.0) >= 0:
+                self._fit = (costs.get(0, 0.0), costs[1], costs.get(2, 0.0), costs.get(3, 0.0))
                 return
+
+    def _solve_for(self, subset: tuple[int, ...]) -> dict[int, float] | None:
+        """Weighted least-squares costs of the features in `subset`; None where they cannot be told apart."""
+        m = [[self._xtx[i][j] for j in subset] for i in subset]
+        solution = _solve(m, [self._xty[i] for i in subset])
+        return None if solution is None else dict(zip(subset, solution, strict=True))
 
     @property
     def calibrated(self) -> bool:

@@ -168,6 +168,23 @@ def test_window_cost_learns_what_a_chunk_late_in_a_long_prompt_costs() -> None:
     assert cost.rows_within(0.2) == 1951  # at the start of a prompt
 
 
+def test_a_fit_whose_fixed_cost_comes_out_negative_is_made_again_without_it() -> None:
+    # Windows whose cost grows faster than their rows: a line through them has a fixed cost below 0 s. Taken
+    # as 0 s, it would leave the line's steeper slope, pricing the five windows at 1.32 times what they took
+    # (a 16-row one at 4.9); made again through the origin (the weighted least-squares slope), at 1.16.
+    cost = WindowCost(decay=0.95)
+    sizes = [16, 64, 256, 512, 1024]
+    seconds = [0.00005 * rows + 2e-7 * rows**2 for rows in sizes]
+    for rows, took in zip(sizes, seconds, strict=True):
+        cost.observe(rows, 2, took)
+    weights = [0.95 ** (len(sizes) - 1 - i) for i in range(len(sizes))]
+    slope = sum(w * r * t for w, r, t in zip(weights, sizes, seconds, strict=True)) / sum(
+        w * r * r for w, r in zip(weights, sizes, strict=True)
+    )
+    assert cost.predict(16, 2) == pytest.approx(16 * slope, rel=1e-9)
+    assert sum(cost.predict(rows, 2) for rows in sizes) < 1.2 * sum(seconds)
+
+
 def test_decode_share_limits_prompt_chunks_once_window_cost_is_known() -> None:
     scheduler = _scheduler(max_batched_tokens=4096, decode_share=0.5)
     for rows, sequences in [(1, 1), (100, 1), (400, 2), (2000, 3), (50, 5), (8, 8)]:
