@@ -266,7 +266,6 @@ async def long_peers(client: Client, peers: int, prompt_len: int, length: int) -
         long_peers_ttft_sum_over_reads=sum(ttfts) / (peers * read),  # over all peers' reads alone
         # in single reads: one after another at full speed sums to peers * (peers + 1) / 2
         long_peers_ttft_sum_single_reads=sum(ttfts) / read,
-        long_peers_ttft_sum_one_after_another=peers * (peers + 1) / 2,
     )
     return result
 

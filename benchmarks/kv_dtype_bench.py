@@ -83,10 +83,14 @@ def _long_request(core: EngineCore, context: int, vocab: int, seed: int) -> dict
     }
 
 
+def _longest(contexts: list[int]) -> int:
+    """The most positions a request takes: the longest prompt and its decode."""
+    return max(contexts) + DECODE_STEPS + 2
+
+
 def bench_shape(shape: str, contexts: list[int]) -> dict[str, Any]:
     """The shape's config, its positions raised to the longest context asked for (the engine's limit)."""
-    longest = max(contexts) + DECODE_STEPS + 2
-    return {**bench_config(shape), "max_position_embeddings": longest + 64}
+    return {**bench_config(shape), "max_position_embeddings": _longest(contexts) + 64}
 
 
 def bench(
@@ -105,7 +109,7 @@ def bench(
         exact=False,
         eager=False,
         kv_dtype=kv,
-        context=max(contexts) + DECODE_STEPS + 2,
+        context=_longest(contexts),
         kv_memory=24 << 30,
         kv_resident=resident,
         expert_resident=experts,
