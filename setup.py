@@ -1,5 +1,6 @@
-"""The native CPU kernels (native/), built at install time for this machine's CPU, and the pages' templates
-and static files, copied into the webui package of a build.
+"""The native CPU kernels (native/), built at install time for this machine's CPU, the pages' templates and
+static files, copied into the webui package of a build, and the CUDA kernels' source, copied beside its
+module.
 
 The native kernels are optional: where no C++ compiler or OpenMP exists the install goes on without them (and
 STRATA_NO_NATIVE=1 skips them): the CPU expert pool runs its torch fallback (app/kernels/cpu_experts.py says
@@ -17,14 +18,18 @@ PAGE_FILES = ("templates", "static")  # the repository's top-level directories t
 
 
 class BuildWithPages(build_py):
-    """build_py that also copies templates/ and static/ into the built webui package."""
+    """build_py that also copies templates/ and static/ into the built webui package, and the CUDA kernels'
+    source (native/*.cu, compiled on the device at first use: app/kernels/cuda_held.py) beside its module."""
 
     def run(self) -> None:
         super().run()
+        root = Path(__file__).parent
         for name in PAGE_FILES:
             target = Path(self.build_lib) / "webui" / name
             shutil.rmtree(target, ignore_errors=True)
-            shutil.copytree(Path(__file__).parent / name, target)
+            shutil.copytree(root / name, target)
+        for source in (root / "native").glob("*.cu"):
+            shutil.copy(source, Path(self.build_lib) / "app" / "kernels" / source.name)
 
 
 def native_kernels() -> list[Extension]:

@@ -17,8 +17,10 @@ attention merge) still runs, and only the rows wait for it.
   fixed order (a candidate of `benchmarks/tune_linear.py`; the engine does not pick it).
 - the grouped matmul of `triton_moe` with one group and fixed tiles (`tiled_linear`) for the rest of few
   rows, cuBLAS beyond.
-- a weight held as GGUF blocks (`held_linear`): the grouped matmul with one group, its blocks dequantized in
-  the programs (`triton_quant`); one or two rows each summed by itself on the CUDA cores, more by tiles.
+- a weight held as GGUF blocks (`held_linear`): windows of up to 64 rows of the kinds
+  `cuda_held.serves_linear` names (Q4_K, not an LM head) by the CUDA kernels of `cuda_held`; otherwise the
+  grouped matmul with one group, its blocks dequantized in the programs (`triton_quant`), one or two rows
+  each summed by itself on the CUDA cores, more by tiles.
 
 `few_rows_linear` picks by the weight's shape and the window's rows (`benchmarks/tune_linear.py` on an H200,
 docs/KERNELS.md).
@@ -33,6 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
+from app.kernels import cuda_held
+from app.kernels.interface import held_kind
 from app.kernels.triton_launch import follow_previous, pdl
 from app.kernels.triton_moe import HELD_ROWWISE_TILES, MoeTiles, moe_tiles, tiled_linear
 
@@ -231,9 +235,15 @@ def held_tiles(rows: int, n: int) -> MoeTiles:
 
 
 def held_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [rows, k] @ weight.T (+ bias) for a weight held as GGUF blocks [n, row bytes] uint8, by the grouped
-    matmul with one group and `held_tiles`."""
-    return tiled_linear(x, weight, bias, held_tiles(x.shape[0], weight.shape[0]))
+    """x [rows, k] @ weight.T (+ bias) for a weight held as GGUF blocks [n, row bytes] uint8: windows of up to
+    64 rows by `cuda_held.linear` where the engine gives it the weight (`serves_linear`) and it serves,
+    else the grouped matmul with one group and `held_tiles`."""
+    rows, n = x.shape[0], weight.shape[0]
+    kind = held_kind(weight, x.shape[1])
+    out = cuda_held.linear(x, weight, kind) if cuda_held.serves_linear(kind, n) else None
+    if out is None:
+        return tiled_linear(x, weight, bias, held_tiles(rows, n))
+    return out if bias is None else out + bias
 
 
 def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

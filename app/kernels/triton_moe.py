@@ -8,6 +8,10 @@ projection scaled by the routing weight; a last launch sums each token's pairs i
 A pair's arithmetic depends only on the tile configuration (`MoeTiles`), never on which other pairs share
 its tile: `exact` tiles are the same for every batch, so a row's output is bit-identical alone or batched.
 Nothing here synchronises with the host, so the whole block can be captured in a CUDA graph.
+
+Experts held as blocks `cuda_held.serves_experts` names (Q4_K) in windows of up to 64 tokens run the CUDA
+kernels of `cuda_held` where they serve (bf16 activations, a CUDA device with NVRTC), unless `exact` or
+explicit tiles are asked for.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from app.kernels import cuda_held
 from app.kernels.gguf_quants import I_QUANTS
 from app.kernels.interface import held_kind
 from app.kernels.triton_launch import follow_previous, pdl
@@ -710,6 +715,10 @@ def expert_pairs(
     experts, intermediate = gate_up.shape[0], gate_up.shape[1] // 2
     both_held = gate_up.dtype == down.dtype == torch.uint8
     held = (held_kind(gate_up, hidden), held_kind(down, intermediate)) if both_held else ()
+    if held and not exact and tiles is None and cuda_held.serves_experts(held):
+        y = cuda_held.expert_pairs(x, top_ids, top_weights, gate_up, down, held)
+        if y is not None:
+            return y
     tiles = tiles or moe_tiles(tokens, exact, held)
     pairs = tokens * top_k
     x = x.contiguous()

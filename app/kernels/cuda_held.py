@@ -1,0 +1,329 @@
+"""Routed experts held as Q4_K or Q8_0 blocks in windows of up to DECODE_TOKENS tokens, on the tensor cores:
+the CUDA C kernels of native/held_experts.cu, compiled at first use on the device by NVRTC (the library that
+CUDA builds of PyTorch bring) and launched through the driver.
+
+`expert_pairs` has `triton_moe.expert_pairs`'s contract and `linear` multiplies by a dense held weight; each
+returns None where it does not apply (no CUDA device or no NVRTC, activations not bf16, other quant types,
+shapes the kernels do not tile, a window of more than DECODE_TOKENS tokens), and the caller then runs the
+Triton kernels. A pair's result does not depend on the other pairs of its window: the kernels sum every pair
+alone in one fixed order (the file says how). Where the kernels cannot be compiled, that is said once and the
+Triton kernels serve. Which weights the engine gives them is `serves_experts` / `serves_linear` (EXPERT_KINDS,
+LINEAR_KINDS); STRATA_CUDA_HELD=0 turns them off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+KINDS = ("Q4_K", "Q8_0")
+DECODE_TOKENS = 64  # the largest window the kernels take (each expert's pairs in tiles of TILE_PAIRS)
+TILE_PAIRS = 8
+PER_PAIR_TOKENS = 2  # windows of at most this many tokens: a block a pair, no grouping launch
+# Mirrors of native/held_experts.cu's constants: pipeline stages, bytes a warp's stage takes, the
+# stride of a row of the Q4_K scale table (floats), the most warps a block
+STAGES = 4
+STAGE_BYTES = 1536
+TABLE_STRIDE = 20
+MAX_WARPS = 8
+UNITS_PER_WARP = 3  # at least this many 32-byte units of k a warp (the rest of a warp's time is its start)
+# Which held weights the engine gives these kernels (the rest go to the Triton kernels), and the most warps a
+# block by kind, from `benchmarks/tune_held.py --warps 2 4 8` on an H100 (docs/PERFORMANCE.md, 2026-12-06):
+# Q4_K's experts at 1 / 8 / 32 tokens 23.9 / 105 / 196 us a layer at 4 warps against the Triton kernels'
+# 27.2 / 120 / 316; Q8_0's 43 / 207 / 427 against 30 / 130 / 285, so Q8_0 stays with Triton. Weights of
+# WIDE_LINEAR rows or more (an LM head) stay with the Triton kernels. STRATA_CUDA_HELD_EXPERTS /
+# STRATA_CUDA_HELD_LINEAR (kinds, space-separated) and STRATA_CUDA_HELD_WARPS ("Q4_K=4 Q8_0=8") override
+# them, for benchmarks (`benchmarks/pick_held.py` picks from the tuner's lines).
+EXPERT_KINDS = ("Q4_K",)
+LINEAR_KINDS = ("Q4_K",)
+BLOCK_WARPS = {"Q4_K": 4, "Q8_0": 4}
+WIDE_LINEAR = 32768
+GROUP_LIMIT = 1024  # `group_pairs` is one block of 1,024 threads: pairs and experts each at most this
+MODE_TILES, MODE_PER_PAIR, MODE_DENSE = 0, 1, 2
+KERNELS = ("held_q4_k_gate_up", "held_q4_k_rows", "held_q8_0_gate_up", "held_q8_0_rows", "group_pairs")
+SOURCE_NAME = "held_experts.cu"
+MAX_DYNAMIC_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+
+
+def shared_bytes(kind: str, warps: int) -> int:
+    """Dynamic shared memory of a block of `warps` warps (native/held_experts.cu's layout): each warp's ring
+    of stages, its Q4_K scale table, and the partial sums the other warps hand to the first."""
+    table = warps * 32 * TABLE_STRIDE * 4 if kind == "Q4_K" else 0
+    return warps * STAGES * STAGE_BYTES + table + (warps - 1) * 32 * 8 * 4
+
+
+def _source() -> str:
+    """The kernels' text: beside this module in a built package, else in the repository's native/."""
+    here = Path(__file__).resolve()
+    for path in (here.with_name(SOURCE_NAME), here.parents[2] / "native" / SOURCE_NAME):
+        if path.is_file():
+            return path.read_text()
+    raise FileNotFoundError(f"{SOURCE_NAME} is neither beside {here.name} nor in native/")
+
+
+def _compile(source: str, arch: str) -> bytes:
+    """`source` compiled by NVRTC into machine code for `arch` (sm_90, ...); its log in the error if not."""
+    from torch.cuda._utils import _get_gpu_rtc_library
+
+    nvrtc = _get_gpu_rtc_library()
+    program = ctypes.c_void_p()
+
+    def check(result: int, what: str) -> None:
+        if result != 0:
+            size = ctypes.c_size_t()
+            nvrtc.nvrtcGetProgramLogSize(program, ctypes.byref(size))
+            text = ctypes.create_string_buffer(size.value)
+            nvrtc.nvrtcGetProgramLog(program, text)
+            raise RuntimeError(f"NVRTC {what} failed ({result}): {text.value.decode(errors='replace')}")
+
+    check(
+        nvrtc.nvrtcCreateProgram(ctypes.byref(program), source.encode(), SOURCE_NAME.encode(), 0, None, None),
+        "create",
+    )
+    try:
+        options = [f"--gpu-architecture={arch}".encode(), b"--std=c++17"]
+        check(
+            nvrtc.nvrtcCompileProgram(program, len(options), (ctypes.c_char_p * len(options))(*options)),
+            "compile",
+        )
+        size = ctypes.c_size_t()
+        check(nvrtc.nvrtcGetCUBINSize(program, ctypes.byref(size)), "size")
+        binary = ctypes.create_string_buffer(size.value)
+        check(nvrtc.nvrtcGetCUBIN(program, binary), "cubin")
+    finally:
+        nvrtc.nvrtcDestroyProgram(ctypes.byref(program))
+    return binary.raw
+
+
+class _Kernels:
+    """The compiled kernels of one device, launched through the driver on the current stream."""
+
+    def __init__(self, device: torch.device) -> None:
+        from torch.cuda._utils import _cuda_load_module, _get_gpu_runtime_library
+
+        major, minor = torch.cuda.get_device_capability(device)
+        with torch.cuda.device(device):
+            loaded = _cuda_load_module(_compile(_source(), f"sm_{major}{minor}"), list(KERNELS))
+        self.functions = {name: loaded[name].func for name in KERNELS}
+        self.driver = _get_gpu_runtime_library()
+        # a block's dynamic shared memory, at most: the device's limit less room for the static (a few words)
+        properties = torch.cuda.get_device_properties(device)
+        self.shared_limit = getattr(properties, "shared_memory_per_block_optin", 48 << 10) - 1024
+        for name in KERNELS[:-1]:  # the held kernels: their shared memory may pass the default 48 KB
+            result = self.driver.cuFuncSetAttribute(
+                self.functions[name], MAX_DYNAMIC_SHARED, self.shared_limit
+            )
+            if result != 0:
+                raise RuntimeError(f"raising {name}'s shared memory failed (CUDA driver error {result})")
+
+    def warps(self, kind: str, k: int) -> int:
+        """Warps a block for rows of `k` values of `kind`: a share of at least UNITS_PER_WARP units each, at
+        most MAX_WARPS, and what the device's shared memory holds. A function of the weight alone, so a row's
+        sums are added in the same order in every window."""
+        units = k // (64 if kind == "Q4_K" else 32)
+        warps = max(1, min(block_warps()[kind], units // UNITS_PER_WARP))
+        while warps > 1 and shared_bytes(kind, warps) > self.shared_limit:
+            warps -= 1
+        return warps
+
+    def launch(self, name: str, grid: tuple[int, int], threads: int, args: list, shared: int = 0) -> None:
+        """Launch kernel `name` with `args` (tensors, None for a null pointer, or ctypes values) and `shared`
+        bytes of dynamic shared memory."""
+        values = [
+            ctypes.c_void_p(arg.data_ptr() if isinstance(arg, torch.Tensor) else 0)
+            if arg is None or isinstance(arg, torch.Tensor)
+            else arg
+            for arg in args
+        ]
+        pointers = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
+        stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+        result = self.driver.cuLaunchKernel(
+            self.functions[name], grid[0], grid[1], 1, threads, 1, 1, shared, stream, pointers, None
+        )
+        if result != 0:
+            raise RuntimeError(f"launching {name} failed (CUDA driver error {result})")
+
+
+@functools.cache
+def _kernels(device: torch.device) -> _Kernels | None:
+    try:
+        return _Kernels(device)
+    except Exception as error:  # no NVRTC, no CUDA headers, a driver too old: the Triton kernels serve
+        log.warning("held-expert CUDA kernels unavailable (%s); the Triton kernels serve", error)
+        return None
+
+
+def _kinds(variable: str, default: tuple[str, ...]) -> tuple[str, ...]:
+    value = os.environ.get(variable)
+    return default if value is None else tuple(value.split())
+
+
+def block_warps() -> dict[str, int]:
+    """The most warps a block, by kind (BLOCK_WARPS, or STRATA_CUDA_HELD_WARPS's "KIND=N" words)."""
+    value = os.environ.get("STRATA_CUDA_HELD_WARPS", "")
+    chosen = dict(word.split("=") for word in value.split())
+    return {kind: min(MAX_WARPS, int(chosen.get(kind, warps))) for kind, warps in BLOCK_WARPS.items()}
+
+
+def serves_experts(kinds: tuple[str, str]) -> bool:
+    """Whether the engine gives experts held as `kinds` (gate_up, down) to `expert_pairs`."""
+    chosen = _kinds("STRATA_CUDA_HELD_EXPERTS", EXPERT_KINDS)
+    return kinds[0] in chosen and kinds[1] in chosen
+
+
+def serves_linear(kind: str, n: int) -> bool:
+    """Whether the engine gives a projection into `n` columns held as `kind` to `linear`."""
+    return kind in _kinds("STRATA_CUDA_HELD_LINEAR", LINEAR_KINDS) and n < WIDE_LINEAR
+
+
+def enabled(device: torch.device) -> bool:
+    """Whether the kernels serve on `device` (compiling them on first ask; never while a graph is captured,
+    which a load would break: the engine's warm-up runs eagerly first)."""
+    if device.type != "cuda" or os.environ.get("STRATA_CUDA_HELD") == "0":
+        return False
+    if torch.cuda.get_device_capability(device) < (8, 0):  # bf16 MMAs
+        return False
+    if torch.cuda.is_current_stream_capturing() and _kernels.cache_info().currsize == 0:
+        return False
+    return _kernels(device) is not None
+
+
+def _fits(kind: str, weight: torch.Tensor, k: int, n: int, per_block: int) -> bool:
+    """Whether the kernels tile `weight` [experts, rows, row bytes] of `kind` with reduction `k` into output
+    columns `n` (`per_block` a block)."""
+    step = 256 if kind == "Q4_K" else 32
+    return (
+        kind in KINDS
+        and k % step == 0
+        and n % per_block == 0
+        and weight.stride(-1) == 1
+        and weight.stride(1) % 16 == 0
+        and weight.stride(0) % 16 == 0
+        and weight.data_ptr() % 16 == 0
+    )
+
+
+def _rows_fit(x: torch.Tensor) -> bool:
+    """Whether the kernels read activations `x` [rows, k] (bf16, 16-byte aligned rows)."""
+    return x.dtype == torch.bfloat16 and x.stride(-1) == 1 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0
+
+
+def _matmul(
+    kernels: _Kernels,
+    kind: str,
+    swiglu: bool,
+    grid: tuple[int, int],
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    out: torch.Tensor,
+    routing: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, int],
+    scale: torch.Tensor | None,
+    pairs: int,
+    row_div: int,
+) -> None:
+    """One launch of kind's kernel (`swiglu`: gate_up's, else rows'): out = x @ weight rows, per block's pairs
+    as `routing` (ids, tile_expert, tile_pairs, mode) gives them."""
+    ids, tile_expert, tile_pairs, mode = routing
+    warps = kernels.warps(kind, x.shape[1])
+    kernels.launch(
+        f"held_{kind.lower()}_{'gate_up' if swiglu else 'rows'}",
+        grid,
+        warps * 32,
+        [
+            x,
+            weight,
+            out,
+            ids,
+            tile_expert,
+            tile_pairs,
+            scale,
+            ctypes.c_int(mode),
+            ctypes.c_int(pairs),
+            ctypes.c_int(x.shape[1]),
+            ctypes.c_int(weight.shape[1] // 2 if swiglu else 0),
+            ctypes.c_longlong(weight.stride(0)),
+            ctypes.c_longlong(weight.stride(1)),
+            ctypes.c_longlong(x.stride(0)),
+            ctypes.c_longlong(out.stride(0)),
+            ctypes.c_int(row_div),
+        ],
+        shared_bytes(kind, warps),
+    )
+
+
+def expert_pairs(
+    x: torch.Tensor,
+    top_ids: torch.Tensor,
+    top_weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    kinds: tuple[str, str],
+) -> torch.Tensor | None:
+    """Each (token, choice) pair's expert output times its routing weight, [tokens * top_k, hidden] bf16
+    (rows of negative ids left unwritten), or None where these kernels do not apply. gate_up and down are
+    held as GGUF blocks of `kinds`."""
+    tokens, hidden = x.shape
+    top_k = top_ids.shape[1]
+    experts, intermediate = gate_up.shape[0], gate_up.shape[1] // 2
+    pairs = tokens * top_k
+    x = x.contiguous()
+    if (
+        tokens == 0
+        or tokens > DECODE_TOKENS
+        or not _rows_fit(x)
+        or top_weights.dtype != torch.bfloat16
+        or pairs > GROUP_LIMIT
+        or experts > GROUP_LIMIT
+        or not _fits(kinds[0], gate_up, hidden, intermediate, 16)
+        or not _fits(kinds[1], down, intermediate, hidden, 32)
+        or not enabled(x.device)
+    ):
+        return None
+    kernels = _kernels(x.device)
+    ids = top_ids.flatten().contiguous().long()
+    scale = top_weights.flatten().contiguous()
+    if tokens <= PER_PAIR_TOKENS:
+        blocks, routing = pairs, (ids, None, None, MODE_PER_PAIR)
+    else:
+        blocks = -(-pairs // TILE_PAIRS) + min(pairs, experts)
+        tile_expert = torch.empty(blocks, dtype=torch.int32, device=x.device)
+        tile_pairs = torch.empty(blocks * TILE_PAIRS, dtype=torch.int32, device=x.device)
+        kernels.launch(
+            "group_pairs",
+            (1, 1),
+            GROUP_LIMIT,
+            [ids, ctypes.c_int(pairs), ctypes.c_int(experts), ctypes.c_int(blocks), tile_expert, tile_pairs],
+        )
+        routing = (None, tile_expert, tile_pairs, MODE_TILES)
+    act = x.new_empty(pairs, intermediate)
+    y = x.new_empty(pairs, hidden)
+    grid = (blocks, intermediate // 16)
+    _matmul(kernels, kinds[0], True, grid, x, gate_up, act, routing, None, pairs, top_k)
+    _matmul(kernels, kinds[1], False, (blocks, hidden // 32), act, down, y, routing, scale, pairs, 1)
+    return y
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, kind: str) -> torch.Tensor | None:
+    """x [rows, k] @ weight.T for a weight held as `kind` blocks [n, row bytes] (up to DECODE_TOKENS rows, in
+    tiles of TILE_PAIRS: a row's bits the same in any window), or None where these kernels do not apply."""
+    rows, k = x.shape
+    n = weight.shape[0]
+    x = x.contiguous()
+    stacked = weight.unsqueeze(0)
+    if not 0 < rows <= DECODE_TOKENS or not _rows_fit(x) or not _fits(kind, stacked, k, n, 32):
+        return None
+    if not enabled(x.device):
+        return None
+    out = x.new_empty(rows, n)
+    grid = (-(-rows // TILE_PAIRS), n // 32)
+    _matmul(
+        _kernels(x.device), kind, False, grid, x, stacked, out, (None, None, None, MODE_DENSE), None, rows, 1
+    )
+    return out

@@ -1,0 +1,422 @@
+// Routed experts and dense projections held as GGUF blocks (Q4_K, Q8_0) for windows of up to 64 tokens, on
+// the tensor cores.
+//
+// Compiled at first use by NVRTC (app/kernels/cuda_held.py); no header is included, so the same text also
+// builds with `nvcc -arch=sm_90 -cubin`.
+//
+// A block computes 32 output columns of one expert for up to 8 (token, expert) pairs: 16 gate rows and the 16
+// matching up rows (gate_up, SwiGLU applied), or 32 rows (down, dense). Its warps (blockDim.x / 32, which the
+// caller sets from k alone) each take a contiguous share of k and add their sums in a fixed order at the end,
+// so a pair's result depends on its expert's weights and its own activations only, never on the other pairs
+// of its window or on their number.
+//
+// Each warp runs m16n8k16 bf16 MMAs with the weights as the 16-row left operand and the pairs' activations
+// as the 8-column right one. A thread widens the codes it loaded straight into its fragment registers: a
+// 4-bit code q ORed into the mantissa of bf16 128.0 is exactly 128 + q (one LOP3 for two codes). Q8_0's
+// byte b (offset to b + 128 = 16 h + l: the byte's top bit flipped, folded into the high nibble's widening)
+// goes in as two operands, 128 + l and 2048 + 16 h, summed by the same accumulator. The k order inside an MMA is free as long as both operands agree, so a quad of threads
+// covers a 32-byte run of codes, 8 bytes a thread, and the activations are permuted to match.
+// Every 32 codes (a scale group) the MMA's sums are scaled in fp32; the offsets (128, 2304) and Q4_K's
+// group minimum are taken off with the group's activation sums, which one more MMA against a fragment of
+// ones gives. The codes' products are exact and summed in fp32.
+//
+// A unit is 32 bytes of codes of each of a warp's 32 rows (Q4_K: a 64-value stretch, two groups; Q8_0: one
+// group of 32). Each thread copies what it will read itself (its 8 bytes of 4 rows and their scales) into
+// its own slots of a ring of STAGES units in shared memory with cp.async, STAGES - 1 units ahead of the one
+// it computes, so no thread waits on another's copies. Q4_K's scales are decoded
+// once a super-block: each lane decodes one row's 8 groups into a table of the warp that all lanes read.
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned char u8;
+typedef long long i64;
+
+#define TILE_PAIRS 8
+#define STAGES 4
+#define MAX_WARPS 8
+#define KIND_Q8_0 1
+#define KIND_Q4_K 2
+#define MODE_TILES 0     // block x: a tile of `group_pairs` (tile_expert, tile_pairs)
+#define MODE_PER_PAIR 1  // block x: pair x alone, its expert ids[x] (int64)
+#define MODE_DENSE 2     // block x: rows 8 x ... of a dense matmul (expert 0)
+#define TABLE_STRIDE 20  // floats a row of a warp's Q4_K scale table (16 used; 20 keeps its reads apart in banks)
+// Shared memory of a block of W warps (app/kernels/cuda_held.py computes the same): W * STAGES * STAGE_BYTES,
+// then (Q4_K) W tables of 32 rows of TABLE_STRIDE floats, then (W - 1) * 32 * 8 floats of partial sums.
+
+// A stage of a warp in shared memory: codes [4 rows][32 lanes] of 8 bytes, then (Q4_K) each lane's row's
+// super-block head (16 bytes, copied when the unit starts a super-block) or (Q8_0) [4 rows][32 lanes] words
+// holding the group's fp16 scale. The activations, which every block reads, come through the L1 cache.
+#define CODES_AT 0
+#define SCALES_AT 1024
+#define STAGE_BYTES 1536
+
+__device__ __forceinline__ float f16_to_f32(u16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+__device__ __forceinline__ float bf16_to_f32(u16 h) { return __uint_as_float(((u32)h) << 16); }
+
+__device__ __forceinline__ u16 f32_to_bf16(float f) {
+    u16 h;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+__device__ __forceinline__ u32 shared_address(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void copy4(u8* dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(shared_address(dst)), "l"(src) : "memory");
+}
+
+__device__ __forceinline__ void copy8(u8* dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(shared_address(dst)), "l"(src) : "memory");
+}
+
+__device__ __forceinline__ void copy16(u8* dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 16;\n" ::"r"(shared_address(dst)), "l"(src) : "memory");
+}
+
+__device__ __forceinline__ void copies_sent() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+
+// Wait for all but the STAGES - 1 newest groups of copies.
+__device__ __forceinline__ void copies_done_but_newest() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(STAGES - 1) : "memory");
+}
+
+__device__ __forceinline__ void mma(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// (a & b) ^ c in one LOP3 (the compiler splits it when b and c are both immediates).
+__device__ __forceinline__ u32 and_xor(u32 a, u32 b, u32 c) {
+    u32 d;
+    asm("lop3.b32 %0, %1, %2, %3, 0x6A;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+
+// Codes at bits `shift` and `shift` + 16 of w, as two bf16 (`magic` ^ code): `magic` + code where its low
+// nibbles are 0, and Q8_0's high nibbles' sign flip folded in where they are 8.
+__device__ __forceinline__ u32 widen(u32 w, int shift, u32 magic) { return and_xor(w >> shift, 0x000F000Fu, magic); }
+
+// One 32-code group's MMAs for both halves h of a quad's 8-byte pieces: c += A(codes) B(x) for each of the
+// two weight blocks, where the fragments' k order is byte 4h + {0, 2} (low slots), 4h + {1, 3} (high slots).
+// `nibble` selects the code's nibble (0: low, 4: high) and `magic` its bf16 exponent; `words[b][r][h]` are
+// block b's row (g, g + 8)'s words.
+__device__ __forceinline__ void group_mma(
+    float (&c)[2][4], const u32 (&words)[2][2][2], const u32 (&xb)[2][2], int nibble, u32 magic) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+        for (int b = 0; b < 2; ++b) {
+            mma(c[b], widen(words[b][0][h], nibble, magic), widen(words[b][1][h], nibble, magic),
+                widen(words[b][0][h], nibble + 8, magic), widen(words[b][1][h], nibble + 8, magic), xb[h][0],
+                xb[h][1]);
+        }
+    }
+}
+
+// The right-operand fragments of 8 activations x0..x7 (4 words) for the two halves: (x0, x2), (x1, x3) and
+// (x4, x6), (x5, x7).
+__device__ __forceinline__ void x_fragments(const uint4 v, u32 (&xb)[2][2]) {
+    xb[0][0] = __byte_perm(v.x, v.y, 0x5410);
+    xb[0][1] = __byte_perm(v.x, v.y, 0x7632);
+    xb[1][0] = __byte_perm(v.z, v.w, 0x5410);
+    xb[1][1] = __byte_perm(v.z, v.w, 0x7632);
+}
+
+// Sum over the group's 32 activations of each pair (column), by MMAs against ones.
+__device__ __forceinline__ void group_sums(float (&s)[4], const u32 (&xb)[2][2]) {
+    const u32 one = 0x3F803F80u;
+    s[0] = s[1] = s[2] = s[3] = 0.f;
+    mma(s, one, one, one, one, xb[0][0], xb[0][1]);
+    mma(s, one, one, one, one, xb[1][0], xb[1][1]);
+}
+
+// acc[b][i] += D * c - E * s for the rows (g: i < 2, g + 8: i >= 2) of block b.
+__device__ __forceinline__ void scale_into(
+    float (&acc)[2][4], const float (&c)[2][4], const float (&s)[4], const float (&d)[2][2],
+    const float (&e)[2][2]) {
+#pragma unroll
+    for (int b = 0; b < 2; ++b) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            acc[b][i] = fmaf(d[b][i >> 1], c[b][i], fmaf(-e[b][i >> 1], s[i], acc[b][i]));
+        }
+    }
+}
+
+// 8 activations of a pair's row from k (zeros for an empty slot), through the L1 cache.
+__device__ __forceinline__ uint4 load_x(const u16* row, int k) {
+    uint4 v;
+    v.x = v.y = v.z = v.w = 0u;
+    if (row) v = *reinterpret_cast<const uint4*>(row + k);
+    return v;
+}
+
+// Q4_K: one row's super-block head (d, dmin, 12 bytes of 6-bit scales and mins) decoded into its table row:
+// for group j, D = d * scale at [2 j] and E = 128 D + dmin * min at [2 j + 1].
+__device__ __forceinline__ void decode_head(const uint4 head, float* row) {
+    const float d = f16_to_f32((u16)(head.x & 0xFFFF)), dmin = f16_to_f32((u16)(head.x >> 16));
+    const u32 scales[2] = {head.y & 0x3F3F3F3Fu, (head.w & 0x0F0F0F0Fu) | (((head.y >> 6) & 0x03030303u) << 4)};
+    const u32 mins[2] = {head.z & 0x3F3F3F3Fu, ((head.w >> 4) & 0x0F0F0F0Fu) | (((head.z >> 6) & 0x03030303u) << 4)};
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+        float4 v;
+        const int j0 = 2 * q, j1 = 2 * q + 1;
+        v.x = d * (float)((scales[j0 >> 2] >> (8 * (j0 & 3))) & 0xFF);
+        v.y = fmaf(dmin, (float)((mins[j0 >> 2] >> (8 * (j0 & 3))) & 0xFF), 128.f * v.x);
+        v.z = d * (float)((scales[j1 >> 2] >> (8 * (j1 & 3))) & 0xFF);
+        v.w = fmaf(dmin, (float)((mins[j1 >> 2] >> (8 * (j1 & 3))) & 0xFF), 128.f * v.z);
+        reinterpret_cast<float4*>(row)[q] = v;
+    }
+}
+
+// This thread's copies of unit u into `stage`: its 8 bytes of each of its 4 rows (r = 2 b + (row g or g + 8))
+// and their scales (Q4_K: the head of the lane's own row, for the table, where the unit starts a super-block
+// or the warp's share; Q8_0: the word holding each row's d).
+template <int KIND>
+__device__ __forceinline__ void copy_unit(
+    u8* stage, const u8* const (&rows)[2][2], const u8* head_row, int u, bool fresh, int k) {
+    const int lane = threadIdx.x & 31, t = lane & 3;
+    if (KIND == KIND_Q4_K) {
+        const int block = u >> 2, stretch = u & 3;
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            copy8(stage + CODES_AT + r * 256 + lane * 8,
+                  rows[r >> 1][r & 1] + (i64)block * 144 + 16 + 32 * stretch + 8 * t);
+        }
+        if (fresh) copy16(stage + SCALES_AT + lane * 16, head_row + (i64)block * 144);
+    } else {
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            const u8* row = rows[r >> 1][r & 1];
+            copy8(stage + CODES_AT + r * 256 + lane * 8, row + 32 * u + 8 * t);
+            copy4(stage + SCALES_AT + r * 128 + lane * 4, row + k + 4 * (u >> 1));
+        }
+    }
+}
+
+// Unit u's MMAs from `stage`, scaled into acc (Q4_K: its scales from the warp's table, decoded here when the
+// unit starts a super-block or the warp's share).
+template <int KIND>
+__device__ __forceinline__ void compute_unit(
+    const u8* stage, float* table, const u16* xrow, int u, bool fresh, float (&acc)[2][4]) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    u32 words[2][2][2];
+    float d[2][2], e[2][2];
+    u32 xb[2][2];
+    float s[4];
+    float c[2][4] = {};
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+        const uint2 q = *reinterpret_cast<const uint2*>(stage + CODES_AT + r * 256 + lane * 8);
+        words[r >> 1][r & 1][0] = q.x;
+        words[r >> 1][r & 1][1] = q.y;
+    }
+    if (KIND == KIND_Q4_K) {
+        const int stretch = u & 3;
+        if (fresh) {
+            __syncwarp();
+            decode_head(*reinterpret_cast<const uint4*>(stage + SCALES_AT + lane * 16), table + lane * TABLE_STRIDE);
+            __syncwarp();
+        }
+        float d_hi[2][2], e_hi[2][2];
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            const int b = r >> 1, row = b * 16 + g + 8 * (r & 1);
+            const float4 v = reinterpret_cast<const float4*>(table + row * TABLE_STRIDE)[stretch];
+            d[b][r & 1] = v.x;
+            e[b][r & 1] = v.y;
+            d_hi[b][r & 1] = v.z;
+            e_hi[b][r & 1] = v.w;
+        }
+        const int at = (u >> 2) * 256 + stretch * 64 + 8 * t;
+        const uint4 x_hi = load_x(xrow, at + 32);
+        x_fragments(load_x(xrow, at), xb);
+        group_sums(s, xb);
+        group_mma(c, words, xb, 0, 0x43004300u);
+        scale_into(acc, c, s, d, e);
+        float c_hi[2][4] = {};
+        x_fragments(x_hi, xb);
+        group_sums(s, xb);
+        group_mma(c_hi, words, xb, 4, 0x43004300u);
+        scale_into(acc, c_hi, s, d_hi, e_hi);
+    } else {
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            const u32 word = *reinterpret_cast<const u32*>(stage + SCALES_AT + r * 128 + lane * 4);
+            const float dd = f16_to_f32((u16)(u & 1 ? word >> 16 : word & 0xFFFF));
+            d[r >> 1][r & 1] = dd;
+            e[r >> 1][r & 1] = 2304.f * dd;
+        }
+        x_fragments(load_x(xrow, 32 * u + 8 * t), xb);
+        group_sums(s, xb);
+        group_mma(c, words, xb, 0, 0x43004300u);
+        group_mma(c, words, xb, 4, 0x45084508u);  // 2048 + 16 (h ^ 8): the byte's sign bit flipped
+        scale_into(acc, c, s, d, e);
+    }
+}
+
+// The rows, pairs and expert of this block; false where it has none.
+__device__ __forceinline__ bool block_pairs(
+    int mode, const i64* ids, const int* tile_expert, const int* tile_pairs, int pairs, int* slot_pair,
+    int& expert) {
+    const int tile = blockIdx.x;
+    if (mode == MODE_PER_PAIR) {
+        expert = (int)ids[tile];
+    } else if (mode == MODE_TILES) {
+        expert = tile_expert[tile];
+    } else {
+        expert = 0;
+    }
+    if (expert < 0) return false;
+    if (threadIdx.x < TILE_PAIRS) {
+        const int s = threadIdx.x;
+        int pair;
+        if (mode == MODE_PER_PAIR) {
+            pair = s == 0 ? tile : -1;
+        } else if (mode == MODE_TILES) {
+            pair = tile_pairs[tile * TILE_PAIRS + s];
+        } else {
+            pair = tile * TILE_PAIRS + s < pairs ? tile * TILE_PAIRS + s : -1;
+        }
+        slot_pair[s] = pair;
+    }
+    __syncthreads();
+    return true;
+}
+
+template <int KIND, bool SWIGLU>
+__device__ __forceinline__ void held_pairs(
+    const u16* __restrict__ x, const u8* __restrict__ w, u16* __restrict__ out, const i64* __restrict__ ids,
+    const int* __restrict__ tile_expert, const int* __restrict__ tile_pairs, const u16* __restrict__ scale,
+    int mode, int pairs, int k, int up_rows, i64 stride_we, i64 stride_wn, i64 stride_xm, i64 stride_om,
+    int x_row_div) {
+    extern __shared__ __align__(16) u8 shared[];
+    __shared__ int slot_pair[TILE_PAIRS];
+    int expert;
+    if (!block_pairs(mode, ids, tile_expert, tile_pairs, pairs, slot_pair, expert)) return;
+    const int warps = blockDim.x >> 5;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    u8* stages = shared + warp * STAGES * STAGE_BYTES;
+    float* table = reinterpret_cast<float*>(shared + warps * STAGES * STAGE_BYTES) + warp * 32 * TABLE_STRIDE;
+    float* partial = reinterpret_cast<float*>(shared + warps * STAGES * STAGE_BYTES) +
+                     (KIND == KIND_Q4_K ? warps * 32 * TABLE_STRIDE : 0);
+    const int pair = slot_pair[g];
+    const u16* xrow = pair >= 0 ? x + (i64)(pair / x_row_div) * stride_xm : nullptr;
+    const int col0 = blockIdx.y * (SWIGLU ? 16 : 32);
+    const u8* base = w + (i64)expert * stride_we;
+    const int second = SWIGLU ? col0 + up_rows : col0 + 16;  // block 1's first row
+    const u8* rows[2][2] = {
+        {base + (i64)(col0 + g) * stride_wn, base + (i64)(col0 + g + 8) * stride_wn},
+        {base + (i64)(second + g) * stride_wn, base + (i64)(second + g + 8) * stride_wn},
+    };
+    const u8* head_row = base + (i64)((lane < 16 ? col0 : second) + (lane & 15)) * stride_wn;
+    float acc[2][4] = {};
+    const int units = KIND == KIND_Q4_K ? k / 64 : k / 32;
+    const int first = units * warp / warps, last = units * (warp + 1) / warps;
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        const int u = first + s;
+        if (u < last) copy_unit<KIND>(stages + s * STAGE_BYTES, rows, head_row, u, u == first || (u & 3) == 0, k);
+        copies_sent();
+    }
+    for (int u = first; u < last; ++u) {
+        const int i = u - first, ahead = u + STAGES - 1;
+        if (ahead < last) {
+            copy_unit<KIND>(stages + ((i + STAGES - 1) % STAGES) * STAGE_BYTES, rows, head_row, ahead,
+                            (ahead & 3) == 0, k);
+        }
+        copies_sent();
+        copies_done_but_newest();
+        compute_unit<KIND>(stages + (i % STAGES) * STAGE_BYTES, table, xrow, u, u == first || (u & 3) == 0, acc);
+    }
+    if (warp > 0) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) partial[((warp - 1) * 32 + lane) * 8 + i] = acc[i >> 2][i & 3];
+    }
+    __syncthreads();
+    if (warp > 0) return;
+    for (int p = 0; p < warps - 1; ++p) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[i >> 2][i & 3] += partial[(p * 32 + lane) * 8 + i];
+    }
+    // acc[b][i]: row (g if i < 2 else g + 8) of block b, pair slot 2 t + (i & 1)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int slot_row = slot_pair[2 * t + (i & 1)];
+        if (slot_row < 0) continue;
+        u16* o = out + (i64)slot_row * stride_om + col0 + g + (i >> 1) * 8;
+        if (SWIGLU) {
+            const float gate = acc[0][i], up = acc[1][i];
+            o[0] = f32_to_bf16(gate / (1.f + expf(-gate)) * up);
+        } else {
+            const float weight = scale ? bf16_to_f32(scale[slot_row]) : 1.f;
+            o[0] = f32_to_bf16(acc[0][i] * weight);
+            o[16] = f32_to_bf16(acc[1][i] * weight);
+        }
+    }
+}
+
+#define HELD_ARGS                                                                                        \
+    const u16 *x, const u8 *w, u16 *out, const i64 *ids, const int *tile_expert, const int *tile_pairs, \
+        const u16 *scale, int mode, int pairs, int k, int up_rows, i64 stride_we, i64 stride_wn,         \
+        i64 stride_xm, i64 stride_om, int x_row_div
+#define HELD_PASS \
+    x, w, out, ids, tile_expert, tile_pairs, scale, mode, pairs, k, up_rows, stride_we, stride_wn, stride_xm, \
+        stride_om, x_row_div
+
+extern "C" __global__ void __launch_bounds__(MAX_WARPS * 32, 3) held_q4_k_gate_up(HELD_ARGS) {
+    held_pairs<KIND_Q4_K, true>(HELD_PASS);
+}
+extern "C" __global__ void __launch_bounds__(MAX_WARPS * 32, 3) held_q4_k_rows(HELD_ARGS) {
+    held_pairs<KIND_Q4_K, false>(HELD_PASS);
+}
+extern "C" __global__ void __launch_bounds__(MAX_WARPS * 32, 3) held_q8_0_gate_up(HELD_ARGS) {
+    held_pairs<KIND_Q8_0, true>(HELD_PASS);
+}
+extern "C" __global__ void __launch_bounds__(MAX_WARPS * 32, 3) held_q8_0_rows(HELD_ARGS) {
+    held_pairs<KIND_Q8_0, false>(HELD_PASS);
+}
+
+// Tiles of up to 8 pairs of one expert, in pair order (one block of 1,024 threads; pairs and experts at most
+// 1,024): tile_expert[t] (-1: unused) and tile_pairs[t * 8 + s] (-1: empty slot) for t < tiles.
+extern "C" __global__ void __launch_bounds__(1024)
+    group_pairs(const i64* ids, int pairs, int experts, int tiles, int* tile_expert, int* tile_pairs) {
+    __shared__ int count[1024];
+    __shared__ int scan[1024];
+    __shared__ int picked[1024];
+    const int i = threadIdx.x;
+    count[i] = 0;
+    for (int tile = i; tile < tiles; tile += blockDim.x) {
+        tile_expert[tile] = -1;
+        for (int s = 0; s < TILE_PAIRS; ++s) tile_pairs[tile * TILE_PAIRS + s] = -1;
+    }
+    __syncthreads();
+    const int expert = i < pairs ? (int)ids[i] : -1;
+    picked[i] = expert;
+    if (expert >= 0) atomicAdd(&count[expert], 1);
+    __syncthreads();
+    const int own = i < experts ? (count[i] + TILE_PAIRS - 1) / TILE_PAIRS : 0;
+    scan[i] = own;
+    for (int step = 1; step < 1024; step <<= 1) {
+        __syncthreads();
+        const int add = i >= step ? scan[i - step] : 0;
+        __syncthreads();
+        scan[i] += add;
+    }
+    __syncthreads();
+    if (expert < 0) return;
+    int rank = 0;
+    for (int j = 0; j < i; ++j) rank += picked[j] == expert;
+    const int tile = scan[expert] - (count[expert] + TILE_PAIRS - 1) / TILE_PAIRS + rank / TILE_PAIRS;
+    tile_pairs[tile * TILE_PAIRS + rank % TILE_PAIRS] = i;
+    if (rank % TILE_PAIRS == 0) tile_expert[tile] = expert;
+}

@@ -1,0 +1,91 @@
+"""The CUDA kernels of held Q4_K and Q8_0 experts (app/kernels/cuda_held.py, native/held_experts.cu) at
+Qwen3-30B-A3B's shapes: they serve where they should, match the reference on the blocks' values, skip pairs
+whose id is negative, and give a pair the same bits whatever else its window holds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from app.kernels import cuda_held
+from app.kernels.gguf_quants import dequantize, random_blocks, to_held
+from app.kernels.reference import experts_reference
+from app.kernels.triton_moe import fused_experts
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+HIDDEN, INTER, EXPERTS, TOP_K = 2048, 768, 128, 8
+
+
+@pytest.fixture(scope="module", params=cuda_held.KINDS)
+def experts(request: pytest.FixtureRequest) -> tuple:
+    kind = request.param
+    gate_up_blocks = random_blocks(kind, (EXPERTS, 2 * INTER, HIDDEN), 1, device="cuda")
+    down_blocks = random_blocks(kind, (EXPERTS, HIDDEN, INTER), 2, device="cuda")
+    return (
+        kind,
+        to_held(kind, gate_up_blocks),
+        to_held(kind, down_blocks),
+        dequantize(kind, gate_up_blocks, (EXPERTS, 2 * INTER, HIDDEN)),
+        dequantize(kind, down_blocks, (EXPERTS, HIDDEN, INTER)),
+    )
+
+
+def _window(tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(tokens, HIDDEN, device="cuda", generator=g).bfloat16()
+    ids = torch.stack([torch.randperm(EXPERTS, device="cuda", generator=g)[:TOP_K] for _ in range(tokens)])
+    weights = torch.rand(tokens, TOP_K, device="cuda", generator=g).bfloat16()
+    return x, ids, weights
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 8, 64])
+def test_cuda_experts_match_the_reference(experts: tuple, tokens: int) -> None:
+    kind, gate_up, down, gate_up_values, down_values = experts
+    x, ids, weights = _window(tokens, tokens)
+    ids[0, 1] = -1  # an expert not resident (the tier): its pair adds nothing
+    pairs = cuda_held.expert_pairs(x, ids, weights, gate_up, down, (kind, kind))
+    assert pairs is not None, "the CUDA kernels did not serve"
+    expected = experts_reference(x.float(), ids, weights.float(), gate_up_values, down_values)
+    by_choice = pairs.view(tokens, TOP_K, HIDDEN).float()
+    got = torch.where(ids[..., None] >= 0, by_choice, 0.0).sum(1)  # a negative id's row is never written
+    scale = expected.abs().max()
+    torch.testing.assert_close(got / scale, expected / scale, atol=1e-2, rtol=0)
+    if cuda_held.serves_experts((kind, kind)):  # the engine's path: these pairs, summed and rounded to bf16
+        fused = fused_experts(x, ids, weights, gate_up, down).float()
+        torch.testing.assert_close(fused / scale, got / scale, atol=1e-2, rtol=0)
+
+
+def test_cuda_gives_a_pair_the_same_bits_alone_and_in_any_window(experts: tuple) -> None:
+    kind, gate_up, down, _, _ = experts
+    x, ids, weights = _window(64, 7)
+    full = cuda_held.expert_pairs(x, ids, weights, gate_up, down, (kind, kind))
+    for tokens in (1, 2, 3, 8, 33):
+        window = (x[-tokens:], ids[-tokens:], weights[-tokens:])
+        part = cuda_held.expert_pairs(*window, gate_up, down, (kind, kind))
+        assert torch.equal(part[-TOP_K:], full[-TOP_K:]), tokens
+
+
+def test_cuda_leaves_wider_windows_and_other_dtypes_to_triton(experts: tuple) -> None:
+    kind, gate_up, down, _, _ = experts
+    x, ids, weights = _window(cuda_held.DECODE_TOKENS + 1, 3)
+    assert cuda_held.expert_pairs(x, ids, weights, gate_up, down, (kind, kind)) is None
+    assert cuda_held.expert_pairs(x[:4].half(), ids[:4], weights[:4], gate_up, down, (kind, kind)) is None
+
+
+@pytest.mark.parametrize("kind", cuda_held.KINDS)
+@pytest.mark.parametrize("shape", [(5120, HIDDEN), (HIDDEN, 4096), (151936, HIDDEN)])
+def test_cuda_projections_match_the_reference_and_keep_row_bits(kind: str, shape: tuple[int, int]) -> None:
+    blocks = random_blocks(kind, shape, 4, device="cuda")
+    weight, values = to_held(kind, blocks), dequantize(kind, blocks, shape)
+    x = torch.randn(cuda_held.DECODE_TOKENS, shape[1], device="cuda").bfloat16()
+    full = cuda_held.linear(x, weight, kind)
+    assert full is not None, "the CUDA kernels did not serve"
+    expected = x.float() @ values.T
+    scale = expected.abs().max()
+    torch.testing.assert_close(full.float() / scale, expected / scale, atol=1e-2, rtol=0)
+    for rows in (1, 5, 9):
+        assert torch.equal(cuda_held.linear(x[-rows:], weight, kind)[-1], full[-1]), rows
