@@ -13,8 +13,9 @@
 # they load at 1, 2, 4, 8 and 32 concurrent (one engine a configuration), whole on one GPU, split in two with
 # one slot group, and with pipelined groups (on a machine of one GPU both stages share it: --stage-gpus 0,0);
 # then over HTTP a decoding slot while a peer's 32K prompt is read on the split (two groups).
-# gguf: the held-weight GPU tests (GGUF_TESTS=0 skips them, GGUF_TESTS_K selects as pytest -k), then benchmarks/gguf_bench.py on a random q30
-# file of each quant type named (default Q4_K), also with the expert tier at a 25% budget (--expert-cache 32)
+# gguf: the held-weight GPU tests and the CUDA held kernels' (GGUF_TESTS=0 skips them, GGUF_TESTS_K selects as
+# pytest -k), benchmarks/tune_held.py's defaults at TUNE_TOKENS tokens where given, then
+# benchmarks/gguf_bench.py on a random q30 file of each quant type named (default Q4_K), also with the expert tier at a 25% budget (--expert-cache 32)
 # for the types in TIER_KINDS (default: every one named), and llama.cpp on the same files
 # (benchmarks/llama_cpp.sh), with 18 of 24 layers' experts on the CPU (CPU_MOE=18) where a tier ran
 # (LLAMA=0: Strata alone, no llama.cpp build).
@@ -188,8 +189,12 @@ if [[ $what == gguf ]]; then
         builder=$!
     fi
     if [[ ${GGUF_TESTS:-1} != 0 ]]; then
-        python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_held_gpu.py -k "${GGUF_TESTS_K:-}" 2>&1 \
-            | tee "$out/gpu-tests.log" || status=1
+        python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_cuda_held_gpu.py tests/gpu/test_held_gpu.py \
+            -k "${GGUF_TESTS_K:-}" 2>&1 | tee "$out/gpu-tests.log" || status=1
+    fi
+    if [[ -n ${TUNE_TOKENS:-} ]]; then
+        python3 benchmarks/tune_held.py --kinds $kinds --tokens $TUNE_TOKENS --default-only 2>&1 \
+            | tee "$out/tune-held.log" || status=1
     fi
     files=() tiered=()
     for kind in $kinds; do

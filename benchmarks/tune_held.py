@@ -6,16 +6,18 @@ shapes (replayed from CUDA graphs, weights rotated so that repeats do not run fr
 
 Routed experts (`fused_experts`, routing alignment to the sum) and the dense projections (`tiled_linear`:
 attention's qkv and output, the LM head) for each quant type, beside bf16 weights (their default tiles
-alone), on tensor-core tiles ("tiles"), with each row summed on the CUDA cores ("rows": block_m, block_n,
-block_k, warps) and, for Q8_0, widened columns first ("columns-first"); each line gives the time, the bytes
-of weights it must read over that time, and its result's largest difference from the default tiles' on the
-same inputs ("drift", relative to the result's largest magnitude). The tiles in app/kernels/triton_linear.py
-(`held_tiles`) and app/kernels/triton_moe.py come from these lines.
+alone): the Triton kernels' default ("default"), Q4_K and Q8_0 experts' CUDA kernels ("cuda",
+app/kernels/cuda_held.py), tensor-core tiles ("tiles"), each row summed on the CUDA cores ("rows": block_m,
+block_n, block_k, warps) and, for Q8_0, widened columns first ("columns-first"). Each line gives the time,
+the bytes of weights it must read over that time, and its result's largest difference from the default
+tiles' on the same inputs ("drift", relative to the result's largest magnitude). The tiles in
+app/kernels/triton_linear.py (`held_tiles`) and app/kernels/triton_moe.py come from these lines.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -23,6 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from app.kernels import cuda_held
 from app.kernels.gguf_quants import random_blocks, to_held
 from app.kernels.triton_linear import held_tiles
 from app.kernels.triton_moe import EXACT_TILES, MoeTiles, fused_experts, moe_tiles, tiled_linear
@@ -85,6 +88,10 @@ def main() -> None:
     parser.add_argument("--kinds", nargs="+", default=["Q4_K", "Q8_0", "bf16"])
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 16, 32])
     parser.add_argument("--default-only", action="store_true", help="time the default tiles alone")
+    parser.add_argument("--experts-only", action="store_true", help="leave the dense projections out")
+    parser.add_argument(
+        "--warps", type=int, nargs="+", default=[], help="time the CUDA kernels at most these warps a block"
+    )
     args = parser.parse_args()
     for kind in args.kinds:
         sets = [
@@ -98,28 +105,48 @@ def main() -> None:
             weights = weights.bfloat16()
             moved = expected_experts(EXPERTS, TOP_K, tokens) * per_expert
             choices = {"default": moe_tiles(tokens, exact=False, held=() if kind == "bf16" else (kind, kind))}
+            if kind in cuda_held.KINDS and tokens <= cuda_held.DECODE_TOKENS:
+                for warps in args.warps or [0]:
+                    # no tiles: `fused_experts` takes app/kernels/cuda_held.py's kernels
+                    choices[f"cuda w{warps}" if warps else "cuda"] = warps
             if kind != "bf16" and not args.default_only:
                 choices |= EXPERT_TILES | (COLUMNS_FIRST_TILES if kind == "Q8_0" else {})
             first = None
             for name, tiles in choices.items():
+                if isinstance(tiles, int):
+                    os.environ["STRATA_CUDA_HELD_EXPERTS"] = kind
+                    if tiles:
+                        os.environ["STRATA_CUDA_HELD_WARPS"] = f"{kind}={tiles}"
+                    tiles = None
                 calls = [
                     lambda w=w, t=tiles, x=x, i=ids, r=weights: fused_experts(x, i, r, *w, tiles=t)
                     for w in sets
                 ]
                 out = _time(f"{kind} experts tokens {tokens} {name}", calls, moved, first)
                 first = out if first is None else first
+                os.environ.pop("STRATA_CUDA_HELD_WARPS", None)
         del sets
+        if args.experts_only:
+            torch.cuda.empty_cache()
+            continue
         for label, shape in DENSE.items():
             dense = [_weights(kind, shape, c) for c in range(SETS)]
             moved = dense[0].numel() * dense[0].element_size()
             for tokens in args.tokens:
                 x = torch.randn(tokens, shape[1], device="cuda").bfloat16()
                 choices = {"default": held_tiles(tokens, shape[0])}
+                if kind in cuda_held.KINDS and tokens <= cuda_held.DECODE_TOKENS:
+                    choices["cuda"] = None  # app/kernels/cuda_held.py's `linear`
                 if kind != "bf16" and not args.default_only:
                     choices |= DENSE_TILES | (COLUMNS_FIRST_TILES if kind == "Q8_0" else {})
                 first = None
                 for name, tiles in choices.items():
-                    calls = [lambda w=w, t=tiles, x=x: tiled_linear(x, w, None, t) for w in dense]
+                    calls = [
+                        (lambda w=w, x=x, k=kind: cuda_held.linear(x, w, k))
+                        if tiles is None
+                        else (lambda w=w, t=tiles, x=x: tiled_linear(x, w, None, t))
+                        for w in dense
+                    ]
                     out = _time(f"{kind} {label} tokens {tokens} {name}", calls, moved, first)
                     first = out if first is None else first
             del dense
