@@ -181,10 +181,9 @@ class ServedShares:
         return {f"{where}_share": counts[i] / total for i, where in enumerate(self.PLACES)}
 
 
-def run_strata(path: Path, expert_cache: int | None = None) -> dict[str, Any]:
-    """Load the file into an engine core on the GPU (`expert_cache` experts a layer on it, frozen) and time
-    decode and an 8K prompt."""
-    began = time.perf_counter()
+def open_core(path: Path, expert_cache: int | None = None) -> EngineCore:
+    """An engine core on the GPU serving the file (`expert_cache` experts a layer on it, frozen), for up to
+    the largest decode batch timed and an 8K prompt."""
     engine = EngineConfig(
         model=str(path),
         expert_cache=expert_cache,
@@ -196,7 +195,13 @@ def run_strata(path: Path, expert_cache: int | None = None) -> dict[str, Any]:
         kv_memory=8 << 30,
         max_model_len=PREFILL_LEN + 64,
     )
-    core = EngineCore(engine)
+    return EngineCore(engine)
+
+
+def run_strata(path: Path, expert_cache: int | None = None) -> dict[str, Any]:
+    """Load the file into an engine core on the GPU (`open_core`) and time decode and an 8K prompt."""
+    began = time.perf_counter()
+    core = open_core(path, expert_cache)
     torch.cuda.synchronize()
     vocab = core.loaded.model.config.vocab_size
     held = sum(p.numel() for p in core.loaded.model.parameters() if p.dtype == torch.uint8)

@@ -15,7 +15,8 @@
 # then over HTTP a decoding slot while a peer's 32K prompt is read on the split (two groups).
 # gguf: the held-weight GPU tests and the CUDA held kernels' (GGUF_TESTS=0 skips them, GGUF_TESTS_K selects as
 # pytest -k), benchmarks/tune_held.py's defaults at TUNE_TOKENS tokens where given, then
-# benchmarks/gguf_bench.py on a random q30 file of each quant type named (default Q4_K), also with the expert tier at a 25% budget (--expert-cache 32)
+# benchmarks/gguf_bench.py on a random q30 file of each quant type named (default Q4_K) and, with
+# PROFILE_BATCH, benchmarks/profile_window.py's kernels of its decode windows of that batch, also with the expert tier at a 25% budget (--expert-cache 32)
 # for the types in TIER_KINDS (default: every one named), and llama.cpp on the same files
 # (benchmarks/llama_cpp.sh), with 18 of 24 layers' experts on the CPU (CPU_MOE=18) where a tier ran
 # (LLAMA=0: Strata alone, no llama.cpp build).
@@ -202,6 +203,10 @@ if [[ $what == gguf ]]; then
         python3 benchmarks/gguf_bench.py write --kind "$kind" --out "$file" || status=1
         python3 benchmarks/gguf_bench.py strata --model "$file" --out "$out/gguf.jsonl" 2>&1 \
             | tee -a "$out/gguf.log" || status=1
+        if [[ -n ${PROFILE_BATCH:-} ]]; then
+            python3 benchmarks/profile_window.py --model "$file" --batch "$PROFILE_BATCH" --no-prefill --top 30 \
+                2>&1 | tee -a "$out/profile.log" || status=1
+        fi
         files+=("$file")
         if [[ " ${TIER_KINDS:-$kinds} " == *" $kind "* ]]; then
             # the expert tier at a 25% budget: 32 of 128 experts a layer on the card, the file's blocks

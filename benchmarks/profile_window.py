@@ -2,9 +2,11 @@
 
     python benchmarks/profile_window.py --shape q30-half
     python benchmarks/profile_window.py --shape qnext --layers 12 --batch 1 --no-prefill --top 40
+    python benchmarks/profile_window.py --model /tmp/q30-Q4_K.gguf --batch 8 --no-prefill
 
-Builds the shape with random weights (as gpu_bench.py), then for each case prints the time of a whole engine
-step, of the bare CUDA-graph replay (decode), and the kernels that took the most GPU time per window.
+Builds the shape with random weights (as gpu_bench.py), or serves a GGUF file as gguf_bench.py does
+(`--model`, e.g. one `gguf_bench.py write` wrote), then for each case prints the time of a whole engine step,
+of the bare CUDA-graph replay (decode), and the kernels that took the most GPU time per window.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from app.engine.protocol import AddRequest, SamplingParams
+from benchmarks.gguf_bench import open_core
 from benchmarks.gpu_bench import bench_config, open_engine
 from benchmarks.shapes import shape
 
@@ -94,6 +97,7 @@ def _prefill_case(core, vocab: int, length: int = 8192, top: int = 25) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", default="q30-half")
+    parser.add_argument("--model", type=Path, help="a GGUF file to serve instead of a random shape")
     parser.add_argument("--batch", type=int, action="append", help="decode batch sizes (default 1 and 32)")
     parser.add_argument("--exact", action="store_true")
     parser.add_argument("--enforce-eager", action="store_true")
@@ -101,12 +105,17 @@ def main() -> None:
     parser.add_argument("--layers", type=int, help="cut the shape to this many layers")
     parser.add_argument("--top", type=int, default=25, help="kernels listed per case")
     args = parser.parse_args()
-    config = shape(args.shape, layers=args.layers) if args.layers else bench_config(args.shape)
-    core = open_engine(config, args.exact, args.enforce_eager)
+    if args.model:
+        core = open_core(args.model)
+        vocab = core.loaded.model.config.vocab_size
+    else:
+        config = shape(args.shape, layers=args.layers) if args.layers else bench_config(args.shape)
+        core = open_engine(config, args.exact, args.enforce_eager)
+        vocab = config["vocab_size"]
     for batch in args.batch or [1, 32]:
-        _decode_case(core, batch, config["vocab_size"], top=args.top)
+        _decode_case(core, batch, vocab, top=args.top)
     if not args.no_prefill:
-        _prefill_case(core, config["vocab_size"])
+        _prefill_case(core, vocab)
 
 
 if __name__ == "__main__":
