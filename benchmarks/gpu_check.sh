@@ -16,10 +16,10 @@
 # gguf: the held-weight GPU tests and the CUDA held kernels' (GGUF_TESTS=0 skips them, GGUF_TESTS_K selects as
 # pytest -k), benchmarks/tune_held.py's defaults at TUNE_TOKENS tokens where given, then
 # benchmarks/gguf_bench.py on a random q30 file of each quant type named (default Q4_K) and, with
-# PROFILE_BATCH, benchmarks/profile_window.py's kernels of its decode windows of that batch, also with the expert tier at a 25% budget (--expert-cache 32)
-# for the types in TIER_KINDS (default: every one named), and llama.cpp on the same files
-# (benchmarks/llama_cpp.sh), with 18 of 24 layers' experts on the CPU (CPU_MOE=18) where a tier ran
-# (LLAMA=0: Strata alone, no llama.cpp build).
+# PROFILE_BATCH, benchmarks/profile_window.py's kernels of its decode windows of that batch; also with the
+# expert tier at a 25% budget (--expert-cache 32) for the types in TIER_KINDS (default: every one named), and
+# llama.cpp on the same files (benchmarks/llama_cpp.sh), with 18 of 24 layers' experts on the CPU (CPU_MOE=18)
+# where a tier ran (LLAMA=0: Strata alone, no llama.cpp build).
 # kv: the 8-bit KV GPU tests, then benchmarks/kv_dtype_bench.py on the shape (32K and 128K-token prompts and
 # the decode after them, KV bf16 / fp8 / int8) and benchmarks/kv_agreement.py (the demo model's greedy tokens
 # over 8-bit KV against bf16's).
