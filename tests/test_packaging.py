@@ -1,6 +1,6 @@
 """A non-editable install of the package (what `pip install .` makes) serves the chat and Monitor pages: the
-templates and static files travel inside it. It runs as `make run` installs it on a machine without an NVIDIA
-GPU: torch's CPU build, which brings no Triton."""
+templates and static files travel inside it, as does the CUDA kernels' source. It runs as `make run` installs
+it on a machine without an NVIDIA GPU: torch's CPU build, which brings no Triton."""
 
 from __future__ import annotations
 
@@ -46,6 +46,7 @@ def test_an_installed_package_serves_the_chat_and_monitor_pages(tmp_path: Path) 
     shutil.rmtree(source)  # the installed copy alone from here on
     assert (installed / "webui" / "templates" / "chat.html").is_file()
     assert (installed / "webui" / "static" / "chat.js").is_file()
+    assert (installed / "app" / "kernels" / "held_experts.cu").is_file()  # the CUDA kernels compile from it
     no_triton = tmp_path / "no-triton" / "triton"  # `import triton` fails, as without the package
     no_triton.mkdir(parents=True)
     (no_triton / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'triton'\")\n")
