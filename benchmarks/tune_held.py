@@ -17,7 +17,6 @@ app/kernels/triton_linear.py (`held_tiles`) and app/kernels/triton_moe.py come f
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -93,6 +92,7 @@ def main() -> None:
         "--warps", type=int, nargs="+", default=[], help="time the CUDA kernels at most these warps a block"
     )
     args = parser.parse_args()
+    kinds_before, warps_before = cuda_held.EXPERT_KINDS, dict(cuda_held.BLOCK_WARPS)
     for kind in args.kinds:
         sets = [
             (_weights(kind, (EXPERTS, 2 * INTER, HIDDEN), c), _weights(kind, (EXPERTS, HIDDEN, INTER), c + 9))
@@ -113,10 +113,9 @@ def main() -> None:
                 choices |= EXPERT_TILES | (COLUMNS_FIRST_TILES if kind == "Q8_0" else {})
             first = None
             for name, tiles in choices.items():
-                if isinstance(tiles, int):
-                    os.environ["STRATA_CUDA_HELD_EXPERTS"] = kind
-                    if tiles:
-                        os.environ["STRATA_CUDA_HELD_WARPS"] = f"{kind}={tiles}"
+                if isinstance(tiles, int):  # the CUDA kernels, at most `tiles` warps a block where given
+                    cuda_held.EXPERT_KINDS = (kind,)
+                    cuda_held.BLOCK_WARPS[kind] = tiles or warps_before[kind]
                     tiles = None
                 calls = [
                     lambda w=w, t=tiles, x=x, i=ids, r=weights: fused_experts(x, i, r, *w, tiles=t)
@@ -124,7 +123,7 @@ def main() -> None:
                 ]
                 out = _time(f"{kind} experts tokens {tokens} {name}", calls, moved, first)
                 first = out if first is None else first
-                os.environ.pop("STRATA_CUDA_HELD_WARPS", None)
+                cuda_held.EXPERT_KINDS, cuda_held.BLOCK_WARPS = kinds_before, dict(warps_before)
         del sets
         if args.experts_only:
             torch.cuda.empty_cache()

@@ -8,7 +8,7 @@ shapes the kernels do not tile, a window of more than DECODE_TOKENS tokens), and
 Triton kernels. A pair's result does not depend on the other pairs of its window: the kernels sum every pair
 alone in one fixed order (the file says how). Where the kernels cannot be compiled, that is said once and the
 Triton kernels serve. Which weights the engine gives them is `serves_experts` / `serves_linear` (EXPERT_KINDS,
-LINEAR_KINDS); STRATA_CUDA_HELD=0 turns them off.
+LINEAR_KINDS).
 """
 
 from __future__ import annotations
@@ -38,12 +38,26 @@ UNITS_PER_WARP = 3  # at least this many 32-byte units of k a warp (the rest of 
 # block by kind, from `benchmarks/tune_held.py --warps 2 4 8` on an H100 (docs/PERFORMANCE.md, 2026-12-06):
 # Q4_K's experts at 1 / 8 / 32 tokens 23.9 / 105 / 196 us a layer at 4 warps against the Triton kernels'
 # 27.2 / 120 / 316; Q8_0's 43 / 207 / 427 against 30 / 130 / 285, so Q8_0 stays with Triton. Weights of
-# WIDE_LINEAR rows or more (an LM head) stay with the Triton kernels. STRATA_CUDA_HELD_EXPERTS /
-# STRATA_CUDA_HELD_LINEAR (kinds, space-separated) and STRATA_CUDA_HELD_WARPS ("Q4_K=4 Q8_0=8") override
-# them, for benchmarks (`benchmarks/pick_held.py` picks from the tuner's lines).
-EXPERT_KINDS = ("Q4_K",)
-LINEAR_KINDS = ("Q4_K",)
-BLOCK_WARPS = {"Q4_K": 4, "Q8_0": 4}
+# WIDE_LINEAR rows or more (an LM head) stay with the Triton kernels. Read once, at import: for benchmarks,
+# STRATA_CUDA_HELD_EXPERTS / STRATA_CUDA_HELD_LINEAR (kinds, space-separated) and STRATA_CUDA_HELD_WARPS
+# ("Q4_K=4 Q8_0=8") override them (`benchmarks/pick_held.py` picks from the tuner's lines), and
+# STRATA_CUDA_HELD=0 turns the kernels off.
+
+
+def _kinds(variable: str, default: tuple[str, ...]) -> tuple[str, ...]:
+    value = os.environ.get(variable)
+    return default if value is None else tuple(value.split())
+
+
+def _warps(default: dict[str, int]) -> dict[str, int]:
+    chosen = dict(word.split("=") for word in os.environ.get("STRATA_CUDA_HELD_WARPS", "").split())
+    return {kind: min(MAX_WARPS, int(chosen.get(kind, warps))) for kind, warps in default.items()}
+
+
+EXPERT_KINDS = _kinds("STRATA_CUDA_HELD_EXPERTS", ("Q4_K",))
+LINEAR_KINDS = _kinds("STRATA_CUDA_HELD_LINEAR", ("Q4_K",))
+BLOCK_WARPS = _warps({"Q4_K": 4, "Q8_0": 4})
+DISABLED = os.environ.get("STRATA_CUDA_HELD") == "0"
 WIDE_LINEAR = 32768
 GROUP_LIMIT = 1024  # `group_pairs` is one block of 1,024 threads: pairs and experts each at most this
 MODE_TILES, MODE_PER_PAIR, MODE_DENSE = 0, 1, 2
@@ -128,7 +142,7 @@ class _Kernels:
         most MAX_WARPS, and what the device's shared memory holds. A function of the weight alone, so a row's
         sums are added in the same order in every window."""
         units = k // (64 if kind == "Q4_K" else 32)
-        warps = max(1, min(block_warps()[kind], units // UNITS_PER_WARP))
+        warps = max(1, min(BLOCK_WARPS[kind], units // UNITS_PER_WARP))
         while warps > 1 and shared_bytes(kind, warps) > self.shared_limit:
             warps -= 1
         return warps
@@ -160,35 +174,25 @@ def _kernels(device: torch.device) -> _Kernels | None:
         return None
 
 
-def _kinds(variable: str, default: tuple[str, ...]) -> tuple[str, ...]:
-    value = os.environ.get(variable)
-    return default if value is None else tuple(value.split())
-
-
-def block_warps() -> dict[str, int]:
-    """The most warps a block, by kind (BLOCK_WARPS, or STRATA_CUDA_HELD_WARPS's "KIND=N" words)."""
-    value = os.environ.get("STRATA_CUDA_HELD_WARPS", "")
-    chosen = dict(word.split("=") for word in value.split())
-    return {kind: min(MAX_WARPS, int(chosen.get(kind, warps))) for kind, warps in BLOCK_WARPS.items()}
-
-
 def serves_experts(kinds: tuple[str, str]) -> bool:
     """Whether the engine gives experts held as `kinds` (gate_up, down) to `expert_pairs`."""
-    chosen = _kinds("STRATA_CUDA_HELD_EXPERTS", EXPERT_KINDS)
-    return kinds[0] in chosen and kinds[1] in chosen
+    return kinds[0] in EXPERT_KINDS and kinds[1] in EXPERT_KINDS
 
 
 def serves_linear(kind: str, n: int) -> bool:
     """Whether the engine gives a projection into `n` columns held as `kind` to `linear`."""
-    return kind in _kinds("STRATA_CUDA_HELD_LINEAR", LINEAR_KINDS) and n < WIDE_LINEAR
+    return kind in LINEAR_KINDS and n < WIDE_LINEAR
+
+
+@functools.cache
+def _capable(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device) >= (8, 0)  # bf16 MMAs, cp.async
 
 
 def enabled(device: torch.device) -> bool:
     """Whether the kernels serve on `device` (compiling them on first ask; never while a graph is captured,
     which a load would break: the engine's warm-up runs eagerly first)."""
-    if device.type != "cuda" or os.environ.get("STRATA_CUDA_HELD") == "0":
-        return False
-    if torch.cuda.get_device_capability(device) < (8, 0):  # bf16 MMAs
+    if device.type != "cuda" or DISABLED or not _capable(device):
         return False
     if torch.cuda.is_current_stream_capturing() and _kernels.cache_info().currsize == 0:
         return False
