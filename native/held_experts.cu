@@ -20,11 +20,12 @@
 // group minimum are taken off with the group's activation sums, which one more MMA against a fragment of
 // ones gives. The codes' products are exact and summed in fp32.
 //
-// A unit is 32 bytes of codes of each of a warp's 32 rows (Q4_K: a 64-value stretch, two groups; Q8_0: one
-// group of 32). Each thread copies what it will read itself (its 8 bytes of 4 rows and their scales) into
-// its own slots of a ring of STAGES units in shared memory with cp.async, STAGES - 1 units ahead of the one
-// it computes, so no thread waits on another's copies. Q4_K's scales are decoded
-// once a super-block: each lane decodes one row's 8 groups into a table of the warp that all lanes read.
+// A warp's loop takes an iteration of its 32 rows at a time: Q4_K a super-block (144 bytes a row: head and 256
+// codes), Q8_0 four blocks (128 codes and their 4 scales). Its lanes copy the iteration, runs of whole rows,
+// into a ring of STAGES iterations in shared memory with cp.async, STAGES - 1 iterations ahead of the one
+// the warp computes; the MMAs then take it in units of 32 bytes of codes a row (Q4_K: a
+// 64-value stretch, two groups; Q8_0: one group of 32). Q4_K's scales are decoded once a super-block: each
+// lane decodes its row's 8 groups into a table of the warp that all lanes read.
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -32,7 +33,13 @@ typedef unsigned char u8;
 typedef long long i64;
 
 #define TILE_PAIRS 8
-#define STAGES 4
+#ifndef STAGES
+#define STAGES 2  // iterations in a warp's ring (the copies run STAGES - 1 iterations ahead)
+#endif
+#define UNITS 4   // units an iteration
+#ifndef MIN_BLOCKS
+#define MIN_BLOCKS 2  // blocks of MAX_WARPS threads an SM must hold: caps a thread's registers
+#endif
 #define MAX_WARPS 8
 #define KIND_Q8_0 1
 #define KIND_Q4_K 2
@@ -43,12 +50,16 @@ typedef long long i64;
 // Shared memory of a block of W warps (app/kernels/cuda_held.py computes the same): W * STAGES * STAGE_BYTES,
 // then (Q4_K) W tables of 32 rows of TABLE_STRIDE floats, then (W - 1) * 32 * 8 floats of partial sums.
 
-// A stage of a warp in shared memory: codes [4 rows][32 lanes] of 8 bytes, then (Q4_K) each lane's row's
-// super-block head (16 bytes, copied when the unit starts a super-block) or (Q8_0) [4 rows][32 lanes] words
-// holding the group's fp16 scale. The activations, which every block reads, come through the L1 cache.
-#define CODES_AT 0
-#define SCALES_AT 1024
-#define STAGE_BYTES 1536
+// A stage of a warp in shared memory: an iteration of its 32 rows (row j: block j / 16's row j % 16), ROW_BYTES
+// apart, as they lie in the weight (Q4_K: head, then codes; Q8_0: codes, then the 4 fp16 scales). 160 bytes
+// keep a quad's reads of 8 rows apart in banks. The activations, which every block reads, come through the L1
+// cache.
+#define ROW_BYTES 160
+#define STAGE_BYTES (32 * ROW_BYTES)
+// An iteration of a warp's loop: UNITS units, Q4_K a super-block (144 bytes of 256 values), Q8_0 four blocks
+// (128 bytes of codes, their fp16 scales at the row's end)
+#define ITERATION_BYTES(KIND) ((KIND) == KIND_Q4_K ? 144 : 128)
+#define ITERATION_VALUES(KIND) ((KIND) == KIND_Q4_K ? 256 : 128)
 
 __device__ __forceinline__ float f16_to_f32(u16 h) {
     float f;
@@ -65,10 +76,6 @@ __device__ __forceinline__ u16 f32_to_bf16(float f) {
 }
 
 __device__ __forceinline__ u32 shared_address(const void* p) { return (u32)__cvta_generic_to_shared(p); }
-
-__device__ __forceinline__ void copy4(u8* dst, const void* src) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(shared_address(dst)), "l"(src) : "memory");
-}
 
 __device__ __forceinline__ void copy8(u8* dst, const void* src) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(shared_address(dst)), "l"(src) : "memory");
@@ -177,90 +184,110 @@ __device__ __forceinline__ void decode_head(const uint4 head, float* row) {
     }
 }
 
-// This thread's copies of unit u into `stage`: its 8 bytes of each of its 4 rows (r = 2 b + (row g or g + 8))
-// and their scales (Q4_K: the head of the lane's own row, for the table, where the unit starts a super-block
-// or the warp's share; Q8_0: the word holding each row's d).
+// The copies of iteration `it` of the warp's 32 rows into `stage`, 8 lanes a row and 4 rows a pass (each
+// pass's reads whole runs of the rows): lane L copies 16-byte piece L % 8 of row 4 p + L / 8 in pass p, and
+// the lane of piece 0 its row's remainder (Q4_K: the super-block's last 16 bytes; Q8_0: the 4 scales).
+// `rows[b]`: the start of the lane's first row of block b (row L / 8 of it); `four_rows`: 4 rows' bytes.
 template <int KIND>
-__device__ __forceinline__ void copy_unit(
-    u8* stage, const u8* const (&rows)[2][2], const u8* head_row, int u, bool fresh, int k) {
-    const int lane = threadIdx.x & 31, t = lane & 3;
-    if (KIND == KIND_Q4_K) {
-        const int block = u >> 2, stretch = u & 3;
+__device__ __forceinline__ void copy_iteration(
+    u8* stage, const u8* const (&rows)[2], i64 four_rows, int it, int k) {
+    const int lane = threadIdx.x & 31, piece = lane & 7;
 #pragma unroll
-        for (int r = 0; r < 4; ++r) {
-            copy8(stage + CODES_AT + r * 256 + lane * 8,
-                  rows[r >> 1][r & 1] + (i64)block * 144 + 16 + 32 * stretch + 8 * t);
-        }
-        if (fresh) copy16(stage + SCALES_AT + lane * 16, head_row + (i64)block * 144);
-    } else {
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-            const u8* row = rows[r >> 1][r & 1];
-            copy8(stage + CODES_AT + r * 256 + lane * 8, row + 32 * u + 8 * t);
-            copy4(stage + SCALES_AT + r * 128 + lane * 4, row + k + 4 * (u >> 1));
+    for (int pass = 0; pass < 8; ++pass) {
+        const u8* row = rows[pass >> 2] + (pass & 3) * four_rows;
+        const u8* from = row + (i64)it * ITERATION_BYTES(KIND);
+        u8* to = stage + (4 * pass + (lane >> 3)) * ROW_BYTES;
+        copy16(to + 16 * piece, from + 16 * piece);
+        if (piece == 0) {
+            if (KIND == KIND_Q4_K) {
+                copy16(to + 128, from + 128);
+            } else {
+                copy8(to + 128, row + k + 8 * it);
+            }
         }
     }
 }
 
-// Unit u's MMAs from `stage`, scaled into acc (Q4_K: its scales from the warp's table, decoded here when the
-// unit starts a super-block or the warp's share).
-template <int KIND>
+// Unit S's MMAs from `stage` and the pair's activations `x` (Q4_K: the unit's two groups'), scaled into acc.
+// Q4_K: its scales from the warp's table, decoded at unit 0 from the super-block's heads.
+template <int KIND, int S>
 __device__ __forceinline__ void compute_unit(
-    const u8* stage, float* table, const u16* xrow, int u, bool fresh, float (&acc)[2][4]) {
+    const u8* stage, float* table, const uint4 (&x)[2], float (&acc)[2][4]) {
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     u32 words[2][2][2];
     float d[2][2], e[2][2];
     u32 xb[2][2];
     float s[4];
     float c[2][4] = {};
+    constexpr int codes_at = KIND == KIND_Q4_K ? 16 : 0;
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
-        const uint2 q = *reinterpret_cast<const uint2*>(stage + CODES_AT + r * 256 + lane * 8);
+        const int row = 16 * (r >> 1) + g + 8 * (r & 1);
+        const uint2 q = *reinterpret_cast<const uint2*>(stage + row * ROW_BYTES + codes_at + 32 * S + 8 * t);
         words[r >> 1][r & 1][0] = q.x;
         words[r >> 1][r & 1][1] = q.y;
     }
     if (KIND == KIND_Q4_K) {
-        const int stretch = u & 3;
-        if (fresh) {
-            __syncwarp();
-            decode_head(*reinterpret_cast<const uint4*>(stage + SCALES_AT + lane * 16), table + lane * TABLE_STRIDE);
+        if (S == 0) {
+            decode_head(*reinterpret_cast<const uint4*>(stage + lane * ROW_BYTES), table + lane * TABLE_STRIDE);
             __syncwarp();
         }
         float d_hi[2][2], e_hi[2][2];
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
             const int b = r >> 1, row = b * 16 + g + 8 * (r & 1);
-            const float4 v = reinterpret_cast<const float4*>(table + row * TABLE_STRIDE)[stretch];
+            const float4 v = reinterpret_cast<const float4*>(table + row * TABLE_STRIDE)[S];
             d[b][r & 1] = v.x;
             e[b][r & 1] = v.y;
             d_hi[b][r & 1] = v.z;
             e_hi[b][r & 1] = v.w;
         }
-        const int at = (u >> 2) * 256 + stretch * 64 + 8 * t;
-        const uint4 x_hi = load_x(xrow, at + 32);
-        x_fragments(load_x(xrow, at), xb);
+        x_fragments(x[0], xb);
         group_sums(s, xb);
         group_mma(c, words, xb, 0, 0x43004300u);
         scale_into(acc, c, s, d, e);
         float c_hi[2][4] = {};
-        x_fragments(x_hi, xb);
+        x_fragments(x[1], xb);
         group_sums(s, xb);
         group_mma(c_hi, words, xb, 4, 0x43004300u);
         scale_into(acc, c_hi, s, d_hi, e_hi);
     } else {
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
-            const u32 word = *reinterpret_cast<const u32*>(stage + SCALES_AT + r * 128 + lane * 4);
-            const float dd = f16_to_f32((u16)(u & 1 ? word >> 16 : word & 0xFFFF));
+            const int row = 16 * (r >> 1) + g + 8 * (r & 1);
+            const float dd = f16_to_f32(*reinterpret_cast<const u16*>(stage + row * ROW_BYTES + 128 + 2 * S));
             d[r >> 1][r & 1] = dd;
             e[r >> 1][r & 1] = 2304.f * dd;
         }
-        x_fragments(load_x(xrow, 32 * u + 8 * t), xb);
+        x_fragments(x[0], xb);
         group_sums(s, xb);
         group_mma(c, words, xb, 0, 0x43004300u);
         group_mma(c, words, xb, 4, 0x45084508u);  // 2048 + 16 (h ^ 8): the byte's sign bit flipped
         scale_into(acc, c, s, d, e);
     }
+}
+
+// The activations of unit S of the iteration at `xs` (8 t values on; zeros where null) into x.
+template <int KIND, int S>
+__device__ __forceinline__ void load_unit_x(const u16* xs, uint4 (&x)[2]) {
+    x[0] = load_x(xs, S * (KIND == KIND_Q4_K ? 64 : 32));
+    if (KIND == KIND_Q4_K) x[1] = load_x(xs, S * 64 + 32);
+}
+
+// Unit S of an iteration: the loads of the next unit's activations, then unit S's MMAs; `x` holds unit S's
+// activations, then the next unit's (the next iteration's first where `more`).
+template <int KIND, int S>
+__device__ __forceinline__ void unit_step(
+    const u8* stage, float* table, const u16* xs, bool more, uint4 (&x)[2], float (&acc)[2][4]) {
+    uint4 next[2] = {};
+    if (S + 1 < UNITS) {
+        load_unit_x<KIND, (S + 1) % UNITS>(xs, next);
+    } else if (more && xs) {
+        load_unit_x<KIND, 0>(xs + ITERATION_VALUES(KIND), next);
+    }
+    compute_unit<KIND, S>(stage, table, x, acc);
+    x[0] = next[0];
+    x[1] = next[1];
 }
 
 // The rows, pairs and expert of this block; false where it has none.
@@ -314,29 +341,37 @@ __device__ __forceinline__ void held_pairs(
     const int col0 = blockIdx.y * (SWIGLU ? 16 : 32);
     const u8* base = w + (i64)expert * stride_we;
     const int second = SWIGLU ? col0 + up_rows : col0 + 16;  // block 1's first row
-    const u8* rows[2][2] = {
-        {base + (i64)(col0 + g) * stride_wn, base + (i64)(col0 + g + 8) * stride_wn},
-        {base + (i64)(second + g) * stride_wn, base + (i64)(second + g + 8) * stride_wn},
-    };
-    const u8* head_row = base + (i64)((lane < 16 ? col0 : second) + (lane & 15)) * stride_wn;
+    const u8* copied[2] = {base + (i64)(col0 + (lane >> 3)) * stride_wn, base + (i64)(second + (lane >> 3)) * stride_wn};
     float acc[2][4] = {};
-    const int units = KIND == KIND_Q4_K ? k / 64 : k / 32;
-    const int first = units * warp / warps, last = units * (warp + 1) / warps;
+    const int iterations = k / ITERATION_VALUES(KIND);
+    const int first = iterations * warp / warps, last = iterations * (warp + 1) / warps;
+    const u16* xs = xrow ? xrow + first * ITERATION_VALUES(KIND) + 8 * t : nullptr;
+    uint4 unit_x[2] = {};  // the activations of the unit at hand
+    load_unit_x<KIND, 0>(xs, unit_x);
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
-        const int u = first + s;
-        if (u < last) copy_unit<KIND>(stages + s * STAGE_BYTES, rows, head_row, u, u == first || (u & 3) == 0, k);
+        if (first + s < last) {
+            copy_iteration<KIND>(stages + s * STAGE_BYTES, copied, 4 * stride_wn, first + s, k);
+        }
         copies_sent();
     }
-    for (int u = first; u < last; ++u) {
-        const int i = u - first, ahead = u + STAGES - 1;
-        if (ahead < last) {
-            copy_unit<KIND>(stages + ((i + STAGES - 1) % STAGES) * STAGE_BYTES, rows, head_row, ahead,
-                            (ahead & 3) == 0, k);
+    for (int it = first; it < last; ++it) {
+        const int i = it - first;
+        __syncwarp();  // every lane is done with the stage the next copies take
+        if (it + STAGES - 1 < last) {
+            copy_iteration<KIND>(stages + ((i + STAGES - 1) % STAGES) * STAGE_BYTES, copied, 4 * stride_wn,
+                                 it + STAGES - 1, k);
         }
         copies_sent();
         copies_done_but_newest();
-        compute_unit<KIND>(stages + (i % STAGES) * STAGE_BYTES, table, xrow, u, u == first || (u & 3) == 0, acc);
+        __syncwarp();  // every lane's copies of this iteration have landed
+        const u8* stage = stages + (i % STAGES) * STAGE_BYTES;
+        const bool more = it + 1 < last;
+        unit_step<KIND, 0>(stage, table, xs, more, unit_x, acc);
+        unit_step<KIND, 1>(stage, table, xs, more, unit_x, acc);
+        unit_step<KIND, 2>(stage, table, xs, more, unit_x, acc);
+        unit_step<KIND, 3>(stage, table, xs, more, unit_x, acc);
+        if (xs) xs += ITERATION_VALUES(KIND);
     }
     if (warp > 0) {
 #pragma unroll
@@ -373,16 +408,16 @@ __device__ __forceinline__ void held_pairs(
     x, w, out, ids, tile_expert, tile_pairs, scale, mode, pairs, k, up_rows, stride_we, stride_wn, stride_xm, \
         stride_om, x_row_div
 
-extern "C" __global__ void __launch_bounds__(MAX_WARPS * 32, 3) held_q4_k_gate_up(HELD_ARGS) {
+extern "C" __global__ void __launch_bounds__(MAX_WARPS * 32, MIN_BLOCKS) held_q4_k_gate_up(HELD_ARGS) {
     held_pairs<KIND_Q4_K, true>(HELD_PASS);
 }
-extern "C" __global__ void __launch_bounds__(MAX_WARPS * 32, 3) held_q4_k_rows(HELD_ARGS) {
+extern "C" __global__ void __launch_bounds__(MAX_WARPS * 32, MIN_BLOCKS) held_q4_k_rows(HELD_ARGS) {
     held_pairs<KIND_Q4_K, false>(HELD_PASS);
 }
-extern "C" __global__ void __launch_bounds__(MAX_WARPS * 32, 3) held_q8_0_gate_up(HELD_ARGS) {
+extern "C" __global__ void __launch_bounds__(MAX_WARPS * 32, MIN_BLOCKS) held_q8_0_gate_up(HELD_ARGS) {
     held_pairs<KIND_Q8_0, true>(HELD_PASS);
 }
-extern "C" __global__ void __launch_bounds__(MAX_WARPS * 32, 3) held_q8_0_rows(HELD_ARGS) {
+extern "C" __global__ void __launch_bounds__(MAX_WARPS * 32, MIN_BLOCKS) held_q8_0_rows(HELD_ARGS) {
     held_pairs<KIND_Q8_0, false>(HELD_PASS);
 }
 

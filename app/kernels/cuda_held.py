@@ -27,20 +27,20 @@ KINDS = ("Q4_K", "Q8_0")
 DECODE_TOKENS = 64  # the largest window the kernels take (each expert's pairs in tiles of TILE_PAIRS)
 TILE_PAIRS = 8
 PER_PAIR_TOKENS = 2  # windows of at most this many tokens: a block a pair, no grouping launch
-# Mirrors of native/held_experts.cu's constants: pipeline stages, bytes a warp's stage takes, the
+# Mirrors of native/held_experts.cu's constants: bytes a warp's stage (an iteration of its 32 rows) takes, the
 # stride of a row of the Q4_K scale table (floats), the most warps a block
-STAGES = 4
-STAGE_BYTES = 1536
+STAGE_BYTES = 32 * 160
 TABLE_STRIDE = 20
+ITERATION_VALUES = {"Q4_K": 256, "Q8_0": 128}  # the values of k a warp's loop takes at a time
 MAX_WARPS = 8
-UNITS_PER_WARP = 3  # at least this many 32-byte units of k a warp (the rest of a warp's time is its start)
 # Which held weights the engine gives these kernels (the rest go to the Triton kernels), and the most warps a
-# block by kind, from `benchmarks/tune_held.py --warps 2 4 8` on an H100 (docs/PERFORMANCE.md, 2026-12-06):
-# Q4_K's experts at 1 / 8 / 32 tokens 23.9 / 105 / 196 us a layer at 4 warps against the Triton kernels'
-# 27.2 / 120 / 316; Q8_0's 43 / 207 / 427 against 30 / 130 / 285, so Q8_0 stays with Triton. Weights of
-# WIDE_LINEAR rows or more (an LM head) stay with the Triton kernels. Read once, at import: for benchmarks,
-# STRATA_CUDA_HELD_EXPERTS / STRATA_CUDA_HELD_LINEAR (kinds, space-separated) and STRATA_CUDA_HELD_WARPS
-# ("Q4_K=4 Q8_0=8") override them (`benchmarks/pick_held.py` picks from the tuner's lines), and
+# block by kind, from `benchmarks/tune_held.py --warps 2 4 --variants ...` on an H100 (docs/PERFORMANCE.md,
+# 2026-12-06): experts at 1 / 8 / 32 tokens, 4 warps, Q4_K 23.5 / 91.5 / 181 us a layer against the Triton
+# kernels' 27.1 / 118 / 317, Q8_0 28.2 / 125 / 250 against 33.0 / 133 / 286 (2 warps a block are within 2%;
+# 4 give a dense projection's few blocks more warps). Weights of WIDE_LINEAR rows or more (an LM head) stay
+# with the Triton kernels. Read once, at import: for benchmarks, STRATA_CUDA_HELD_EXPERTS /
+# STRATA_CUDA_HELD_LINEAR (kinds, space-separated), STRATA_CUDA_HELD_WARPS ("Q4_K=4 Q8_0=8") and
+# STRATA_CUDA_HELD_DEFINES override them (`benchmarks/pick_held.py` picks from the tuner's lines), and
 # STRATA_CUDA_HELD=0 turns the kernels off.
 
 
@@ -54,10 +54,13 @@ def _warps(default: dict[str, int]) -> dict[str, int]:
     return {kind: min(MAX_WARPS, int(chosen.get(kind, warps))) for kind, warps in default.items()}
 
 
-EXPERT_KINDS = _kinds("STRATA_CUDA_HELD_EXPERTS", ("Q4_K",))
-LINEAR_KINDS = _kinds("STRATA_CUDA_HELD_LINEAR", ("Q4_K",))
+EXPERT_KINDS = _kinds("STRATA_CUDA_HELD_EXPERTS", ("Q4_K", "Q8_0"))
+LINEAR_KINDS = _kinds("STRATA_CUDA_HELD_LINEAR", ("Q4_K", "Q8_0"))
 BLOCK_WARPS = _warps({"Q4_K": 4, "Q8_0": 4})
 DISABLED = os.environ.get("STRATA_CUDA_HELD") == "0"
+# The source's compile-time choices (its #ifndef defaults where absent), e.g. "STAGES=3 MIN_BLOCKS=3" in
+# STRATA_CUDA_HELD_DEFINES: `benchmarks/tune_held.py --variants` times several.
+DEFINES = dict(word.split("=") for word in os.environ.get("STRATA_CUDA_HELD_DEFINES", "").split())
 WIDE_LINEAR = 32768
 GROUP_LIMIT = 1024  # `group_pairs` is one block of 1,024 threads: pairs and experts each at most this
 MODE_TILES, MODE_PER_PAIR, MODE_DENSE = 0, 1, 2
@@ -70,7 +73,8 @@ def shared_bytes(kind: str, warps: int) -> int:
     """Dynamic shared memory of a block of `warps` warps (native/held_experts.cu's layout): each warp's ring
     of stages, its Q4_K scale table, and the partial sums the other warps hand to the first."""
     table = warps * 32 * TABLE_STRIDE * 4 if kind == "Q4_K" else 0
-    return warps * STAGES * STAGE_BYTES + table + (warps - 1) * 32 * 8 * 4
+    stages = int(DEFINES.get("STAGES", 2))  # iterations in a warp's ring
+    return warps * stages * STAGE_BYTES + table + (warps - 1) * 32 * 8 * 4
 
 
 def _source() -> str:
@@ -103,6 +107,7 @@ def _compile(source: str, arch: str) -> bytes:
     )
     try:
         options = [f"--gpu-architecture={arch}".encode(), b"--std=c++17"]
+        options += [f"-D{name}={value}".encode() for name, value in DEFINES.items()]
         check(
             nvrtc.nvrtcCompileProgram(program, len(options), (ctypes.c_char_p * len(options))(*options)),
             "compile",
@@ -138,11 +143,10 @@ class _Kernels:
                 raise RuntimeError(f"raising {name}'s shared memory failed (CUDA driver error {result})")
 
     def warps(self, kind: str, k: int) -> int:
-        """Warps a block for rows of `k` values of `kind`: a share of at least UNITS_PER_WARP units each, at
+        """Warps a block for rows of `k` values of `kind`: at least one iteration each (ITERATION_VALUES), at
         most MAX_WARPS, and what the device's shared memory holds. A function of the weight alone, so a row's
         sums are added in the same order in every window."""
-        units = k // (64 if kind == "Q4_K" else 32)
-        warps = max(1, min(BLOCK_WARPS[kind], units // UNITS_PER_WARP))
+        warps = max(1, min(BLOCK_WARPS[kind], k // ITERATION_VALUES[kind]))
         while warps > 1 and shared_bytes(kind, warps) > self.shared_limit:
             warps -= 1
         return warps
@@ -202,10 +206,9 @@ def enabled(device: torch.device) -> bool:
 def _fits(kind: str, weight: torch.Tensor, k: int, n: int, per_block: int) -> bool:
     """Whether the kernels tile `weight` [experts, rows, row bytes] of `kind` with reduction `k` into output
     columns `n` (`per_block` a block)."""
-    step = 256 if kind == "Q4_K" else 32
     return (
         kind in KINDS
-        and k % step == 0
+        and k % ITERATION_VALUES[kind] == 0
         and n % per_block == 0
         and weight.stride(-1) == 1
         and weight.stride(1) % 16 == 0

@@ -9,8 +9,8 @@ A pair's arithmetic depends only on the tile configuration (`MoeTiles`), never o
 its tile: `exact` tiles are the same for every batch, so a row's output is bit-identical alone or batched.
 Nothing here synchronises with the host, so the whole block can be captured in a CUDA graph.
 
-Experts held as blocks `cuda_held.serves_experts` names (Q4_K) in windows of up to 64 tokens run the CUDA
-kernels of `cuda_held` where they serve (bf16 activations, a CUDA device with NVRTC), unless `exact` or
+Experts held as blocks `cuda_held.serves_experts` names (Q4_K, Q8_0) in windows of up to 64 tokens run the
+CUDA kernels of `cuda_held` where they serve (bf16 activations, a CUDA device with NVRTC), unless `exact` or
 explicit tiles are asked for.
 """
 
