@@ -64,6 +64,14 @@ def _weights(kind: str, shape: tuple[int, ...], copy: int) -> torch.Tensor:
     return to_held(kind, random_blocks(kind, shape, copy, device="cuda"))
 
 
+def _compile_variant(variant: str) -> None:
+    """The CUDA kernels from here on compiled with `variant`'s defines ("-": the source's own)."""
+    defines = {} if variant == "-" else dict(word.split("=") for word in variant.split())
+    if defines != cuda_held.DEFINES:
+        cuda_held.DEFINES = defines
+        cuda_held._kernels.cache_clear()
+
+
 def _report(what: str, ms: float, moved: float, drift: float) -> None:
     print(f"{what:44s} {ms * 1000:9.1f} us  {moved / ms / 1e9:6.2f} TB/s  drift {drift:.1e}", flush=True)
 
@@ -91,6 +99,12 @@ def main() -> None:
     parser.add_argument(
         "--warps", type=int, nargs="+", default=[], help="time the CUDA kernels at most these warps a block"
     )
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        default=[],
+        help='compile the CUDA kernels with each of these defines ("STAGES=3 X_RING=0"; "-": none)',
+    )
     args = parser.parse_args()
     kinds_before, warps_before = cuda_held.EXPERT_KINDS, dict(cuda_held.BLOCK_WARPS)
     for kind in args.kinds:
@@ -106,16 +120,20 @@ def main() -> None:
             moved = expected_experts(EXPERTS, TOP_K, tokens) * per_expert
             choices = {"default": moe_tiles(tokens, exact=False, held=() if kind == "bf16" else (kind, kind))}
             if kind in cuda_held.KINDS and tokens <= cuda_held.DECODE_TOKENS:
-                for warps in args.warps or [0]:
-                    # no tiles: `fused_experts` takes app/kernels/cuda_held.py's kernels
-                    choices[f"cuda w{warps}" if warps else "cuda"] = warps
+                for variant in args.variants or ["-"]:
+                    for warps in args.warps or [0]:
+                        # no tiles: `fused_experts` takes app/kernels/cuda_held.py's kernels
+                        name = f"cuda w{warps}" if warps else "cuda"
+                        choices[name if variant == "-" else f"{name} {variant}"] = (warps, variant)
             if kind != "bf16" and not args.default_only:
                 choices |= EXPERT_TILES | (COLUMNS_FIRST_TILES if kind == "Q8_0" else {})
             first = None
             for name, tiles in choices.items():
-                if isinstance(tiles, int):  # the CUDA kernels, at most `tiles` warps a block where given
+                if isinstance(tiles, tuple):  # the CUDA kernels: at most this many warps a block, its defines
+                    warps, variant = tiles
                     cuda_held.EXPERT_KINDS = (kind,)
-                    cuda_held.BLOCK_WARPS[kind] = tiles or warps_before[kind]
+                    cuda_held.BLOCK_WARPS[kind] = warps or warps_before[kind]
+                    _compile_variant(variant)
                     tiles = None
                 calls = [
                     lambda w=w, t=tiles, x=x, i=ids, r=weights: fused_experts(x, i, r, *w, tiles=t)

@@ -1,0 +1,40 @@
+"""benchmarks/pick_held.py: the tuner's lines turned into the CUDA held kernels' settings."""
+
+from __future__ import annotations
+
+from benchmarks.pick_held import pick
+
+LINES = """\
+Q4_K experts tokens 8 default                    119.4 us    1.15 TB/s  drift 0.0e+00
+Q4_K experts tokens 8 cuda w2                    115.4 us    1.19 TB/s  drift 5.6e-03
+Q4_K experts tokens 8 cuda w4 STAGES=3 MIN_BLOCKS=3 101.0 us  1.3 TB/s  drift 2.8e-03
+Q4_K experts tokens 32 default                   315.6 us    0.94 TB/s  drift 0.0e+00
+Q4_K experts tokens 32 cuda w2                   209.5 us    1.42 TB/s  drift 6.3e-03
+Q4_K experts tokens 32 cuda w4 STAGES=3 MIN_BLOCKS=3 210.0 us  1.4 TB/s  drift 6.3e-03
+Q8_0 experts tokens 8 default                    130.3 us    1.99 TB/s  drift 0.0e+00
+Q8_0 experts tokens 8 cuda w4 STAGES=3 MIN_BLOCKS=3 126.9 us  2.04 TB/s  drift 4.4e-03
+Q8_0 experts tokens 8 cuda w8 failed: out of resources
+Q4_K qkv tokens 8 default                         10.0 us    1.0 TB/s  drift 0.0e+00
+Q4_K qkv tokens 8 cuda                             8.0 us    1.2 TB/s  drift 1.0e-03
+Q8_0 qkv tokens 8 default                         10.0 us    1.0 TB/s  drift 0.0e+00
+Q8_0 qkv tokens 8 cuda                            12.0 us    0.8 TB/s  drift 1.0e-03
+Q8_0 lm_head tokens 8 cuda                         1.0 us    9.9 TB/s  drift 1.0e-03
+""".splitlines()
+
+
+def test_pick_takes_the_least_summed_time_and_the_defines_that_apply() -> None:
+    picked = pick(LINES)
+    assert picked["experts"] == ["Q4_K", "Q8_0"]
+    assert picked["warps"] == {"Q4_K": 4, "Q8_0": 4}
+    assert picked["defines"] == {"STAGES": "3", "MIN_BLOCKS": "3"}
+    assert picked["linear"] == ["Q4_K"]  # an LM head's line is not a projection's
+
+
+def test_a_define_goes_in_only_where_every_kind_picked_it() -> None:
+    lines = [line.replace(" MIN_BLOCKS=3", "") if line.startswith("Q8_0") else line for line in LINES]
+    assert pick(lines)["defines"] == {"STAGES": "3"}
+    # a kind left with the Triton kernels has no say
+    lines = [line for line in LINES if not line.startswith("Q8_0 experts tokens 8 cuda")]
+    picked = pick(lines)
+    assert picked["experts"] == ["Q4_K"]
+    assert picked["defines"] == {"STAGES": "3", "MIN_BLOCKS": "3"}
