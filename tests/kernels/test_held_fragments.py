@@ -2,7 +2,8 @@
 codes widened by the kernels' bit operations into bf16 fragment registers, the activations permuted into
 theirs, each m16n8k16 MMA assembled from the 32 lanes' registers by PTX's fragment layout, the group sums
 from MMAs against ones, Q4_K's scales from the word-wide decode of its packed bytes, and the fp32 scaling;
-its result against the `gguf` package's dequantized weights. The GPU runs the kernels themselves
+its result against the `gguf` package's dequantized weights. The codes and scales come through a warp's
+stage as its lanes' copies lay it out. The GPU runs the kernels themselves
 (tests/gpu/test_cuda_held_gpu.py); this keeps the scheme checked where CI runs, for changes to it."""
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import torch
 from app.kernels.gguf_quants import dequantize, random_blocks, to_held
 
 ROWS, PAIRS = 32, 8  # a block's rows (two 16-row MMA blocks) and pair slots (the MMA's 8 columns)
+ROW_BYTES = 160  # a row's stride in a warp's stage
+ITERATION_BYTES = {"Q4_K": 144, "Q8_0": 128}  # a row's bytes an iteration of a warp's loop
 BF16_128 = 0x43004300  # two bf16 128.0: a code ORed into the mantissa is 128 + code
 # Q8_0's (shift, magic) passes: 128 + low nibble, 2048 + 16 (high nibble ^ 8)
 Q8_0_PASSES = [(0, BF16_128), (4, 0x45084508)]
@@ -74,28 +77,59 @@ def _byte(words: list[int], j: int) -> int:
     return (words[j >> 2] >> (8 * (j & 3))) & 0xFF
 
 
-def _unit_groups(kind: str, held: np.ndarray, k: int, unit: int) -> list[tuple[list, int, list, list]]:
-    """A unit's groups: (widening passes, x offset, D [row], E [row]) for each 32-code group of its bytes."""
+def _copy_iteration(kind: str, held: np.ndarray, it: int, k: int) -> np.ndarray:
+    """A warp's stage after its lanes' copies of iteration `it` (`copy_iteration`): in pass p, lane L copies
+    16-byte piece L % 8 of row 4 p + L / 8, and the lane of piece 0 the row's remainder."""
+    stage = np.zeros(ROWS * ROW_BYTES, np.uint8)
+    size = ITERATION_BYTES[kind]
+    for p in range(8):
+        for lane in range(32):
+            row, piece = 4 * p + lane // 8, lane % 8
+            start, to = it * size, row * ROW_BYTES
+            pieces = [(16 * piece, held[row, start + 16 * piece : start + 16 * piece + 16])]
+            if piece == 0:
+                rest = (
+                    held[row, start + 128 : start + 144]
+                    if kind == "Q4_K"
+                    else held[row, k + 8 * it : k + 8 * it + 8]
+                )
+                pieces.append((128, rest))
+            for at, data in pieces:
+                stage[to + at : to + at + len(data)] = data
+    return stage
+
+
+def _stage_row(stage: np.ndarray, row: int) -> np.ndarray:
+    return stage[row * ROW_BYTES : (row + 1) * ROW_BYTES]
+
+
+def _unit_groups(kind: str, stage: np.ndarray, unit: int) -> list[tuple[list, int, list, list]]:
+    """A unit's groups: (widening passes, x offset, D [row], E [row]) for each 32-code group of its bytes,
+    its scales read from the stage."""
+    it, step = divmod(unit, 4)
+    rows = [_stage_row(stage, row) for row in range(ROWS)]
     if kind == "Q8_0":
-        at = k + 2 * unit
-        d = [float(np.frombuffer(row[at : at + 2].tobytes(), np.float16)[0]) for row in held]
+        d = [
+            float(np.frombuffer(row[128 + 2 * step : 130 + 2 * step].tobytes(), np.float16)[0])
+            for row in rows
+        ]
         return [(Q8_0_PASSES, 32 * unit, d, [2304.0 * v for v in d])]
-    block, stretch = divmod(unit, 4)
     groups = []
     for half in range(2):
         d_rows, e_rows = [], []
-        for row in held:
-            head = row[block * 144 : block * 144 + 16]
+        for row in rows:
+            head = row[:16]
             d, dmin = np.frombuffer(head[:4].tobytes(), np.float16).astype(np.float32)
-            scale, least = _q4_k_scales(head)[2 * stretch + half]
+            scale, least = _q4_k_scales(head)[2 * step + half]
             d_rows.append(float(np.float32(d * scale)))
             e_rows.append(128.0 * d_rows[-1] + float(dmin) * least)
-        groups.append(([(4 * half, BF16_128)], block * 256 + stretch * 64 + 32 * half, d_rows, e_rows))
+        groups.append(([(4 * half, BF16_128)], it * 256 + step * 64 + 32 * half, d_rows, e_rows))
     return groups
 
 
-def _codes_at(kind: str, unit: int, t: int) -> int:
-    return 32 * unit + 8 * t if kind == "Q8_0" else (unit // 4) * 144 + 16 + 32 * (unit % 4) + 8 * t
+def _codes_at(kind: str, step: int, t: int) -> int:
+    """Where a lane's 8 bytes of a row's unit `step` of an iteration lie in the row's stretch of the stage."""
+    return (16 if kind == "Q4_K" else 0) + 32 * step + 8 * t
 
 
 def _emulate(kind: str, held: np.ndarray, x: np.ndarray, k: int) -> np.ndarray:
@@ -104,14 +138,16 @@ def _emulate(kind: str, held: np.ndarray, x: np.ndarray, k: int) -> np.ndarray:
     units = k // (64 if kind == "Q4_K" else 32)
     ones = [[0x3F803F80] * 4 for _ in range(32)]
     for unit in range(units):
+        if unit % 4 == 0:
+            stage = _copy_iteration(kind, held, unit // 4, k)
         words = {}  # (block, r, lane) -> the lane's two words of row (16 block + g + 8 r)
         for lane, (g, t) in enumerate(_lanes()):
             for b in range(2):
                 for r in range(2):
-                    at = _codes_at(kind, unit, t)
-                    row = held[16 * b + g + 8 * r]
+                    at = _codes_at(kind, unit % 4, t)
+                    row = _stage_row(stage, 16 * b + g + 8 * r)
                     words[b, r, lane] = [_word(row, at), _word(row, at + 4)]
-        for passes, offset, d, e in _unit_groups(kind, held, k, unit):
+        for passes, offset, d, e in _unit_groups(kind, stage, unit):
             b_regs = []  # [lane][half] -> (reg0, reg1)
             for g, t in _lanes():
                 v = [_word(x[g], 2 * (offset + 8 * t) + 4 * i) for i in range(4)]
@@ -152,3 +188,18 @@ def test_the_kernels_fragment_arithmetic_gives_the_dequantized_products(kind: st
     expected = x.double().numpy() @ dequantize(kind, blocks, (ROWS, k)).double().numpy().T
     got = _emulate(kind, held, bits, k)
     np.testing.assert_allclose(got, expected, rtol=0, atol=1e-5 * np.abs(expected).max())
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q8_0"])
+def test_a_half_warps_reads_of_a_units_codes_are_apart_in_banks(kind: str) -> None:
+    """Each 8-byte read of a unit's codes from the stage: the 16 lanes of a half-warp (one pass of shared
+    memory for 64-bit reads) touch 32 different 4-byte banks, for every row set and unit."""
+    for step in range(4):
+        for b in range(2):
+            for r in range(2):
+                for half in range(2):
+                    banks = set()
+                    for g, t in _lanes()[16 * half : 16 * half + 16]:
+                        at = (16 * b + g + 8 * r) * ROW_BYTES + _codes_at(kind, step, t)
+                        banks |= {(at // 4) % 32, (at // 4 + 1) % 32}
+                    assert len(banks) == 32
