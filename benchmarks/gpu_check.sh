@@ -14,7 +14,8 @@
 # one slot group, and with pipelined groups (on a machine of one GPU both stages share it: --stage-gpus 0,0);
 # then over HTTP a decoding slot while a peer's 32K prompt is read on the split (two groups).
 # gguf: the held-weight GPU tests and the CUDA held kernels' (GGUF_TESTS=0 skips them, GGUF_TESTS_K selects as
-# pytest -k), benchmarks/tune_held.py's defaults at TUNE_TOKENS tokens where given, then
+# pytest -k), benchmarks/tune_held.py at TUNE_TOKENS tokens where given (TUNE_VARIANTS: the kernels' defines to
+# try; benchmarks/pick_held.py's pick then serves the runs below), then
 # benchmarks/gguf_bench.py on a random q30 file of each quant type named (default Q4_K) and, with
 # PROFILE_BATCH, benchmarks/profile_window.py's kernels of its decode windows of that batch; also with the
 # expert tier at a 25% budget (--expert-cache 32) for the types in TIER_KINDS (default: every one named), and
@@ -194,8 +195,15 @@ if [[ $what == gguf ]]; then
             -k "${GGUF_TESTS_K:-}" 2>&1 | tee "$out/gpu-tests.log" || status=1
     fi
     if [[ -n ${TUNE_TOKENS:-} ]]; then
-        python3 benchmarks/tune_held.py --kinds $kinds --tokens $TUNE_TOKENS --default-only 2>&1 \
-            | tee "$out/tune-held.log" || status=1
+        # experts at 2 and 4 warps a block and each of TUNE_VARIANTS (words of defines, "-": none), then the
+        # projections; the pick becomes this call's settings for the runs below
+        read -ra variants <<<"${TUNE_VARIANTS:--}"
+        python3 benchmarks/tune_held.py --kinds $kinds --tokens $TUNE_TOKENS --default-only --experts-only \
+            --warps 2 4 --variants "${variants[@]}" 2>&1 | tee "$out/tune-held.log" || status=1
+        python3 benchmarks/tune_held.py --kinds $kinds --tokens $TUNE_TOKENS --default-only --dense-only 2>&1 \
+            | tee "$out/tune-dense.log" || status=1
+        eval "$(python3 benchmarks/pick_held.py "$out/tune-held.log" "$out/tune-dense.log")"
+        env | grep STRATA_CUDA_HELD | tee "$out/picked.txt"
     fi
     files=() tiered=()
     for kind in $kinds; do

@@ -3,6 +3,8 @@ shapes (replayed from CUDA graphs, weights rotated so that repeats do not run fr
 
     python benchmarks/tune_held.py [--kinds Q4_K Q8_0 bf16] [--tokens 1 8 16 32] [--default-only]
     python benchmarks/tune_held.py --kinds IQ3_S IQ4_XS --tokens 8 32 2048
+    python benchmarks/tune_held.py --kinds Q4_K Q8_0 --tokens 1 8 32 --default-only --experts-only \
+        --warps 2 4 --variants - "STAGES=3"   # then --dense-only: benchmarks/pick_held.py reads both
 
 Routed experts (`fused_experts`, routing alignment to the sum) and the dense projections (`tiled_linear`:
 attention's qkv and output, the LM head) for each quant type, beside bf16 weights (their default tiles
@@ -64,9 +66,8 @@ def _weights(kind: str, shape: tuple[int, ...], copy: int) -> torch.Tensor:
     return to_held(kind, random_blocks(kind, shape, copy, device="cuda"))
 
 
-def _compile_variant(variant: str) -> None:
-    """The CUDA kernels from here on compiled with `variant`'s defines ("-": the source's own)."""
-    defines = {} if variant == "-" else dict(word.split("=") for word in variant.split())
+def _use_defines(defines: dict[str, str]) -> None:
+    """The CUDA kernels from here on compiled with `defines` (none: the source's own choices)."""
     if defines != cuda_held.DEFINES:
         cuda_held.DEFINES = defines
         cuda_held._kernels.cache_clear()
@@ -96,6 +97,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 16, 32])
     parser.add_argument("--default-only", action="store_true", help="time the default tiles alone")
     parser.add_argument("--experts-only", action="store_true", help="leave the dense projections out")
+    parser.add_argument("--dense-only", action="store_true", help="leave the routed experts out")
     parser.add_argument(
         "--warps", type=int, nargs="+", default=[], help="time the CUDA kernels at most these warps a block"
     )
@@ -103,71 +105,82 @@ def main() -> None:
         "--variants",
         nargs="+",
         default=[],
-        help='compile the CUDA kernels with each of these defines ("STAGES=3 X_RING=0"; "-": none)',
+        help='compile the CUDA kernels with each of these defines ("STAGES=3 MIN_BLOCKS=3"; "-": none)',
     )
     args = parser.parse_args()
-    kinds_before, warps_before = cuda_held.EXPERT_KINDS, dict(cuda_held.BLOCK_WARPS)
     for kind in args.kinds:
-        sets = [
-            (_weights(kind, (EXPERTS, 2 * INTER, HIDDEN), c), _weights(kind, (EXPERTS, HIDDEN, INTER), c + 9))
-            for c in range(SETS)
-        ]
-        per_expert = sum(w[0].numel() * w.element_size() for w in sets[0])
+        if not args.dense_only:
+            _time_experts(kind, args)
+        if not args.experts_only:
+            _time_dense(kind, args)
+        torch.cuda.empty_cache()
+
+
+def _time_experts(kind: str, args: argparse.Namespace) -> None:
+    """A layer's routed experts held as `kind` at each window, under each choice the arguments ask for."""
+    kinds_before, warps_before = cuda_held.EXPERT_KINDS, dict(cuda_held.BLOCK_WARPS)
+    defines_before = dict(cuda_held.DEFINES)
+    sets = [
+        (_weights(kind, (EXPERTS, 2 * INTER, HIDDEN), c), _weights(kind, (EXPERTS, HIDDEN, INTER), c + 9))
+        for c in range(SETS)
+    ]
+    per_expert = sum(w[0].numel() * w.element_size() for w in sets[0])
+    for tokens in args.tokens:
+        x = torch.randn(tokens, HIDDEN, device="cuda").bfloat16()
+        weights, ids = torch.randn(tokens, EXPERTS, device="cuda").softmax(-1).topk(TOP_K, dim=-1)
+        weights = weights.bfloat16()
+        moved = expected_experts(EXPERTS, TOP_K, tokens) * per_expert
+        choices = {"default": moe_tiles(tokens, exact=False, held=() if kind == "bf16" else (kind, kind))}
+        if kind in cuda_held.KINDS and tokens <= cuda_held.DECODE_TOKENS:
+            for variant in args.variants or ["-"]:
+                for warps in args.warps or [0]:
+                    # no tiles: `fused_experts` takes app/kernels/cuda_held.py's kernels
+                    name = f"cuda w{warps}" if warps else "cuda"
+                    choices[name if variant == "-" else f"{name} {variant}"] = (warps, variant)
+        if kind != "bf16" and not args.default_only:
+            choices |= EXPERT_TILES | (COLUMNS_FIRST_TILES if kind == "Q8_0" else {})
+        first = None
+        for name, tiles in choices.items():
+            if isinstance(tiles, tuple):  # the CUDA kernels: at most this many warps a block, its defines
+                warps, variant = tiles
+                cuda_held.EXPERT_KINDS = (kind,)
+                cuda_held.BLOCK_WARPS[kind] = warps or warps_before[kind]
+                _use_defines({} if variant == "-" else dict(word.split("=") for word in variant.split()))
+                tiles = None
+            calls = [
+                lambda w=w, t=tiles, x=x, i=ids, r=weights: fused_experts(x, i, r, *w, tiles=t) for w in sets
+            ]
+            out = _time(f"{kind} experts tokens {tokens} {name}", calls, moved, first)
+            first = out if first is None else first
+            cuda_held.EXPERT_KINDS, cuda_held.BLOCK_WARPS = kinds_before, dict(warps_before)
+    del sets
+    _use_defines(defines_before)
+
+
+def _time_dense(kind: str, args: argparse.Namespace) -> None:
+    """The dense projections held as `kind` at each window: the default tiles, the CUDA kernels, and the
+    other tiles unless `--default-only`."""
+    for label, shape in DENSE.items():
+        dense = [_weights(kind, shape, c) for c in range(SETS)]
+        moved = dense[0].numel() * dense[0].element_size()
         for tokens in args.tokens:
-            x = torch.randn(tokens, HIDDEN, device="cuda").bfloat16()
-            weights, ids = torch.randn(tokens, EXPERTS, device="cuda").softmax(-1).topk(TOP_K, dim=-1)
-            weights = weights.bfloat16()
-            moved = expected_experts(EXPERTS, TOP_K, tokens) * per_expert
-            choices = {"default": moe_tiles(tokens, exact=False, held=() if kind == "bf16" else (kind, kind))}
+            x = torch.randn(tokens, shape[1], device="cuda").bfloat16()
+            choices = {"default": held_tiles(tokens, shape[0])}
             if kind in cuda_held.KINDS and tokens <= cuda_held.DECODE_TOKENS:
-                for variant in args.variants or ["-"]:
-                    for warps in args.warps or [0]:
-                        # no tiles: `fused_experts` takes app/kernels/cuda_held.py's kernels
-                        name = f"cuda w{warps}" if warps else "cuda"
-                        choices[name if variant == "-" else f"{name} {variant}"] = (warps, variant)
+                choices["cuda"] = None  # app/kernels/cuda_held.py's `linear`
             if kind != "bf16" and not args.default_only:
-                choices |= EXPERT_TILES | (COLUMNS_FIRST_TILES if kind == "Q8_0" else {})
+                choices |= DENSE_TILES | (COLUMNS_FIRST_TILES if kind == "Q8_0" else {})
             first = None
             for name, tiles in choices.items():
-                if isinstance(tiles, tuple):  # the CUDA kernels: at most this many warps a block, its defines
-                    warps, variant = tiles
-                    cuda_held.EXPERT_KINDS = (kind,)
-                    cuda_held.BLOCK_WARPS[kind] = warps or warps_before[kind]
-                    _compile_variant(variant)
-                    tiles = None
                 calls = [
-                    lambda w=w, t=tiles, x=x, i=ids, r=weights: fused_experts(x, i, r, *w, tiles=t)
-                    for w in sets
+                    (lambda w=w, x=x, k=kind: cuda_held.linear(x, w, k))
+                    if tiles is None
+                    else (lambda w=w, t=tiles, x=x: tiled_linear(x, w, None, t))
+                    for w in dense
                 ]
-                out = _time(f"{kind} experts tokens {tokens} {name}", calls, moved, first)
+                out = _time(f"{kind} {label} tokens {tokens} {name}", calls, moved, first)
                 first = out if first is None else first
-                cuda_held.EXPERT_KINDS, cuda_held.BLOCK_WARPS = kinds_before, dict(warps_before)
-        del sets
-        if args.experts_only:
-            torch.cuda.empty_cache()
-            continue
-        for label, shape in DENSE.items():
-            dense = [_weights(kind, shape, c) for c in range(SETS)]
-            moved = dense[0].numel() * dense[0].element_size()
-            for tokens in args.tokens:
-                x = torch.randn(tokens, shape[1], device="cuda").bfloat16()
-                choices = {"default": held_tiles(tokens, shape[0])}
-                if kind in cuda_held.KINDS and tokens <= cuda_held.DECODE_TOKENS:
-                    choices["cuda"] = None  # app/kernels/cuda_held.py's `linear`
-                if kind != "bf16" and not args.default_only:
-                    choices |= DENSE_TILES | (COLUMNS_FIRST_TILES if kind == "Q8_0" else {})
-                first = None
-                for name, tiles in choices.items():
-                    calls = [
-                        (lambda w=w, x=x, k=kind: cuda_held.linear(x, w, k))
-                        if tiles is None
-                        else (lambda w=w, t=tiles, x=x: tiled_linear(x, w, None, t))
-                        for w in dense
-                    ]
-                    out = _time(f"{kind} {label} tokens {tokens} {name}", calls, moved, first)
-                    first = out if first is None else first
-            del dense
-        torch.cuda.empty_cache()
+        del dense
 
 
 if __name__ == "__main__":
