@@ -147,6 +147,9 @@ def _time_experts(kind: str, args: argparse.Namespace) -> None:
                 cuda_held.BLOCK_WARPS[kind] = warps or warps_before[kind]
                 _use_defines({} if variant == "-" else dict(word.split("=") for word in variant.split()))
                 tiles = None
+                if not cuda_held.enabled(x.device):  # else the Triton kernels would be timed under its name
+                    print(f"{kind} experts tokens {tokens} {name} failed: the CUDA kernels did not compile")
+                    continue
             calls = [
                 lambda w=w, t=tiles, x=x, i=ids, r=weights: fused_experts(x, i, r, *w, tiles=t) for w in sets
             ]
