@@ -27,8 +27,10 @@ KINDS = ("Q4_K", "Q8_0")
 DECODE_TOKENS = 64  # the largest window the kernels take (each expert's pairs in tiles of TILE_PAIRS)
 TILE_PAIRS = 8
 PER_PAIR_TOKENS = 2  # windows of at most this many tokens: a block a pair, no grouping launch
-# Mirrors of native/held_experts.cu's constants: bytes a warp's stage (an iteration of its 32 rows) takes, the
-# stride of a row of the Q4_K scale table (floats), the most warps a block
+# Mirrors of native/held_experts.cu's constants: iterations in a warp's ring (its default; DEFINES may set
+# another), bytes a warp's stage (an iteration of its 32 rows) takes, the stride of a row of the Q4_K scale
+# table (floats), the most warps a block
+STAGES = 2
 STAGE_BYTES = 32 * 160
 TABLE_STRIDE = 20
 ITERATION_VALUES = {"Q4_K": 256, "Q8_0": 128}  # the values of k a warp's loop takes at a time
@@ -73,8 +75,7 @@ def shared_bytes(kind: str, warps: int) -> int:
     """Dynamic shared memory of a block of `warps` warps (native/held_experts.cu's layout): each warp's ring
     of stages, its Q4_K scale table, and the partial sums the other warps hand to the first."""
     table = warps * 32 * TABLE_STRIDE * 4 if kind == "Q4_K" else 0
-    stages = int(DEFINES.get("STAGES", 2))  # iterations in a warp's ring
-    return warps * stages * STAGE_BYTES + table + (warps - 1) * 32 * 8 * 4
+    return warps * int(DEFINES.get("STAGES", STAGES)) * STAGE_BYTES + table + (warps - 1) * 32 * 8 * 4
 
 
 def _source() -> str:
