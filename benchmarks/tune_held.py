@@ -102,6 +102,13 @@ def main() -> None:
         "--warps", type=int, nargs="+", default=[], help="time the CUDA kernels at most these warps a block"
     )
     parser.add_argument(
+        "--down-warps",
+        type=int,
+        nargs="+",
+        default=[],
+        help="and the experts' down projection at most these (else as --warps)",
+    )
+    parser.add_argument(
         "--variants",
         nargs="+",
         default=[],
@@ -119,6 +126,7 @@ def main() -> None:
 def _time_experts(kind: str, args: argparse.Namespace) -> None:
     """A layer's routed experts held as `kind` at each window, under each choice the arguments ask for."""
     kinds_before, warps_before = cuda_held.EXPERT_KINDS, dict(cuda_held.BLOCK_WARPS)
+    down_before = dict(cuda_held.DOWN_WARPS)
     defines_before = dict(cuda_held.DEFINES)
     sets = [
         (_weights(kind, (EXPERTS, 2 * INTER, HIDDEN), c), _weights(kind, (EXPERTS, HIDDEN, INTER), c + 9))
@@ -134,17 +142,19 @@ def _time_experts(kind: str, args: argparse.Namespace) -> None:
         if kind in cuda_held.KINDS and tokens <= cuda_held.DECODE_TOKENS:
             for variant in args.variants or ["-"]:
                 for warps in args.warps or [0]:
-                    # no tiles: `fused_experts` takes app/kernels/cuda_held.py's kernels
-                    name = f"cuda w{warps}" if warps else "cuda"
-                    choices[name if variant == "-" else f"{name} {variant}"] = (warps, variant)
+                    for down in args.down_warps or [0]:
+                        # no tiles: `fused_experts` takes app/kernels/cuda_held.py's kernels
+                        name = (f"cuda w{warps}" if warps else "cuda") + (f" d{down}" if down else "")
+                        choices[name if variant == "-" else f"{name} {variant}"] = (warps, down, variant)
         if kind != "bf16" and not args.default_only:
             choices |= EXPERT_TILES | (COLUMNS_FIRST_TILES if kind == "Q8_0" else {})
         first = None
         for name, tiles in choices.items():
             if isinstance(tiles, tuple):  # the CUDA kernels: at most this many warps a block, its defines
-                warps, variant = tiles
+                warps, down, variant = tiles
                 cuda_held.EXPERT_KINDS = (kind,)
                 cuda_held.BLOCK_WARPS[kind] = warps or warps_before[kind]
+                cuda_held.DOWN_WARPS[kind] = down or warps or down_before[kind]
                 _use_defines({} if variant == "-" else dict(word.split("=") for word in variant.split()))
                 tiles = None
                 if not cuda_held.enabled(x.device):  # else the Triton kernels would be timed under its name
@@ -155,7 +165,9 @@ def _time_experts(kind: str, args: argparse.Namespace) -> None:
             ]
             out = _time(f"{kind} experts tokens {tokens} {name}", calls, moved, first)
             first = out if first is None else first
-            cuda_held.EXPERT_KINDS, cuda_held.BLOCK_WARPS = kinds_before, dict(warps_before)
+            cuda_held.EXPERT_KINDS = kinds_before
+            cuda_held.BLOCK_WARPS.update(warps_before)
+            cuda_held.DOWN_WARPS.update(down_before)
     del sets
     _use_defines(defines_before)
 

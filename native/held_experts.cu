@@ -77,6 +77,22 @@ __device__ __forceinline__ u16 f32_to_bf16(float f) {
 
 __device__ __forceinline__ u32 shared_address(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 
+// Programmatic dependent launch (sm_90 on; no-ops where the kernel was launched without it, as on older
+// GPUs): wait until the kernel before this one on the stream has ended with its writes visible, and let the
+// kernel after this one have its blocks placed (each of them waits in turn before reading what this one
+// writes).
+__device__ __forceinline__ void previous_done() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void next_may_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ void copy8(u8* dst, const void* src) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(shared_address(dst)), "l"(src) : "memory");
 }
@@ -327,6 +343,12 @@ __device__ __forceinline__ void held_pairs(
     int x_row_div) {
     extern __shared__ __align__(16) u8 shared[];
     __shared__ int slot_pair[TILE_PAIRS];
+    // Launched dependently: the rows kernel reads, before the kernel before it has ended, what that kernel
+    // cannot have written. Its weights never change during a window, and as down (after gate_up) its pairs'
+    // tiles and experts were written before gate_up began. So its blocks copy their first iterations while
+    // the kernel before them finishes; gate_up's tiles come from the kernel just before it, so it waits first.
+    constexpr bool early = !SWIGLU;
+    if (!early) previous_done();
     int expert;
     if (!block_pairs(mode, ids, tile_expert, tile_pairs, pairs, slot_pair, expert)) return;
     const int warps = blockDim.x >> 5;
@@ -346,8 +368,6 @@ __device__ __forceinline__ void held_pairs(
     const int iterations = k / ITERATION_VALUES(KIND);
     const int first = iterations * warp / warps, last = iterations * (warp + 1) / warps;
     const u16* xs = xrow ? xrow + first * ITERATION_VALUES(KIND) + 8 * t : nullptr;
-    uint4 unit_x[2] = {};  // the activations of the unit at hand
-    load_unit_x<KIND, 0>(xs, unit_x);
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
         if (first + s < last) {
@@ -355,6 +375,10 @@ __device__ __forceinline__ void held_pairs(
         }
         copies_sent();
     }
+    if (early) previous_done();
+    next_may_launch();
+    uint4 unit_x[2] = {};  // the activations of the unit at hand
+    load_unit_x<KIND, 0>(xs, unit_x);
     for (int it = first; it < last; ++it) {
         const int i = it - first;
         __syncwarp();  // every lane is done with the stage the next copies take
@@ -428,6 +452,8 @@ extern "C" __global__ void __launch_bounds__(1024)
     __shared__ int count[1024];
     __shared__ int scan[1024];
     __shared__ int picked[1024];
+    previous_done();
+    next_may_launch();
     const int i = threadIdx.x;
     count[i] = 0;
     for (int tile = i; tile < tiles; tile += blockDim.x) {

@@ -39,9 +39,12 @@ MAX_WARPS = 8
 # block by kind, from `benchmarks/tune_held.py --warps 2 4 --variants ...` on an H100 (docs/PERFORMANCE.md,
 # 2026-12-06): experts at 1 / 8 / 32 tokens, 4 warps, Q4_K 23.5 / 91.5 / 181 us a layer against the Triton
 # kernels' 27.1 / 118 / 317, Q8_0 28.2 / 125 / 250 against 33.0 / 133 / 286 (2 warps a block are within 2%;
-# 4 give a dense projection's few blocks more warps). Weights of WIDE_LINEAR rows or more (an LM head) stay
-# with the Triton kernels. Read once, at import: for benchmarks, STRATA_CUDA_HELD_EXPERTS /
-# STRATA_CUDA_HELD_LINEAR (kinds, space-separated), STRATA_CUDA_HELD_WARPS ("Q4_K=4 Q8_0=8") and
+# 4 give a dense projection's few blocks more warps). Weights of WIDE_LINEAR rows or more (an LM head) go to
+# these kernels for WIDE_KINDS alone (`tune_held.py --dense-only`, H100: Q4_K's LM head 83.6 / 95.2 / 264 us
+# at 1 / 8 / 32 rows against Triton's 107 / 191 / 364; Q8_0's 120 / 123 / 345 against 123 / 138 / 238, so
+# Triton keeps it). Read once, at import: for benchmarks, STRATA_CUDA_HELD_EXPERTS / STRATA_CUDA_HELD_LINEAR /
+# STRATA_CUDA_HELD_WIDE (kinds, space-separated), STRATA_CUDA_HELD_WARPS ("Q4_K=4 Q8_0=8"; the down
+# projection's STRATA_CUDA_HELD_DOWN_WARPS, the same unless given) and
 # STRATA_CUDA_HELD_DEFINES override them (`benchmarks/pick_held.py` picks from the tuner's lines), and
 # STRATA_CUDA_HELD=0 turns the kernels off.
 
@@ -51,14 +54,16 @@ def _kinds(variable: str, default: tuple[str, ...]) -> tuple[str, ...]:
     return default if value is None else tuple(value.split())
 
 
-def _warps(default: dict[str, int]) -> dict[str, int]:
-    chosen = dict(word.split("=") for word in os.environ.get("STRATA_CUDA_HELD_WARPS", "").split())
+def _warps(variable: str, default: dict[str, int]) -> dict[str, int]:
+    chosen = dict(word.split("=") for word in os.environ.get(variable, "").split())
     return {kind: min(MAX_WARPS, int(chosen.get(kind, warps))) for kind, warps in default.items()}
 
 
 EXPERT_KINDS = _kinds("STRATA_CUDA_HELD_EXPERTS", ("Q4_K", "Q8_0"))
 LINEAR_KINDS = _kinds("STRATA_CUDA_HELD_LINEAR", ("Q4_K", "Q8_0"))
-BLOCK_WARPS = _warps({"Q4_K": 4, "Q8_0": 4})
+WIDE_KINDS = _kinds("STRATA_CUDA_HELD_WIDE", ("Q4_K",))
+BLOCK_WARPS = _warps("STRATA_CUDA_HELD_WARPS", {"Q4_K": 4, "Q8_0": 4})
+DOWN_WARPS = _warps("STRATA_CUDA_HELD_DOWN_WARPS", BLOCK_WARPS)
 DISABLED = os.environ.get("STRATA_CUDA_HELD") == "0"
 # The source's compile-time choices (its #ifndef defaults where absent), e.g. "STAGES=3 MIN_BLOCKS=3" in
 # STRATA_CUDA_HELD_DEFINES: `benchmarks/tune_held.py --variants` times several.
@@ -122,17 +127,53 @@ def _compile(source: str, arch: str) -> bytes:
     return binary.raw
 
 
+class _LaunchAttribute(ctypes.Structure):
+    """The driver's CUlaunchAttribute: an id, then a 64-byte value (here an int)."""
+
+    _fields_ = [
+        ("id", ctypes.c_int),
+        ("pad", ctypes.c_char * 4),
+        ("value", ctypes.c_int),
+        ("rest", ctypes.c_char * 60),
+    ]
+
+
+class _LaunchConfig(ctypes.Structure):
+    """The driver's CUlaunchConfig."""
+
+    _fields_ = [
+        ("grid", ctypes.c_uint * 3),
+        ("block", ctypes.c_uint * 3),
+        ("shared", ctypes.c_uint),
+        ("stream", ctypes.c_void_p),
+        ("attrs", ctypes.POINTER(_LaunchAttribute)),
+        ("count", ctypes.c_uint),
+    ]
+
+
+PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+
+
 class _Kernels:
-    """The compiled kernels of one device, launched through the driver on the current stream."""
+    """The compiled kernels of one device, launched through the driver on the current stream: dependently
+    where the device allows (`triton_launch.dependent_launch`; each kernel waits for the one before it before
+    it reads what that one writes, native/held_experts.cu says what comes earlier)."""
 
     def __init__(self, device: torch.device) -> None:
         from torch.cuda._utils import _cuda_load_module, _get_gpu_runtime_library
+
+        from app.kernels.triton_launch import dependent_launch
 
         major, minor = torch.cuda.get_device_capability(device)
         with torch.cuda.device(device):
             loaded = _cuda_load_module(_compile(_source(), f"sm_{major}{minor}"), list(KERNELS))
         self.functions = {name: loaded[name].func for name in KERNELS}
         self.driver = _get_gpu_runtime_library()
+        self.dependent = (
+            _LaunchAttribute(id=PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
+            if dependent_launch(device)
+            else None
+        )
         # a block's dynamic shared memory, at most: the device's limit less room for the static (a few words)
         properties = torch.cuda.get_device_properties(device)
         self.shared_limit = getattr(properties, "shared_memory_per_block_optin", 48 << 10) - 1024
@@ -143,11 +184,13 @@ class _Kernels:
             if result != 0:
                 raise RuntimeError(f"raising {name}'s shared memory failed (CUDA driver error {result})")
 
-    def warps(self, kind: str, k: int) -> int:
-        """Warps a block for rows of `k` values of `kind`: at least one iteration each (ITERATION_VALUES), at
-        most MAX_WARPS, and what the device's shared memory holds. A function of the weight alone, so a row's
-        sums are added in the same order in every window."""
-        warps = max(1, min(BLOCK_WARPS[kind], k // ITERATION_VALUES[kind]))
+    def warps(self, kind: str, k: int, down: bool) -> int:
+        """Warps a block for rows of `k` values of `kind` (`down`: of the experts' down projection,
+        DOWN_WARPS, else BLOCK_WARPS): at least one iteration each (ITERATION_VALUES), at most MAX_WARPS, and
+        what the device's shared memory holds. A function of the weight alone, so a row's sums are added in
+        the same order in every window."""
+        cap = (DOWN_WARPS if down else BLOCK_WARPS)[kind]
+        warps = max(1, min(cap, k // ITERATION_VALUES[kind]))
         while warps > 1 and shared_bytes(kind, warps) > self.shared_limit:
             warps -= 1
         return warps
@@ -163,9 +206,15 @@ class _Kernels:
         ]
         pointers = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
         stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
-        result = self.driver.cuLaunchKernel(
-            self.functions[name], grid[0], grid[1], 1, threads, 1, 1, shared, stream, pointers, None
-        )
+        if self.dependent is None:
+            result = self.driver.cuLaunchKernel(
+                self.functions[name], grid[0], grid[1], 1, threads, 1, 1, shared, stream, pointers, None
+            )
+        else:
+            config = _LaunchConfig(
+                (grid[0], grid[1], 1), (threads, 1, 1), shared, stream, ctypes.pointer(self.dependent), 1
+            )
+            result = self.driver.cuLaunchKernelEx(ctypes.byref(config), self.functions[name], pointers, None)
         if result != 0:
             raise RuntimeError(f"launching {name} failed (CUDA driver error {result})")
 
@@ -186,7 +235,7 @@ def serves_experts(kinds: tuple[str, str]) -> bool:
 
 def serves_linear(kind: str, n: int) -> bool:
     """Whether the engine gives a projection into `n` columns held as `kind` to `linear`."""
-    return kind in LINEAR_KINDS and n < WIDE_LINEAR
+    return kind in LINEAR_KINDS and (n < WIDE_LINEAR or kind in WIDE_KINDS)
 
 
 @functools.cache
@@ -239,7 +288,7 @@ def _matmul(
     """One launch of kind's kernel (`swiglu`: gate_up's, else rows'): out = x @ weight rows, per block's pairs
     as `routing` (ids, tile_expert, tile_pairs, mode) gives them."""
     ids, tile_expert, tile_pairs, mode = routing
-    warps = kernels.warps(kind, x.shape[1])
+    warps = kernels.warps(kind, x.shape[1], not swiglu and routing[3] != MODE_DENSE)
     kernels.launch(
         f"held_{kind.lower()}_{'gate_up' if swiglu else 'rows'}",
         grid,
@@ -314,7 +363,8 @@ def expert_pairs(
     y = x.new_empty(pairs, hidden)
     grid = (blocks, intermediate // 16)
     _matmul(kernels, kinds[0], True, grid, x, gate_up, act, routing, None, pairs, top_k)
-    _matmul(kernels, kinds[1], False, (blocks, hidden // 32), act, down, y, routing, scale, pairs, 1)
+    grid = (blocks, hidden // 32)
+    _matmul(kernels, kinds[1], False, grid, act, down, y, routing, scale, pairs, 1)
     return y
 
 

@@ -41,11 +41,17 @@ WAVES = 8  # the most programs per SM of a grid launched dependently
 
 
 @functools.cache
+def dependent_launch(device: torch.device) -> bool:
+    """Whether kernels on `device` launch dependently: Hopper or later, unless `STRATA_PDL=0`."""
+    if device.type != "cuda" or os.environ.get("STRATA_PDL", "1") == "0":
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+@functools.cache
 def _dependent_programs(device: torch.device) -> int:
     """The most programs a grid on `device` may have to launch dependently (0: never)."""
-    if device.type != "cuda" or os.environ.get("STRATA_PDL", "1") == "0":
-        return 0
-    if torch.cuda.get_device_capability(device)[0] < 9:
+    if not dependent_launch(device):
         return 0
     return WAVES * torch.cuda.get_device_properties(device).multi_processor_count
 

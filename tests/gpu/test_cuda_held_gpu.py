@@ -11,6 +11,7 @@ from app.kernels import cuda_held
 from app.kernels.gguf_quants import dequantize, random_blocks, to_held
 from app.kernels.reference import experts_reference
 from app.kernels.triton_moe import fused_experts
+from app.kernels.triton_norm import rms_norm
 
 pytestmark = [
     pytest.mark.gpu,
@@ -89,3 +90,27 @@ def test_cuda_projections_match_the_reference_and_keep_row_bits(kind: str, shape
     torch.testing.assert_close(full.float() / scale, expected / scale, atol=1e-2, rtol=0)
     for rows in (1, 5, 9):
         assert torch.equal(cuda_held.linear(x[-rows:], weight, kind)[-1], full[-1]), rows
+
+
+def test_cuda_kernels_launched_dependently_in_a_graph_read_what_came_before(experts: tuple) -> None:
+    """Replayed in a CUDA graph after a Triton kernel (both launched dependently on Hopper), the projection
+    and the experts read that kernel's output of this replay, not an earlier one, and give eager's bits."""
+    kind, gate_up, down, _, _ = experts
+    x_in, ids, weights = _window(8, 11)
+    norm = torch.ones(HIDDEN, device="cuda", dtype=torch.bfloat16)
+
+    def step() -> tuple[torch.Tensor, torch.Tensor]:
+        x = rms_norm(x_in, norm, 1e-6, False)
+        pairs = cuda_held.expert_pairs(x, ids, weights, gate_up, down, (kind, kind))
+        return cuda_held.linear(x, gate_up[0], kind), rms_norm(pairs, norm, 1e-6, False)
+
+    step()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    for seed in (12, 13):
+        x_in.copy_(_window(8, seed)[0])
+        expected = step()
+        graph.replay()
+        for got, want in zip(captured, expected, strict=True):
+            assert torch.equal(got, want), seed

@@ -12,13 +12,16 @@ Q4_K experts tokens 32 default                   315.6 us    0.94 TB/s  drift 0.
 Q4_K experts tokens 32 cuda w2                   209.5 us    1.42 TB/s  drift 6.3e-03
 Q4_K experts tokens 32 cuda w4 STAGES=3 MIN_BLOCKS=3 210.0 us  1.4 TB/s  drift 6.3e-03
 Q8_0 experts tokens 8 default                    130.3 us    1.99 TB/s  drift 0.0e+00
-Q8_0 experts tokens 8 cuda w4 STAGES=3 MIN_BLOCKS=3 126.9 us  2.04 TB/s  drift 4.4e-03
+Q8_0 experts tokens 8 cuda w4 d2 STAGES=3 MIN_BLOCKS=3 126.9 us  2.04 TB/s  drift 4.4e-03
 Q8_0 experts tokens 8 cuda w8 failed: out of resources
 Q4_K qkv tokens 8 default                         10.0 us    1.0 TB/s  drift 0.0e+00
 Q4_K qkv tokens 8 cuda                             8.0 us    1.2 TB/s  drift 1.0e-03
 Q8_0 qkv tokens 8 default                         10.0 us    1.0 TB/s  drift 0.0e+00
 Q8_0 qkv tokens 8 cuda                            12.0 us    0.8 TB/s  drift 1.0e-03
+Q8_0 lm_head tokens 8 default                      2.0 us    5.0 TB/s  drift 0.0e+00
 Q8_0 lm_head tokens 8 cuda                         1.0 us    9.9 TB/s  drift 1.0e-03
+Q4_K lm_head tokens 8 default                      1.0 us    9.9 TB/s  drift 0.0e+00
+Q4_K lm_head tokens 8 cuda                         2.0 us    5.0 TB/s  drift 1.0e-03
 """.splitlines()
 
 
@@ -26,8 +29,10 @@ def test_pick_takes_the_least_summed_time_and_the_defines_that_apply() -> None:
     picked = pick(LINES)
     assert picked["experts"] == ["Q4_K", "Q8_0"]
     assert picked["warps"] == {"Q4_K": 4, "Q8_0": 4}
+    assert picked["down_warps"] == {"Q4_K": 4, "Q8_0": 2}
     assert picked["defines"] == {"STAGES": "3", "MIN_BLOCKS": "3"}
     assert picked["linear"] == ["Q4_K"]  # an LM head's line is not a projection's
+    assert picked["wide"] == ["Q8_0"]  # nor a projection's an LM head's
 
 
 def test_a_define_goes_in_only_where_every_kind_picked_it() -> None:
