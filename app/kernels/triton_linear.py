@@ -18,9 +18,9 @@ attention merge) still runs, and only the rows wait for it.
 - the grouped matmul of `triton_moe` with one group and fixed tiles (`tiled_linear`) for the rest of few
   rows, cuBLAS beyond.
 - a weight held as GGUF blocks (`held_linear`): windows of up to 64 rows of the kinds
-  `cuda_held.serves_linear` names (Q4_K, Q8_0; not an LM head) by the CUDA kernels of `cuda_held`; otherwise
-  the grouped matmul with one group, its blocks dequantized in the programs (`triton_quant`), one or two rows
-  each summed by itself on the CUDA cores, more by tiles.
+  `cuda_held.serves_linear` names (Q4_K, Q8_0; an LM head only Q4_K's) by the CUDA kernels of `cuda_held`;
+  else the grouped matmul with one group, its blocks dequantized in the programs (`triton_quant`), one or two
+  rows each summed by itself on the CUDA cores, more by tiles.
 
 `few_rows_linear` picks by the weight's shape and the window's rows (`benchmarks/tune_linear.py` on an H200,
 docs/KERNELS.md).
