@@ -524,7 +524,7 @@ class StageGraphs(WindowGraphs):
             x, pending = decoder.embed_tokens(batch.input_ids), None
         else:
             x, pending = self.stream[0, :rows], self.stream[1, :rows]
-        x, pending = decoder.run_layers(batch, self.part.layers, x, pending)
+        x, pending = decoder.run_layers(batch, self.part.layers, x, pending, keep_picks=self.part.last)
         assert pending is not None  # every stage holds a layer
         if self.part.last:
             return decoder.final_norm(x, pending)

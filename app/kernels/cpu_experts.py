@@ -336,8 +336,10 @@ def moe_block(
     gate_up: torch.Tensor,
     down: torch.Tensor,
     shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    picks: bool = False,
 ) -> torch.Tensor:
-    """A sparse MoE block (the `moe_block` contract of app/kernels/interface.py) in one native call:
+    """A sparse MoE block (the `moe_block` contract of app/kernels/interface.py; always summed, whatever
+    `picks` asks) in one native call:
     router logits (router [experts, hidden]), softmax and top-k picks (renormalised with `renormalize`,
     each real row's picks added to `counts`), the routed experts' weighted SwiGLU (stacked gate_up / down,
     fp32, bf16 or GGUF blocks) and the shared expert's (gate, up [inter, hidden], down [hidden, inter], router

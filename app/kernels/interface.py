@@ -36,9 +36,29 @@ def held_kind(weight: torch.Tensor, columns: int) -> str:
     raise ValueError(f"uint8 rows of {weight.shape[-1]} bytes hold no known blocks of {columns} weights")
 
 
+@dataclass(frozen=True)
+class Picks:
+    """A sparse MoE block's output before its last sum, for the norm after it to sum in its own launch.
+
+    pairs [tokens * top_k, hidden]: row token * top_k + choice is that pick's expert output times its weight;
+    ids [tokens, top_k]: the picks' experts (a negative id: a pick never computed, its row unwritten and left
+    out); `add`: the producer's kernel for the sum alone, (pairs, ids) -> [tokens, hidden], each token's rows
+    added in choice order in fp32 and rounded once to the pairs' dtype. An `AddNormKernel` of a set whose
+    moe_block leaves picks takes them in place of its first tensor and sums them the same way.
+    """
+
+    pairs: torch.Tensor
+    ids: torch.Tensor
+    add: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+    def total(self) -> torch.Tensor:
+        """Each token's sum of its picks [tokens, hidden]."""
+        return self.add(self.pairs, self.ids)
+
+
 NormKernel = Callable[[torch.Tensor, torch.Tensor, float, bool], torch.Tensor]
 AddNormKernel = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, float, bool], tuple[torch.Tensor, torch.Tensor]
+    [torch.Tensor | Picks, torch.Tensor, torch.Tensor, float, bool], tuple[torch.Tensor, torch.Tensor]
 ]
 GatedNormKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 LinearKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
@@ -145,10 +165,11 @@ class Backends:
     slot_mapping) -> q, with k and v stored in the paged caches in the same launch (None: rope, then a write).
     linear(x, weight, bias) -> x @ weight.T + bias for the dense projections (None: torch, i.e. cuBLAS;
     the Triton set's takes windows of few rows itself).
-    moe_block(x, router, top_k, renormalize, counts, live, gate_up, down, shared) -> a whole sparse MoE block
-    (router, picks counted into `counts`, routed experts, and the shared expert `shared` = (gate, up, down,
-    router) behind its sigmoid, or None) in few launches, or None where it does not take the window (the
-    block then runs its pieces one by one, as when the set has no moe_block).
+    moe_block(x, router, top_k, renormalize, counts, live, gate_up, down, shared, picks=False) -> a whole
+    sparse MoE block (router, picks counted into `counts`, routed experts, and the shared expert `shared` =
+    (gate, up, down, router) behind its sigmoid, or None) in few launches, or None where it does not take the
+    window (the block then runs its pieces one by one, as when the set has no moe_block); with `picks` it may
+    return `Picks` instead of the sum, for the set's add_rms_norm to sum.
     gdn_decode(x, weights, conv_state, recurrent, state_slots) -> a Gated DeltaNet layer's whole step for a
     window of one decode row per sequence (state pools updated in place), or None where it does not take
     these tensors (the layer then runs its pieces).

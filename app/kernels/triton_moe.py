@@ -688,14 +688,19 @@ def fused_experts(
     whose id is negative adds nothing and reads no weights. `tiles` overrides the choice of `moe_tiles` (for
     tuning).
     """
-    tokens, hidden = x.shape
-    top_k = top_ids.shape[1]
-    y = expert_pairs(x, top_ids, top_weights, gate_up, down, exact, tiles)
-    out = torch.empty_like(x)
+    return sum_picks(expert_pairs(x, top_ids, top_weights, gate_up, down, exact, tiles), top_ids)
+
+
+def sum_picks(pairs: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Each token's sum of its picks' rows [tokens, hidden] (`Picks.add`): pairs [tokens * top_k, hidden] as
+    `expert_pairs` leaves them, ids [tokens, top_k] (negative: left out), added in choice order in fp32."""
+    tokens, top_k = ids.shape
+    hidden = pairs.shape[1]
+    out = pairs.new_empty(tokens, hidden)
     block = 1024
     grid = (tokens, triton.cdiv(hidden, block))
-    ids = top_ids.contiguous()
-    _sum_choices[grid](y, ids, out, hidden, TOP_K=top_k, BLOCK=block, **pdl(y.device, grid))
+    ids = ids.contiguous()
+    _sum_choices[grid](pairs, ids, out, hidden, TOP_K=top_k, BLOCK=block, **pdl(pairs.device, grid))
     return out
 
 

@@ -1,4 +1,4 @@
-"""A decode window's sparse MoE block with a shared expert (Qwen3-Next) in three launches instead of fourteen.
+"""A decode window's sparse MoE block in few launches: with a shared expert (Qwen3-Next) three, not fourteen.
 
 The block's pieces run the router, the routing, the routed experts (alignment, two grouped matmuls, the sum
 of each token's picks) and then the shared expert as nine more launches. Here, for windows of up to
@@ -17,6 +17,12 @@ its router's logit:
 Each row is summed by itself in fp32 on the CUDA cores in tiles of fixed shape, so a row's result does not
 depend on its window; intermediate results are rounded to the model's dtype where the pieces round them, so
 results agree with the pieces to the order of fp32 sums. `--exact` keeps the pieces.
+
+A block without a shared expert (Qwen3-MoE) keeps its experts' kernels (`fused_experts`, which reads GGUF
+blocks too) but takes its router and routing from `_router_kernel` in one launch instead of two. Its
+programs sum each logit as `row_linear` does (the same tile, the same fp32 reduction), which is the pieces'
+projection of a router of up to `SMALL_WEIGHT` elements over a hidden state wider than `ONE_DOT_K` (every
+full-size shape; other routers keep the pieces): such a window routes exactly as its pieces would.
 """
 
 from __future__ import annotations
@@ -28,9 +34,10 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from app.kernels.interface import Picks
 from app.kernels.triton_launch import follow_previous, pdl
-from app.kernels.triton_linear import ROW_ELEMENTS
-from app.kernels.triton_moe import route_row
+from app.kernels.triton_linear import ONE_DOT_K, ROW_ELEMENTS, SMALL_WEIGHT
+from app.kernels.triton_moe import expert_pairs, fused_experts, route_row, sum_picks
 from app.kernels.triton_norm import torch_sigmoid
 
 MAX_ROWS = 16  # windows of more rows run the block's pieces (tiles of rows read shared experts once)
@@ -63,23 +70,24 @@ def _router_kernel(
     BLOCK_TOP: tl.constexpr,
     RENORM: tl.constexpr,
     HAS_LIVE: tl.constexpr,
+    HAS_SHARED: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """logits[row, cols] = x[row] @ router[cols].T for BLOCK_N experts (a row's last program: column
-    `experts`, the shared expert's logit), rounded to the model's dtype; a row's program that arrives last on
-    the row's counter routes the row."""
+    """logits[row, cols] = x[row] @ router[cols].T for BLOCK_N experts (with HAS_SHARED a row's last program:
+    column `experts`, the shared expert's logit), rounded to the model's dtype; a row's program that arrives
+    last on the row's counter routes the row."""
     pid = tl.program_id(0)
     row = tl.program_id(1)
     ks = tl.arange(0, BLOCK_K)
     k_ok = ks < K
-    if pid == tl.num_programs(0) - 1:
-        cols = experts + tl.arange(0, BLOCK_N)
-        col_ok = cols == experts
-        w_rows = shared_router_ptr + tl.zeros((BLOCK_N,), dtype=tl.int64)
-    else:
-        cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_ok = cols < experts
-        w_rows = router_ptr + cols.to(tl.int64) * stride_router
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < experts
+    w_rows = router_ptr + cols.to(tl.int64) * stride_router
+    if HAS_SHARED:  # noqa: SIM102 (a branch of the compiler around a branch of the program)
+        if pid == tl.num_programs(0) - 1:
+            cols = experts + tl.arange(0, BLOCK_N)
+            col_ok = cols == experts
+            w_rows = shared_router_ptr + tl.zeros((BLOCK_N,), dtype=tl.int64)
     w = tl.load(w_rows[:, None] + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
     w = w.to(tl.float32)
     follow_previous(PDL)
@@ -257,9 +265,30 @@ def _arrivals(device: torch.device) -> torch.Tensor:
         return torch.zeros(MAX_ROWS, dtype=torch.int32, device=device)
 
 
+def _routes(x: torch.Tensor, router: torch.Tensor, experts: int) -> bool:
+    """Whether `route_window` takes this window's routing: 1 to MAX_ROWS rows, a router [experts, hidden] of
+    floating weights (not GGUF blocks) with unit-stride rows, a hidden state a program holds whole."""
+    rows, hidden = x.shape
+    return (
+        1 <= rows <= MAX_ROWS
+        and router.dtype != torch.uint8
+        and router.stride(-1) == 1
+        and router.shape == (experts, hidden)
+        and hidden <= MAX_K
+    )
+
+
+def _routes_as_pieces(x: torch.Tensor, router: torch.Tensor, experts: int) -> bool:
+    """`_routes`, and the pieces' projection of this router in such a window is `row_linear`
+    (`few_rows_linear`: a small weight over a hidden state wider than ONE_DOT_K), whose bits
+    `route_window`'s logits have."""
+    wide = triton.next_power_of_2(x.shape[1]) > ONE_DOT_K
+    return _routes(x, router, experts) and wide and router.numel() <= SMALL_WEIGHT
+
+
 def _takes(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, shared: SharedExpert | None) -> bool:
-    """Whether the block's kernels take this window (else the block runs its pieces)."""
-    if shared is None or not 1 <= x.shape[0] <= MAX_ROWS:
+    """Whether the block's kernels take this window whole (else it is routed alone or runs its pieces)."""
+    if shared is None:
         return False
     weights = (gate_up, down, *shared)
     if any(w.dtype == torch.uint8 or w.stride(-1) != 1 for w in weights):
@@ -274,41 +303,36 @@ def _takes(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, shared: S
         and gate_up.shape == (experts, 2 * inter, hidden)
         and down.shape == (experts, hidden, inter)
     )
-    return shapes and x.shape[1] == hidden and hidden <= MAX_K
+    return shapes and x.shape[1] == hidden
 
 
-def moe_block(
+def route_window(
     x: torch.Tensor,
     router: torch.Tensor,
     top_k: int,
     renormalize: bool,
     counts: torch.Tensor,
     live: torch.Tensor | None,
-    gate_up: torch.Tensor,
-    down: torch.Tensor,
-    shared: SharedExpert | None,
-) -> torch.Tensor | None:
-    """`Backends.moe_block` on the Triton set, for a window of up to MAX_ROWS rows with a shared expert
-    (gate, up [inter, hidden], down [hidden, inter], router [1, hidden]) whose size is the routed experts'
-    (gate_up [experts, 2 * inter, hidden], down [experts, hidden, inter]), none held as GGUF blocks: the
-    whole block in three launches. None otherwise (the block then runs its pieces)."""
-    if not _takes(x, gate_up, down, shared):
-        return None
-    assert shared is not None
-    shared_gate, shared_up, shared_down, shared_router = shared
+    shared_router: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A window's router logits and routing in one launch (`_router_kernel`): logits [rows, experts] in x's
+    dtype (one more column, the shared expert's logit, with `shared_router` [1, hidden]), each row's top-k
+    experts [rows, top_k] int64 and weights (x's dtype) as `route_top_k` gives them, the live rows' picks
+    added to `counts`. For windows `_routes` takes; a logit has the bits `row_linear` gives it."""
     rows, hidden = x.shape
-    experts, inter = gate_up.shape[0], shared_gate.shape[0]
+    experts = router.shape[0]
+    has_shared = shared_router is not None
     x = x.contiguous()
-    logits = x.new_empty(rows, experts + 1)
+    logits = x.new_empty(rows, experts + has_shared)
     ids = torch.empty(rows, top_k, dtype=torch.int64, device=x.device)
     weights = x.new_empty(rows, top_k)
     block_k = triton.next_power_of_2(hidden)
     block_n = max(1, ROW_ELEMENTS // block_k)
-    grid = (triton.cdiv(experts, block_n) + 1, rows)
+    grid = (triton.cdiv(experts, block_n) + has_shared, rows)
     _router_kernel[grid](
         x,
         router,
-        shared_router,
+        shared_router if shared_router is not None else router,
         logits,
         ids,
         weights,
@@ -327,9 +351,46 @@ def moe_block(
         BLOCK_TOP=triton.next_power_of_2(top_k),
         RENORM=renormalize,
         HAS_LIVE=live is not None,
+        HAS_SHARED=has_shared,
         num_warps=4,
         **pdl(x.device, grid),
     )
+    return logits, ids, weights
+
+
+def moe_block(
+    x: torch.Tensor,
+    router: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    counts: torch.Tensor,
+    live: torch.Tensor | None,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    shared: SharedExpert | None,
+    picks: bool = False,
+) -> torch.Tensor | Picks | None:
+    """`Backends.moe_block` on the Triton set, for a window of up to MAX_ROWS rows. With a shared expert
+    (gate, up [inter, hidden], down [hidden, inter], router [1, hidden]) whose size is the routed experts'
+    (gate_up [experts, 2 * inter, hidden], down [experts, hidden, inter]), none held as GGUF blocks: the
+    whole block in three launches. Without one, where the pieces would project the router by `row_linear`:
+    the router and the routing in one launch, then the routed experts by `fused_experts` (any weights it
+    reads), the pieces' bits; with `picks` their `Picks`, for the norm after the block to sum. None
+    otherwise (the block then runs its pieces)."""
+    if shared is None:
+        if not _routes_as_pieces(x, router, gate_up.shape[0]):
+            return None
+        ids, weights = route_window(x, router, top_k, renormalize, counts, live)[1:]
+        if picks:
+            return Picks(expert_pairs(x, ids, weights, gate_up, down), ids, sum_picks)
+        return fused_experts(x, ids, weights, gate_up, down)
+    if not (_routes(x, router, gate_up.shape[0]) and _takes(x, gate_up, down, shared)):
+        return None
+    shared_gate, shared_up, shared_down, shared_router = shared
+    rows, hidden = x.shape
+    experts, inter = gate_up.shape[0], shared_gate.shape[0]
+    x = x.contiguous()
+    logits, ids, weights = route_window(x, router, top_k, renormalize, counts, live, shared_router)
     act = x.new_empty(rows * (top_k + 1), inter)
     grid = (act.shape[0], triton.cdiv(inter, UP_COLUMNS))
     _pair_up_kernel[grid](

@@ -19,6 +19,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from app.kernels import kv_quant
+from app.kernels.interface import Picks
 from app.kernels.triton_launch import follow_previous, pdl
 
 MAX_DIM = 65536  # longest row one program normalises in a single tile
@@ -58,6 +59,7 @@ def _scale(x, weight, rstd, OFFSET: tl.constexpr, out_ty: tl.constexpr):
 @triton.jit
 def _rms_norm_kernel(
     x_ptr,
+    ids_ptr,
     res_ptr,
     w_ptr,
     out_ptr,
@@ -71,15 +73,26 @@ def _rms_norm_kernel(
     BLOCK: tl.constexpr,
     OFFSET: tl.constexpr,
     ADD_RESIDUAL: tl.constexpr,
+    PICKS: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """RMSNorm of one row; with ADD_RESIDUAL the row is residual + x, which is also stored."""
+    """RMSNorm of one row; with ADD_RESIDUAL the row is residual + x, which is also stored. With PICKS (a
+    token's picks, `interface.Picks`) x is the sum of the token's PICKS rows of x whose ids are not negative,
+    in choice order in fp32, rounded to x's dtype (as `triton_moe.sum_picks` stores it)."""
     follow_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     col = tl.arange(0, BLOCK)
     live = col < DIM
     out_ty = out_ptr.dtype.element_ty
-    x = tl.load(x_ptr + row * stride_x + col, mask=live, other=0.0).to(tl.float32)
+    if PICKS:
+        x = tl.zeros((BLOCK,), dtype=tl.float32)
+        for choice in tl.static_range(PICKS):
+            pair = row * PICKS + choice
+            if tl.load(ids_ptr + pair) >= 0:
+                x += tl.load(x_ptr + pair * stride_x + col, mask=live, other=0.0).to(tl.float32)
+        x = x.to(x_ptr.dtype.element_ty).to(tl.float32)
+    else:
+        x = tl.load(x_ptr + row * stride_x + col, mask=live, other=0.0).to(tl.float32)
     if ADD_RESIDUAL:
         res = tl.load(res_ptr + row * stride_r + col, mask=live, other=0.0).to(tl.float32)
         total = (res + x).to(out_ty)
@@ -281,9 +294,15 @@ def _check_weight(weight: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def _launch_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, offset: bool
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    offset: bool,
+    ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    rows, dim = x.shape
+    """The norm of x's rows, or with `ids` [rows, top_k] of each row's sum of its picks (x: their pairs)."""
+    rows, dim = x.shape if ids is None else (ids.shape[0], x.shape[1])
     block = _block(dim)
     weight = _check_weight(weight, dim)
     out = torch.empty((rows, dim), dtype=x.dtype, device=x.device)
@@ -294,6 +313,7 @@ def _launch_rms_norm(
         grid = (rows,)
         _rms_norm_kernel[grid](
             x,
+            ids if ids is not None else x,
             res,
             weight,
             out,
@@ -307,6 +327,7 @@ def _launch_rms_norm(
             BLOCK=block,
             OFFSET=offset,
             ADD_RESIDUAL=residual is not None,
+            PICKS=0 if ids is None else ids.shape[1],
             num_warps=_warps(block),
             enable_fp_fusion=False,
             **pdl(x.device, grid),
@@ -327,18 +348,25 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool) ->
 
 
 def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool
+    x: torch.Tensor | Picks, residual: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(residual + x), residual + x) in one launch; the sum is rounded to x's dtype as torch does.
 
     x and residual are [rows, dim] of the same dtype (either may be strided); both results are new
-    contiguous tensors.
+    contiguous tensors. x may be a MoE block's `Picks`, summed in the same launch with the bits of their
+    `total()`.
     """
+    ids = None
+    if isinstance(x, Picks):
+        x, ids = x.pairs, x.ids.contiguous()
+        if x.shape[0] != ids.numel():
+            raise ValueError(f"{x.shape[0]} pair rows for {ids.numel()} picks")
     x = _rows(x, "x")
     residual = _rows(residual, "residual")
-    if residual.shape != x.shape or residual.dtype != x.dtype:
+    shape = x.shape if ids is None else (ids.shape[0], x.shape[1])
+    if residual.shape != shape or residual.dtype != x.dtype:
         raise ValueError("residual must have x's shape and dtype")
-    out, res_out = _launch_rms_norm(x, residual, weight, eps, offset)
+    out, res_out = _launch_rms_norm(x, residual, weight, eps, offset, ids)
     assert res_out is not None
     return out, res_out
 

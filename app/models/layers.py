@@ -8,7 +8,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from app.kernels.interface import AddNormKernel, GatedNormKernel, LinearKernel, NormKernel, held_row_bytes
+from app.kernels.interface import (
+    AddNormKernel,
+    GatedNormKernel,
+    LinearKernel,
+    NormKernel,
+    Picks,
+    held_row_bytes,
+)
 from app.models.config import RopeConfig
 
 
@@ -65,10 +72,15 @@ class RMSNorm(nn.Module):
         self.kernel = kernel
         self.add_kernel = add_kernel
 
-    def add_forward(self, h: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The residual stream after adding `h` [tokens, dim], normalised; and that stream."""
+    def add_forward(
+        self, h: torch.Tensor | Picks, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream after adding `h` [tokens, dim] (or a MoE block's `Picks`, summed), normalised;
+        and that stream."""
         if self.add_kernel is not None:
             return self.add_kernel(h, residual, self.weight, self.eps, self.offset)
+        if isinstance(h, Picks):
+            h = h.total()
         residual = residual + h
         return self(residual), residual
 

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from app.kernels.interface import ExpertsFn, LinearKernel, MoEBlockFn, RouteKernel
+from app.kernels.interface import ExpertsFn, LinearKernel, MoEBlockFn, Picks, RouteKernel
 from app.models.config import ModelConfig
 from app.models.layers import DenseMLP, Linear
 
@@ -127,8 +127,15 @@ class SparseMoE(nn.Module):
         return ids, weights.to(logits.dtype)
 
     def forward(
-        self, x: torch.Tensor, live: torch.Tensor | None = None, row_slots: torch.Tensor | None = None
-    ) -> torch.Tensor:
+        self,
+        x: torch.Tensor,
+        live: torch.Tensor | None = None,
+        row_slots: torch.Tensor | None = None,
+        picks: bool = False,
+    ) -> torch.Tensor | Picks:
+        """The block's output for x [tokens, hidden] (`live` marks padding rows, `row_slots` each row's state
+        slot, for an expert tier); with `picks` the block kernel may leave its `Picks` for the norm after the
+        block to sum (`RMSNorm.add_forward` takes them)."""
         if self.block_kernel is not None and type(self.experts) is RoutedExperts:
             shared = None
             if self.shared_expert is not None and self.shared_expert_gate is not None:
@@ -145,6 +152,7 @@ class SparseMoE(nn.Module):
                 self.experts.gate_up,
                 self.experts.down,
                 shared,
+                picks,
             )
             if out is not None:
                 return out

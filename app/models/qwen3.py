@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from app.kernels.interface import Backends
+from app.kernels.interface import Backends, Picks
 from app.models.attention import Attention
 from app.models.batch import ForwardBatch
 from app.models.config import LINEAR_ATTENTION, ModelConfig
@@ -65,10 +65,11 @@ class DecoderLayer(nn.Module):
         x: torch.Tensor,
         batch: ForwardBatch,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
-        pending: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        pending: torch.Tensor | Picks | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | Picks]:
         """The residual stream `x` plus `pending` (the last layer's output, added here inside the input norm's
-        kernel) through this layer: returns the stream and this layer's output, for the next norm to add."""
+        kernel) through this layer: returns the stream and this layer's output, for the next norm to add (a
+        MoE block's `Picks` where its kernels leave them, summed by that norm)."""
         if pending is None:
             h = self.input_layernorm(x)
         else:
@@ -78,8 +79,8 @@ class DecoderLayer(nn.Module):
         if isinstance(self.mlp, SparseMoE):
             layout = batch.layout
             if layout is None:
-                return x, self.mlp(h)
-            return x, self.mlp(h, layout.live_rows, layout.row_slots)
+                return x, self.mlp(h, picks=True)
+            return x, self.mlp(h, layout.live_rows, layout.row_slots, picks=True)
         return x, self.mlp(h)
 
 
@@ -98,20 +99,28 @@ class DecoderModel(nn.Module):
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         x = self.embed_tokens(batch.input_ids)
-        x, pending = self.run_layers(batch, range(len(self.layers)), x, None)
+        x, pending = self.run_layers(batch, range(len(self.layers)), x, None, keep_picks=True)
         return self.final_norm(x, pending)
 
     def run_layers(
-        self, batch: ForwardBatch, layers: range, x: torch.Tensor, pending: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        self,
+        batch: ForwardBatch,
+        layers: range,
+        x: torch.Tensor,
+        pending: torch.Tensor | None,
+        keep_picks: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | Picks | None]:
         """The residual stream `x` and the output `pending` of the layer before (None: no layer yet) through
-        `layers`: the stream and the last one's output, as a stage of a layer split hands them on."""
+        `layers`: the stream and the last one's output, as a stage of a layer split hands them on (summed,
+        unless `keep_picks` leaves a MoE block's `Picks` for `final_norm`)."""
         cos_sin = self.rotary.cos_sin(batch.positions, x.dtype)
         for i in layers:
             x, pending = self.layers[i](x, batch, cos_sin, pending)
+        if isinstance(pending, Picks) and not keep_picks:
+            pending = pending.total()
         return x, pending
 
-    def final_norm(self, x: torch.Tensor, pending: torch.Tensor | None) -> torch.Tensor:
+    def final_norm(self, x: torch.Tensor, pending: torch.Tensor | Picks | None) -> torch.Tensor:
         """The final hidden states: the last layer's output added to the stream, normed."""
         return self.norm.add_forward(pending, x)[0] if pending is not None else self.norm(x)
 

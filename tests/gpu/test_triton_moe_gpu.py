@@ -5,9 +5,19 @@ from __future__ import annotations
 import pytest
 import torch
 
+from app.kernels.interface import Picks
 from app.kernels.reference import experts_reference
 from app.kernels.triton_linear import SMALL_WEIGHT_TILES, few_rows_linear, resident_tile_linear
-from app.kernels.triton_moe import exact_linear, fused_experts, tiled_linear
+from app.kernels.triton_moe import (
+    exact_linear,
+    expert_pairs,
+    fused_experts,
+    route_top_k,
+    sum_picks,
+    tiled_linear,
+)
+from app.kernels.triton_moe_block import _arrivals, route_window
+from app.kernels.triton_norm import add_rms_norm
 
 pytestmark = [
     pytest.mark.gpu,
@@ -99,3 +109,25 @@ def test_resident_tiles_give_the_bits_of_the_fixed_tiles(n: int, k: int) -> None
         assert torch.equal(
             resident_tile_linear(x, weight, None), tiled_linear(x, weight, None, SMALL_WEIGHT_TILES)
         )
+
+
+@pytest.mark.parametrize("rows", [1, 8, 16])
+def test_a_window_routed_in_one_launch_routes_as_its_pieces(rows: int) -> None:
+    """Qwen3-30B-A3B's router (bf16, 128 experts over 2,048): `route_window`'s logits, picks, weights and
+    counts are those of `row_linear` and `route_top_k`, bit for bit; and a norm summing the block's picks has
+    the bits of the norm after their sum."""
+    x, _, _, gate_up, down = _inputs(rows, seed=3)
+    g = torch.Generator(device="cuda").manual_seed(4)
+    router = (torch.randn(EXPERTS, HIDDEN, device="cuda", generator=g) * 0.02).bfloat16()
+    counts = [torch.zeros(EXPERTS, dtype=torch.int64, device="cuda") for _ in range(2)]
+    logits, ids, weights = route_window(x, router, TOP_K, True, counts[0], None)
+    pieces = few_rows_linear(x, router)
+    piece_ids, piece_weights = route_top_k(pieces, TOP_K, True, counts[1], None)
+    assert torch.equal(logits, pieces) and torch.equal(ids, piece_ids) and torch.equal(weights, piece_weights)
+    assert torch.equal(counts[0], counts[1]) and _arrivals(x.device).sum().item() == 0
+    picks = Picks(expert_pairs(x, ids, weights, gate_up, down), ids, sum_picks)
+    residual = torch.randn(x.shape, device="cuda", generator=g).bfloat16()
+    norm = torch.rand(HIDDEN, device="cuda", generator=g).bfloat16()
+    fused = add_rms_norm(picks, residual, norm, 1e-6, False)
+    summed = add_rms_norm(picks.total(), residual, norm, 1e-6, False)
+    assert all(torch.equal(a, b) for a, b in zip(fused, summed, strict=True))
