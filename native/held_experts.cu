@@ -18,7 +18,9 @@
 // covers a 32-byte run of codes, 8 bytes a thread, and the activations are permuted to match.
 // Every 32 codes (a scale group) the MMA's sums are scaled in fp32; the offsets (128, 2304) and Q4_K's
 // group minimum are taken off with the group's activation sums, which one more MMA against a fragment of
-// ones gives. The codes' products are exact and summed in fp32.
+// ones gives. The codes' products are exact and summed in fp32. Built with Q8_HALF=1, Q8_0's gate and up take
+// fp16 operands instead, a whole code an operand (`group_mma_half`); down keeps bf16 (its input may leave fp16's
+// range).
 //
 // A warp's loop takes an iteration of its 32 rows at a time: Q4_K a super-block (144 bytes a row: head and 256
 // codes), Q8_0 four blocks (128 codes and their 4 scales). Its lanes copy the iteration, runs of whole rows,
@@ -39,6 +41,9 @@ typedef long long i64;
 #define UNITS 4   // units an iteration
 #ifndef MIN_BLOCKS
 #define MIN_BLOCKS 2  // blocks of MAX_WARPS threads an SM must hold: caps a thread's registers
+#endif
+#ifndef Q8_HALF
+#define Q8_HALF 0  // 1: Q8_0's gate and up as fp16 operands, a byte's code in one MMA (see compute_unit)
 #endif
 #define MAX_WARPS 8
 #define KIND_Q8_0 1
@@ -108,12 +113,27 @@ __device__ __forceinline__ void copies_done_but_newest() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(STAGES - 1) : "memory");
 }
 
+// c += A B, an m16n8k16 MMA with fp32 accumulators, of bf16 operands (fp16 where HALF).
+#define MMA_OF(TYPE)                                                                                      \
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." TYPE "." TYPE ".f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, " \
+                 "{%8,%9}, {%0,%1,%2,%3};\n"                                                              \
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                                        \
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1))
+template <bool HALF = false>
 __device__ __forceinline__ void mma(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+    if (HALF) {
+        MMA_OF("f16");
+    } else {
+        MMA_OF("bf16");
+    }
+}
+
+// Two bf16 (a word, the first in its low half) as two fp16, rounded to nearest: exact within fp16's normal
+// range, which a normed hidden state keeps to.
+__device__ __forceinline__ u32 bf16x2_to_f16x2(u32 v) {
+    u32 h;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(h) : "f"(__uint_as_float(v & 0xFFFF0000u)), "f"(__uint_as_float(v << 16)));
+    return h;
 }
 
 // (a & b) ^ c in one LOP3 (the compiler splits it when b and c are both immediates).
@@ -224,9 +244,39 @@ __device__ __forceinline__ void copy_iteration(
     }
 }
 
+// Q8_0's 32-code group as fp16 operands (HALF): a code byte with its top bit flipped, b = q + 128, placed
+// under fp16 1024's exponent byte (one PRMT for two codes) is exactly 1152 + q, and each weight block's two
+// halves take one MMA each against the activations converted to fp16 (the group's sums likewise), where the
+// bf16 operands need two (a nibble a code). The k order is the bf16 path's: bytes 4h + {0, 2} against
+// activations 4h + {0, 2}, bytes 4h + {1, 3} against 4h + {1, 3}.
+__device__ __forceinline__ void group_mma_half(
+    float (&c)[2][4], float (&s)[4], const u32 (&words)[2][2][2], const u32 (&xb)[2][2]) {
+    const u32 one = 0x3C003C00u, exponent = 0x64646464u;
+    u32 xh[2][2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        xh[h][0] = bf16x2_to_f16x2(xb[h][0]);
+        xh[h][1] = bf16x2_to_f16x2(xb[h][1]);
+    }
+    s[0] = s[1] = s[2] = s[3] = 0.f;
+    mma<true>(s, one, one, one, one, xh[0][0], xh[0][1]);
+    mma<true>(s, one, one, one, one, xh[1][0], xh[1][1]);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+        for (int b = 0; b < 2; ++b) {
+            const u32 g_row = words[b][0][h] ^ 0x80808080u, g8_row = words[b][1][h] ^ 0x80808080u;
+            mma<true>(c[b], __byte_perm(g_row, exponent, 0x4240), __byte_perm(g8_row, exponent, 0x4240),
+                    __byte_perm(g_row, exponent, 0x4341), __byte_perm(g8_row, exponent, 0x4341), xh[h][0],
+                    xh[h][1]);
+        }
+    }
+}
+
 // Unit S's MMAs from `stage` and the pair's activations `x` (Q4_K: the unit's two groups'), scaled into acc.
-// Q4_K: its scales from the warp's table, decoded at unit 0 from the super-block's heads.
-template <int KIND, int S>
+// Q4_K: its scales from the warp's table, decoded at unit 0 from the super-block's heads. HALF: Q8_0's codes
+// as fp16 operands (`group_mma_half`).
+template <int KIND, int S, bool HALF>
 __device__ __forceinline__ void compute_unit(
     const u8* stage, float* table, const uint4 (&x)[2], float (&acc)[2][4]) {
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -273,12 +323,16 @@ __device__ __forceinline__ void compute_unit(
             const int row = 16 * (r >> 1) + g + 8 * (r & 1);
             const float dd = f16_to_f32(*reinterpret_cast<const u16*>(stage + row * ROW_BYTES + 128 + 2 * S));
             d[r >> 1][r & 1] = dd;
-            e[r >> 1][r & 1] = 2304.f * dd;
+            e[r >> 1][r & 1] = (HALF ? 1152.f : 2304.f) * dd;
         }
         x_fragments(x[0], xb);
-        group_sums(s, xb);
-        group_mma(c, words, xb, 0, 0x43004300u);
-        group_mma(c, words, xb, 4, 0x45084508u);  // 2048 + 16 (h ^ 8): the byte's sign bit flipped
+        if (HALF) {
+            group_mma_half(c, s, words, xb);
+        } else {
+            group_sums(s, xb);
+            group_mma(c, words, xb, 0, 0x43004300u);
+            group_mma(c, words, xb, 4, 0x45084508u);  // 2048 + 16 (h ^ 8): the byte's sign bit flipped
+        }
         scale_into(acc, c, s, d, e);
     }
 }
@@ -292,7 +346,7 @@ __device__ __forceinline__ void load_unit_x(const u16* xs, uint4 (&x)[2]) {
 
 // Unit S of an iteration: the loads of the next unit's activations, then unit S's MMAs; `x` holds unit S's
 // activations, then the next unit's (the next iteration's first where `more`).
-template <int KIND, int S>
+template <int KIND, int S, bool HALF>
 __device__ __forceinline__ void unit_step(
     const u8* stage, float* table, const u16* xs, bool more, uint4 (&x)[2], float (&acc)[2][4]) {
     uint4 next[2] = {};
@@ -301,7 +355,7 @@ __device__ __forceinline__ void unit_step(
     } else if (more && xs) {
         load_unit_x<KIND, 0>(xs + ITERATION_VALUES(KIND), next);
     }
-    compute_unit<KIND, S>(stage, table, x, acc);
+    compute_unit<KIND, S, HALF>(stage, table, x, acc);
     x[0] = next[0];
     x[1] = next[1];
 }
@@ -348,6 +402,8 @@ __device__ __forceinline__ void held_pairs(
     // tiles and experts were written before gate_up began. So its blocks copy their first iterations while
     // the kernel before them finishes; gate_up's tiles come from the kernel just before it, so it waits first.
     constexpr bool early = !SWIGLU;
+    // gate and up read the normed hidden state, within fp16's range; down's input need not be
+    constexpr bool half = KIND == KIND_Q8_0 && SWIGLU && Q8_HALF;
     if (!early) previous_done();
     int expert;
     if (!block_pairs(mode, ids, tile_expert, tile_pairs, pairs, slot_pair, expert)) return;
@@ -391,10 +447,10 @@ __device__ __forceinline__ void held_pairs(
         __syncwarp();  // every lane's copies of this iteration have landed
         const u8* stage = stages + (i % STAGES) * STAGE_BYTES;
         const bool more = it + 1 < last;
-        unit_step<KIND, 0>(stage, table, xs, more, unit_x, acc);
-        unit_step<KIND, 1>(stage, table, xs, more, unit_x, acc);
-        unit_step<KIND, 2>(stage, table, xs, more, unit_x, acc);
-        unit_step<KIND, 3>(stage, table, xs, more, unit_x, acc);
+        unit_step<KIND, 0, half>(stage, table, xs, more, unit_x, acc);
+        unit_step<KIND, 1, half>(stage, table, xs, more, unit_x, acc);
+        unit_step<KIND, 2, half>(stage, table, xs, more, unit_x, acc);
+        unit_step<KIND, 3, half>(stage, table, xs, more, unit_x, acc);
         if (xs) xs += ITERATION_VALUES(KIND);
     }
     if (warp > 0) {

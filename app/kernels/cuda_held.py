@@ -65,8 +65,9 @@ WIDE_KINDS = _kinds("STRATA_CUDA_HELD_WIDE", ("Q4_K",))
 BLOCK_WARPS = _warps("STRATA_CUDA_HELD_WARPS", {"Q4_K": 4, "Q8_0": 4})
 DOWN_WARPS = _warps("STRATA_CUDA_HELD_DOWN_WARPS", BLOCK_WARPS)
 DISABLED = os.environ.get("STRATA_CUDA_HELD") == "0"
-# The source's compile-time choices (its #ifndef defaults where absent), e.g. "STAGES=3 MIN_BLOCKS=3" in
-# STRATA_CUDA_HELD_DEFINES: `benchmarks/tune_held.py --variants` times several.
+# The source's compile-time choices (its #ifndef defaults where absent), e.g. "STAGES=3 MIN_BLOCKS=3" or
+# "Q8_HALF=1" (Q8_0's gate and up as fp16 operands) in STRATA_CUDA_HELD_DEFINES: `benchmarks/tune_held.py
+# --variants` times several.
 DEFINES = dict(word.split("=") for word in os.environ.get("STRATA_CUDA_HELD_DEFINES", "").split())
 WIDE_LINEAR = 32768
 GROUP_LIMIT = 1024  # `group_pairs` is one block of 1,024 threads: pairs and experts each at most this

@@ -1,10 +1,11 @@
 """The CUDA held kernels' arithmetic (native/held_experts.cu), step by step on the CPU: each lane's words of
 codes widened by the kernels' bit operations into bf16 fragment registers, the activations permuted into
 theirs, each m16n8k16 MMA assembled from the 32 lanes' registers by PTX's fragment layout, the group sums
-from MMAs against ones, Q4_K's scales from the word-wide decode of its packed bytes, and the fp32 scaling;
-its result against the `gguf` package's dequantized weights. The codes and scales come through a warp's
-stage as its lanes' copies lay it out. The GPU runs the kernels themselves
-(tests/gpu/test_cuda_held_gpu.py); this keeps the scheme checked where CI runs, for changes to it."""
+from MMAs against ones, Q4_K's scales from the word-wide decode of its packed bytes, and the fp32 scaling
+(Q8_0 also as the Q8_HALF build's fp16 operands); its result against the `gguf` package's dequantized
+weights. The codes and scales come through a warp's stage as its lanes' copies lay it out. The GPU runs the
+kernels themselves (tests/gpu/test_cuda_held_gpu.py); this keeps the scheme checked where CI runs, for
+changes to it."""
 
 from __future__ import annotations
 
@@ -20,12 +21,23 @@ ITERATION_BYTES = {"Q4_K": 144, "Q8_0": 128}  # a row's bytes an iteration of a 
 BF16_128 = 0x43004300  # two bf16 128.0: a code ORed into the mantissa is 128 + code
 # Q8_0's (shift, magic) passes: 128 + low nibble, 2048 + 16 (high nibble ^ 8)
 Q8_0_PASSES = [(0, BF16_128), (4, 0x45084508)]
+F16_EXPONENT = 0x64646464  # fp16 1024.0's high byte, four times: a byte under it is 1024 + byte (Q8_HALF)
 
 
-def _halves(register: int) -> tuple[float, float]:
-    """A 32-bit register's two bf16 values, low half first."""
+def _halves(register: int, half: bool = False) -> tuple[float, float]:
+    """A 32-bit register's two bf16 values (fp16 where `half`), low half first."""
+    if half:
+        return tuple(
+            np.array([register & 0xFFFF, register >> 16], np.uint16).view(np.float16).astype(np.float64)
+        )
     pair = np.array([register & 0xFFFF, register >> 16], dtype=np.uint32) << 16
     return tuple(pair.view(np.float32).astype(np.float64))
+
+
+def _to_f16x2(register: int) -> int:
+    """`bf16x2_to_f16x2`: a register's two bf16 as two fp16, rounded to nearest."""
+    low, high = np.array(_halves(register), np.float32).astype(np.float16).view(np.uint16)
+    return int(low) | int(high) << 16
 
 
 def _widen(word: int, shift: int, magic: int) -> int:
@@ -37,17 +49,17 @@ def _byte_perm(a: int, b: int, selector: int) -> int:
     return int.from_bytes(bytes(source[(selector >> (4 * i)) & 0xF] for i in range(4)), "little")
 
 
-def _mma(a_regs: list[list[int]], b_regs: list[list[int]]) -> np.ndarray:
-    """D [32 lanes, 4] of one m16n8k16 MMA from each lane's 4 A registers and 2 B registers (PTX's layouts:
-    lane = 4 g + t holds A rows g and g + 8 at k 2t, 2t + 1 and + 8; B column g at the same k; D rows g and
-    g + 8 at columns 2t, 2t + 1)."""
+def _mma(a_regs: list[list[int]], b_regs: list[list[int]], half: bool = False) -> np.ndarray:
+    """D [32 lanes, 4] of one m16n8k16 MMA from each lane's 4 A registers and 2 B registers, bf16 (fp16 where
+    `half`) (PTX's layouts: lane = 4 g + t holds A rows g and g + 8 at k 2t, 2t + 1 and + 8; B column g at
+    the same k; D rows g and g + 8 at columns 2t, 2t + 1)."""
     a, b = np.zeros((16, 16)), np.zeros((16, 8))
     for lane in range(32):
         g, t = lane >> 2, lane & 3
         for reg, (row, k) in enumerate([(g, 2 * t), (g + 8, 2 * t), (g, 2 * t + 8), (g + 8, 2 * t + 8)]):
-            a[row, k], a[row, k + 1] = _halves(a_regs[lane][reg])
+            a[row, k], a[row, k + 1] = _halves(a_regs[lane][reg], half)
         for reg, k in enumerate([2 * t, 2 * t + 8]):
-            b[k, g], b[k + 1, g] = _halves(b_regs[lane][reg])
+            b[k, g], b[k + 1, g] = _halves(b_regs[lane][reg], half)
     d = a @ b
     return np.array([[d[g, c], d[g, c + 1], d[g + 8, c], d[g + 8, c + 1]] for g, c in _columns()])
 
@@ -103,9 +115,9 @@ def _stage_row(stage: np.ndarray, row: int) -> np.ndarray:
     return stage[row * ROW_BYTES : (row + 1) * ROW_BYTES]
 
 
-def _unit_groups(kind: str, stage: np.ndarray, unit: int) -> list[tuple[list, int, list, list]]:
+def _unit_groups(kind: str, stage: np.ndarray, unit: int, half: bool) -> list[tuple[list, int, list, list]]:
     """A unit's groups: (widening passes, x offset, D [row], E [row]) for each 32-code group of its bytes,
-    its scales read from the stage."""
+    its scales read from the stage (Q8_0's offset 1152 where `half`, whose codes take no passes)."""
     it, step = divmod(unit, 4)
     rows = [_stage_row(stage, row) for row in range(ROWS)]
     if kind == "Q8_0":
@@ -113,7 +125,7 @@ def _unit_groups(kind: str, stage: np.ndarray, unit: int) -> list[tuple[list, in
             float(np.frombuffer(row[128 + 2 * step : 130 + 2 * step].tobytes(), np.float16)[0])
             for row in rows
         ]
-        return [(Q8_0_PASSES, 32 * unit, d, [2304.0 * v for v in d])]
+        return [(Q8_0_PASSES, 32 * unit, d, [(1152.0 if half else 2304.0) * v for v in d])]
     groups = []
     for half in range(2):
         d_rows, e_rows = [], []
@@ -132,11 +144,19 @@ def _codes_at(kind: str, step: int, t: int) -> int:
     return (16 if kind == "Q4_K" else 0) + 32 * step + 8 * t
 
 
-def _emulate(kind: str, held: np.ndarray, x: np.ndarray, k: int) -> np.ndarray:
-    """The block's result [pairs, 32 rows] as the kernels compute it."""
+def _half_codes(words: list[int]) -> list[int]:
+    """`group_mma_half`'s A registers of half h from a lane's word of row g and of row g + 8: each byte with
+    its top bit flipped, under fp16 1024's exponent, bytes {0, 2} then {1, 3}."""
+    flipped = [word ^ 0x80808080 for word in words]
+    return [_byte_perm(word, F16_EXPONENT, selector) for selector in (0x4240, 0x4341) for word in flipped]
+
+
+def _emulate(kind: str, held: np.ndarray, x: np.ndarray, k: int, half: bool = False) -> np.ndarray:
+    """The block's result [pairs, 32 rows] as the kernels compute it (`half`: Q8_0's codes as fp16 operands,
+    the Q8_HALF build's gate and up)."""
     acc = np.zeros((2, 32, 4))
     units = k // (64 if kind == "Q4_K" else 32)
-    ones = [[0x3F803F80] * 4 for _ in range(32)]
+    ones = [[0x3C003C00 if half else 0x3F803F80] * 4 for _ in range(32)]
     for unit in range(units):
         if unit % 4 == 0:
             stage = _copy_iteration(kind, held, unit // 4, k)
@@ -147,16 +167,20 @@ def _emulate(kind: str, held: np.ndarray, x: np.ndarray, k: int) -> np.ndarray:
                     at = _codes_at(kind, unit % 4, t)
                     row = _stage_row(stage, 16 * b + g + 8 * r)
                     words[b, r, lane] = [_word(row, at), _word(row, at + 4)]
-        for passes, offset, d, e in _unit_groups(kind, stage, unit):
+        for passes, offset, d, e in _unit_groups(kind, stage, unit, half):
             b_regs = []  # [lane][half] -> (reg0, reg1)
             for g, t in _lanes():
                 v = [_word(x[g], 2 * (offset + 8 * t) + 4 * i) for i in range(4)]
                 halves = [(v[0], v[1]), (v[2], v[3])]
-                b_regs.append([[_byte_perm(lo, hi, s) for s in (0x5410, 0x7632)] for lo, hi in halves])
-            sums = sum(_mma(ones, [b_regs[lane][h] for lane in range(32)]) for h in range(2))
+                regs = [[_byte_perm(lo, hi, s) for s in (0x5410, 0x7632)] for lo, hi in halves]
+                b_regs.append([[_to_f16x2(reg) for reg in pair] for pair in regs] if half else regs)
+            sums = sum(_mma(ones, [b_regs[lane][h] for lane in range(32)], half) for h in range(2))
             for b in range(2):
                 c = np.zeros((32, 4))
-                for shift, magic in passes:
+                for h in range(2) if half else ():
+                    a_regs = [_half_codes([words[b, 0, lane][h], words[b, 1, lane][h]]) for lane in range(32)]
+                    c += _mma(a_regs, [b_regs[lane][h] for lane in range(32)], half=True)
+                for shift, magic in () if half else passes:
                     for h in range(2):
                         a_regs = [
                             [
@@ -178,15 +202,15 @@ def _emulate(kind: str, held: np.ndarray, x: np.ndarray, k: int) -> np.ndarray:
     return out
 
 
-@pytest.mark.parametrize("kind", ["Q4_K", "Q8_0"])
-def test_the_kernels_fragment_arithmetic_gives_the_dequantized_products(kind: str) -> None:
+@pytest.mark.parametrize(("kind", "half"), [("Q4_K", False), ("Q8_0", False), ("Q8_0", True)])
+def test_the_kernels_fragment_arithmetic_gives_the_dequantized_products(kind: str, half: bool) -> None:
     k = 512
     blocks = random_blocks(kind, (ROWS, k), seed=3)
     held = to_held(kind, blocks).numpy()
     x = torch.randn(PAIRS, k, generator=torch.Generator().manual_seed(4)).bfloat16()
     bits = x.view(torch.int16).numpy().view(np.uint16).view(np.uint8).reshape(PAIRS, -1)
     expected = x.double().numpy() @ dequantize(kind, blocks, (ROWS, k)).double().numpy().T
-    got = _emulate(kind, held, bits, k)
+    got = _emulate(kind, held, bits, k, half)
     np.testing.assert_allclose(got, expected, rtol=0, atol=1e-5 * np.abs(expected).max())
 
 
