@@ -13,9 +13,9 @@
 # they load at 1, 2, 4, 8 and 32 concurrent (one engine a configuration), whole on one GPU, split in two with
 # one slot group, and with pipelined groups (on a machine of one GPU both stages share it: --stage-gpus 0,0);
 # then over HTTP a decoding slot while a peer's 32K prompt is read on the split (two groups).
-# gguf: the held-weight GPU tests and the CUDA held kernels' (GGUF_TESTS=0 skips them, GGUF_TESTS_K selects as
-# pytest -k), benchmarks/tune_held.py at TUNE_TOKENS tokens where given (TUNE_VARIANTS: the kernels' defines to
-# try; benchmarks/pick_held.py's pick then serves the runs below), then
+# gguf: the held-weight GPU tests, the CUDA held kernels' and the one-launch routing's (GGUF_TESTS=0 skips
+# them, GGUF_TESTS_K selects as pytest -k), benchmarks/tune_held.py at TUNE_TOKENS tokens where given
+# (TUNE_VARIANTS: the kernels' defines to try; benchmarks/pick_held.py's pick then serves the runs below), then
 # benchmarks/gguf_bench.py on a random q30 file of each quant type named (default Q4_K) and, with
 # PROFILE_BATCH, benchmarks/profile_window.py's kernels of its decode windows of that batch; also with the
 # expert tier at a 25% budget (--expert-cache 32) for the types in TIER_KINDS (default: every one named), and
@@ -192,6 +192,7 @@ if [[ $what == gguf ]]; then
     fi
     if [[ ${GGUF_TESTS:-1} != 0 ]]; then
         python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_cuda_held_gpu.py tests/gpu/test_held_gpu.py \
+            tests/gpu/test_triton_moe_gpu.py::test_a_window_routed_in_one_launch_routes_as_its_pieces \
             -k "${GGUF_TESTS_K:-}" 2>&1 | tee "$out/gpu-tests.log" || status=1
     fi
     if [[ -n ${TUNE_TOKENS:-} ]]; then

@@ -29,7 +29,8 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def wide_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A Qwen3-MoE checkpoint whose router the pieces project by `row_linear` (a hidden state over
     ONE_DOT_K), as every full-size shape's."""
-    return write_checkpoint(tmp_path_factory.mktemp("qwen3_moe"), "qwen3_moe", hidden_size=256)
+    path = tmp_path_factory.mktemp("qwen3_moe")
+    return write_checkpoint(path, "qwen3_moe", hidden_size=256, num_hidden_layers=2)
 
 
 def _block(checkpoint: Path, dtype: str, shared: bool = True) -> SparseMoE:
@@ -159,11 +160,11 @@ def test_a_norm_sums_a_blocks_picks_in_its_own_launch(wide_moe: Path) -> None:
 
 
 def test_the_engine_gives_the_bits_of_the_pieces(wide_moe: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Greedy tokens and logprobs of three conversations decoding together, the routing in one launch and
-    each block's picks summed by the next norm, bit for bit as with every block's pieces."""
+    """Greedy tokens and logprobs of three conversations read and decoding together, the routing in one
+    launch and each block's picks summed by the next norm, bit for bit as with every block's pieces."""
     gen = torch.Generator().manual_seed(8)
-    prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (9, 5, 12)]
-    params = {"max_tokens": 5, "temperature": 0, "ignore_eos": True, "logprobs": 1}
+    prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (4, 2, 5)]
+    params = {"max_tokens": 2, "temperature": 0, "ignore_eos": True, "logprobs": 1}
     routed = []
     route_window = triton_moe_block.route_window
     monkeypatch.setattr(triton_moe_block, "route_window", lambda *a: routed.append(1) or route_window(*a))
@@ -174,6 +175,6 @@ def test_the_engine_gives_the_bits_of_the_pieces(wide_moe: Path, monkeypatch: py
         return [(c.token_ids, [p.chosen.logprob for p in c.logprobs]) for c in done.values()]
 
     fused = answers()
-    assert len(routed) == 4 * 3  # the decode windows' three layers (the prompts' window runs the pieces)
+    assert len(routed) == 2 * 2  # both windows' two layers: the prompts' (11 rows) and a decode window
     monkeypatch.setenv("STRATA_FUSED_DECODE", "0")
-    assert fused == answers() and len(routed) == 12
+    assert fused == answers() and len(routed) == 4
