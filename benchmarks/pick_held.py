@@ -1,14 +1,16 @@
 """Picks, from `benchmarks/tune_held.py` lines, which held kinds the CUDA kernels should take and how: for
 each kind's experts the choice ("default": the Triton kernels, or "cuda wN [DEFINES]") with the least time
-summed over the windows timed, for its dense projections (attention's) "cuda" or "default" the same way, and
-for its LM head (`lm_head` lines) the same again. Prints shell exports of STRATA_CUDA_HELD_EXPERTS,
-STRATA_CUDA_HELD_WARPS, STRATA_CUDA_HELD_DOWN_WARPS, STRATA_CUDA_HELD_DEFINES, STRATA_CUDA_HELD_LINEAR and
-STRATA_CUDA_HELD_WIDE (app/kernels/cuda_held.py reads them), and each kind's sums on stderr.
+summed over the windows timed, for its dense projections (attention's) "cuda" (or "cuda sW": k split over
+blocks) or "default" the same way, and for its LM head (`lm_head` lines) the same again. Prints shell exports
+of STRATA_CUDA_HELD_EXPERTS, STRATA_CUDA_HELD_WARPS, STRATA_CUDA_HELD_DOWN_WARPS, STRATA_CUDA_HELD_DEFINES,
+STRATA_CUDA_HELD_LINEAR, STRATA_CUDA_HELD_SPLIT_WAVES and STRATA_CUDA_HELD_WIDE (app/kernels/cuda_held.py
+reads them), and each kind's sums on stderr.
 
     eval "$(python benchmarks/pick_held.py tune.log [dense.log])"
 
 The defines build every kind's kernels, so a define goes in only where every kind the CUDA kernels take
-picked it.
+and the define changes (DEFINE_KINDS; else every kind) picked it. The split waves are one setting for every
+kind: those with the least time summed over the kinds whose projections go to the CUDA kernels.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from pathlib import Path
 EXPERTS = re.compile(
     r"^(\S+) experts tokens (\d+) (default|cuda w\d+(?: d\d+)?(?: [A-Z0-9_]+=\S+)*)\s+([\d.]+) us"
 )
-DENSE = re.compile(r"^(\S+) (qkv|o) tokens (\d+) (default|cuda)\s+([\d.]+) us")
+DENSE = re.compile(r"^(\S+) (qkv|o) tokens (\d+) (default|cuda(?: s[\d.]+)?)\s+([\d.]+) us")
+DEFINE_KINDS = {"Q8_HALF": ("Q8_0",)}  # defines that change some kinds' kernels alone
 WIDE = re.compile(r"^(\S+) (lm_head) tokens (\d+) (default|cuda)\s+([\d.]+) us")
 
 
@@ -53,23 +56,38 @@ def pick(lines: list[str]) -> dict[str, object]:
             down = words[2] if len(words) > 2 and words[2].startswith("d") else None
             down_warps[kind] = int(down.removeprefix("d")) if down else warps[kind]
             chosen[kind] = dict(word.split("=") for word in words[2 + (down is not None) :])
-    variants = list(chosen.values())
-    defines = {
-        name: value
-        for name, value in (variants[0] if variants else {}).items()
-        if all(variant.get(name) == value for variant in variants)
-    }
+    defines = {}
+    for name, value in {name: v for variant in chosen.values() for name, v in variant.items()}.items():
+        deciding = [kind for kind in chosen if kind in DEFINE_KINDS.get(name, chosen)]
+        if deciding and all(chosen[kind].get(name) == value for kind in deciding):
+            defines[name] = value
+    linear = _faster_on_cuda(dense)
     return {
         "experts": experts,
         "warps": warps,
         "down_warps": down_warps,
         "defines": defines,
-        "linear": _faster_on_cuda(dense),
+        "linear": linear,
+        "split_waves": _split_waves({kind: dense[kind] for kind in linear}),
         "wide": _faster_on_cuda(wide),
         "sums": sums,
         "dense_sums": dense,
         "wide_sums": wide,
     }
+
+
+def _split_waves(sums: dict[str, dict[str, float]]) -> float:
+    """The split waves ("cuda sW"; plain "cuda": 0) timed for every kind in `sums` with the least time summed
+    over them."""
+    timed = [
+        {choice: us for choice, us in choices.items() if choice.startswith("cuda")}
+        for choices in sums.values()
+    ]
+    common = set.intersection(*(set(choices) for choices in timed)) if timed else set()
+    if not common:
+        return 0.0
+    best = min(sorted(common), key=lambda choice: sum(choices[choice] for choices in timed))
+    return float(best.removeprefix("cuda").removeprefix(" s") or 0)
 
 
 def _faster_on_cuda(sums: dict[str, dict[str, float]]) -> list[str]:
@@ -91,6 +109,7 @@ def main() -> None:
     print(f'export STRATA_CUDA_HELD_DEFINES="{" ".join(f"{k}={v}" for k, v in picked["defines"].items())}"')
     if any(DENSE.match(line) for line in lines):
         print(f'export STRATA_CUDA_HELD_LINEAR="{" ".join(picked["linear"])}"')
+        print(f'export STRATA_CUDA_HELD_SPLIT_WAVES="{picked["split_waves"]:g}"')
     if any(WIDE.match(line) for line in lines):
         print(f'export STRATA_CUDA_HELD_WIDE="{" ".join(picked["wide"])}"')
 

@@ -5,6 +5,8 @@ shapes (replayed from CUDA graphs, weights rotated so that repeats do not run fr
     python benchmarks/tune_held.py --kinds IQ3_S IQ4_XS --tokens 8 32 2048
     python benchmarks/tune_held.py --kinds Q4_K Q8_0 --tokens 1 8 32 --default-only --experts-only \
         --warps 2 4 --variants - "STAGES=3"   # then --dense-only: benchmarks/pick_held.py reads both
+    python benchmarks/tune_held.py --kinds Q4_K Q8_0 --tokens 1 8 32 --default-only --dense-only \
+        --split-waves 1 2 4   # a dense projection's k split over blocks
 
 Routed experts (`fused_experts`, routing alignment to the sum) and the dense projections (`tiled_linear`:
 attention's qkv and output, the LM head) for each quant type, beside bf16 weights (their default tiles
@@ -114,6 +116,13 @@ def main() -> None:
         default=[],
         help='compile the CUDA kernels with each of these defines ("STAGES=3 MIN_BLOCKS=3"; "-": none)',
     )
+    parser.add_argument(
+        "--split-waves",
+        type=float,
+        nargs="+",
+        default=[],
+        help="time the CUDA kernels' dense projections also with k split over about this many blocks an SM",
+    )
     args = parser.parse_args()
     for kind in args.kinds:
         if not args.dense_only:
@@ -173,8 +182,9 @@ def _time_experts(kind: str, args: argparse.Namespace) -> None:
 
 
 def _time_dense(kind: str, args: argparse.Namespace) -> None:
-    """The dense projections held as `kind` at each window: the default tiles, the CUDA kernels, and the
-    other tiles unless `--default-only`."""
+    """The dense projections held as `kind` at each window: the default tiles, the CUDA kernels (also with
+    k split over blocks, `--split-waves`), and the other tiles unless `--default-only`."""
+    waves_before = cuda_held.SPLIT_WAVES
     for label, shape in DENSE.items():
         dense = [_weights(kind, shape, c) for c in range(SETS)]
         moved = dense[0].numel() * dense[0].element_size()
@@ -183,18 +193,22 @@ def _time_dense(kind: str, args: argparse.Namespace) -> None:
             choices = {"default": held_tiles(tokens, shape[0])}
             if kind in cuda_held.KINDS and tokens <= cuda_held.DECODE_TOKENS:
                 choices["cuda"] = None  # app/kernels/cuda_held.py's `linear`
+                for waves in args.split_waves:  # the same, k split over blocks ("cuda sW")
+                    choices[f"cuda s{waves:g}"] = waves
             if kind != "bf16" and not args.default_only:
                 choices |= DENSE_TILES | (COLUMNS_FIRST_TILES if kind == "Q8_0" else {})
             first = None
             for name, tiles in choices.items():
+                cuda_held.SPLIT_WAVES = tiles if isinstance(tiles, float) else waves_before
                 calls = [
                     (lambda w=w, x=x, k=kind: cuda_held.linear(x, w, k))
-                    if tiles is None
+                    if tiles is None or isinstance(tiles, float)
                     else (lambda w=w, t=tiles, x=x: tiled_linear(x, w, None, t))
                     for w in dense
                 ]
                 out = _time(f"{kind} {label} tokens {tokens} {name}", calls, moved, first)
                 first = out if first is None else first
+            cuda_held.SPLIT_WAVES = waves_before
         del dense
 
 

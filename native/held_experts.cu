@@ -8,7 +8,9 @@
 // matching up rows (gate_up, SwiGLU applied), or 32 rows (down, dense). Its warps (blockDim.x / 32, which the
 // caller sets from k alone) each take a contiguous share of k and add their sums in a fixed order at the end,
 // so a pair's result depends on its expert's weights and its own activations only, never on the other pairs
-// of its window or on their number.
+// of its window or on their number. A dense projection of few column tiles may also split k over gridDim.z
+// blocks (a count the caller sets from the weight's shape alone), added in split order by the last to finish
+// (`split_total`).
 //
 // Each warp runs m16n8k16 bf16 MMAs with the weights as the 16-row left operand and the pairs' activations
 // as the 8-column right one. A thread widens the codes it loaded straight into its fragment registers: a
@@ -389,12 +391,50 @@ __device__ __forceinline__ bool block_pairs(
     return true;
 }
 
+// k split over the blocks of gridDim.z (a dense projection of few column tiles): warp 0 of each block leaves
+// its sums in `split_sums` (256 floats a block, by tile and split) and counts its arrival on its tile's
+// counter; the block that arrives last adds every split's sums in split order into acc (so the total does
+// not depend on which block finishes last), sets the counter back to 0 for the next launch and returns true.
+// A float stored to / loaded from L2, past this SM's L1 (which another block's stores do not reach).
+__device__ __forceinline__ void store_l2(float* p, float v) {
+    asm volatile("st.global.cg.f32 [%0], %1;" ::"l"(p), "f"(v) : "memory");
+}
+
+__device__ __forceinline__ float load_l2(const float* p) {
+    float v;
+    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ bool split_total(float (&acc)[2][4], float* split_sums, int* arrivals) {
+    const int lane = threadIdx.x & 31, splits = gridDim.z;
+    const i64 tile = (i64)blockIdx.x * gridDim.y + blockIdx.y;
+    float* sums = split_sums + tile * splits * 256 + lane * 8;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) store_l2(sums + blockIdx.z * 256 + i, acc[i >> 2][i & 3]);
+    __threadfence();  // this lane's sums visible to every block before the arrival is counted
+    __syncwarp();
+    int arrived = 0;
+    if (lane == 0) arrived = atomicAdd(arrivals + tile, 1);
+    arrived = __shfl_sync(0xFFFFFFFFu, arrived, 0);
+    if (arrived != splits - 1) return false;
+    __threadfence();  // the other blocks' sums, counted before this arrival, are read after it
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc[i >> 2][i & 3] = 0.f;
+    for (int split = 0; split < splits; ++split) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[i >> 2][i & 3] += load_l2(sums + split * 256 + i);
+    }
+    if (lane == 0) arrivals[tile] = 0;
+    return true;
+}
+
 template <int KIND, bool SWIGLU>
 __device__ __forceinline__ void held_pairs(
     const u16* __restrict__ x, const u8* __restrict__ w, u16* __restrict__ out, const i64* __restrict__ ids,
     const int* __restrict__ tile_expert, const int* __restrict__ tile_pairs, const u16* __restrict__ scale,
     int mode, int pairs, int k, int up_rows, i64 stride_we, i64 stride_wn, i64 stride_xm, i64 stride_om,
-    int x_row_div) {
+    int x_row_div, float* __restrict__ split_sums, int* __restrict__ arrivals) {
     extern __shared__ __align__(16) u8 shared[];
     __shared__ int slot_pair[TILE_PAIRS];
     // Launched dependently: the rows kernel reads, before the kernel before it has ended, what that kernel
@@ -421,8 +461,10 @@ __device__ __forceinline__ void held_pairs(
     const int second = SWIGLU ? col0 + up_rows : col0 + 16;  // block 1's first row
     const u8* copied[2] = {base + (i64)(col0 + (lane >> 3)) * stride_wn, base + (i64)(second + (lane >> 3)) * stride_wn};
     float acc[2][4] = {};
-    const int iterations = k / ITERATION_VALUES(KIND);
-    const int first = iterations * warp / warps, last = iterations * (warp + 1) / warps;
+    // the block's share of k (blockIdx.z of gridDim.z splits), then each warp's of that
+    const int iterations = k / ITERATION_VALUES(KIND), splits = gridDim.z;
+    const int lo = iterations * blockIdx.z / splits, span = iterations * (blockIdx.z + 1) / splits - lo;
+    const int first = lo + span * warp / warps, last = lo + span * (warp + 1) / warps;
     const u16* xs = xrow ? xrow + first * ITERATION_VALUES(KIND) + 8 * t : nullptr;
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
@@ -463,6 +505,7 @@ __device__ __forceinline__ void held_pairs(
 #pragma unroll
         for (int i = 0; i < 8; ++i) acc[i >> 2][i & 3] += partial[(p * 32 + lane) * 8 + i];
     }
+    if (splits > 1 && !split_total(acc, split_sums, arrivals)) return;
     // acc[b][i]: row (g if i < 2 else g + 8) of block b, pair slot 2 t + (i & 1)
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
@@ -483,10 +526,10 @@ __device__ __forceinline__ void held_pairs(
 #define HELD_ARGS                                                                                        \
     const u16 *x, const u8 *w, u16 *out, const i64 *ids, const int *tile_expert, const int *tile_pairs, \
         const u16 *scale, int mode, int pairs, int k, int up_rows, i64 stride_we, i64 stride_wn,         \
-        i64 stride_xm, i64 stride_om, int x_row_div
+        i64 stride_xm, i64 stride_om, int x_row_div, float *split_sums, int *arrivals
 #define HELD_PASS \
     x, w, out, ids, tile_expert, tile_pairs, scale, mode, pairs, k, up_rows, stride_we, stride_wn, stride_xm, \
-        stride_om, x_row_div
+        stride_om, x_row_div, split_sums, arrivals
 
 extern "C" __global__ void __launch_bounds__(MAX_WARPS * 32, MIN_BLOCKS) held_q4_k_gate_up(HELD_ARGS) {
     held_pairs<KIND_Q4_K, true>(HELD_PASS);

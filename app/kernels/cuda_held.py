@@ -65,6 +65,13 @@ WIDE_KINDS = _kinds("STRATA_CUDA_HELD_WIDE", ("Q4_K",))
 BLOCK_WARPS = _warps("STRATA_CUDA_HELD_WARPS", {"Q4_K": 4, "Q8_0": 4})
 DOWN_WARPS = _warps("STRATA_CUDA_HELD_DOWN_WARPS", BLOCK_WARPS)
 DISABLED = os.environ.get("STRATA_CUDA_HELD") == "0"
+# A dense projection of at most SPLIT_TILES column tiles (32 rows of the weight each) splits k over about
+# SPLIT_WAVES blocks an SM (STRATA_CUDA_HELD_SPLIT_WAVES; 0: never), at most MAX_SPLITS and one iteration a
+# warp; the split count follows the weight's shape and the device alone, so a row's bits stay those of any
+# window. Off until timed on a card (`benchmarks/tune_held.py --split-waves`).
+SPLIT_WAVES = float(os.environ.get("STRATA_CUDA_HELD_SPLIT_WAVES", "0"))
+SPLIT_TILES = 512
+MAX_SPLITS = 8
 # The source's compile-time choices (its #ifndef defaults where absent), e.g. "STAGES=3 MIN_BLOCKS=3" or
 # "Q8_HALF=1" (Q8_0's gate and up as fp16 operands) in STRATA_CUDA_HELD_DEFINES: `benchmarks/tune_held.py
 # --variants` times several.
@@ -177,6 +184,12 @@ class _Kernels:
         )
         # a block's dynamic shared memory, at most: the device's limit less room for the static (a few words)
         properties = torch.cuda.get_device_properties(device)
+        self.sms = properties.multi_processor_count
+        # the split dense projections' arrival counters, one a column tile of a launch (back to 0 after each;
+        # a device's windows run one after another on its stream)
+        self.arrivals = torch.zeros(
+            SPLIT_TILES * (DECODE_TOKENS // TILE_PAIRS), dtype=torch.int32, device=device
+        )
         self.shared_limit = getattr(properties, "shared_memory_per_block_optin", 48 << 10) - 1024
         for name in KERNELS[:-1]:  # the held kernels: their shared memory may pass the default 48 KB
             result = self.driver.cuFuncSetAttribute(
@@ -196,9 +209,17 @@ class _Kernels:
             warps -= 1
         return warps
 
-    def launch(self, name: str, grid: tuple[int, int], threads: int, args: list, shared: int = 0) -> None:
-        """Launch kernel `name` with `args` (tensors, None for a null pointer, or ctypes values) and `shared`
-        bytes of dynamic shared memory."""
+    def splits(self, kind: str, k: int, n: int) -> int:
+        """The blocks a dense projection into `n` columns over rows of `k` values of `kind` splits k over
+        (SPLIT_WAVES): a function of the weight's shape and the device alone."""
+        tiles, iterations = n // 32, k // ITERATION_VALUES[kind]
+        if SPLIT_WAVES <= 0 or tiles > SPLIT_TILES:
+            return 1
+        return max(1, min(MAX_SPLITS, iterations, round(SPLIT_WAVES * self.sms / tiles)))
+
+    def launch(self, name: str, grid: tuple[int, ...], threads: int, args: list, shared: int = 0) -> None:
+        """Launch kernel `name` on `grid` (x, y[, z]) with `args` (tensors, None for a null pointer, or
+        ctypes values) and `shared` bytes of dynamic shared memory."""
         values = [
             ctypes.c_void_p(arg.data_ptr() if isinstance(arg, torch.Tensor) else 0)
             if arg is None or isinstance(arg, torch.Tensor)
@@ -207,13 +228,14 @@ class _Kernels:
         ]
         pointers = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
         stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+        x, y, z = (*grid, 1, 1)[:3]
         if self.dependent is None:
             result = self.driver.cuLaunchKernel(
-                self.functions[name], grid[0], grid[1], 1, threads, 1, 1, shared, stream, pointers, None
+                self.functions[name], x, y, z, threads, 1, 1, shared, stream, pointers, None
             )
         else:
             config = _LaunchConfig(
-                (grid[0], grid[1], 1), (threads, 1, 1), shared, stream, ctypes.pointer(self.dependent), 1
+                (x, y, z), (threads, 1, 1), shared, stream, ctypes.pointer(self.dependent), 1
             )
             result = self.driver.cuLaunchKernelEx(ctypes.byref(config), self.functions[name], pointers, None)
         if result != 0:
@@ -287,12 +309,19 @@ def _matmul(
     row_div: int,
 ) -> None:
     """One launch of kind's kernel (`swiglu`: gate_up's, else rows'): out = x @ weight rows, per block's pairs
-    as `routing` (ids, tile_expert, tile_pairs, mode) gives them."""
+    as `routing` (ids, tile_expert, tile_pairs, mode) gives them; a dense projection's k split over
+    `Kernels.splits` blocks."""
     ids, tile_expert, tile_pairs, mode = routing
-    warps = kernels.warps(kind, x.shape[1], not swiglu and routing[3] != MODE_DENSE)
+    k = x.shape[1]
+    splits = kernels.splits(kind, k, weight.shape[1]) if mode == MODE_DENSE else 1
+    share = k // ITERATION_VALUES[kind] // splits * ITERATION_VALUES[kind]  # a block's k, at least
+    warps = kernels.warps(kind, share, not swiglu and mode != MODE_DENSE)
+    split_sums = None
+    if splits > 1:
+        split_sums = torch.empty(grid[0] * grid[1] * splits * 256, dtype=torch.float32, device=x.device)
     kernels.launch(
         f"held_{kind.lower()}_{'gate_up' if swiglu else 'rows'}",
-        grid,
+        (*grid, splits),
         warps * 32,
         [
             x,
@@ -311,6 +340,8 @@ def _matmul(
             ctypes.c_longlong(x.stride(0)),
             ctypes.c_longlong(out.stride(0)),
             ctypes.c_int(row_div),
+            split_sums,
+            kernels.arrivals if splits > 1 else None,
         ],
         shared_bytes(kind, warps),
     )

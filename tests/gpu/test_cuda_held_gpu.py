@@ -145,3 +145,35 @@ def test_q8_0_gate_and_up_as_fp16_operands_match_the_reference(monkeypatch: pyte
         torch.testing.assert_close(half.float() / scale, plain.float() / scale, atol=1e-2, rtol=0)
     finally:
         cuda_held._kernels.cache_clear()
+
+
+@pytest.mark.parametrize("kind", cuda_held.KINDS)
+@pytest.mark.parametrize("shape", [(5120, HIDDEN), (HIDDEN, 4096)])
+def test_projections_split_over_blocks_match_the_reference_and_keep_row_bits(
+    kind: str, shape: tuple[int, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """k split over several blocks a column tile (SPLIT_WAVES), the last to finish adding the splits in
+    order: the reference's values, a row's bits alone as in any window, and in a graph replayed twice (the
+    tiles' counters back to 0 after every launch)."""
+    monkeypatch.setattr(cuda_held, "SPLIT_WAVES", 2.0)
+    blocks = random_blocks(kind, shape, 5, device="cuda")
+    weight, values = to_held(kind, blocks), dequantize(kind, blocks, shape)
+    kernels = cuda_held._kernels(torch.device("cuda"))
+    assert kernels is not None and kernels.splits(kind, shape[1], shape[0]) > 1
+    x = torch.randn(cuda_held.DECODE_TOKENS, shape[1], device="cuda").bfloat16()
+    full = cuda_held.linear(x, weight, kind)
+    assert full is not None, "the CUDA kernels did not serve"
+    expected = x.float() @ values.T
+    scale = expected.abs().max()
+    torch.testing.assert_close(full.float() / scale, expected / scale, atol=1e-2, rtol=0)
+    for rows in (1, 5, 9):
+        assert torch.equal(cuda_held.linear(x[-rows:], weight, kind)[-1], full[-1]), rows
+    window = x[:8].clone()
+    eager = cuda_held.linear(window, weight, kind)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = cuda_held.linear(window, weight, kind)
+    for _ in range(2):
+        graph.replay()
+        assert torch.equal(captured, eager)
+    assert kernels.arrivals.sum().item() == 0

@@ -43,3 +43,22 @@ def test_a_define_goes_in_only_where_every_kind_picked_it() -> None:
     picked = pick(lines)
     assert picked["experts"] == ["Q4_K"]
     assert picked["defines"] == {"STAGES": "3", "MIN_BLOCKS": "3"}
+
+
+def test_a_define_of_one_kind_goes_in_where_that_kind_picked_it() -> None:
+    lines = [
+        line.replace("STAGES=3 MIN_BLOCKS=3", "Q8_HALF=1") if line.startswith("Q8_0 experts") else line
+        for line in LINES
+    ]
+    assert pick(lines)["defines"] == {"Q8_HALF": "1"}  # Q4_K's kernels are the same with it or without
+
+
+def test_the_split_waves_with_the_least_time_over_the_kinds_on_cuda() -> None:
+    split = [
+        "Q4_K qkv tokens 8 cuda s2                          6.0 us    1.2 TB/s  drift 1.0e-03",
+        "Q4_K qkv tokens 8 cuda s4                          7.0 us    1.2 TB/s  drift 1.0e-03",
+        "Q8_0 qkv tokens 8 cuda s2                         11.0 us    1.2 TB/s  drift 1.0e-03",
+    ]
+    picked = pick(LINES + split)
+    assert picked["linear"] == ["Q4_K"] and picked["split_waves"] == 2.0
+    assert pick(LINES)["split_waves"] == 0.0
