@@ -80,7 +80,13 @@ def test_cuda_leaves_wider_windows_and_other_dtypes_to_triton(experts: tuple) ->
 @pytest.mark.parametrize("kind", cuda_held.KINDS)
 @pytest.mark.parametrize("shape", [(5120, HIDDEN), (HIDDEN, 4096), (151936, HIDDEN)])
 def test_cuda_projections_match_the_reference_and_keep_row_bits(kind: str, shape: tuple[int, int]) -> None:
-    blocks = random_blocks(kind, shape, 4, device="cuda")
+    _check_projection(kind, shape, 4)
+
+
+def _check_projection(kind: str, shape: tuple[int, int], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random held weight of `shape` projected by the CUDA kernels at DECODE_TOKENS rows against the
+    dequantized reference, and a row's bits in windows of 1, 5 and 9 rows as in that one: (weight, x)."""
+    blocks = random_blocks(kind, shape, seed, device="cuda")
     weight, values = to_held(kind, blocks), dequantize(kind, blocks, shape)
     x = torch.randn(cuda_held.DECODE_TOKENS, shape[1], device="cuda").bfloat16()
     full = cuda_held.linear(x, weight, kind)
@@ -90,6 +96,7 @@ def test_cuda_projections_match_the_reference_and_keep_row_bits(kind: str, shape
     torch.testing.assert_close(full.float() / scale, expected / scale, atol=1e-2, rtol=0)
     for rows in (1, 5, 9):
         assert torch.equal(cuda_held.linear(x[-rows:], weight, kind)[-1], full[-1]), rows
+    return weight, x
 
 
 def test_cuda_kernels_launched_dependently_in_a_graph_read_what_came_before(experts: tuple) -> None:
@@ -156,18 +163,9 @@ def test_projections_split_over_blocks_match_the_reference_and_keep_row_bits(
     order: the reference's values, a row's bits alone as in any window, and in a graph replayed twice (the
     tiles' counters back to 0 after every launch)."""
     monkeypatch.setattr(cuda_held, "SPLIT_WAVES", 2.0)
-    blocks = random_blocks(kind, shape, 5, device="cuda")
-    weight, values = to_held(kind, blocks), dequantize(kind, blocks, shape)
     kernels = cuda_held._kernels(torch.device("cuda"))
     assert kernels is not None and kernels.splits(kind, shape[1], shape[0]) > 1
-    x = torch.randn(cuda_held.DECODE_TOKENS, shape[1], device="cuda").bfloat16()
-    full = cuda_held.linear(x, weight, kind)
-    assert full is not None, "the CUDA kernels did not serve"
-    expected = x.float() @ values.T
-    scale = expected.abs().max()
-    torch.testing.assert_close(full.float() / scale, expected / scale, atol=1e-2, rtol=0)
-    for rows in (1, 5, 9):
-        assert torch.equal(cuda_held.linear(x[-rows:], weight, kind)[-1], full[-1]), rows
+    weight, x = _check_projection(kind, shape, 5)
     window = x[:8].clone()
     eager = cuda_held.linear(window, weight, kind)
     graph = torch.cuda.CUDAGraph()
