@@ -544,8 +544,9 @@ extern "C" __global__ void __launch_bounds__(MAX_WARPS * 32, MIN_BLOCKS) held_q8
     held_pairs<KIND_Q8_0, false>(HELD_PASS);
 }
 
-// Tiles of up to 8 pairs of one expert, in pair order (one block of 1,024 threads; pairs and experts at most
-// 1,024): tile_expert[t] (-1: unused) and tile_pairs[t * 8 + s] (-1: empty slot) for t < tiles.
+// Tiles of up to 8 pairs of one expert, in pair order (one block of a power of two threads, at least the pairs
+// and the experts, at most 1,024): tile_expert[t] (-1: unused) and tile_pairs[t * 8 + s] (-1: empty slot) for
+// t < tiles.
 extern "C" __global__ void __launch_bounds__(1024)
     group_pairs(const i64* ids, int pairs, int experts, int tiles, int* tile_expert, int* tile_pairs) {
     __shared__ int count[1024];
@@ -566,7 +567,7 @@ extern "C" __global__ void __launch_bounds__(1024)
     __syncthreads();
     const int own = i < experts ? (count[i] + TILE_PAIRS - 1) / TILE_PAIRS : 0;
     scan[i] = own;
-    for (int step = 1; step < 1024; step <<= 1) {
+    for (int step = 1; step < blockDim.x; step <<= 1) {
         __syncthreads();
         const int add = i >= step ? scan[i - step] : 0;
         __syncthreads();

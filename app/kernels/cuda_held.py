@@ -77,7 +77,7 @@ MAX_SPLITS = 8
 # --variants` times several.
 DEFINES = dict(word.split("=") for word in os.environ.get("STRATA_CUDA_HELD_DEFINES", "").split())
 WIDE_LINEAR = 32768
-GROUP_LIMIT = 1024  # `group_pairs` is one block of 1,024 threads: pairs and experts each at most this
+GROUP_LIMIT = 1024  # `group_pairs` is one block of up to 1,024 threads: pairs and experts each at most this
 MODE_TILES, MODE_PER_PAIR, MODE_DENSE = 0, 1, 2
 KERNELS = ("held_q4_k_gate_up", "held_q4_k_rows", "held_q8_0_gate_up", "held_q8_0_rows", "group_pairs")
 SOURCE_NAME = "held_experts.cu"
@@ -384,10 +384,11 @@ def expert_pairs(
         blocks = -(-pairs // TILE_PAIRS) + min(pairs, experts)
         tile_expert = torch.empty(blocks, dtype=torch.int32, device=x.device)
         tile_pairs = torch.empty(blocks * TILE_PAIRS, dtype=torch.int32, device=x.device)
+        threads = min(GROUP_LIMIT, max(32, 1 << (max(pairs, experts) - 1).bit_length()))
         kernels.launch(
             "group_pairs",
             (1, 1),
-            GROUP_LIMIT,
+            threads,
             [ids, ctypes.c_int(pairs), ctypes.c_int(experts), ctypes.c_int(blocks), tile_expert, tile_pairs],
         )
         routing = (None, tile_expert, tile_pairs, MODE_TILES)
