@@ -15,8 +15,9 @@
 # then over HTTP a decoding slot while a peer's 32K prompt is read on the split (two groups).
 # gguf: the held-weight GPU tests, the CUDA held kernels' and the one-launch routing's (GGUF_TESTS=0 skips
 # them, GGUF_TESTS_K selects as pytest -k), benchmarks/tune_held.py at TUNE_TOKENS tokens where given
-# (TUNE_VARIANTS: the kernels' defines to try, TUNE_SPLIT_WAVES: the dense projections' k splits to try;
-# benchmarks/pick_held.py's pick then serves the runs below), then
+# (TUNE_VARIANTS: the kernels' defines to try, TUNE_PER_PAIR: windows up to which to try a block a pair,
+# TUNE_SPLIT_WAVES: the dense projections' k splits to try; benchmarks/pick_held.py's pick then serves the
+# runs below), then
 # benchmarks/gguf_bench.py on a random q30 file of each quant type named (default Q4_K) and, with
 # PROFILE_BATCH, benchmarks/profile_window.py's kernels of its decode windows of that batch; also with the
 # expert tier at a 25% budget (--expert-cache 32) for the types in TIER_KINDS (default: every one named), and
@@ -200,8 +201,10 @@ if [[ $what == gguf ]]; then
         # experts at 2 and 4 warps a block and each of TUNE_VARIANTS (words of defines, "-": none), then the
         # projections; the pick becomes this call's settings for the runs below
         read -ra variants <<<"${TUNE_VARIANTS:--}"
+        per_pair=()
+        [[ -n ${TUNE_PER_PAIR:-} ]] && read -ra per_pair <<<"--per-pair $TUNE_PER_PAIR"
         python3 benchmarks/tune_held.py --kinds $kinds --tokens $TUNE_TOKENS --default-only --experts-only \
-            --warps 2 4 --variants "${variants[@]}" 2>&1 | tee "$out/tune-held.log" || status=1
+            --warps 2 4 --variants "${variants[@]}" "${per_pair[@]}" 2>&1 | tee "$out/tune-held.log" || status=1
         split=()
         [[ -n ${TUNE_SPLIT_WAVES:-} ]] && read -ra split <<<"--split-waves $TUNE_SPLIT_WAVES"
         python3 benchmarks/tune_held.py --kinds $kinds --tokens $TUNE_TOKENS --default-only --dense-only "${split[@]}" \

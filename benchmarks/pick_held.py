@@ -3,6 +3,7 @@ each kind's experts the choice ("default": the Triton kernels, or "cuda wN [DEFI
 summed over the windows timed, for its dense projections (attention's) "cuda" (or "cuda sW": k split over
 blocks) or "default" the same way, and for its LM head (`lm_head` lines) the same again. Prints shell exports
 of STRATA_CUDA_HELD_EXPERTS, STRATA_CUDA_HELD_WARPS, STRATA_CUDA_HELD_DOWN_WARPS, STRATA_CUDA_HELD_DEFINES,
+STRATA_CUDA_HELD_PER_PAIR (where "cuda ... pN" won),
 STRATA_CUDA_HELD_LINEAR, STRATA_CUDA_HELD_SPLIT_WAVES and STRATA_CUDA_HELD_WIDE (app/kernels/cuda_held.py
 reads them), and each kind's sums on stderr.
 
@@ -21,7 +22,7 @@ from collections import defaultdict
 from pathlib import Path
 
 EXPERTS = re.compile(
-    r"^(\S+) experts tokens (\d+) (default|cuda w\d+(?: d\d+)?(?: [A-Z0-9_]+=\S+)*)\s+([\d.]+) us"
+    r"^(\S+) experts tokens (\d+) (default|cuda w\d+(?: d\d+)?(?: p\d+)?(?: [A-Z0-9_]+=\S+)*)\s+([\d.]+) us"
 )
 DENSE = re.compile(r"^(\S+) (qkv|o) tokens (\d+) (default|cuda(?: s[\d.]+)?)\s+([\d.]+) us")
 DEFINE_KINDS = {"Q8_HALF": ("Q8_0",)}  # defines that change some kinds' kernels alone
@@ -46,16 +47,17 @@ def pick(lines: list[str]) -> dict[str, object]:
     sums = _sums(lines, EXPERTS, 2)
     dense = _sums(lines, DENSE, 3)
     wide = _sums(lines, WIDE, 3)
-    experts, warps, down_warps, chosen = [], {}, {}, {}
+    experts, warps, down_warps, per_pair, chosen = [], {}, {}, {}, {}
     for kind, choices in sums.items():
         best = min(choices, key=choices.__getitem__)
         if best.startswith("cuda"):
             experts.append(kind)
             words = best.split()
             warps[kind] = int(words[1].removeprefix("w"))
-            down = words[2] if len(words) > 2 and words[2].startswith("d") else None
+            down = next((w for w in words[2:] if re.fullmatch(r"d\d+", w)), None)
             down_warps[kind] = int(down.removeprefix("d")) if down else warps[kind]
-            chosen[kind] = dict(word.split("=") for word in words[2 + (down is not None) :])
+            per_pair[kind] = next((int(w[1:]) for w in words[2:] if re.fullmatch(r"p\d+", w)), 0)
+            chosen[kind] = dict(word.split("=") for word in words[2:] if "=" in word)
     defines = {}
     for name, value in {name: v for variant in chosen.values() for name, v in variant.items()}.items():
         deciding = [kind for kind in chosen if kind in DEFINE_KINDS.get(name, chosen)]
@@ -69,6 +71,8 @@ def pick(lines: list[str]) -> dict[str, object]:
         "defines": defines,
         "linear": linear,
         "split_waves": _split_waves({kind: dense[kind] for kind in linear}),
+        # a block a pair up to this many tokens where every kind on the CUDA kernels picked it (0: as built)
+        "per_pair": next(iter(set(per_pair.values()))) if len(set(per_pair.values())) == 1 else 0,
         "wide": _faster_on_cuda(wide),
         "sums": sums,
         "dense_sums": dense,
@@ -107,6 +111,8 @@ def main() -> None:
     for name, key in (("WARPS", "warps"), ("DOWN_WARPS", "down_warps")):
         print(f'export STRATA_CUDA_HELD_{name}="{" ".join(f"{k}={n}" for k, n in picked[key].items())}"')
     print(f'export STRATA_CUDA_HELD_DEFINES="{" ".join(f"{k}={v}" for k, v in picked["defines"].items())}"')
+    if picked["per_pair"]:
+        print(f'export STRATA_CUDA_HELD_PER_PAIR="{picked["per_pair"]}"')
     if any(DENSE.match(line) for line in lines):
         print(f'export STRATA_CUDA_HELD_LINEAR="{" ".join(picked["linear"])}"')
         print(f'export STRATA_CUDA_HELD_SPLIT_WAVES="{picked["split_waves"]:g}"')

@@ -4,7 +4,7 @@ shapes (replayed from CUDA graphs, weights rotated so that repeats do not run fr
     python benchmarks/tune_held.py [--kinds Q4_K Q8_0 bf16] [--tokens 1 8 16 32] [--default-only]
     python benchmarks/tune_held.py --kinds IQ3_S IQ4_XS --tokens 8 32 2048
     python benchmarks/tune_held.py --kinds Q4_K Q8_0 --tokens 1 8 32 --default-only --experts-only \
-        --warps 2 4 --variants - "STAGES=3"   # then --dense-only: benchmarks/pick_held.py reads both
+        --warps 2 4 --variants - "STAGES=3" --per-pair 8   # then --dense-only: pick_held.py reads both
     python benchmarks/tune_held.py --kinds Q4_K Q8_0 --tokens 1 8 32 --default-only --dense-only \
         --split-waves 1 2 4   # a dense projection's k split over blocks
 
@@ -117,6 +117,13 @@ def main() -> None:
         help='compile the CUDA kernels with each of these defines ("STAGES=3 MIN_BLOCKS=3"; "-": none)',
     )
     parser.add_argument(
+        "--per-pair",
+        type=int,
+        nargs="+",
+        default=[],
+        help="time the CUDA kernels also with a block a pair (no grouping launch) up to these many tokens",
+    )
+    parser.add_argument(
         "--split-waves",
         type=float,
         nargs="+",
@@ -135,6 +142,7 @@ def main() -> None:
 def _time_experts(kind: str, args: argparse.Namespace) -> None:
     """A layer's routed experts held as `kind` at each window, under each choice the arguments ask for."""
     kinds_before, warps_before = cuda_held.EXPERT_KINDS, dict(cuda_held.BLOCK_WARPS)
+    per_pair_before = cuda_held.PER_PAIR_TOKENS
     down_before = dict(cuda_held.DOWN_WARPS)
     defines_before = dict(cuda_held.DEFINES)
     sets = [
@@ -152,16 +160,20 @@ def _time_experts(kind: str, args: argparse.Namespace) -> None:
             for variant in args.variants or ["-"]:
                 for warps in args.warps or [0]:
                     for down in args.down_warps or [0]:
-                        # no tiles: `fused_experts` takes app/kernels/cuda_held.py's kernels
-                        name = (f"cuda w{warps}" if warps else "cuda") + (f" d{down}" if down else "")
-                        choices[name if variant == "-" else f"{name} {variant}"] = (warps, down, variant)
+                        for per_pair in [0, *args.per_pair]:
+                            # no tiles: `fused_experts` takes app/kernels/cuda_held.py's kernels
+                            name = (f"cuda w{warps}" if warps else "cuda") + (f" d{down}" if down else "")
+                            name += f" p{per_pair}" if per_pair else ""
+                            name = name if variant == "-" else f"{name} {variant}"
+                            choices[name] = (warps, down, per_pair, variant)
         if kind != "bf16" and not args.default_only:
             choices |= EXPERT_TILES | (COLUMNS_FIRST_TILES if kind == "Q8_0" else {})
         first = None
         for name, tiles in choices.items():
             if isinstance(tiles, tuple):  # the CUDA kernels: at most this many warps a block, its defines
-                warps, down, variant = tiles
+                warps, down, per_pair, variant = tiles
                 cuda_held.EXPERT_KINDS = (kind,)
+                cuda_held.PER_PAIR_TOKENS = per_pair or per_pair_before
                 cuda_held.BLOCK_WARPS[kind] = warps or warps_before[kind]
                 cuda_held.DOWN_WARPS[kind] = down or warps or down_before[kind]
                 _use_defines({} if variant == "-" else dict(word.split("=") for word in variant.split()))
@@ -175,6 +187,7 @@ def _time_experts(kind: str, args: argparse.Namespace) -> None:
             out = _time(f"{kind} experts tokens {tokens} {name}", calls, moved, first)
             first = out if first is None else first
             cuda_held.EXPERT_KINDS = kinds_before
+            cuda_held.PER_PAIR_TOKENS = per_pair_before
             cuda_held.BLOCK_WARPS.update(warps_before)
             cuda_held.DOWN_WARPS.update(down_before)
     del sets

@@ -26,7 +26,9 @@ log = logging.getLogger(__name__)
 KINDS = ("Q4_K", "Q8_0")
 DECODE_TOKENS = 64  # the largest window the kernels take (each expert's pairs in tiles of TILE_PAIRS)
 TILE_PAIRS = 8
-PER_PAIR_TOKENS = 2  # windows of at most this many tokens: a block a pair, no grouping launch
+# windows of at most this many tokens: a block a pair, no grouping launch (STRATA_CUDA_HELD_PER_PAIR for the
+# tuner: a pair's bits are the same either way)
+PER_PAIR_TOKENS = int(os.environ.get("STRATA_CUDA_HELD_PER_PAIR", "2"))
 # Mirrors of native/held_experts.cu's constants: iterations in a warp's ring (its default; DEFINES may set
 # another), bytes a warp's stage (an iteration of its 32 rows) takes, the stride of a row of the Q4_K scale
 # table (floats), the most warps a block

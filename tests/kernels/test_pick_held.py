@@ -62,3 +62,16 @@ def test_the_split_waves_with_the_least_time_over_the_kinds_on_cuda() -> None:
     picked = pick(LINES + split)
     assert picked["linear"] == ["Q4_K"] and picked["split_waves"] == 2.0
     assert pick(LINES)["split_waves"] == 0.0
+
+
+def test_a_block_a_pair_goes_in_where_every_kind_on_cuda_picked_it() -> None:
+    per_pair = [
+        "Q4_K experts tokens 8 cuda w4 p8 STAGES=3 MIN_BLOCKS=3 90.0 us  1.4 TB/s  drift 2.8e-03",
+        "Q4_K experts tokens 32 cuda w4 p8 STAGES=3 MIN_BLOCKS=3 209.0 us  1.4 TB/s  drift 2.8e-03",
+    ]
+    picked = pick(LINES + per_pair)
+    assert picked["warps"]["Q4_K"] == 4 and picked["defines"] == {"STAGES": "3", "MIN_BLOCKS": "3"}
+    assert picked["per_pair"] == 0  # Q8_0's experts, on the CUDA kernels too, kept the grouping launch
+    q8_0 = ["Q8_0 experts tokens 8 cuda w4 d2 p8 STAGES=3 MIN_BLOCKS=3 100.0 us  2.04 TB/s  drift 4.4e-03"]
+    picked = pick(LINES + per_pair + q8_0)
+    assert picked["per_pair"] == 8 and picked["down_warps"] == {"Q4_K": 4, "Q8_0": 2}
