@@ -7,7 +7,8 @@ k 16-byte aligned (as launches over rows of 256 values a multiple specialise the
 loads by width and their warp shuffles (16-byte / 2-byte / shuffles): held Q8_0's codes load as 16-byte
 vectors (or 16-byte asynchronous copies), only the scales two bytes at a time. `rowwise-registers` compiles
 the i-quants' row sums at steps of k of 64, 128 and 256 and prints the registers a thread and the
-bytes spilled that ptxas reports, with the warp shuffles a step."""
+bytes spilled that ptxas reports, with the warp shuffles a step. `routing` compiles a decode window's routing
+in one launch and the norm that sums a MoE block's picks."""
 
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from app.kernels.triton_blocks import _copy_blocks_kernel
 from app.kernels.triton_moe import HELD_CODES, _grouped_matmul, _held_rowwise
+from app.kernels.triton_moe_block import _router_kernel
+from app.kernels.triton_norm import _rms_norm_kernel
 from app.kernels.triton_quant import ROWWISE_STEP_LIMITS, STEP_LIMITS
 
 POINTERS = {
@@ -135,10 +138,39 @@ def compile_blocks() -> None:
     print(line)
 
 
+def compile_routing() -> None:
+    """A decode window's routing in one launch (`_router_kernel`, with and without the shared expert's
+    program) and the norm that sums a block's picks (`_rms_norm_kernel` with PICKS), at Qwen3-30B-A3B's
+    sizes in bf16: each kernel's shared memory."""
+    router = {"x_ptr": "*bf16", "router_ptr": "*bf16", "shared_router_ptr": "*bf16", "logits_ptr": "*bf16"}
+    router |= {"ids_ptr": "*i64", "weights_ptr": "*bf16", "counts_ptr": "*i64", "live_ptr": "*i64"}
+    router |= {"arrivals_ptr": "*i32", "experts": "i32", "stride_x": "i32", "stride_router": "i32"}
+    router |= {"stride_logits": "i32"}
+    norm = {"x_ptr": "*bf16", "ids_ptr": "*i64", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16"}
+    norm |= {"res_out_ptr": "*bf16", "stride_x": "i32", "stride_r": "i32", "stride_o": "i32"}
+    norm |= {"stride_ro": "i32", "eps": "fp32"}
+    forms = []
+    for shared in (False, True):
+        constants = {"K": 2048, "BLOCK_N": 2, "BLOCK_K": 2048, "BLOCK_E": 128, "TOP_K": 8, "BLOCK_TOP": 8}
+        constants |= {"RENORM": True, "HAS_LIVE": True, "HAS_SHARED": shared, "PDL": True}
+        forms.append((f"router-shared-{int(shared)}", _router_kernel, router, constants))
+    constants = {"DIM": 2048, "BLOCK": 2048, "OFFSET": False, "ADD_RESIDUAL": True, "PICKS": 8, "PDL": True}
+    forms.append(("norm-picks", _rms_norm_kernel, norm, constants))
+    line = "routing"
+    for name, kernel, pointers, constants in forms:
+        signature = {**pointers, **dict.fromkeys(constants, "constexpr")}
+        source = ASTSource(fn=kernel, signature=signature, constexprs=constants)
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+        line += f" {name}:{compiled.metadata.shared}"
+    print(line)
+
+
 if __name__ == "__main__":
     for name in sys.argv[1:]:
         if name == "blocks":
             compile_blocks()
+        elif name == "routing":
+            compile_routing()
         elif name == "q8_0-loads":
             compile_q8_0_loads()
         elif name == "rowwise-registers":

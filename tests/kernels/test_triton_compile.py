@@ -32,3 +32,16 @@ def test_each_held_types_programs_compile_for_sm_90_and_q8_0s_codes_load_16_byte
     for form in loads.split()[1:]:
         wide, narrow = map(int, form.split(":")[1].split("/")[:2])
         assert wide >= 4 and narrow <= 8, loads
+
+
+def test_the_routing_in_one_launch_and_the_norm_summing_picks_compile_for_sm_90() -> None:
+    """`_router_kernel` without and with the shared expert's program, and `_rms_norm_kernel` summing a
+    block's eight picks, compiled as the GPU would compile them (the interpreter runs the tests' launches)."""
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    script = Path(__file__).with_name("sm90_compile.py")
+    done = subprocess.run(
+        [sys.executable, str(script), "routing"], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    forms = [form.split(":")[0] for form in done.stdout.split()[1:]]
+    assert forms == ["router-shared-0", "router-shared-1", "norm-picks"]
