@@ -102,11 +102,13 @@ def _source() -> str:
     raise FileNotFoundError(f"{SOURCE_NAME} is neither beside {here.name} nor in native/")
 
 
-def _compile(source: str, arch: str) -> bytes:
-    """`source` compiled by NVRTC into machine code for `arch` (sm_90, ...); its log in the error if not."""
-    from torch.cuda._utils import _get_gpu_rtc_library
+def _compile(source: str, arch: str, nvrtc: ctypes.CDLL | None = None) -> bytes:
+    """`source` compiled by NVRTC (`nvrtc`; by default the library the CUDA build of PyTorch brings) into
+    machine code for `arch` (sm_90, ...); its log in the error if not."""
+    if nvrtc is None:
+        from torch.cuda._utils import _get_gpu_rtc_library
 
-    nvrtc = _get_gpu_rtc_library()
+        nvrtc = _get_gpu_rtc_library()
     program = ctypes.c_void_p()
 
     def check(result: int, what: str) -> None:
