@@ -163,7 +163,7 @@ def test_projections_split_over_blocks_match_the_reference_and_keep_row_bits(
     order: the reference's values, a row's bits alone as in any window, and in a graph replayed twice (the
     tiles' counters back to 0 after every launch)."""
     monkeypatch.setattr(cuda_held, "SPLIT_WAVES", 2.0)
-    kernels = cuda_held._kernels(torch.device("cuda"))
+    kernels = cuda_held._kernels(torch.empty(0, device="cuda").device)  # the key the launches use: cuda:N
     assert kernels is not None and kernels.splits(kind, shape[1], shape[0]) > 1
     weight, x = _check_projection(kind, shape, 5)
     window = x[:8].clone()
