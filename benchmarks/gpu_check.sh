@@ -19,7 +19,8 @@
 # TUNE_SPLIT_WAVES: the dense projections' k splits to try; benchmarks/pick_held.py's pick then serves the
 # runs below), then
 # benchmarks/gguf_bench.py on a random q30 file of each quant type named (default Q4_K) and, with
-# PROFILE_BATCH, benchmarks/profile_window.py's kernels of its decode windows of that batch; also with the
+# PROFILE_BATCH, benchmarks/profile_window.py's kernels of its decode windows of that batch (PROFILE_UNFUSED=1:
+# again with the MoE blocks' pieces, STRATA_FUSED_DECODE=0); also with the
 # expert tier at a 25% budget (--expert-cache 32) for the types in TIER_KINDS (default: every one named), and
 # llama.cpp on the same files (benchmarks/llama_cpp.sh), with 18 of 24 layers' experts on the CPU (CPU_MOE=18)
 # where a tier ran (LLAMA=0: Strata alone, no llama.cpp build).
@@ -221,6 +222,11 @@ if [[ $what == gguf ]]; then
         if [[ -n ${PROFILE_BATCH:-} ]]; then
             python3 benchmarks/profile_window.py --model "$file" --batch "$PROFILE_BATCH" --no-prefill --top 30 \
                 2>&1 | tee -a "$out/profile.log" || status=1
+            if [[ ${PROFILE_UNFUSED:-0} != 0 ]]; then  # the same window with the MoE blocks' pieces
+                echo "STRATA_FUSED_DECODE=0" | tee -a "$out/profile.log"
+                STRATA_FUSED_DECODE=0 python3 benchmarks/profile_window.py --model "$file" --batch "$PROFILE_BATCH" \
+                    --no-prefill --top 30 2>&1 | tee -a "$out/profile.log" || status=1
+            fi
         fi
         files+=("$file")
         if [[ " ${TIER_KINDS:-$kinds} " == *" $kind "* ]]; then
