@@ -246,6 +246,16 @@ def held_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return out if bias is None else out + bias
 
 
+def sums_rows(rows: int, weight: torch.Tensor) -> bool:
+    """Whether `few_rows_linear` projects a window of `rows` rows by `weight` (not held) with `row_linear`:
+    a small weight's window of up to TILE rows over k above ONE_DOT_K, or a mid-sized weight's lone row."""
+    n, k = weight.shape
+    block_k = triton.next_power_of_2(k)
+    if rows > TILE or n >= WIDE_WEIGHT or block_k > MAX_PROGRAM_ELEMENTS:
+        return False
+    return block_k > ONE_DOT_K if weight.numel() <= SMALL_WEIGHT else rows == 1
+
+
 def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [rows, k] @ weight [n, k].T (+ bias): a window of few rows by the kernel the weight's shape and the
     row count pick, everything else by cuBLAS.
@@ -259,17 +269,15 @@ def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         return held_linear(x, weight, bias)
     rows, k = x.shape
     n = weight.shape[0]
+    block_k = triton.next_power_of_2(k)
+    if sums_rows(rows, weight):
+        return row_linear(x, weight, bias, max(1, ROW_ELEMENTS // block_k))
     if rows > TILE or n >= WIDE_WEIGHT:
         if n >= WIDE_WEIGHT and rows <= WIDE_WEIGHT_TILES.block_m:
             return tiled_linear(x, weight, bias, WIDE_WEIGHT_TILES)
         return torch.nn.functional.linear(x, weight, bias)
-    block_k = triton.next_power_of_2(k)
     if weight.numel() <= SMALL_WEIGHT:
-        if ONE_DOT_K < block_k <= MAX_PROGRAM_ELEMENTS:
-            return row_linear(x, weight, bias, max(1, ROW_ELEMENTS // block_k))
         if TILE * block_k <= MAX_PROGRAM_ELEMENTS:
             return resident_tile_linear(x, weight, bias)
         return tiled_linear(x, weight, bias, SMALL_WEIGHT_TILES)
-    if rows == 1 and block_k <= MAX_PROGRAM_ELEMENTS:
-        return row_linear(x, weight, bias, max(1, ROW_ELEMENTS // block_k))
     return torch.nn.functional.linear(x, weight, bias)

@@ -20,9 +20,9 @@ results agree with the pieces to the order of fp32 sums. `--exact` keeps the pie
 
 A block without a shared expert (Qwen3-MoE) keeps its experts' kernels (`fused_experts`, which reads GGUF
 blocks too) but takes its router and routing from `_router_kernel` in one launch instead of two. Its
-programs sum each logit as `row_linear` does (the same tile, the same fp32 reduction), which is the pieces'
-projection of a router of up to `SMALL_WEIGHT` elements over a hidden state wider than `ONE_DOT_K` (every
-full-size shape; other routers keep the pieces): such a window routes exactly as its pieces would.
+programs sum each logit as `row_linear` does (the same tile, the same fp32 reduction), and it is taken only
+where the pieces would project the router by `row_linear` (`triton_linear.sums_rows`: every full-size
+shape's router; other routers keep the pieces): such a window routes exactly as its pieces would.
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ from triton.language.extra import libdevice
 
 from app.kernels.interface import Picks
 from app.kernels.triton_launch import follow_previous, pdl
-from app.kernels.triton_linear import ONE_DOT_K, ROW_ELEMENTS, SMALL_WEIGHT
-from app.kernels.triton_moe import expert_pairs, fused_experts, route_row, sum_picks
+from app.kernels.triton_linear import ROW_ELEMENTS, sums_rows
+from app.kernels.triton_moe import expert_pairs, route_row, sum_picks
 from app.kernels.triton_norm import torch_sigmoid
 
 MAX_ROWS = 16  # windows of more rows run the block's pieces (tiles of rows read shared experts once)
@@ -279,17 +279,13 @@ def _routes(x: torch.Tensor, router: torch.Tensor, experts: int) -> bool:
 
 
 def _routes_as_pieces(x: torch.Tensor, router: torch.Tensor, experts: int) -> bool:
-    """`_routes`, and the pieces' projection of this router in such a window is `row_linear`
-    (`few_rows_linear`: a small weight over a hidden state wider than ONE_DOT_K), whose bits
-    `route_window`'s logits have."""
-    wide = triton.next_power_of_2(x.shape[1]) > ONE_DOT_K
-    return _routes(x, router, experts) and wide and router.numel() <= SMALL_WEIGHT
+    """`_routes`, and the pieces project this router in such a window by `row_linear` (`sums_rows`), whose
+    bits `route_window`'s logits have."""
+    return _routes(x, router, experts) and sums_rows(x.shape[0], router)
 
 
-def _takes(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, shared: SharedExpert | None) -> bool:
-    """Whether the block's kernels take this window whole (else it is routed alone or runs its pieces)."""
-    if shared is None:
-        return False
+def _takes(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, shared: SharedExpert) -> bool:
+    """Whether the block's kernels take this window with its shared expert whole (else it runs its pieces)."""
     weights = (gate_up, down, *shared)
     if any(w.dtype == torch.uint8 or w.stride(-1) != 1 for w in weights):
         return False
@@ -381,9 +377,8 @@ def moe_block(
         if not _routes_as_pieces(x, router, gate_up.shape[0]):
             return None
         ids, weights = route_window(x, router, top_k, renormalize, counts, live)[1:]
-        if picks:
-            return Picks(expert_pairs(x, ids, weights, gate_up, down), ids, sum_picks)
-        return fused_experts(x, ids, weights, gate_up, down)
+        pairs = expert_pairs(x, ids, weights, gate_up, down)  # `fused_experts` before its sum
+        return Picks(pairs, ids, sum_picks) if picks else sum_picks(pairs, ids)
     if not (_routes(x, router, gate_up.shape[0]) and _takes(x, gate_up, down, shared)):
         return None
     shared_gate, shared_up, shared_down, shared_router = shared
