@@ -20,9 +20,9 @@
 // covers a 32-byte run of codes, 8 bytes a thread, and the activations are permuted to match.
 // Every 32 codes (a scale group) the MMA's sums are scaled in fp32; the offsets (128, 2304) and Q4_K's
 // group minimum are taken off with the group's activation sums, which one more MMA against a fragment of
-// ones gives. The codes' products are exact and summed in fp32. Built with Q8_HALF=1, Q8_0's gate and up take
-// fp16 operands instead, a whole code an operand (`group_mma_half`); down keeps bf16 (its input may leave fp16's
-// range).
+// ones gives. The codes' products are exact and summed in fp32. Q8_0's gate and up take fp16 operands
+// instead (Q8_HALF, on unless built with Q8_HALF=0), a whole code an operand (`group_mma_half`); down keeps
+// bf16 (its input may leave fp16's range).
 //
 // A warp's loop takes an iteration of its 32 rows at a time: Q4_K a super-block (144 bytes a row: head and 256
 // codes), Q8_0 four blocks (128 codes and their 4 scales). Its lanes copy the iteration, runs of whole rows,
@@ -45,7 +45,7 @@ typedef long long i64;
 #define MIN_BLOCKS 2  // blocks of MAX_WARPS threads an SM must hold: caps a thread's registers
 #endif
 #ifndef Q8_HALF
-#define Q8_HALF 0  // 1: Q8_0's gate and up as fp16 operands, a byte's code in one MMA (see compute_unit)
+#define Q8_HALF 1  // Q8_0's gate and up as fp16 operands, a byte's code in one MMA (see compute_unit); 0: bf16
 #endif
 #define MAX_WARPS 8
 #define KIND_Q8_0 1

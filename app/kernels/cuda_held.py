@@ -75,8 +75,8 @@ SPLIT_WAVES = float(os.environ.get("STRATA_CUDA_HELD_SPLIT_WAVES", "0"))
 SPLIT_TILES = 512
 MAX_SPLITS = 8
 # The source's compile-time choices (its #ifndef defaults where absent), e.g. "STAGES=3 MIN_BLOCKS=3" or
-# "Q8_HALF=1" (Q8_0's gate and up as fp16 operands) in STRATA_CUDA_HELD_DEFINES: `benchmarks/tune_held.py
-# --variants` times several.
+# "Q8_HALF=0" (Q8_0's gate and up as bf16 operands, not the default fp16) in STRATA_CUDA_HELD_DEFINES:
+# `benchmarks/tune_held.py --variants` times several.
 DEFINES = dict(word.split("=") for word in os.environ.get("STRATA_CUDA_HELD_DEFINES", "").split())
 WIDE_LINEAR = 32768
 GROUP_LIMIT = 1024  # `group_pairs` is one block of up to 1,024 threads: pairs and experts each at most this

@@ -123,33 +123,35 @@ def test_cuda_kernels_launched_dependently_in_a_graph_read_what_came_before(expe
             assert torch.equal(got, want), seed
 
 
-def test_q8_0_gate_and_up_as_fp16_operands_match_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The Q8_HALF build (Q8_0's gate and up as fp16 operands, one MMA a code): the reference's values, a
-    pair's bits alone as in a window, and the rows kernel (down) unchanged."""
+def test_q8_0_gate_and_up_in_fp16_or_bf16_match_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both builds of Q8_0's gate and up (Q8_HALF: fp16 operands, one MMA a code, the default; Q8_HALF=0:
+    bf16, two): the reference's values, a pair's bits alone as in a window, and each other's values."""
     default = _window(8, 11)
     gate_up_blocks = random_blocks("Q8_0", (EXPERTS, 2 * INTER, HIDDEN), 1, device="cuda")
     down_blocks = random_blocks("Q8_0", (EXPERTS, HIDDEN, INTER), 2, device="cuda")
     gate_up, down = to_held("Q8_0", gate_up_blocks), to_held("Q8_0", down_blocks)
     gate_up_values = dequantize("Q8_0", gate_up_blocks, (EXPERTS, 2 * INTER, HIDDEN))
     down_values = dequantize("Q8_0", down_blocks, (EXPERTS, HIDDEN, INTER))
-    plain = cuda_held.expert_pairs(*default, gate_up, down, ("Q8_0", "Q8_0"))
-    monkeypatch.setitem(cuda_held.DEFINES, "Q8_HALF", "1")
-    cuda_held._kernels.cache_clear()
+    kinds = ("Q8_0", "Q8_0")
+    built = {}
     try:
-        for tokens in (1, 8, 64):
-            x, ids, weights = _window(tokens, tokens)
-            pairs = cuda_held.expert_pairs(x, ids, weights, gate_up, down, ("Q8_0", "Q8_0"))
-            assert pairs is not None, "the CUDA kernels did not serve"
-            expected = experts_reference(x.float(), ids, weights.float(), gate_up_values, down_values)
-            got = pairs.view(tokens, TOP_K, HIDDEN).float().sum(1)
-            scale = expected.abs().max()
-            torch.testing.assert_close(got / scale, expected / scale, atol=1e-2, rtol=0)
-            alone = cuda_held.expert_pairs(x[2:3], ids[2:3], weights[2:3], gate_up, down, ("Q8_0", "Q8_0"))
-            assert tokens < 3 or torch.equal(alone, pairs[2 * TOP_K : 3 * TOP_K])
-        half = cuda_held.expert_pairs(*default, gate_up, down, ("Q8_0", "Q8_0"))
-        assert plain is not None and half is not None
-        scale = plain.float().abs().max()
-        torch.testing.assert_close(half.float() / scale, plain.float() / scale, atol=1e-2, rtol=0)
+        for half in ("1", "0"):
+            monkeypatch.setitem(cuda_held.DEFINES, "Q8_HALF", half)
+            cuda_held._kernels.cache_clear()
+            for tokens in (1, 8, 64):
+                x, ids, weights = _window(tokens, tokens)
+                pairs = cuda_held.expert_pairs(x, ids, weights, gate_up, down, kinds)
+                assert pairs is not None, "the CUDA kernels did not serve"
+                expected = experts_reference(x.float(), ids, weights.float(), gate_up_values, down_values)
+                got = pairs.view(tokens, TOP_K, HIDDEN).float().sum(1)
+                scale = expected.abs().max()
+                torch.testing.assert_close(got / scale, expected / scale, atol=1e-2, rtol=0)
+                alone = cuda_held.expert_pairs(x[2:3], ids[2:3], weights[2:3], gate_up, down, kinds)
+                assert tokens < 3 or torch.equal(alone, pairs[2 * TOP_K : 3 * TOP_K])
+            built[half] = cuda_held.expert_pairs(*default, gate_up, down, kinds)
+        assert built["1"] is not None and built["0"] is not None
+        scale = built["0"].float().abs().max()
+        torch.testing.assert_close(built["1"].float() / scale, built["0"].float() / scale, atol=1e-2, rtol=0)
     finally:
         cuda_held._kernels.cache_clear()
 
