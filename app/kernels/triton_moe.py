@@ -595,10 +595,11 @@ def _sum_choices(
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < hidden
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for choice in tl.static_range(TOP_K):
+    for choice in tl.static_range(TOP_K):  # no branch: every choice's loads issued before the first add
         pair = token * TOP_K + choice
-        if tl.load(ids_ptr + pair) >= 0:
-            acc += tl.load(y_ptr + pair * hidden + cols, mask=ok, other=0.0).to(tl.float32)
+        keep = tl.load(ids_ptr + pair) >= 0
+        part = tl.load(y_ptr + pair * hidden + cols, mask=tl.where(keep, ok, False), other=0.0).to(tl.float32)
+        acc = tl.where(keep, acc + part, acc)
     tl.store(out_ptr + token * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 

@@ -86,10 +86,13 @@ def _rms_norm_kernel(
     out_ty = out_ptr.dtype.element_ty
     if PICKS:
         x = tl.zeros((BLOCK,), dtype=tl.float32)
-        for choice in tl.static_range(PICKS):
+        for choice in tl.static_range(PICKS):  # no branch: every pick's loads issued before the first add
             pair = row * PICKS + choice
-            if tl.load(ids_ptr + pair) >= 0:
-                x += tl.load(x_ptr + pair * stride_x + col, mask=live, other=0.0).to(tl.float32)
+            keep = tl.load(ids_ptr + pair) >= 0
+            part = tl.load(x_ptr + pair * stride_x + col, mask=tl.where(keep, live, False), other=0.0).to(
+                tl.float32
+            )
+            x = tl.where(keep, x + part, x)
         x = x.to(x_ptr.dtype.element_ty).to(tl.float32)
     else:
         x = tl.load(x_ptr + row * stride_x + col, mask=live, other=0.0).to(tl.float32)
