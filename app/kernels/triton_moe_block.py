@@ -22,7 +22,9 @@ A block without a shared expert (Qwen3-MoE) keeps its experts' kernels (`fused_e
 blocks too) but takes its router and routing from `_router_kernel` in one launch instead of two. Its
 programs sum each logit as `row_linear` does (the same tile, the same fp32 reduction), and it is taken only
 where the pieces would project the router by `row_linear` (`triton_linear.sums_rows`: every full-size
-shape's router; other routers keep the pieces): such a window routes exactly as its pieces would.
+shape's router; other routers keep the pieces): such a window routes exactly as its pieces would. It is
+taken from ONE_LAUNCH_ROWS rows: on an H100 the 24-layer Q4_K q30 file decoded 2,542 tok/s at 8 rows with
+it and 2,513 without, but 629 at one row against 664 without (docs/PERFORMANCE.md, 2026-12-06).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from app.kernels.triton_moe import expert_pairs, route_row, sum_picks
 from app.kernels.triton_norm import torch_sigmoid
 
 MAX_ROWS = 16  # windows of more rows run the block's pieces (tiles of rows read shared experts once)
+ONE_LAUNCH_ROWS = 8  # a block without a shared expert routes in one launch from this many rows
 MAX_K = 1 << 13  # the longest hidden state a router program holds whole
 UP_COLUMNS = 8  # intermediate columns (of gate and of up) a `_pair_up_kernel` program computes
 DOWN_COLUMNS = 4  # hidden columns a `_pair_down_sum_kernel` program computes
@@ -279,9 +282,10 @@ def _routes(x: torch.Tensor, router: torch.Tensor, experts: int) -> bool:
 
 
 def _routes_as_pieces(x: torch.Tensor, router: torch.Tensor, experts: int) -> bool:
-    """`_routes`, and the pieces project this router in such a window by `row_linear` (`sums_rows`), whose
-    bits `route_window`'s logits have."""
-    return _routes(x, router, experts) and sums_rows(x.shape[0], router)
+    """`_routes` from ONE_LAUNCH_ROWS rows, and the pieces project this router in such a window by
+    `row_linear` (`sums_rows`), whose bits `route_window`'s logits have."""
+    rows = x.shape[0]
+    return rows >= ONE_LAUNCH_ROWS and _routes(x, router, experts) and sums_rows(rows, router)
 
 
 def _takes(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, shared: SharedExpert) -> bool:
@@ -369,10 +373,10 @@ def moe_block(
     """`Backends.moe_block` on the Triton set, for a window of up to MAX_ROWS rows. With a shared expert
     (gate, up [inter, hidden], down [hidden, inter], router [1, hidden]) whose size is the routed experts'
     (gate_up [experts, 2 * inter, hidden], down [experts, hidden, inter]), none held as GGUF blocks: the
-    whole block in three launches. Without one, where the pieces would project the router by `row_linear`:
-    the router and the routing in one launch, then the routed experts by `fused_experts` (any weights it
-    reads), the pieces' bits; with `picks` their `Picks`, for the norm after the block to sum. None
-    otherwise (the block then runs its pieces)."""
+    whole block in three launches. Without one, from ONE_LAUNCH_ROWS rows where the pieces would project the
+    router by `row_linear`: the router and the routing in one launch, then the routed experts by
+    `fused_experts` (any weights it reads), the pieces' bits; with `picks` their `Picks`, for the norm after
+    the block to sum. None otherwise (the block then runs its pieces)."""
     if shared is None:
         if not _routes_as_pieces(x, router, gate_up.shape[0]):
             return None

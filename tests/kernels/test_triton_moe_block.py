@@ -14,7 +14,7 @@ from engine_helpers import make_core, request, run
 from app.kernels import triton_moe_block
 from app.kernels.backends import select_backends
 from app.kernels.interface import Picks
-from app.kernels.triton_moe_block import MAX_ROWS, _arrivals, moe_block
+from app.kernels.triton_moe_block import MAX_ROWS, ONE_LAUNCH_ROWS, _arrivals, moe_block
 from app.kernels.triton_norm import add_rms_norm
 from app.loading.loader import load_model
 from app.models.moe import SparseMoE
@@ -110,6 +110,13 @@ def test_a_shared_expert_of_another_size_runs_the_pieces(checkpoint: Path) -> No
     assert moe_block(*args, (*wider, torch.randn(1, hidden))) is None and counts.sum() == 0
 
 
+@pytest.fixture
+def one_launch_from_one_row(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The one-launch routing taken from one row (ONE_LAUNCH_ROWS), so that small windows cover it."""
+    monkeypatch.setattr(triton_moe_block, "ONE_LAUNCH_ROWS", 1)
+
+
+@pytest.mark.usefixtures("one_launch_from_one_row")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_block_without_a_shared_expert_routes_in_one_launch(wide_moe: Path, dtype: str) -> None:
     """Routed as its pieces route, bit for bit, padding rows left uncounted."""
@@ -127,16 +134,17 @@ def test_a_block_without_a_shared_expert_routes_in_one_launch(wide_moe: Path, dt
 
 
 def test_a_router_without_the_pieces_row_sums_keeps_the_pieces(checkpoint: Path, wide_moe: Path) -> None:
-    """A router over a hidden state of at most ONE_DOT_K (the pieces' tiles give cuBLAS's bits there), and a
-    window beyond MAX_ROWS: no routing of the block's own."""
+    """A router over a hidden state of at most ONE_DOT_K (the pieces' tiles give cuBLAS's bits there), a
+    window beyond MAX_ROWS and one under ONE_LAUNCH_ROWS: no routing of the block's own."""
     narrow = write_checkpoint(checkpoint.parent / "narrow_moe", "qwen3_moe")
-    for path, rows in ((narrow, 3), (wide_moe, MAX_ROWS + 1)):
+    for path, rows in ((narrow, ONE_LAUNCH_ROWS), (wide_moe, MAX_ROWS + 1), (wide_moe, ONE_LAUNCH_ROWS - 1)):
         block = _block(path, "float32", shared=False)
         x = torch.randn(rows, block.gate.in_features)
         counts = torch.zeros(block.gate.out_features, dtype=torch.int64)
         assert moe_block(*_args(block, x, counts), None) is None and counts.sum() == 0
 
 
+@pytest.mark.usefixtures("one_launch_from_one_row")
 def test_a_norm_sums_a_blocks_picks_in_its_own_launch(wide_moe: Path) -> None:
     """`moe_block(..., picks=True)` leaves the pairs; `add_rms_norm` given them has the bits of adding their
     sum, a pick with a negative id (never computed) left out."""
@@ -159,6 +167,7 @@ def test_a_norm_sums_a_blocks_picks_in_its_own_launch(wide_moe: Path) -> None:
     assert not torch.equal(picks.total()[1], Picks(picks.pairs, picks.ids.abs(), picks.add).total()[1])
 
 
+@pytest.mark.usefixtures("one_launch_from_one_row")
 def test_the_engine_gives_the_bits_of_the_pieces(wide_moe: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Greedy tokens and logprobs of three conversations read and decoding together, the routing in one
     launch and each block's picks summed by the next norm, bit for bit as with every block's pieces."""
