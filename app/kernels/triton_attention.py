@@ -11,10 +11,10 @@ Two paths share the main kernel, chosen per sequence by its own length:
 - a prompt chunk (more than one row) is cut into tiles of BLOCK_Q tokens; each program walks the keys its
   tile can see, block by block from position 0, with an online softmax;
 - a decode row is split over the keys, so that a few long decodes still fill the GPU: program `part` of
-  SPLITS reads key tiles part, part + SPLITS, ... and leaves an unnormalised partial result; the row's
-  program that finishes last (a counter a sequence and kv head) merges the partial results of its heads in
-  partition order, in the same launch (a batch of more sequences and kv heads than the counters merges in a
-  small second kernel).
+  SPLITS reads key tiles part, part + SPLITS, ... and leaves an unnormalised partial result, which a small
+  second kernel (launched for every batch, a no-op for prompt chunks) merges in partition order; with
+  MERGE_IN_LAUNCH the row's partition program that finishes last (a counter a sequence and kv head) merges
+  its heads' partial results in the same launch instead.
 
 Batch invariance: the tiles (BLOCK_Q, the key steps, SPLITS, warps) follow only the head size, the group
 size and the element size, never the batch; the key walk of a row and the partitions of a decode row are
@@ -26,6 +26,7 @@ nothing synchronises with the host and the launches can be captured in a CUDA gr
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +40,10 @@ from app.models.batch import PagedLayout
 
 LOG2E = 1.4426950408889634
 MIN_DOT = 16  # the smallest tile side tl.dot takes
+# A decode row's partitions merged in the main launch by the last of them to finish (STRATA_MERGE_IN_LAUNCH=1)
+# or by a second kernel (the default): the launch saved against a tail in which one program merges its group's
+# heads one after another, which may cost more than it saves at long contexts; not yet timed on a card.
+MERGE_IN_LAUNCH = os.environ.get("STRATA_MERGE_IN_LAUNCH", "0") == "1"
 ARRIVALS = (
     1 << 16
 )  # (sequence, kv head) counters a device has: batches of more pairs merge in a second launch
@@ -662,7 +667,7 @@ def _paged_attention(
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     q_tiles = triton.cdiv(max(layout.max_query_len, 1), block_m // group_pad)
     grid = (seqs, max(q_tiles, splits), kv_heads)
-    merge = seqs * kv_heads <= ARRIVALS
+    merge = MERGE_IN_LAUNCH and seqs * kv_heads <= ARRIVALS
     _paged_attention_kernel[grid](
         q,
         key_cache,

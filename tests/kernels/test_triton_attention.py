@@ -151,12 +151,14 @@ def test_small_tiles_cover_many_tiles_and_partitions(heads: int, kv_heads: int, 
 def test_decode_rows_merged_in_the_launch_as_in_a_second_kernel(
     gated: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A decode row's heads merged by its last partition program (the (sequence, kv head) counters, back to
-    0 after the launch) equal a second kernel's merge, which a batch of more pairs than counters takes."""
+    """With MERGE_IN_LAUNCH a decode row's heads merged by its last partition program (the (sequence, kv
+    head) counters, back to 0 after the launch) equal a second kernel's merge, which a batch of more pairs
+    than counters takes."""
     spans = [(150, 1), (33, 40), (5, 1), (64, 1), (0, 1), (17, 2)]
     case = make_case(spans, heads=6, kv_heads=2, head_dim=16, dtype=torch.float16, seed=5)
     gate = torch.randn(case.q.shape, generator=torch.Generator().manual_seed(6)).to(case.q.dtype)
     args = (case.q, case.key_cache, case.value_cache, case.layout, 0.25, SMALL, gate if gated else None)
+    monkeypatch.setattr(triton_attention, "MERGE_IN_LAUNCH", True)
     merged = _paged_attention(*args)
     assert _arrivals(case.q.device).count_nonzero() == 0
     if not gated:
