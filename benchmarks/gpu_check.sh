@@ -18,7 +18,8 @@
 # (TUNE_VARIANTS: the kernels' defines to try, TUNE_PER_PAIR: windows up to which to try a block a pair,
 # TUNE_SPLIT_WAVES: the dense projections' k splits to try; benchmarks/pick_held.py's pick then serves the
 # runs below), then
-# benchmarks/gguf_bench.py on a random q30 file of each quant type named (default Q4_K) and, with
+# benchmarks/gguf_bench.py on a random q30 file of each quant type named (default Q4_K; again with each of
+# AB_ENV's NAME=VALUE settings in its environment, e.g. AB_ENV="STRATA_MERGE_IN_LAUNCH=1") and, with
 # PROFILE_BATCH, benchmarks/profile_window.py's kernels of its decode windows of that batch (PROFILE_UNFUSED=1:
 # again with the MoE blocks' pieces, STRATA_FUSED_DECODE=0); also with the
 # expert tier at a 25% budget (--expert-cache 32) for the types in TIER_KINDS (default: every one named), and
@@ -219,6 +220,11 @@ if [[ $what == gguf ]]; then
         python3 benchmarks/gguf_bench.py write --kind "$kind" --out "$file" || status=1
         python3 benchmarks/gguf_bench.py strata --model "$file" --out "$out/gguf.jsonl" 2>&1 \
             | tee -a "$out/gguf.log" || status=1
+        for setting in ${AB_ENV:-}; do  # the same run again with each setting (NAME=VALUE) in its environment
+            echo "$setting" | tee -a "$out/gguf.log"
+            env "$setting" python3 benchmarks/gguf_bench.py strata --model "$file" --out "$out/gguf-ab.jsonl" 2>&1 \
+                | tee -a "$out/gguf.log" || status=1
+        done
         if [[ -n ${PROFILE_BATCH:-} ]]; then
             python3 benchmarks/profile_window.py --model "$file" --batch "$PROFILE_BATCH" --no-prefill --top 30 \
                 2>&1 | tee -a "$out/profile.log" || status=1
