@@ -16,7 +16,8 @@
 # gguf: the held-weight GPU tests, the CUDA held kernels' and the one-launch routing's (GGUF_TESTS=0 skips
 # them, GGUF_TESTS_K selects as pytest -k), benchmarks/tune_held.py at TUNE_TOKENS tokens where given
 # (TUNE_VARIANTS: the kernels' defines to try, TUNE_PER_PAIR: windows up to which to try a block a pair,
-# TUNE_SPLIT_WAVES: the dense projections' k splits to try; benchmarks/pick_held.py's pick then serves the
+# TUNE_SPLIT_WAVES: the dense projections' k splits to try, TUNE_DENSE_VARIANTS: their defines to try, e.g.
+# "- DENSE_STAGES=5" (each a word: "-" none); benchmarks/pick_held.py's pick then serves the
 # runs below), then
 # benchmarks/gguf_bench.py on a random q30 file of each quant type named (default Q4_K; again with each of
 # AB_ENV's NAME=VALUE settings in its environment, e.g. AB_ENV="STRATA_MERGE_IN_LAUNCH=1") and, with
@@ -207,10 +208,11 @@ if [[ $what == gguf ]]; then
         [[ -n ${TUNE_PER_PAIR:-} ]] && read -ra per_pair <<<"--per-pair $TUNE_PER_PAIR"
         python3 benchmarks/tune_held.py --kinds $kinds --tokens $TUNE_TOKENS --default-only --experts-only \
             --warps 2 4 --variants "${variants[@]}" "${per_pair[@]}" 2>&1 | tee "$out/tune-held.log" || status=1
-        split=()
+        split=() dense_variants=()
         [[ -n ${TUNE_SPLIT_WAVES:-} ]] && read -ra split <<<"--split-waves $TUNE_SPLIT_WAVES"
+        [[ -n ${TUNE_DENSE_VARIANTS:-} ]] && read -ra dense_variants <<<"--variants $TUNE_DENSE_VARIANTS"
         python3 benchmarks/tune_held.py --kinds $kinds --tokens $TUNE_TOKENS --default-only --dense-only "${split[@]}" \
-            2>&1 | tee "$out/tune-dense.log" || status=1
+            "${dense_variants[@]}" 2>&1 | tee "$out/tune-dense.log" || status=1
         eval "$(python3 benchmarks/pick_held.py "$out/tune-held.log" "$out/tune-dense.log")"
         env | grep STRATA_CUDA_HELD | tee "$out/picked.txt"
     fi

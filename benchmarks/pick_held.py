@@ -10,8 +10,9 @@ reads them), and each kind's sums on stderr.
     eval "$(python benchmarks/pick_held.py tune.log [dense.log])"
 
 The defines build every kind's kernels, so a define goes in only where every kind the CUDA kernels take
-and the define changes (DEFINE_KINDS; else every kind) picked it. The split waves are one setting for every
-kind: those with the least time summed over the kinds whose projections go to the CUDA kernels.
+and the define changes (DEFINE_KINDS; else every kind) picked it. The split waves and the dense projections'
+defines (`tune_held.py --dense-only --variants`, e.g. DENSE_STAGES) are one setting for every kind: the choice
+with the least time summed over the kinds whose projections go to the CUDA kernels.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ from pathlib import Path
 EXPERTS = re.compile(
     r"^(\S+) experts tokens (\d+) (default|cuda w\d+(?: d\d+)?(?: p\d+)?(?: [A-Z0-9_]+=\S+)*)\s+([\d.]+) us"
 )
-DENSE = re.compile(r"^(\S+) (qkv|o) tokens (\d+) (default|cuda(?: s[\d.]+)?)\s+([\d.]+) us")
+DENSE = re.compile(
+    r"^(\S+) (qkv|o) tokens (\d+) (default|cuda(?: s[\d.]+)?(?: [A-Z0-9_]+=\S+)*)\s+([\d.]+) us"
+)
 DEFINE_KINDS = {"Q8_HALF": ("Q8_0",)}  # defines that change some kinds' kernels alone
 WIDE = re.compile(r"^(\S+) (lm_head) tokens (\d+) (default|cuda)\s+([\d.]+) us")
 
@@ -64,13 +67,16 @@ def pick(lines: list[str]) -> dict[str, object]:
         if deciding and all(chosen[kind].get(name) == value for kind in deciding):
             defines[name] = value
     linear = _faster_on_cuda(dense)
+    waves, dense_defines = _dense_choice({kind: dense[kind] for kind in linear})
+    for name, value in dense_defines.items():
+        defines.setdefault(name, value)
     return {
         "experts": experts,
         "warps": warps,
         "down_warps": down_warps,
         "defines": defines,
         "linear": linear,
-        "split_waves": _split_waves({kind: dense[kind] for kind in linear}),
+        "split_waves": waves,
         # a block a pair up to this many tokens where every kind on the CUDA kernels picked it (0: as built)
         "per_pair": next(iter(set(per_pair.values()))) if len(set(per_pair.values())) == 1 else 0,
         "wide": _faster_on_cuda(wide),
@@ -80,18 +86,21 @@ def pick(lines: list[str]) -> dict[str, object]:
     }
 
 
-def _split_waves(sums: dict[str, dict[str, float]]) -> float:
-    """The split waves ("cuda sW"; plain "cuda": 0) timed for every kind in `sums` with the least time summed
-    over them."""
+def _dense_choice(sums: dict[str, dict[str, float]]) -> tuple[float, dict[str, str]]:
+    """The dense projections' CUDA choice ("cuda [sW] [NAME=VALUE ...]": k split over about W blocks an SM,
+    the source's defines) timed for every kind in `sums` with the least time summed over them: its split
+    waves (0: none) and defines."""
     timed = [
         {choice: us for choice, us in choices.items() if choice.startswith("cuda")}
         for choices in sums.values()
     ]
     common = set.intersection(*(set(choices) for choices in timed)) if timed else set()
     if not common:
-        return 0.0
+        return 0.0, {}
     best = min(sorted(common), key=lambda choice: sum(choices[choice] for choices in timed))
-    return float(best.removeprefix("cuda").removeprefix(" s") or 0)
+    words = best.split()[1:]
+    waves = next((float(word[1:]) for word in words if re.fullmatch(r"s[\d.]+", word)), 0.0)
+    return waves, dict(word.split("=") for word in words if "=" in word)
 
 
 def _faster_on_cuda(sums: dict[str, dict[str, float]]) -> list[str]:

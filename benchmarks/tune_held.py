@@ -6,7 +6,7 @@ shapes (replayed from CUDA graphs, weights rotated so that repeats do not run fr
     python benchmarks/tune_held.py --kinds Q4_K Q8_0 --tokens 1 8 32 --default-only --experts-only \
         --warps 2 4 --variants - "STAGES=3" --per-pair 8   # then --dense-only: pick_held.py reads both
     python benchmarks/tune_held.py --kinds Q4_K Q8_0 --tokens 1 8 32 --default-only --dense-only \
-        --split-waves 1 2 4   # a dense projection's k split over blocks
+        --split-waves 1 2 4 --variants - DENSE_STAGES=5   # a dense projection's k split, its ring
 
 Routed experts (`fused_experts`, routing alignment to the sum) and the dense projections (`tiled_linear`:
 attention's qkv and output, the LM head) for each quant type, beside bf16 weights (their default tiles
@@ -196,33 +196,53 @@ def _time_experts(kind: str, args: argparse.Namespace) -> None:
 
 def _time_dense(kind: str, args: argparse.Namespace) -> None:
     """The dense projections held as `kind` at each window: the default tiles, the CUDA kernels (also with
-    k split over blocks, `--split-waves`), and the other tiles unless `--default-only`."""
+    k split over blocks, `--split-waves`), and the other tiles unless `--default-only`; then the CUDA kernels
+    again compiled with each of `--variants`' defines (one compile a variant)."""
     waves_before = cuda_held.SPLIT_WAVES
-    for label, shape in DENSE.items():
-        dense = [_weights(kind, shape, c) for c in range(SETS)]
-        moved = dense[0].numel() * dense[0].element_size()
-        for tokens in args.tokens:
-            x = torch.randn(tokens, shape[1], device="cuda").bfloat16()
-            choices = {"default": held_tiles(tokens, shape[0])}
-            if kind in cuda_held.KINDS and tokens <= cuda_held.DECODE_TOKENS:
-                choices["cuda"] = None  # app/kernels/cuda_held.py's `linear`
-                for waves in args.split_waves:  # the same, k split over blocks ("cuda sW")
-                    choices[f"cuda s{waves:g}"] = waves
-            if kind != "bf16" and not args.default_only:
-                choices |= DENSE_TILES | (COLUMNS_FIRST_TILES if kind == "Q8_0" else {})
-            first = None
-            for name, tiles in choices.items():
-                cuda_held.SPLIT_WAVES = tiles if isinstance(tiles, float) else waves_before
-                calls = [
-                    (lambda w=w, x=x, k=kind: cuda_held.linear(x, w, k))
-                    if tiles is None or isinstance(tiles, float)
-                    else (lambda w=w, t=tiles, x=x: tiled_linear(x, w, None, t))
-                    for w in dense
-                ]
-                out = _time(f"{kind} {label} tokens {tokens} {name}", calls, moved, first)
-                first = out if first is None else first
-            cuda_held.SPLIT_WAVES = waves_before
-        del dense
+    defines_before = dict(cuda_held.DEFINES)
+    firsts: dict[tuple[str, int], torch.Tensor | None] = {}
+    for variant in args.variants or ["-"]:
+        _use_defines({} if variant == "-" else dict(word.split("=") for word in variant.split()))
+        suffix = "" if variant == "-" else f" {variant}"
+        for label, shape in DENSE.items():
+            dense = [_weights(kind, shape, c) for c in range(SETS)]
+            moved = dense[0].numel() * dense[0].element_size()
+            for tokens in args.tokens:
+                x = torch.randn(tokens, shape[1], device="cuda", generator=_seeded(tokens)).bfloat16()
+                choices: dict[str, object] = {}
+                if (label, tokens) not in firsts:  # the first variant's pass: the Triton tiles too
+                    choices["default"] = held_tiles(tokens, shape[0])
+                if kind in cuda_held.KINDS and tokens <= cuda_held.DECODE_TOKENS:
+                    # app/kernels/cuda_held.py's `linear` ("cuda"), k split over blocks ("cuda sW")
+                    for waves in [0.0, *args.split_waves]:
+                        choices["cuda" + (f" s{waves:g}" if waves else "") + suffix] = waves
+                if kind != "bf16" and not args.default_only and (label, tokens) not in firsts:
+                    choices |= DENSE_TILES | (COLUMNS_FIRST_TILES if kind == "Q8_0" else {})
+                for name, tiles in choices.items():
+                    cuda = isinstance(tiles, float)
+                    if cuda and not cuda_held.enabled(x.device):
+                        print(
+                            f"{kind} {label} tokens {tokens} {name} failed: the CUDA kernels did not compile"
+                        )
+                        continue
+                    cuda_held.SPLIT_WAVES = tiles or waves_before if cuda else waves_before
+                    calls = [
+                        (lambda w=w, x=x, k=kind: cuda_held.linear(x, w, k))
+                        if cuda
+                        else (lambda w=w, t=tiles, x=x: tiled_linear(x, w, None, t))
+                        for w in dense
+                    ]
+                    first = firsts.get((label, tokens))
+                    out = _time(f"{kind} {label} tokens {tokens} {name}", calls, moved, first)
+                    firsts[(label, tokens)] = out if first is None else first
+                    cuda_held.SPLIT_WAVES = waves_before
+            del dense
+    _use_defines(defines_before)
+
+
+def _seeded(seed: int) -> torch.Generator:
+    """A generator on the GPU seeded with `seed` (the same inputs in every variant's pass)."""
+    return torch.Generator(device="cuda").manual_seed(seed)
 
 
 if __name__ == "__main__":

@@ -40,6 +40,9 @@ typedef long long i64;
 #ifndef STAGES
 #define STAGES 2  // iterations in a warp's ring (the copies run STAGES - 1 iterations ahead)
 #endif
+#ifndef DENSE_STAGES
+#define DENSE_STAGES STAGES  // the ring of a dense projection's warp, whose first DENSE_STAGES - 1 iterations
+#endif                       // are copied before the kernel before it has ended
 #define UNITS 4   // units an iteration
 #ifndef MIN_BLOCKS
 #define MIN_BLOCKS 2  // blocks of MAX_WARPS threads an SM must hold: caps a thread's registers
@@ -54,7 +57,8 @@ typedef long long i64;
 #define MODE_PER_PAIR 1  // block x: pair x alone, its expert ids[x] (int64)
 #define MODE_DENSE 2     // block x: rows 8 x ... of a dense matmul (expert 0)
 #define TABLE_STRIDE 20  // floats a row of a warp's Q4_K scale table (16 used; 20 keeps its reads apart in banks)
-// Shared memory of a block of W warps (app/kernels/cuda_held.py computes the same): W * STAGES * STAGE_BYTES,
+// Shared memory of a block of W warps (app/kernels/cuda_held.py computes the same): W * RING * STAGE_BYTES (RING:
+// STAGES, a dense projection's DENSE_STAGES),
 // then (Q4_K) W tables of 32 rows of TABLE_STRIDE floats, then (W - 1) * 32 * 8 floats of partial sums.
 
 // A stage of a warp in shared memory: an iteration of its 32 rows (row j: block j / 16's row j % 16), ROW_BYTES
@@ -110,9 +114,10 @@ __device__ __forceinline__ void copy16(u8* dst, const void* src) {
 
 __device__ __forceinline__ void copies_sent() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 
-// Wait for all but the STAGES - 1 newest groups of copies.
+// Wait for all but the RING - 1 newest groups of copies.
+template <int RING>
 __device__ __forceinline__ void copies_done_but_newest() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(STAGES - 1) : "memory");
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(RING - 1) : "memory");
 }
 
 // c += A B, an m16n8k16 MMA with fp32 accumulators, of bf16 operands (fp16 where HALF).
@@ -429,7 +434,7 @@ __device__ __forceinline__ bool split_total(float (&acc)[2][4], float* split_sum
     return true;
 }
 
-template <int KIND, bool SWIGLU>
+template <int KIND, bool SWIGLU, int RING>
 __device__ __forceinline__ void held_pairs(
     const u16* __restrict__ x, const u8* __restrict__ w, u16* __restrict__ out, const i64* __restrict__ ids,
     const int* __restrict__ tile_expert, const int* __restrict__ tile_pairs, const u16* __restrict__ scale,
@@ -450,9 +455,9 @@ __device__ __forceinline__ void held_pairs(
     const int warps = blockDim.x >> 5;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
-    u8* stages = shared + warp * STAGES * STAGE_BYTES;
-    float* table = reinterpret_cast<float*>(shared + warps * STAGES * STAGE_BYTES) + warp * 32 * TABLE_STRIDE;
-    float* partial = reinterpret_cast<float*>(shared + warps * STAGES * STAGE_BYTES) +
+    u8* stages = shared + warp * RING * STAGE_BYTES;
+    float* table = reinterpret_cast<float*>(shared + warps * RING * STAGE_BYTES) + warp * 32 * TABLE_STRIDE;
+    float* partial = reinterpret_cast<float*>(shared + warps * RING * STAGE_BYTES) +
                      (KIND == KIND_Q4_K ? warps * 32 * TABLE_STRIDE : 0);
     const int pair = slot_pair[g];
     const u16* xrow = pair >= 0 ? x + (i64)(pair / x_row_div) * stride_xm : nullptr;
@@ -467,7 +472,7 @@ __device__ __forceinline__ void held_pairs(
     const int first = lo + span * warp / warps, last = lo + span * (warp + 1) / warps;
     const u16* xs = xrow ? xrow + first * ITERATION_VALUES(KIND) + 8 * t : nullptr;
 #pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {
+    for (int s = 0; s < RING - 1; ++s) {
         if (first + s < last) {
             copy_iteration<KIND>(stages + s * STAGE_BYTES, copied, 4 * stride_wn, first + s, k);
         }
@@ -480,14 +485,14 @@ __device__ __forceinline__ void held_pairs(
     for (int it = first; it < last; ++it) {
         const int i = it - first;
         __syncwarp();  // every lane is done with the stage the next copies take
-        if (it + STAGES - 1 < last) {
-            copy_iteration<KIND>(stages + ((i + STAGES - 1) % STAGES) * STAGE_BYTES, copied, 4 * stride_wn,
-                                 it + STAGES - 1, k);
+        if (it + RING - 1 < last) {
+            copy_iteration<KIND>(stages + ((i + RING - 1) % RING) * STAGE_BYTES, copied, 4 * stride_wn,
+                                 it + RING - 1, k);
         }
         copies_sent();
-        copies_done_but_newest();
+        copies_done_but_newest<RING>();
         __syncwarp();  // every lane's copies of this iteration have landed
-        const u8* stage = stages + (i % STAGES) * STAGE_BYTES;
+        const u8* stage = stages + (i % RING) * STAGE_BYTES;
         const bool more = it + 1 < last;
         unit_step<KIND, 0, half>(stage, table, xs, more, unit_x, acc);
         unit_step<KIND, 1, half>(stage, table, xs, more, unit_x, acc);
@@ -531,17 +536,24 @@ __device__ __forceinline__ void held_pairs(
     x, w, out, ids, tile_expert, tile_pairs, scale, mode, pairs, k, up_rows, stride_we, stride_wn, stride_xm, \
         stride_om, x_row_div, split_sums, arrivals
 
+// gate_up and rows (down) take the experts' pairs; dense, a dense projection's rows (MODE_DENSE)
 extern "C" __global__ void __launch_bounds__(MAX_WARPS * 32, MIN_BLOCKS) held_q4_k_gate_up(HELD_ARGS) {
-    held_pairs<KIND_Q4_K, true>(HELD_PASS);
+    held_pairs<KIND_Q4_K, true, STAGES>(HELD_PASS);
 }
 extern "C" __global__ void __launch_bounds__(MAX_WARPS * 32, MIN_BLOCKS) held_q4_k_rows(HELD_ARGS) {
-    held_pairs<KIND_Q4_K, false>(HELD_PASS);
+    held_pairs<KIND_Q4_K, false, STAGES>(HELD_PASS);
+}
+extern "C" __global__ void __launch_bounds__(MAX_WARPS * 32, MIN_BLOCKS) held_q4_k_dense(HELD_ARGS) {
+    held_pairs<KIND_Q4_K, false, DENSE_STAGES>(HELD_PASS);
 }
 extern "C" __global__ void __launch_bounds__(MAX_WARPS * 32, MIN_BLOCKS) held_q8_0_gate_up(HELD_ARGS) {
-    held_pairs<KIND_Q8_0, true>(HELD_PASS);
+    held_pairs<KIND_Q8_0, true, STAGES>(HELD_PASS);
 }
 extern "C" __global__ void __launch_bounds__(MAX_WARPS * 32, MIN_BLOCKS) held_q8_0_rows(HELD_ARGS) {
-    held_pairs<KIND_Q8_0, false>(HELD_PASS);
+    held_pairs<KIND_Q8_0, false, STAGES>(HELD_PASS);
+}
+extern "C" __global__ void __launch_bounds__(MAX_WARPS * 32, MIN_BLOCKS) held_q8_0_dense(HELD_ARGS) {
+    held_pairs<KIND_Q8_0, false, DENSE_STAGES>(HELD_PASS);
 }
 
 // Tiles of up to 8 pairs of one expert, in pair order (one block of a power of two threads, at least the pairs

@@ -156,6 +156,39 @@ def test_q8_0_gate_and_up_in_fp16_or_bf16_match_the_reference(monkeypatch: pytes
         cuda_held._kernels.cache_clear()
 
 
+@pytest.mark.parametrize("stages", [5, 9])
+@pytest.mark.parametrize("kind", cuda_held.KINDS)
+def test_projections_with_a_deep_ring_match_the_reference_and_keep_row_bits(
+    stages: int, kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DENSE_STAGES: a dense projection's warps copy up to stages - 1 iterations before the kernel before it
+    ends (every one of qkv's and the LM head's at 4 warps, half of o's at 5): the reference's values, a row's
+    bits alone as in any window, and, replayed in a graph after a Triton kernel that writes x (both launched
+    dependently on Hopper), that replay's x read."""
+    monkeypatch.setitem(cuda_held.DEFINES, "DENSE_STAGES", str(stages))
+    cuda_held._kernels.cache_clear()
+    try:
+        for shape in [(5120, HIDDEN), (HIDDEN, 4096), (151936, HIDDEN)]:
+            weight, x = _check_projection(kind, shape, 6)
+            x_in = x[:8].clone()
+            norm = torch.ones(shape[1], device="cuda", dtype=torch.bfloat16)
+
+            def step(weight: torch.Tensor = weight, x_in: torch.Tensor = x_in, norm: torch.Tensor = norm):
+                return cuda_held.linear(rms_norm(x_in, norm, 1e-6, False), weight, kind)
+
+            step()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                captured = step()
+            for seed in (1, 2):
+                x_in.copy_(torch.randn(x_in.shape, generator=torch.Generator().manual_seed(seed)).to(x_in))
+                expected = step()
+                graph.replay()
+                assert torch.equal(captured, expected), (shape, seed)
+    finally:
+        cuda_held._kernels.cache_clear()
+
+
 @pytest.mark.parametrize("kind", cuda_held.KINDS)
 @pytest.mark.parametrize("shape", [(5120, HIDDEN), (HIDDEN, 4096)])
 def test_projections_split_over_blocks_match_the_reference_and_keep_row_bits(

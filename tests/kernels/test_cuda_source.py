@@ -26,7 +26,9 @@ def _nvrtc() -> ctypes.CDLL | None:
     return None
 
 
-@pytest.mark.parametrize("defines", [{}, {"Q8_HALF": "0"}, {"STAGES": "3"}, {"MIN_BLOCKS": "3"}])
+@pytest.mark.parametrize(
+    "defines", [{}, {"Q8_HALF": "0"}, {"STAGES": "3"}, {"MIN_BLOCKS": "3"}, {"DENSE_STAGES": "5"}]
+)
 def test_the_held_kernels_compile_for_sm_90(defines: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
     nvrtc = _nvrtc()
     if nvrtc is None:
@@ -34,3 +36,4 @@ def test_the_held_kernels_compile_for_sm_90(defines: dict[str, str], monkeypatch
     monkeypatch.setattr(cuda_held, "DEFINES", defines)
     binary = cuda_held._compile(cuda_held._source(), "sm_90", nvrtc)
     assert binary[:4] == b"\x7fELF"  # a cubin
+    assert all(name.encode() in binary for name in cuda_held.KERNELS)  # every kernel the launches name

@@ -75,3 +75,17 @@ def test_a_block_a_pair_goes_in_where_every_kind_on_cuda_picked_it() -> None:
     q8_0 = ["Q8_0 experts tokens 8 cuda w4 d2 p8 STAGES=3 MIN_BLOCKS=3 100.0 us  2.04 TB/s  drift 4.4e-03"]
     picked = pick(LINES + per_pair + q8_0)
     assert picked["per_pair"] == 8 and picked["down_warps"] == {"Q4_K": 4, "Q8_0": 2}
+
+
+def test_the_dense_projections_defines_with_the_least_time_over_the_kinds_on_cuda() -> None:
+    deep = [
+        "Q4_K qkv tokens 8 cuda DENSE_STAGES=5               5.0 us    1.2 TB/s  drift 1.0e-03",
+        "Q4_K qkv tokens 8 cuda s2 DENSE_STAGES=5            7.5 us    1.2 TB/s  drift 1.0e-03",
+        "Q4_K qkv tokens 8 cuda s2                           7.0 us    1.2 TB/s  drift 1.0e-03",
+    ]
+    picked = pick(LINES + deep)
+    assert picked["split_waves"] == 0.0
+    assert picked["defines"] == {"STAGES": "3", "MIN_BLOCKS": "3", "DENSE_STAGES": "5"}
+    split_deep = [line.replace("7.5 us", "4.0 us") for line in deep]
+    picked = pick(LINES + split_deep)
+    assert picked["split_waves"] == 2.0 and picked["defines"]["DENSE_STAGES"] == "5"
