@@ -186,9 +186,13 @@ def _ptxas_report(ptx: str) -> tuple[int, int]:
     return int(registers.group(1)), int(spilled.group(1))
 
 
+MERGES = (True,)  # the attention's forms to compile: (False, True) compares them (760 / 692 bytes spilled)
+
+
 def compile_attention() -> None:
     """The paged attention's main kernel at Qwen3-30B-A3B's heads (128 wide, 8 query heads a kv head) in bf16,
-    with the decode rows merged in the launch (MERGE) and without: registers a thread and bytes spilled."""
+    with the decode rows merged in the launch (MERGE; MERGES names which): registers a thread and bytes
+    spilled."""
     pointers = ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "part_acc_ptr", "part_ml_ptr", "query_start_ptr")
     signature = dict.fromkeys(pointers[:4], "*bf16") | dict.fromkeys(pointers[4:6], "*fp32")
     signature |= {"query_start_ptr": "*i32", "seq_lens_ptr": "*i32", "block_table_ptr": "*i32"}
@@ -197,7 +201,7 @@ def compile_attention() -> None:
     signature |= {"gate_ptr": "*bf16", "stride_gt": "i32", "stride_gh": "i32", "arrivals_ptr": "*i32"}
     config = tile_config(128, 8, 2)
     line = "attention"
-    for merge in (False, True):
+    for merge in MERGES:
         constants = {"GROUP": 8, "GROUP_PAD": 8, "BLOCK_M": config.block_m, "DEC_M": 16}
         constants |= {"BLOCK_KV": config.block_kv, "DEC_KV": config.dec_kv, "BLOCK_SIZE": 16, "HEAD_DIM": 128}
         constants |= {"SPLITS": config.splits, "PRECISION": "tf32", "SCALED": False, "GATED": False}
