@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One call on a fresh GPU machine: GPU tests (GPU_TESTS_K selects as pytest -k), then the benchmark of the given
-# shapes.
+# One call on a fresh GPU machine: GPU tests (GPU_TEST_FILES: the files, default all of tests/gpu, more than
+# one call's 10 minutes; GPU_TESTS_K selects as pytest -k), then the benchmark of the given shapes.
 #   bash benchmarks/gpu_check.sh [tests|bench|all|serving|split|tier|tier-large|serving-large] [shape ...]
 # tier: the expert tier's GPU tests and benchmarks/expert_tier.py on q30-half (no expert / 96 resident on the
 # random router's routing; 32 resident on Zipf and the demo model's routing, frozen / blocking / async);
@@ -59,8 +59,9 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 status=0
 if [[ $what == tests || $what == all ]]; then
-    python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu -k "${GPU_TESTS_K:-}" 2>&1 | tee "$out/gpu-tests.log" \
-        || status=1
+    # shellcheck disable=SC2086
+    python3 -m pytest -q -p no:cacheprovider -m gpu ${GPU_TEST_FILES:-tests/gpu} -k "${GPU_TESTS_K:-}" 2>&1 \
+        | tee "$out/gpu-tests.log" || status=1
 fi
 if [[ $what == bench || $what == all ]]; then
     args=()
