@@ -40,6 +40,9 @@ typedef long long i64;
 #ifndef STAGES
 #define STAGES 2  // iterations in a warp's ring (the copies run STAGES - 1 iterations ahead)
 #endif
+#ifndef DOWN_STAGES
+#define DOWN_STAGES STAGES  // the ring of the experts' down projection's warp, whose first DOWN_STAGES - 1
+#endif                      // iterations are copied before gate_up has ended
 #ifndef DENSE_STAGES
 #define DENSE_STAGES STAGES  // the ring of a dense projection's warp, whose first DENSE_STAGES - 1 iterations
 #endif                       // are copied before the kernel before it has ended
@@ -58,7 +61,7 @@ typedef long long i64;
 #define MODE_DENSE 2     // block x: rows 8 x ... of a dense matmul (expert 0)
 #define TABLE_STRIDE 20  // floats a row of a warp's Q4_K scale table (16 used; 20 keeps its reads apart in banks)
 // Shared memory of a block of W warps (app/kernels/cuda_held.py computes the same): W * RING * STAGE_BYTES (RING:
-// STAGES, a dense projection's DENSE_STAGES),
+// gate_up's STAGES, down's DOWN_STAGES, a dense projection's DENSE_STAGES),
 // then (Q4_K) W tables of 32 rows of TABLE_STRIDE floats, then (W - 1) * 32 * 8 floats of partial sums.
 
 // A stage of a warp in shared memory: an iteration of its 32 rows (row j: block j / 16's row j % 16), ROW_BYTES
@@ -541,7 +544,7 @@ extern "C" __global__ void __launch_bounds__(MAX_WARPS * 32, MIN_BLOCKS) held_q4
     held_pairs<KIND_Q4_K, true, STAGES>(HELD_PASS);
 }
 extern "C" __global__ void __launch_bounds__(MAX_WARPS * 32, MIN_BLOCKS) held_q4_k_rows(HELD_ARGS) {
-    held_pairs<KIND_Q4_K, false, STAGES>(HELD_PASS);
+    held_pairs<KIND_Q4_K, false, DOWN_STAGES>(HELD_PASS);
 }
 extern "C" __global__ void __launch_bounds__(MAX_WARPS * 32, MIN_BLOCKS) held_q4_k_dense(HELD_ARGS) {
     held_pairs<KIND_Q4_K, false, DENSE_STAGES>(HELD_PASS);
@@ -550,7 +553,7 @@ extern "C" __global__ void __launch_bounds__(MAX_WARPS * 32, MIN_BLOCKS) held_q8
     held_pairs<KIND_Q8_0, true, STAGES>(HELD_PASS);
 }
 extern "C" __global__ void __launch_bounds__(MAX_WARPS * 32, MIN_BLOCKS) held_q8_0_rows(HELD_ARGS) {
-    held_pairs<KIND_Q8_0, false, STAGES>(HELD_PASS);
+    held_pairs<KIND_Q8_0, false, DOWN_STAGES>(HELD_PASS);
 }
 extern "C" __global__ void __launch_bounds__(MAX_WARPS * 32, MIN_BLOCKS) held_q8_0_dense(HELD_ARGS) {
     held_pairs<KIND_Q8_0, false, DENSE_STAGES>(HELD_PASS);

@@ -75,9 +75,10 @@ SPLIT_WAVES = float(os.environ.get("STRATA_CUDA_HELD_SPLIT_WAVES", "0"))
 SPLIT_TILES = 512
 MAX_SPLITS = 8
 # The source's compile-time choices (its #ifndef defaults where absent), e.g. "STAGES=3 MIN_BLOCKS=3",
-# "Q8_HALF=0" (Q8_0's gate and up as bf16 operands, not the default fp16) or "DENSE_STAGES=5" (a dense
-# projection's ring: its first 4 iterations a warp copied before the kernel before it ends; STAGES unless
-# given, not yet timed) in STRATA_CUDA_HELD_DEFINES: `benchmarks/tune_held.py --variants` times several.
+# "Q8_HALF=0" (Q8_0's gate and up as bf16 operands, not the default fp16), "DENSE_STAGES=5" (a dense
+# projection's ring: its first 4 iterations a warp copied before the kernel before it ends) or
+# "DOWN_STAGES=4" (the experts' down projection's, copied before gate_up ends; both STAGES unless given, not
+# yet timed) in STRATA_CUDA_HELD_DEFINES: `benchmarks/tune_held.py --variants` times several.
 DEFINES = dict(word.split("=") for word in os.environ.get("STRATA_CUDA_HELD_DEFINES", "").split())
 WIDE_LINEAR = 32768
 GROUP_LIMIT = 1024  # `group_pairs` is one block of up to 1,024 threads: pairs and experts each at most this
@@ -90,18 +91,20 @@ SOURCE_NAME = "held_experts.cu"
 MAX_DYNAMIC_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 
 
-def ring(dense: bool) -> int:
-    """Iterations in a warp's ring: the source's STAGES, a dense projection's DENSE_STAGES (STAGES unless
-    defined)."""
+def ring(role: str) -> int:
+    """Iterations in a warp's ring for a kernel of `role` ("gate_up", "down" or "dense"): the source's STAGES,
+    DOWN_STAGES and DENSE_STAGES (each STAGES unless defined)."""
     stages = int(DEFINES.get("STAGES", STAGES))
-    return int(DEFINES.get("DENSE_STAGES", stages)) if dense else stages
+    name = {"gate_up": "STAGES", "down": "DOWN_STAGES", "dense": "DENSE_STAGES"}[role]
+    return int(DEFINES.get(name, stages))
 
 
-def shared_bytes(kind: str, warps: int, dense: bool = False) -> int:
-    """Dynamic shared memory of a block of `warps` warps (native/held_experts.cu's layout): each warp's ring
-    of stages (`ring`), its Q4_K scale table, and the partial sums the other warps hand to the first."""
+def shared_bytes(kind: str, warps: int, role: str = "gate_up") -> int:
+    """Dynamic shared memory of a block of `warps` warps of a kernel of `role` (native/held_experts.cu's
+    layout): each warp's ring of stages (`ring`), its Q4_K scale table, and the partial sums the other warps
+    hand to the first."""
     table = warps * 32 * TABLE_STRIDE * 4 if kind == "Q4_K" else 0
-    return warps * ring(dense) * STAGE_BYTES + table + (warps - 1) * 32 * 8 * 4
+    return warps * ring(role) * STAGE_BYTES + table + (warps - 1) * 32 * 8 * 4
 
 
 def _source() -> str:
@@ -213,14 +216,14 @@ class _Kernels:
             if result != 0:
                 raise RuntimeError(f"raising {name}'s shared memory failed (CUDA driver error {result})")
 
-    def warps(self, kind: str, k: int, down: bool, dense: bool = False) -> int:
-        """Warps a block for rows of `k` values of `kind` (`down`: of the experts' down projection,
-        DOWN_WARPS, else BLOCK_WARPS; `dense`: a dense projection's, its ring `ring(True)`): at least one
-        iteration each (ITERATION_VALUES), at most MAX_WARPS, and what the device's shared memory holds. A
-        function of the weight alone, so a row's sums are added in the same order in every window."""
-        cap = (DOWN_WARPS if down else BLOCK_WARPS)[kind]
+    def warps(self, kind: str, k: int, role: str) -> int:
+        """Warps a block of a kernel of `role` ("gate_up", "down": DOWN_WARPS, "dense"; else BLOCK_WARPS) for
+        rows of `k` values of `kind`: at least one iteration each (ITERATION_VALUES), at most MAX_WARPS, and
+        what the device's shared memory holds with the role's ring. A function of the weight alone, so a
+        row's sums are added in the same order in every window."""
+        cap = (DOWN_WARPS if role == "down" else BLOCK_WARPS)[kind]
         warps = max(1, min(cap, k // ITERATION_VALUES[kind]))
-        while warps > 1 and shared_bytes(kind, warps, dense) > self.shared_limit:
+        while warps > 1 and shared_bytes(kind, warps, role) > self.shared_limit:
             warps -= 1
         return warps
 
@@ -330,13 +333,13 @@ def _matmul(
     k = x.shape[1]
     splits = kernels.splits(kind, k, weight.shape[1]) if mode == MODE_DENSE else 1
     share = k // ITERATION_VALUES[kind] // splits * ITERATION_VALUES[kind]  # a block's k, at least
-    dense = mode == MODE_DENSE
-    warps = kernels.warps(kind, share, not swiglu and not dense, dense)
+    role = "gate_up" if swiglu else "dense" if mode == MODE_DENSE else "down"
+    warps = kernels.warps(kind, share, role)
     split_sums = None
     if splits > 1:
         split_sums = torch.empty(grid[0] * grid[1] * splits * 256, dtype=torch.float32, device=x.device)
     kernels.launch(
-        f"held_{kind.lower()}_{'gate_up' if swiglu else 'dense' if dense else 'rows'}",
+        f"held_{kind.lower()}_{'rows' if role == 'down' else role}",
         (*grid, splits),
         warps * 32,
         [
@@ -359,7 +362,7 @@ def _matmul(
             split_sums,
             kernels.arrivals if splits > 1 else None,
         ],
-        shared_bytes(kind, warps, dense),
+        shared_bytes(kind, warps, role),
     )
 
 

@@ -70,6 +70,30 @@ def test_cuda_gives_a_pair_the_same_bits_alone_and_in_any_window(experts: tuple)
         assert torch.equal(part[-TOP_K:], full[-TOP_K:]), tokens
 
 
+def test_a_deep_ring_for_down_keeps_the_values_and_a_pairs_bits(
+    experts: tuple, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DOWN_STAGES: the experts' down projection's warps copy up to 3 iterations (all of q30's 6 at 2 warps)
+    before gate_up ends: the reference's values, and a pair's bits alone as in a window, as with the default
+    ring (the ring's depth never changes the order of a row's sums)."""
+    kind, gate_up, down, gate_up_values, down_values = experts
+    x, ids, weights = _window(64, 8)
+    shallow = cuda_held.expert_pairs(x, ids, weights, gate_up, down, (kind, kind))
+    monkeypatch.setitem(cuda_held.DEFINES, "DOWN_STAGES", "4")
+    cuda_held._kernels.cache_clear()
+    try:
+        for tokens in (1, 8, 64):
+            window = (x[-tokens:], ids[-tokens:], weights[-tokens:])
+            pairs = cuda_held.expert_pairs(*window, gate_up, down, (kind, kind))
+            assert pairs is not None and torch.equal(pairs[-TOP_K:], shallow[-TOP_K:]), tokens
+        expected = experts_reference(x.float(), ids, weights.float(), gate_up_values, down_values)
+        got = pairs.view(64, TOP_K, HIDDEN).float().sum(1)
+        scale = expected.abs().max()
+        torch.testing.assert_close(got / scale, expected / scale, atol=1e-2, rtol=0)
+    finally:
+        cuda_held._kernels.cache_clear()
+
+
 def test_cuda_leaves_wider_windows_and_other_dtypes_to_triton(experts: tuple) -> None:
     kind, gate_up, down, _, _ = experts
     x, ids, weights = _window(cuda_held.DECODE_TOKENS + 1, 3)
