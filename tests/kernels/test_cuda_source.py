@@ -28,7 +28,7 @@ def _nvrtc() -> ctypes.CDLL | None:
 
 @pytest.mark.parametrize(
     "defines",
-    [{}, {"Q8_HALF": "0"}, {"STAGES": "3"}, {"MIN_BLOCKS": "3"}, {"DENSE_STAGES": "5", "DOWN_STAGES": "4"}],
+    [{}, {"Q8_HALF": "0", "STAGES": "3", "MIN_BLOCKS": "3"}, {"DENSE_STAGES": "5", "DOWN_STAGES": "4"}],
 )
 def test_the_held_kernels_compile_for_sm_90(defines: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
     nvrtc = _nvrtc()
