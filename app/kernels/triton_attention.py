@@ -44,9 +44,8 @@ MIN_DOT = 16  # the smallest tile side tl.dot takes
 # or by a second kernel (the default): the launch saved against a tail in which one program merges its group's
 # heads one after another, which may cost more than it saves at long contexts; not yet timed on a card.
 MERGE_IN_LAUNCH = os.environ.get("STRATA_MERGE_IN_LAUNCH", "0") == "1"
-ARRIVALS = (
-    1 << 16
-)  # (sequence, kv head) counters a device has: batches of more pairs merge in a second launch
+# (sequence, kv head) counters a device has for MERGE_IN_LAUNCH (batches of more pairs: the second kernel)
+ARRIVALS = 1 << 16
 
 
 @functools.cache
@@ -560,8 +559,8 @@ def _merge_partitions_kernel(
     PRECISE: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """Program (sequence, head): a decode row's output from its partitions (`_merge_head`), for batches of
-    more (sequence, kv head) pairs than the main kernel's arrival counters."""
+    """Program (sequence, head): a decode row's output from its partitions (`_merge_head`); unless the main
+    kernel merged them (MERGE)."""
     follow_previous(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -692,7 +691,7 @@ def _paged_attention(
         out.stride(1),
         block_table.stride(0),
         *gating,
-        _arrivals(q.device),
+        _arrivals(q.device) if merge else layout.seq_lens,  # counters read only with MERGE
         GROUP=group,
         GROUP_PAD=group_pad,
         BLOCK_M=block_m,
