@@ -585,21 +585,29 @@ def _held_rowwise(
 
 
 @triton.jit
+def picks_sum(y_ptr, ids_ptr, token, stride_y, cols, ok, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    """Columns `cols` of the sum of a token's TOP_K pair rows of y (row token * TOP_K + choice, `stride_y`
+    apart) in fp32, added in choice order; pairs whose id is negative (never computed) left out. No branch:
+    every choice's loads are issued before the first add."""
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for choice in tl.static_range(TOP_K):
+        pair = token * TOP_K + choice
+        keep = tl.load(ids_ptr + pair) >= 0
+        part = tl.load(y_ptr + pair * stride_y + cols, mask=tl.where(keep, ok, False), other=0.0)
+        acc = tl.where(keep, acc + part.to(tl.float32), acc)
+    return acc
+
+
+@triton.jit
 def _sum_choices(
     y_ptr, ids_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr
 ):
-    """out[token] = sum over its TOP_K pair rows of y, added in choice order in fp32; pairs whose id is
-    negative (never computed) are left out."""
+    """out[token] = `picks_sum` of the token's TOP_K pair rows of y."""
     follow_previous(PDL)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < hidden
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for choice in tl.static_range(TOP_K):  # no branch: every choice's loads issued before the first add
-        pair = token * TOP_K + choice
-        keep = tl.load(ids_ptr + pair) >= 0
-        part = tl.load(y_ptr + pair * hidden + cols, mask=tl.where(keep, ok, False), other=0.0).to(tl.float32)
-        acc = tl.where(keep, acc + part, acc)
+    acc = picks_sum(y_ptr, ids_ptr, token, hidden, cols, ok, TOP_K, BLOCK)
     tl.store(out_ptr + token * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 

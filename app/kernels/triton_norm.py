@@ -21,6 +21,7 @@ from triton.language.extra import libdevice
 from app.kernels import kv_quant
 from app.kernels.interface import Picks
 from app.kernels.triton_launch import follow_previous, pdl
+from app.kernels.triton_moe import picks_sum
 
 MAX_DIM = 65536  # longest row one program normalises in a single tile
 QUANT_KINDS = {torch.int8: 1, torch.float8_e4m3fn: 2}  # 8-bit caches `_store_row` writes
@@ -85,14 +86,7 @@ def _rms_norm_kernel(
     live = col < DIM
     out_ty = out_ptr.dtype.element_ty
     if PICKS:
-        x = tl.zeros((BLOCK,), dtype=tl.float32)
-        for choice in tl.static_range(PICKS):  # no branch: every pick's loads issued before the first add
-            pair = row * PICKS + choice
-            keep = tl.load(ids_ptr + pair) >= 0
-            part = tl.load(x_ptr + pair * stride_x + col, mask=tl.where(keep, live, False), other=0.0).to(
-                tl.float32
-            )
-            x = tl.where(keep, x + part, x)
+        x = picks_sum(x_ptr, ids_ptr, row, stride_x, col, live, PICKS, BLOCK)
         x = x.to(x_ptr.dtype.element_ty).to(tl.float32)
     else:
         x = tl.load(x_ptr + row * stride_x + col, mask=live, other=0.0).to(tl.float32)
