@@ -12,9 +12,7 @@ Two paths share the main kernel, chosen per sequence by its own length:
   tile can see, block by block from position 0, with an online softmax;
 - a decode row is split over the keys, so that a few long decodes still fill the GPU: program `part` of
   SPLITS reads key tiles part, part + SPLITS, ... and leaves an unnormalised partial result, which a small
-  second kernel (launched for every batch, a no-op for prompt chunks) merges in partition order; with
-  MERGE_IN_LAUNCH the row's partition program that finishes last (a counter a sequence and kv head) merges
-  its heads' partial results in the same launch instead.
+  second kernel (launched for every batch, a no-op for prompt chunks) merges in partition order.
 
 Batch invariance: the tiles (BLOCK_Q, the key steps, SPLITS, warps) follow only the head size, the group
 size and the element size, never the batch; the key walk of a row and the partitions of a decode row are
@@ -25,8 +23,6 @@ nothing synchronises with the host and the launches can be captured in a CUDA gr
 
 from __future__ import annotations
 
-import functools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -40,20 +36,6 @@ from app.models.batch import PagedLayout
 
 LOG2E = 1.4426950408889634
 MIN_DOT = 16  # the smallest tile side tl.dot takes
-# A decode row's partitions merged in the main launch by the last of them to finish (STRATA_MERGE_IN_LAUNCH=1)
-# or by a second kernel (the default): the launch saved against a tail in which one program merges its group's
-# heads one after another, which may cost more than it saves at long contexts; not yet timed on a card.
-MERGE_IN_LAUNCH = os.environ.get("STRATA_MERGE_IN_LAUNCH", "0") == "1"
-# (sequence, kv head) counters a device has for MERGE_IN_LAUNCH (batches of more pairs: the second kernel)
-ARRIVALS = 1 << 16
-
-
-@functools.cache
-def _arrivals(device: torch.device) -> torch.Tensor:
-    """The decode partitions' arrival counters on `device`, one a (sequence, kv head) of a launch (int32, back
-    to 0 after every launch; a device's launches run one after another on its stream)."""
-    with torch.inference_mode():
-        return torch.zeros(ARRIVALS, dtype=torch.int32, device=device)
 
 
 @dataclass(frozen=True)
@@ -373,7 +355,6 @@ def _paged_attention_kernel(
     gate_ptr,
     stride_gt,
     stride_gh,
-    arrivals_ptr,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -387,12 +368,9 @@ def _paged_attention_kernel(
     SCALED: tl.constexpr,
     GATED: tl.constexpr,
     PRECISE: tl.constexpr,
-    MERGE: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """Program (sequence, tile or partition, kv head): a prompt tile or a decode partition, else nothing.
-    With MERGE a decode row's partition program that arrives last on the (sequence, kv head) counter merges
-    the group's heads (`_merge_head`) and sets the counter back to 0."""
+    """Program (sequence, tile or partition, kv head): a prompt tile or a decode partition, else nothing."""
     follow_previous(PDL)
     seq = tl.program_id(0)
     tile = tl.program_id(1)
@@ -434,33 +412,6 @@ def _paged_attention_kernel(
                 PRECISION,
                 SCALED,
             )
-            if MERGE:
-                parts = tl.minimum(tl.cdiv(seq_len, DEC_KV), SPLITS)
-                counter = arrivals_ptr + seq * tl.num_programs(2) + kv_head
-                tl.debug_barrier()  # every thread's partials stored before the arrival is counted (release)
-                if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == parts - 1:
-                    tl.store(counter, 0)  # for the next launch
-                    for g in range(GROUP):
-                        _merge_head(
-                            out_ptr,
-                            part_acc_ptr,
-                            part_ml_ptr,
-                            seq,
-                            q_start,
-                            seq_len,
-                            kv_head * GROUP + g,
-                            heads,
-                            stride_ot,
-                            stride_oh,
-                            gate_ptr,
-                            stride_gt,
-                            stride_gh,
-                            DEC_KV,
-                            HEAD_DIM,
-                            SPLITS,
-                            GATED,
-                            PRECISE,
-                        )
     elif tile * (BLOCK_M // GROUP_PAD) < q_len:
         _prompt_tile(
             q_ptr,
@@ -501,45 +452,6 @@ def _paged_attention_kernel(
 
 
 @triton.jit
-def _merge_head(
-    out_ptr,
-    part_acc_ptr,
-    part_ml_ptr,
-    seq,
-    q_start,
-    seq_len,
-    head,
-    heads,
-    stride_ot,
-    stride_oh,
-    gate_ptr,
-    stride_gt,
-    stride_gh,
-    DEC_KV: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    SPLITS: tl.constexpr,
-    GATED: tl.constexpr,
-    PRECISE: tl.constexpr,
-):
-    """A decode row's output of one head from its partitions, always summed in one order."""
-    parts = tl.arange(0, SPLITS)
-    used = parts < tl.cdiv(seq_len, DEC_KV)
-    slot = (seq.to(tl.int64) * heads + head) * SPLITS + parts
-    m = tl.load(part_ml_ptr + slot * 2, mask=used, other=float("-inf"))
-    l_part = tl.load(part_ml_ptr + slot * 2 + 1, mask=used, other=0.0)
-    d = tl.arange(0, HEAD_DIM)
-    acc = tl.load(part_acc_ptr + slot[:, None] * HEAD_DIM + d[None, :], mask=used[:, None], other=0.0)
-    weight = tl.exp2(m - tl.max(m, 0))
-    total = tl.sum(l_part * weight, 0)
-    out = tl.sum(acc * weight[:, None], 0) / total
-    gates = gate_ptr + q_start.to(tl.int64) * stride_gt + head * stride_gh + d
-    tl.store(
-        out_ptr + q_start.to(tl.int64) * stride_ot + head * stride_oh + d,
-        _output(out, gates, d < HEAD_DIM, GATED, PRECISE, out_ptr.dtype.element_ty),
-    )
-
-
-@triton.jit
 def _merge_partitions_kernel(
     out_ptr,
     part_acc_ptr,
@@ -559,8 +471,7 @@ def _merge_partitions_kernel(
     PRECISE: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """Program (sequence, head): a decode row's output from its partitions (`_merge_head`); unless the main
-    kernel merged them (MERGE)."""
+    """Program (sequence, head): a decode row's output from its partitions, always summed in one order."""
     follow_previous(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -568,25 +479,20 @@ def _merge_partitions_kernel(
     q_len = tl.load(query_start_ptr + seq + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + seq)
     if q_len == 1:
-        _merge_head(
-            out_ptr,
-            part_acc_ptr,
-            part_ml_ptr,
-            seq,
-            q_start,
-            seq_len,
-            head,
-            heads,
-            stride_ot,
-            stride_oh,
-            gate_ptr,
-            stride_gt,
-            stride_gh,
-            DEC_KV,
-            HEAD_DIM,
-            SPLITS,
-            GATED,
-            PRECISE,
+        parts = tl.arange(0, SPLITS)
+        used = parts < tl.cdiv(seq_len, DEC_KV)
+        slot = (seq.to(tl.int64) * heads + head) * SPLITS + parts
+        m = tl.load(part_ml_ptr + slot * 2, mask=used, other=float("-inf"))
+        l_part = tl.load(part_ml_ptr + slot * 2 + 1, mask=used, other=0.0)
+        d = tl.arange(0, HEAD_DIM)
+        acc = tl.load(part_acc_ptr + slot[:, None] * HEAD_DIM + d[None, :], mask=used[:, None], other=0.0)
+        weight = tl.exp2(m - tl.max(m, 0))
+        total = tl.sum(l_part * weight, 0)
+        out = tl.sum(acc * weight[:, None], 0) / total
+        gates = gate_ptr + q_start.to(tl.int64) * stride_gt + head * stride_gh + d
+        tl.store(
+            out_ptr + q_start.to(tl.int64) * stride_ot + head * stride_oh + d,
+            _output(out, gates, d < HEAD_DIM, GATED, PRECISE, out_ptr.dtype.element_ty),
         )
 
 
@@ -666,7 +572,6 @@ def _paged_attention(
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     q_tiles = triton.cdiv(max(layout.max_query_len, 1), block_m // group_pad)
     grid = (seqs, max(q_tiles, splits), kv_heads)
-    merge = MERGE_IN_LAUNCH and seqs * kv_heads <= ARRIVALS
     _paged_attention_kernel[grid](
         q,
         key_cache,
@@ -691,7 +596,6 @@ def _paged_attention(
         out.stride(1),
         block_table.stride(0),
         *gating,
-        _arrivals(q.device) if merge else layout.seq_lens,  # counters read only with MERGE
         GROUP=group,
         GROUP_PAD=group_pad,
         BLOCK_M=block_m,
@@ -704,13 +608,10 @@ def _paged_attention(
         PRECISION=precision,
         SCALED=scaled,
         **gated,
-        MERGE=merge,
         num_warps=config.warps,
         num_stages=config.stages,
         **pdl(q.device, grid),
     )
-    if merge:
-        return out
     grid = (seqs, heads)
     _merge_partitions_kernel[grid](
         out,

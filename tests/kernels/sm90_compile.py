@@ -25,7 +25,6 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from app.kernels.triton_attention import _paged_attention_kernel, tile_config
 from app.kernels.triton_blocks import _copy_blocks_kernel
 from app.kernels.triton_moe import HELD_CODES, _grouped_matmul, _held_rowwise
 from app.kernels.triton_moe_block import _router_kernel
@@ -166,58 +165,6 @@ def compile_routing() -> None:
     print(line)
 
 
-def _ptxas_report(ptx: str) -> tuple[int, int]:
-    """The registers a thread and the bytes spilled that ptxas reports for `ptx` (sm_90a)."""
-    with tempfile.TemporaryDirectory() as folder:
-        source = Path(folder) / "kernel.ptx"
-        source.write_text(ptx)
-        command = [
-            get_ptxas(90).path,
-            "-v",
-            "--gpu-name=sm_90a",
-            str(source),
-            "-o",
-            str(Path(folder) / "out"),
-        ]
-        report = subprocess.run(command, capture_output=True, text=True, check=True).stderr
-    registers = re.search(r"Used (\d+) registers", report)
-    spilled = re.search(r"(\d+) bytes spill stores", report)
-    assert registers is not None and spilled is not None, report
-    return int(registers.group(1)), int(spilled.group(1))
-
-
-MERGES = (True,)  # the attention's forms to compile: (False, True) compares them (760 / 692 bytes spilled)
-
-
-def compile_attention() -> None:
-    """The paged attention's main kernel at Qwen3-30B-A3B's heads (128 wide, 8 query heads a kv head) in bf16,
-    with the decode rows merged in the launch (MERGE; MERGES names which): registers a thread and bytes
-    spilled."""
-    pointers = ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "part_acc_ptr", "part_ml_ptr", "query_start_ptr")
-    signature = dict.fromkeys(pointers[:4], "*bf16") | dict.fromkeys(pointers[4:6], "*fp32")
-    signature |= {"query_start_ptr": "*i32", "seq_lens_ptr": "*i32", "block_table_ptr": "*i32"}
-    strides = ("qt", "qh", "kb", "ks", "kh", "vb", "vs", "vh", "ot", "oh", "bt")
-    signature |= {"heads": "i32", "qk_scale": "fp32", **{f"stride_{name}": "i32" for name in strides}}
-    signature |= {"gate_ptr": "*bf16", "stride_gt": "i32", "stride_gh": "i32", "arrivals_ptr": "*i32"}
-    config = tile_config(128, 8, 2)
-    line = "attention"
-    for merge in MERGES:
-        constants = {"GROUP": 8, "GROUP_PAD": 8, "BLOCK_M": config.block_m, "DEC_M": 16}
-        constants |= {"BLOCK_KV": config.block_kv, "DEC_KV": config.dec_kv, "BLOCK_SIZE": 16, "HEAD_DIM": 128}
-        constants |= {"SPLITS": config.splits, "PRECISION": "tf32", "SCALED": False, "GATED": False}
-        constants |= {"PRECISE": True, "MERGE": merge, "PDL": True}
-        source = ASTSource(
-            fn=_paged_attention_kernel,
-            signature={**signature, **dict.fromkeys(constants, "constexpr")},
-            constexprs=constants,
-        )
-        options = {"num_warps": config.warps, "num_stages": config.stages}
-        ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
-        registers, spilled = _ptxas_report(ptx)
-        line += f" merge-{int(merge)}:{registers}/{spilled}"
-    print(line)
-
-
 if __name__ == "__main__":
     for name in sys.argv[1:]:
         if name == "blocks":
@@ -228,7 +175,5 @@ if __name__ == "__main__":
             compile_q8_0_loads()
         elif name == "rowwise-registers":
             compile_rowwise_registers()
-        elif name == "attention":
-            compile_attention()
         else:
             compile_held(name)

@@ -7,11 +7,9 @@ import dataclasses
 import pytest
 import torch
 
-from app.kernels import triton_attention
 from app.kernels.reference import causal_attention
 from app.kernels.triton_attention import (
     TileConfig,
-    _arrivals,
     _paged_attention,
     paged_attention,
     tile_config,
@@ -145,26 +143,6 @@ def test_small_tiles_cover_many_tiles_and_partitions(heads: int, kv_heads: int, 
     spans = [(150, 1), (33, 40), (0, 23), (5, 1), (64, 1), (17, 2)]
     case = make_case(spans, heads=heads, kv_heads=kv_heads, head_dim=16, dtype=dtype, seed=1)
     check(case, SMALL)
-
-
-@pytest.mark.parametrize("gated", [False, True])
-def test_decode_rows_merged_in_the_launch_as_in_a_second_kernel(
-    gated: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """With MERGE_IN_LAUNCH a decode row's heads merged by its last partition program (the (sequence, kv
-    head) counters, back to 0 after the launch) equal a second kernel's merge, which a batch of more pairs
-    than counters takes."""
-    spans = [(150, 1), (33, 40), (5, 1), (64, 1), (0, 1), (17, 2)]
-    case = make_case(spans, heads=6, kv_heads=2, head_dim=16, dtype=torch.float16, seed=5)
-    gate = torch.randn(case.q.shape, generator=torch.Generator().manual_seed(6)).to(case.q.dtype)
-    args = (case.q, case.key_cache, case.value_cache, case.layout, 0.25, SMALL, gate if gated else None)
-    monkeypatch.setattr(triton_attention, "MERGE_IN_LAUNCH", True)
-    merged = _paged_attention(*args)
-    assert _arrivals(case.q.device).count_nonzero() == 0
-    if not gated:
-        torch.testing.assert_close(merged.float(), reference(case, 0.25), atol=2e-3, rtol=2e-3)
-    monkeypatch.setattr(triton_attention, "ARRIVALS", len(spans) * 2 - 1)
-    assert torch.equal(merged, _paged_attention(*args))
 
 
 def test_long_context_over_many_blocks() -> None:

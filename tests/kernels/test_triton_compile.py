@@ -45,18 +45,3 @@ def test_the_routing_in_one_launch_and_the_norm_summing_picks_compile_for_sm_90(
     assert done.returncode == 0, done.stderr[-3000:]
     forms = [form.split(":")[0] for form in done.stdout.split()[1:]]
     assert forms == ["router-shared-0", "router-shared-1", "norm-picks"]
-
-
-def test_the_attention_merging_decode_rows_in_its_launch_compiles_for_sm_90_spilling_little() -> None:
-    """The paged attention's main kernel at q30's heads with the decode rows' merge in the launch (MERGE)
-    compiles as the GPU would compile it, and spills at most what the kernel spills without the merge (760
-    bytes, from its prompt tiles; `MERGES` in sm90_compile.py compares both) and a few words."""
-    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-    script = Path(__file__).with_name("sm90_compile.py")
-    done = subprocess.run(
-        [sys.executable, str(script), "attention"], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    forms = dict(form.split(":") for form in done.stdout.split()[1:])
-    assert list(forms) == ["merge-1"]
-    assert int(forms["merge-1"].split("/")[1]) <= 760 + 64, forms
