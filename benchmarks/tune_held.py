@@ -101,7 +101,11 @@ def main() -> None:
     parser.add_argument("--experts-only", action="store_true", help="leave the dense projections out")
     parser.add_argument("--dense-only", action="store_true", help="leave the routed experts out")
     parser.add_argument(
-        "--warps", type=int, nargs="+", default=[], help="time the CUDA kernels at most these warps a block"
+        "--warps",
+        type=int,
+        nargs="+",
+        default=[],
+        help="time the experts' CUDA kernels at most these warps a block",
     )
     parser.add_argument(
         "--down-warps",

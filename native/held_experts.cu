@@ -107,12 +107,38 @@ __device__ __forceinline__ void next_may_launch() {
 #endif
 }
 
+// The weights' copies: through the L1 cache (COPY_L1 1, "ca") or past it (0, "cg": 16-byte copies alone), and
+// with L2_PREFETCH 128 or 256 the L2 asked to fetch the whole aligned run of that many bytes around each copy,
+// so a row's next bytes are on their way before the warp's ring asks for them.
+#ifndef COPY_L1
+#define COPY_L1 1
+#endif
+#ifndef L2_PREFETCH
+#define L2_PREFETCH 0
+#endif
+#if L2_PREFETCH == 256
+#define PREFETCH_SIZE ".L2::256B"
+#elif L2_PREFETCH == 128
+#define PREFETCH_SIZE ".L2::128B"
+#else
+#define PREFETCH_SIZE ""
+#endif
+#if COPY_L1
+#define COPY16_LEVEL "ca"
+#else
+#define COPY16_LEVEL "cg"
+#endif
+
 __device__ __forceinline__ void copy8(u8* dst, const void* src) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(shared_address(dst)), "l"(src) : "memory");
+    asm volatile("cp.async.ca.shared.global" PREFETCH_SIZE " [%0], [%1], 8;\n" ::"r"(shared_address(dst)), "l"(src)
+                 : "memory");
 }
 
 __device__ __forceinline__ void copy16(u8* dst, const void* src) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 16;\n" ::"r"(shared_address(dst)), "l"(src) : "memory");
+    asm volatile("cp.async." COPY16_LEVEL ".shared.global" PREFETCH_SIZE " [%0], [%1], 16;\n" ::"r"(
+                     shared_address(dst)),
+                 "l"(src)
+                 : "memory");
 }
 
 __device__ __forceinline__ void copies_sent() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }

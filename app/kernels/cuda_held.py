@@ -45,8 +45,8 @@ MAX_WARPS = 8
 # these kernels for WIDE_KINDS alone (`tune_held.py --dense-only`, H100: Q4_K's LM head 83.6 / 95.2 / 264 us
 # at 1 / 8 / 32 rows against Triton's 107 / 191 / 364; Q8_0's 120 / 123 / 345 against 123 / 138 / 238, so
 # Triton keeps it). Read once, at import: for benchmarks, STRATA_CUDA_HELD_EXPERTS / STRATA_CUDA_HELD_LINEAR /
-# STRATA_CUDA_HELD_WIDE (kinds, space-separated), STRATA_CUDA_HELD_WARPS ("Q4_K=4 Q8_0=8"; the down
-# projection's STRATA_CUDA_HELD_DOWN_WARPS, the same unless given) and
+# STRATA_CUDA_HELD_WIDE (kinds, space-separated), STRATA_CUDA_HELD_WARPS ("Q4_K=4 Q8_0=8": the experts'; the
+# down projection's STRATA_CUDA_HELD_DOWN_WARPS, the same unless given) and
 # STRATA_CUDA_HELD_DEFINES override them (`benchmarks/pick_held.py` picks from the tuner's lines), and
 # STRATA_CUDA_HELD=0 turns the kernels off.
 
@@ -66,6 +66,10 @@ LINEAR_KINDS = _kinds("STRATA_CUDA_HELD_LINEAR", ("Q4_K", "Q8_0"))
 WIDE_KINDS = _kinds("STRATA_CUDA_HELD_WIDE", ("Q4_K",))
 BLOCK_WARPS = _warps("STRATA_CUDA_HELD_WARPS", {"Q4_K": 4, "Q8_0": 4})
 DOWN_WARPS = _warps("STRATA_CUDA_HELD_DOWN_WARPS", BLOCK_WARPS)
+# The dense projections' cap of their own (STRATA_CUDA_HELD_DENSE_WARPS): the tuner times the experts' warps
+# alone, and a pick of 2 for experts left qkv and o, one wave of few blocks, half their warps (Q4_K decode at
+# one row 653-676 tok/s against 776 with 4, docs/PERFORMANCE.md)
+DENSE_WARPS = _warps("STRATA_CUDA_HELD_DENSE_WARPS", {"Q4_K": 4, "Q8_0": 4})
 DISABLED = os.environ.get("STRATA_CUDA_HELD") == "0"
 # A dense projection of at most SPLIT_TILES column tiles (32 rows of the weight each) splits k over about
 # SPLIT_WAVES blocks an SM (STRATA_CUDA_HELD_SPLIT_WAVES; 0: never), at most MAX_SPLITS and one iteration a
@@ -217,11 +221,11 @@ class _Kernels:
                 raise RuntimeError(f"raising {name}'s shared memory failed (CUDA driver error {result})")
 
     def warps(self, kind: str, k: int, role: str) -> int:
-        """Warps a block of a kernel of `role` ("gate_up", "down": DOWN_WARPS, "dense"; else BLOCK_WARPS) for
-        rows of `k` values of `kind`: at least one iteration each (ITERATION_VALUES), at most MAX_WARPS, and
-        what the device's shared memory holds with the role's ring. A function of the weight alone, so a
-        row's sums are added in the same order in every window."""
-        cap = (DOWN_WARPS if role == "down" else BLOCK_WARPS)[kind]
+        """Warps a block of a kernel of `role` ("gate_up": BLOCK_WARPS, "down": DOWN_WARPS, "dense":
+        DENSE_WARPS) for rows of `k` values of `kind`: at least one iteration each (ITERATION_VALUES), at most
+        MAX_WARPS, and what the device's shared memory holds with the role's ring. A function of the weight
+        alone, so a row's sums are added in the same order in every window."""
+        cap = {"gate_up": BLOCK_WARPS, "down": DOWN_WARPS, "dense": DENSE_WARPS}[role][kind]
         warps = max(1, min(cap, k // ITERATION_VALUES[kind]))
         while warps > 1 and shared_bytes(kind, warps, role) > self.shared_limit:
             warps -= 1
