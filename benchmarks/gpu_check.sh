@@ -16,6 +16,7 @@
 # gguf: the held-weight GPU tests, the CUDA held kernels' and the one-launch routing's (GGUF_TESTS=0 skips
 # them, GGUF_TESTS_K selects as pytest -k), benchmarks/tune_held.py at TUNE_TOKENS tokens where given
 # (TUNE_VARIANTS: the kernels' defines to try, TUNE_PER_PAIR: windows up to which to try a block a pair,
+# TUNE_PER_EXPERT: a block an expert,
 # TUNE_SPLIT_WAVES: the dense projections' k splits to try, TUNE_DENSE_VARIANTS: their defines to try, e.g.
 # "- DENSE_STAGES=5" (each a word: "-" none); benchmarks/pick_held.py's pick then serves the
 # runs below), then
@@ -207,6 +208,7 @@ if [[ $what == gguf ]]; then
         read -ra variants <<<"${TUNE_VARIANTS:--}"
         per_pair=()
         [[ -n ${TUNE_PER_PAIR:-} ]] && read -ra per_pair <<<"--per-pair $TUNE_PER_PAIR"
+        [[ -n ${TUNE_PER_EXPERT:-} ]] && per_pair+=(--per-expert $TUNE_PER_EXPERT)
         python3 benchmarks/tune_held.py --kinds $kinds --tokens $TUNE_TOKENS --default-only --experts-only \
             --warps 2 4 --variants "${variants[@]}" "${per_pair[@]}" 2>&1 | tee "$out/tune-held.log" || status=1
         split=() dense_variants=()

@@ -3,7 +3,7 @@ each kind's experts the choice ("default": the Triton kernels, or "cuda wN [DEFI
 summed over the windows timed, for its dense projections (attention's) "cuda" (or "cuda sW": k split over
 blocks) or "default" the same way, and for its LM head (`lm_head` lines) the same again. Prints shell exports
 of STRATA_CUDA_HELD_EXPERTS, STRATA_CUDA_HELD_WARPS, STRATA_CUDA_HELD_DOWN_WARPS, STRATA_CUDA_HELD_DEFINES,
-STRATA_CUDA_HELD_PER_PAIR (where "cuda ... pN" won),
+STRATA_CUDA_HELD_PER_PAIR and STRATA_CUDA_HELD_PER_EXPERT (where "cuda ... pN" or "eN" won),
 STRATA_CUDA_HELD_LINEAR, STRATA_CUDA_HELD_SPLIT_WAVES and STRATA_CUDA_HELD_WIDE (app/kernels/cuda_held.py
 reads them), and each kind's sums on stderr.
 
@@ -23,7 +23,8 @@ from collections import defaultdict
 from pathlib import Path
 
 EXPERTS = re.compile(
-    r"^(\S+) experts tokens (\d+) (default|cuda w\d+(?: d\d+)?(?: p\d+)?(?: [A-Z0-9_]+=\S+)*)\s+([\d.]+) us"
+    r"^(\S+) experts tokens (\d+) "
+    r"(default|cuda w\d+(?: d\d+)?(?: p\d+)?(?: e\d+)?(?: [A-Z0-9_]+=\S+)*)\s+([\d.]+) us"
 )
 DENSE = re.compile(
     r"^(\S+) (qkv|o) tokens (\d+) (default|cuda(?: s[\d.]+)?(?: [A-Z0-9_]+=\S+)*)\s+([\d.]+) us"
@@ -32,11 +33,22 @@ DEFINE_KINDS = {"Q8_HALF": ("Q8_0",)}  # defines that change some kinds' kernels
 WIDE = re.compile(r"^(\S+) (lm_head) tokens (\d+) (default|cuda)\s+([\d.]+) us")
 
 
+DRIFT = re.compile(r"drift (\S+)")
+DRIFT_LIMIT = (
+    0.05  # a choice whose result strays further from the default's on any line is wrong, never picked
+)
+
+
 def _sums(lines: list[str], pattern: re.Pattern, choice_at: int) -> dict[str, dict[str, float]]:
     sums: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    wrong: set[tuple[str, str]] = set()
+    for line in lines:
+        match, drift = pattern.match(line), DRIFT.search(line)
+        if match and drift and not float(drift.group(1)) <= DRIFT_LIMIT:
+            wrong.add((match.group(1), match.group(choice_at + 1)))
     for line in lines:
         match = pattern.match(line)
-        if match:
+        if match and (match.group(1), match.group(choice_at + 1)) not in wrong:
             groups = match.groups()
             sums[groups[0]][groups[choice_at]] += float(groups[-1])
     return sums
@@ -50,7 +62,7 @@ def pick(lines: list[str]) -> dict[str, object]:
     sums = _sums(lines, EXPERTS, 2)
     dense = _sums(lines, DENSE, 3)
     wide = _sums(lines, WIDE, 3)
-    experts, warps, down_warps, per_pair, chosen = [], {}, {}, {}, {}
+    experts, warps, down_warps, per_pair, per_expert, chosen = [], {}, {}, {}, {}, {}
     for kind, choices in sums.items():
         best = min(choices, key=choices.__getitem__)
         if best.startswith("cuda"):
@@ -60,6 +72,7 @@ def pick(lines: list[str]) -> dict[str, object]:
             down = next((w for w in words[2:] if re.fullmatch(r"d\d+", w)), None)
             down_warps[kind] = int(down.removeprefix("d")) if down else warps[kind]
             per_pair[kind] = next((int(w[1:]) for w in words[2:] if re.fullmatch(r"p\d+", w)), 0)
+            per_expert[kind] = next((int(w[1:]) for w in words[2:] if re.fullmatch(r"e\d+", w)), 0)
             chosen[kind] = dict(word.split("=") for word in words[2:] if "=" in word)
     defines = {}
     for name, value in {name: v for variant in chosen.values() for name, v in variant.items()}.items():
@@ -78,12 +91,18 @@ def pick(lines: list[str]) -> dict[str, object]:
         "linear": linear,
         "split_waves": waves,
         # a block a pair up to this many tokens where every kind on the CUDA kernels picked it (0: as built)
-        "per_pair": next(iter(set(per_pair.values()))) if len(set(per_pair.values())) == 1 else 0,
+        "per_pair": _agreed(per_pair),
+        "per_expert": _agreed(per_expert),  # a block an expert up to this many tokens, the same way
         "wide": _faster_on_cuda(wide),
         "sums": sums,
         "dense_sums": dense,
         "wide_sums": wide,
     }
+
+
+def _agreed(values: dict[str, int]) -> int:
+    """The value every kind picked (0 where they differ or none did)."""
+    return next(iter(set(values.values()))) if len(set(values.values())) == 1 else 0
 
 
 def _dense_choice(sums: dict[str, dict[str, float]]) -> tuple[float, dict[str, str]]:
@@ -122,6 +141,8 @@ def main() -> None:
     print(f'export STRATA_CUDA_HELD_DEFINES="{" ".join(f"{k}={v}" for k, v in picked["defines"].items())}"')
     if picked["per_pair"]:
         print(f'export STRATA_CUDA_HELD_PER_PAIR="{picked["per_pair"]}"')
+    if picked["per_expert"]:
+        print(f'export STRATA_CUDA_HELD_PER_EXPERT="{picked["per_expert"]}"')
     if any(DENSE.match(line) for line in lines):
         print(f'export STRATA_CUDA_HELD_LINEAR="{" ".join(picked["linear"])}"')
         print(f'export STRATA_CUDA_HELD_SPLIT_WAVES="{picked["split_waves"]:g}"')

@@ -4,7 +4,7 @@ shapes (replayed from CUDA graphs, weights rotated so that repeats do not run fr
     python benchmarks/tune_held.py [--kinds Q4_K Q8_0 bf16] [--tokens 1 8 16 32] [--default-only]
     python benchmarks/tune_held.py --kinds IQ3_S IQ4_XS --tokens 8 32 2048
     python benchmarks/tune_held.py --kinds Q4_K Q8_0 --tokens 1 8 32 --default-only --experts-only \
-        --warps 2 4 --variants - "STAGES=3" --per-pair 8   # then --dense-only: pick_held.py reads both
+        --warps 2 4 --variants - "STAGES=3" --per-pair 8 --per-expert 8  # then --dense-only: pick_held.py
     python benchmarks/tune_held.py --kinds Q4_K Q8_0 --tokens 1 8 32 --default-only --dense-only \
         --split-waves 1 2 4 --variants - DENSE_STAGES=5   # a dense projection's k split, its ring
 
@@ -128,6 +128,13 @@ def main() -> None:
         help="time the CUDA kernels also with a block a pair (no grouping launch) up to these many tokens",
     )
     parser.add_argument(
+        "--per-expert",
+        type=int,
+        nargs="+",
+        default=[],
+        help="and with a block an expert finding its pairs (no grouping launch) up to these many tokens",
+    )
+    parser.add_argument(
         "--split-waves",
         type=float,
         nargs="+",
@@ -146,7 +153,7 @@ def main() -> None:
 def _time_experts(kind: str, args: argparse.Namespace) -> None:
     """A layer's routed experts held as `kind` at each window, under each choice the arguments ask for."""
     kinds_before, warps_before = cuda_held.EXPERT_KINDS, dict(cuda_held.BLOCK_WARPS)
-    per_pair_before = cuda_held.PER_PAIR_TOKENS
+    per_pair_before, per_expert_before = cuda_held.PER_PAIR_TOKENS, cuda_held.PER_EXPERT_TOKENS
     down_before = dict(cuda_held.DOWN_WARPS)
     defines_before = dict(cuda_held.DEFINES)
     sets = [
@@ -164,20 +171,28 @@ def _time_experts(kind: str, args: argparse.Namespace) -> None:
             for variant in args.variants or ["-"]:
                 for warps in args.warps or [0]:
                     for down in args.down_warps or [0]:
-                        for per_pair in [0, *args.per_pair]:
+                        groupings = [
+                            (0, 0),
+                            *((p, 0) for p in args.per_pair),
+                            *((0, e) for e in args.per_expert),
+                        ]
+                        for per_pair, per_expert in groupings:
                             # no tiles: `fused_experts` takes app/kernels/cuda_held.py's kernels
                             name = (f"cuda w{warps}" if warps else "cuda") + (f" d{down}" if down else "")
-                            name += f" p{per_pair}" if per_pair else ""
+                            name += (f" p{per_pair}" if per_pair else "") + (
+                                f" e{per_expert}" if per_expert else ""
+                            )
                             name = name if variant == "-" else f"{name} {variant}"
-                            choices[name] = (warps, down, per_pair, variant)
+                            choices[name] = (warps, down, per_pair, per_expert, variant)
         if kind != "bf16" and not args.default_only:
             choices |= EXPERT_TILES | (COLUMNS_FIRST_TILES if kind == "Q8_0" else {})
         first = None
         for name, tiles in choices.items():
             if isinstance(tiles, tuple):  # the CUDA kernels: at most this many warps a block, its defines
-                warps, down, per_pair, variant = tiles
+                warps, down, per_pair, per_expert, variant = tiles
                 cuda_held.EXPERT_KINDS = (kind,)
                 cuda_held.PER_PAIR_TOKENS = per_pair or per_pair_before
+                cuda_held.PER_EXPERT_TOKENS = per_expert or per_expert_before
                 cuda_held.BLOCK_WARPS[kind] = warps or warps_before[kind]
                 cuda_held.DOWN_WARPS[kind] = down or warps or down_before[kind]
                 _use_defines({} if variant == "-" else dict(word.split("=") for word in variant.split()))
@@ -191,7 +206,7 @@ def _time_experts(kind: str, args: argparse.Namespace) -> None:
             out = _time(f"{kind} experts tokens {tokens} {name}", calls, moved, first)
             first = out if first is None else first
             cuda_held.EXPERT_KINDS = kinds_before
-            cuda_held.PER_PAIR_TOKENS = per_pair_before
+            cuda_held.PER_PAIR_TOKENS, cuda_held.PER_EXPERT_TOKENS = per_pair_before, per_expert_before
             cuda_held.BLOCK_WARPS.update(warps_before)
             cuda_held.DOWN_WARPS.update(down_before)
     del sets

@@ -56,9 +56,10 @@ typedef long long i64;
 #define MAX_WARPS 8
 #define KIND_Q8_0 1
 #define KIND_Q4_K 2
-#define MODE_TILES 0     // block x: a tile of `group_pairs` (tile_expert, tile_pairs)
-#define MODE_PER_PAIR 1  // block x: pair x alone, its expert ids[x] (int64)
-#define MODE_DENSE 2     // block x: rows 8 x ... of a dense matmul (expert 0)
+#define MODE_TILES 0       // block x: a tile of `group_pairs` (tile_expert, tile_pairs)
+#define MODE_PER_PAIR 1    // block x: pair x alone, its expert ids[x] (int64)
+#define MODE_DENSE 2       // block x: rows 8 x ... of a dense matmul (expert 0)
+#define MODE_PER_EXPERT 3  // block x: expert x's pairs in ids (int64), found by the block (at most TILE_PAIRS)
 #define TABLE_STRIDE 20  // floats a row of a warp's Q4_K scale table (16 used; 20 keeps its reads apart in banks)
 // Shared memory of a block of W warps (app/kernels/cuda_held.py computes the same): W * RING * STAGE_BYTES (RING:
 // gate_up's STAGES, down's DOWN_STAGES, a dense projection's DENSE_STAGES),
@@ -396,11 +397,35 @@ __device__ __forceinline__ void unit_step(
     x[1] = next[1];
 }
 
-// The rows, pairs and expert of this block; false where it has none.
+// MODE_PER_EXPERT: warp 0 finds this block's expert's pairs in ids, in pair order (the slots group_pairs
+// would give them), into slot_pair (-1 past them) and their count into slot_pair[TILE_PAIRS]. A token's
+// picks are distinct experts, so a window of at most TILE_PAIRS tokens gives an expert at most that many.
+__device__ __forceinline__ void find_pairs(const i64* ids, int pairs, int expert, int* slot_pair) {
+    const int lane = threadIdx.x;
+    int found = 0;
+    for (int base = 0; base < pairs; base += 32) {
+        const int pair = base + lane;
+        const bool hit = pair < pairs && ids[pair] == expert;
+        const u32 hits = __ballot_sync(0xFFFFFFFFu, hit);
+        const int rank = found + __popc(hits & ((1u << lane) - 1u));
+        if (hit && rank < TILE_PAIRS) slot_pair[rank] = pair;
+        found += __popc(hits);
+    }
+    if (lane < TILE_PAIRS && lane >= found) slot_pair[lane] = -1;
+    if (lane == 0) slot_pair[TILE_PAIRS] = found;
+}
+
+// The rows, pairs and expert of this block; false where it has none. slot_pair: TILE_PAIRS + 1 ints.
 __device__ __forceinline__ bool block_pairs(
     int mode, const i64* ids, const int* tile_expert, const int* tile_pairs, int pairs, int* slot_pair,
     int& expert) {
     const int tile = blockIdx.x;
+    if (mode == MODE_PER_EXPERT) {
+        expert = tile;
+        if (threadIdx.x < 32) find_pairs(ids, pairs, expert, slot_pair);
+        __syncthreads();
+        return slot_pair[TILE_PAIRS] > 0;
+    }
     if (mode == MODE_PER_PAIR) {
         expert = (int)ids[tile];
     } else if (mode == MODE_TILES) {
@@ -470,7 +495,7 @@ __device__ __forceinline__ void held_pairs(
     int mode, int pairs, int k, int up_rows, i64 stride_we, i64 stride_wn, i64 stride_xm, i64 stride_om,
     int x_row_div, float* __restrict__ split_sums, int* __restrict__ arrivals) {
     extern __shared__ __align__(16) u8 shared[];
-    __shared__ int slot_pair[TILE_PAIRS];
+    __shared__ int slot_pair[TILE_PAIRS + 1];
     // Launched dependently: the rows kernel reads, before the kernel before it has ended, what that kernel
     // cannot have written. Its weights never change during a window, and as down (after gate_up) its pairs'
     // tiles and experts were written before gate_up began. So its blocks copy their first iterations while

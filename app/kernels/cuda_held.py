@@ -29,6 +29,11 @@ TILE_PAIRS = 8
 # windows of at most this many tokens: a block a pair, no grouping launch (STRATA_CUDA_HELD_PER_PAIR for the
 # tuner: a pair's bits are the same either way)
 PER_PAIR_TOKENS = int(os.environ.get("STRATA_CUDA_HELD_PER_PAIR", "2"))
+# wider windows of at most this many tokens (at most TILE_PAIRS: a token's picks are distinct experts, so an
+# expert has at most that many pairs): a block an expert and column tile, each finding its expert's pairs in
+# the routing itself, no grouping launch (blocks of experts with no pair end at once); 0: off until timed
+# (STRATA_CUDA_HELD_PER_EXPERT; `benchmarks/tune_held.py --per-expert`). The same bits as the tiles.
+PER_EXPERT_TOKENS = min(TILE_PAIRS, int(os.environ.get("STRATA_CUDA_HELD_PER_EXPERT", "0")))
 # Mirrors of native/held_experts.cu's constants: iterations in a warp's ring (its default; DEFINES may set
 # another), bytes a warp's stage (an iteration of its 32 rows) takes, the stride of a row of the Q4_K scale
 # table (floats), the most warps a block
@@ -86,7 +91,7 @@ MAX_SPLITS = 8
 DEFINES = dict(word.split("=") for word in os.environ.get("STRATA_CUDA_HELD_DEFINES", "").split())
 WIDE_LINEAR = 32768
 GROUP_LIMIT = 1024  # `group_pairs` is one block of up to 1,024 threads: pairs and experts each at most this
-MODE_TILES, MODE_PER_PAIR, MODE_DENSE = 0, 1, 2
+MODE_TILES, MODE_PER_PAIR, MODE_DENSE, MODE_PER_EXPERT = 0, 1, 2, 3
 HELD_KERNELS = tuple(
     f"held_{kind}_{role}" for kind in ("q4_k", "q8_0") for role in ("gate_up", "rows", "dense")
 )
@@ -403,6 +408,8 @@ def expert_pairs(
     scale = top_weights.flatten().contiguous()
     if tokens <= PER_PAIR_TOKENS:
         blocks, routing = pairs, (ids, None, None, MODE_PER_PAIR)
+    elif tokens <= min(PER_EXPERT_TOKENS, TILE_PAIRS):
+        blocks, routing = experts, (ids, None, None, MODE_PER_EXPERT)
     else:
         blocks = -(-pairs // TILE_PAIRS) + min(pairs, experts)
         tile_expert = torch.empty(blocks, dtype=torch.int32, device=x.device)

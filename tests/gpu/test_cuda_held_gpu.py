@@ -94,6 +94,29 @@ def test_a_deep_ring_for_down_keeps_the_values_and_a_pairs_bits(
         cuda_held._kernels.cache_clear()
 
 
+def test_a_block_an_expert_finding_its_pairs_gives_the_tiles_bits(
+    experts: tuple, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PER_EXPERT_TOKENS: windows of 3 to 8 tokens with a block an expert, each finding its pairs in the
+    routing (a pair not resident skipped), give the grouping launch's tiles' bits and the reference's
+    values."""
+    kind, gate_up, down, gate_up_values, down_values = experts
+    x, ids, weights = _window(8, 11)
+    ids[2, 3] = -1
+    for tokens in (3, 8):
+        window = (x[-tokens:], ids[-tokens:], weights[-tokens:])
+        monkeypatch.setattr(cuda_held, "PER_EXPERT_TOKENS", 0)
+        tiles = cuda_held.expert_pairs(*window, gate_up, down, (kind, kind))
+        monkeypatch.setattr(cuda_held, "PER_EXPERT_TOKENS", 8)
+        found = cuda_held.expert_pairs(*window, gate_up, down, (kind, kind))
+        kept = (window[1] >= 0).flatten()
+        assert found is not None and torch.equal(found[kept], tiles[kept]), tokens
+    expected = experts_reference(x.float(), ids, weights.float(), gate_up_values, down_values)
+    got = torch.where(ids[..., None] >= 0, found.view(8, TOP_K, HIDDEN).float(), 0.0).sum(1)
+    scale = expected.abs().max()
+    torch.testing.assert_close(got / scale, expected / scale, atol=1e-2, rtol=0)
+
+
 def test_cuda_leaves_wider_windows_and_other_dtypes_to_triton(experts: tuple) -> None:
     kind, gate_up, down, _, _ = experts
     x, ids, weights = _window(cuda_held.DECODE_TOKENS + 1, 3)
