@@ -3,7 +3,7 @@ each kind's experts the choice ("default": the Triton kernels, or "cuda wN [DEFI
 summed over the windows timed, for its dense projections (attention's) "cuda" (or "cuda sW": k split over
 blocks) or "default" the same way, and for its LM head (`lm_head` lines) the same again. Prints shell exports
 of STRATA_CUDA_HELD_EXPERTS, STRATA_CUDA_HELD_WARPS, STRATA_CUDA_HELD_DOWN_WARPS, STRATA_CUDA_HELD_DEFINES,
-STRATA_CUDA_HELD_PER_PAIR and STRATA_CUDA_HELD_PER_EXPERT (where "cuda ... pN" or "eN" won),
+STRATA_CUDA_HELD_PER_PAIR (where "cuda ... pN" won), STRATA_CUDA_HELD_PER_EXPERT (each kind's "eN", else 0),
 STRATA_CUDA_HELD_LINEAR, STRATA_CUDA_HELD_SPLIT_WAVES and STRATA_CUDA_HELD_WIDE (app/kernels/cuda_held.py
 reads them), and each kind's sums on stderr.
 
@@ -92,7 +92,7 @@ def pick(lines: list[str]) -> dict[str, object]:
         "split_waves": waves,
         # a block a pair up to this many tokens where every kind on the CUDA kernels picked it (0: as built)
         "per_pair": _agreed(per_pair),
-        "per_expert": _agreed(per_expert),  # a block an expert up to this many tokens, the same way
+        "per_expert": per_expert,  # each kind's: a block an expert up to this many tokens (0: the tiles)
         "wide": _faster_on_cuda(wide),
         "sums": sums,
         "dense_sums": dense,
@@ -141,8 +141,8 @@ def main() -> None:
     print(f'export STRATA_CUDA_HELD_DEFINES="{" ".join(f"{k}={v}" for k, v in picked["defines"].items())}"')
     if picked["per_pair"]:
         print(f'export STRATA_CUDA_HELD_PER_PAIR="{picked["per_pair"]}"')
-    if picked["per_expert"]:
-        print(f'export STRATA_CUDA_HELD_PER_EXPERT="{picked["per_expert"]}"')
+    per_expert = " ".join(f"{kind}={tokens}" for kind, tokens in picked["per_expert"].items())
+    print(f'export STRATA_CUDA_HELD_PER_EXPERT="{per_expert}"')
     if any(DENSE.match(line) for line in lines):
         print(f'export STRATA_CUDA_HELD_LINEAR="{" ".join(picked["linear"])}"')
         print(f'export STRATA_CUDA_HELD_SPLIT_WAVES="{picked["split_waves"]:g}"')

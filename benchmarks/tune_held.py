@@ -153,19 +153,19 @@ def main() -> None:
 def _time_experts(kind: str, args: argparse.Namespace) -> None:
     """A layer's routed experts held as `kind` at each window, under each choice the arguments ask for."""
     kinds_before, warps_before = cuda_held.EXPERT_KINDS, dict(cuda_held.BLOCK_WARPS)
-    per_pair_before, per_expert_before = cuda_held.PER_PAIR_TOKENS, cuda_held.PER_EXPERT_TOKENS
+    per_pair_before, per_expert_before = cuda_held.PER_PAIR_TOKENS, dict(cuda_held.PER_EXPERT_TOKENS)
     down_before = dict(cuda_held.DOWN_WARPS)
     defines_before = dict(cuda_held.DEFINES)
     sets = [
         (_weights(kind, (EXPERTS, 2 * INTER, HIDDEN), c), _weights(kind, (EXPERTS, HIDDEN, INTER), c + 9))
         for c in range(SETS)
     ]
-    per_expert = sum(w[0].numel() * w.element_size() for w in sets[0])
+    expert_bytes = sum(w[0].numel() * w.element_size() for w in sets[0])
     for tokens in args.tokens:
         x = torch.randn(tokens, HIDDEN, device="cuda").bfloat16()
         weights, ids = torch.randn(tokens, EXPERTS, device="cuda").softmax(-1).topk(TOP_K, dim=-1)
         weights = weights.bfloat16()
-        moved = expected_experts(EXPERTS, TOP_K, tokens) * per_expert
+        moved = expected_experts(EXPERTS, TOP_K, tokens) * expert_bytes
         choices = {"default": moe_tiles(tokens, exact=False, held=() if kind == "bf16" else (kind, kind))}
         if kind in cuda_held.KINDS and tokens <= cuda_held.DECODE_TOKENS:
             for variant in args.variants or ["-"]:
@@ -192,7 +192,7 @@ def _time_experts(kind: str, args: argparse.Namespace) -> None:
                 warps, down, per_pair, per_expert, variant = tiles
                 cuda_held.EXPERT_KINDS = (kind,)
                 cuda_held.PER_PAIR_TOKENS = per_pair or per_pair_before
-                cuda_held.PER_EXPERT_TOKENS = per_expert or per_expert_before
+                cuda_held.PER_EXPERT_TOKENS[kind] = per_expert  # 0: the grouping launch's tiles
                 cuda_held.BLOCK_WARPS[kind] = warps or warps_before[kind]
                 cuda_held.DOWN_WARPS[kind] = down or warps or down_before[kind]
                 _use_defines({} if variant == "-" else dict(word.split("=") for word in variant.split()))
@@ -206,7 +206,8 @@ def _time_experts(kind: str, args: argparse.Namespace) -> None:
             out = _time(f"{kind} experts tokens {tokens} {name}", calls, moved, first)
             first = out if first is None else first
             cuda_held.EXPERT_KINDS = kinds_before
-            cuda_held.PER_PAIR_TOKENS, cuda_held.PER_EXPERT_TOKENS = per_pair_before, per_expert_before
+            cuda_held.PER_PAIR_TOKENS = per_pair_before
+            cuda_held.PER_EXPERT_TOKENS.update(per_expert_before)
             cuda_held.BLOCK_WARPS.update(warps_before)
             cuda_held.DOWN_WARPS.update(down_before)
     del sets

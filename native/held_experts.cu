@@ -109,13 +109,15 @@ __device__ __forceinline__ void next_may_launch() {
 }
 
 // The weights' copies: through the L1 cache (COPY_L1 1, "ca") or past it (0, "cg": 16-byte copies alone), and
-// with L2_PREFETCH 128 or 256 the L2 asked to fetch the whole aligned run of that many bytes around each copy,
-// so a row's next bytes are on their way before the warp's ring asks for them.
+// with L2_PREFETCH 128 or 256 (0: none) the L2 asked to fetch the whole aligned run of that many bytes around
+// each copy, so a row's next bytes are on their way before the warp's ring asks for them. 256 on an H100:
+// Q4_K's experts at 8 tokens 84.7 us against 89.6 (4 warps), Q4_K's LM head at 8 rows 89.1 against 94.8,
+// the rest within 1.5% (docs/PERFORMANCE.md).
 #ifndef COPY_L1
 #define COPY_L1 1
 #endif
 #ifndef L2_PREFETCH
-#define L2_PREFETCH 0
+#define L2_PREFETCH 256
 #endif
 #if L2_PREFETCH == 256
 #define PREFETCH_SIZE ".L2::256B"

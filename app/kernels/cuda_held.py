@@ -29,11 +29,6 @@ TILE_PAIRS = 8
 # windows of at most this many tokens: a block a pair, no grouping launch (STRATA_CUDA_HELD_PER_PAIR for the
 # tuner: a pair's bits are the same either way)
 PER_PAIR_TOKENS = int(os.environ.get("STRATA_CUDA_HELD_PER_PAIR", "2"))
-# wider windows of at most this many tokens (at most TILE_PAIRS: a token's picks are distinct experts, so an
-# expert has at most that many pairs): a block an expert and column tile, each finding its expert's pairs in
-# the routing itself, no grouping launch (blocks of experts with no pair end at once); 0: off until timed
-# (STRATA_CUDA_HELD_PER_EXPERT; `benchmarks/tune_held.py --per-expert`). The same bits as the tiles.
-PER_EXPERT_TOKENS = min(TILE_PAIRS, int(os.environ.get("STRATA_CUDA_HELD_PER_EXPERT", "0")))
 # Mirrors of native/held_experts.cu's constants: iterations in a warp's ring (its default; DEFINES may set
 # another), bytes a warp's stage (an iteration of its 32 rows) takes, the stride of a row of the Q4_K scale
 # table (floats), the most warps a block
@@ -61,9 +56,13 @@ def _kinds(variable: str, default: tuple[str, ...]) -> tuple[str, ...]:
     return default if value is None else tuple(value.split())
 
 
-def _warps(variable: str, default: dict[str, int]) -> dict[str, int]:
+def _by_kind(variable: str, default: dict[str, int], cap: int) -> dict[str, int]:
     chosen = dict(word.split("=") for word in os.environ.get(variable, "").split())
-    return {kind: min(MAX_WARPS, int(chosen.get(kind, warps))) for kind, warps in default.items()}
+    return {kind: min(cap, int(chosen.get(kind, value))) for kind, value in default.items()}
+
+
+def _warps(variable: str, default: dict[str, int]) -> dict[str, int]:
+    return _by_kind(variable, default, MAX_WARPS)
 
 
 EXPERT_KINDS = _kinds("STRATA_CUDA_HELD_EXPERTS", ("Q4_K", "Q8_0"))
@@ -76,6 +75,14 @@ DOWN_WARPS = _warps("STRATA_CUDA_HELD_DOWN_WARPS", BLOCK_WARPS)
 # one row 653-676 tok/s against 776 with 4, docs/PERFORMANCE.md)
 DENSE_WARPS = _warps("STRATA_CUDA_HELD_DENSE_WARPS", {"Q4_K": 4, "Q8_0": 4})
 DISABLED = os.environ.get("STRATA_CUDA_HELD") == "0"
+# Wider windows of at most this many tokens by kind (at most TILE_PAIRS: a token's picks are distinct
+# experts, so an expert has at most that many pairs): a block an expert and column tile, each finding its
+# expert's pairs in the routing itself, no grouping launch (the blocks of experts with no pair end at once);
+# 0: the grouping launch's tiles. The same bits either way. Q8_0's experts at 8 tokens on an H100 took 106.8 /
+# 107.5 us against 109.5 / 110.7 with the tiles (4 warps, without / with L2_PREFETCH=256), Q4_K's 95.7 / 91.6
+# against 89.6 / 84.7 (`benchmarks/tune_held.py --per-expert 8`, docs/PERFORMANCE.md).
+# STRATA_CUDA_HELD_PER_EXPERT ("Q4_K=8 Q8_0=0") overrides them.
+PER_EXPERT_TOKENS = _by_kind("STRATA_CUDA_HELD_PER_EXPERT", {"Q4_K": 0, "Q8_0": TILE_PAIRS}, TILE_PAIRS)
 # A dense projection of at most SPLIT_TILES column tiles (32 rows of the weight each) splits k over about
 # SPLIT_WAVES blocks an SM (STRATA_CUDA_HELD_SPLIT_WAVES; 0: never), at most MAX_SPLITS and one iteration a
 # warp; the split count follows the weight's shape and the device alone, so a row's bits stay those of any
@@ -408,7 +415,7 @@ def expert_pairs(
     scale = top_weights.flatten().contiguous()
     if tokens <= PER_PAIR_TOKENS:
         blocks, routing = pairs, (ids, None, None, MODE_PER_PAIR)
-    elif tokens <= min(PER_EXPERT_TOKENS, TILE_PAIRS):
+    elif tokens <= min(PER_EXPERT_TOKENS[kinds[0]], PER_EXPERT_TOKENS[kinds[1]]):
         blocks, routing = experts, (ids, None, None, MODE_PER_EXPERT)
     else:
         blocks = -(-pairs // TILE_PAIRS) + min(pairs, experts)

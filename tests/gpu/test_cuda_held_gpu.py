@@ -105,9 +105,9 @@ def test_a_block_an_expert_finding_its_pairs_gives_the_tiles_bits(
     ids[2, 3] = -1
     for tokens in (3, 8):
         window = (x[-tokens:], ids[-tokens:], weights[-tokens:])
-        monkeypatch.setattr(cuda_held, "PER_EXPERT_TOKENS", 0)
+        monkeypatch.setitem(cuda_held.PER_EXPERT_TOKENS, kind, 0)
         tiles = cuda_held.expert_pairs(*window, gate_up, down, (kind, kind))
-        monkeypatch.setattr(cuda_held, "PER_EXPERT_TOKENS", 8)
+        monkeypatch.setitem(cuda_held.PER_EXPERT_TOKENS, kind, 8)
         found = cuda_held.expert_pairs(*window, gate_up, down, (kind, kind))
         kept = (window[1] >= 0).flatten()
         assert found is not None and torch.equal(found[kept], tiles[kept]), tokens

@@ -91,16 +91,16 @@ def test_the_dense_projections_defines_with_the_least_time_over_the_kinds_on_cud
     assert picked["split_waves"] == 2.0 and picked["defines"]["DENSE_STAGES"] == "5"
 
 
-def test_a_block_an_expert_goes_in_where_every_kind_on_cuda_picked_it() -> None:
+def test_a_block_an_expert_goes_in_for_the_kinds_that_picked_it() -> None:
     per_expert = [
         "Q4_K experts tokens 8 cuda w4 e8 STAGES=3 MIN_BLOCKS=3 90.0 us  1.4 TB/s  drift 2.8e-03",
         "Q4_K experts tokens 32 cuda w4 e8 STAGES=3 MIN_BLOCKS=3 209.0 us  1.4 TB/s  drift 2.8e-03",
         "Q8_0 experts tokens 8 cuda w4 d2 e8 STAGES=3 MIN_BLOCKS=3 100.0 us  2.04 TB/s  drift 4.4e-03",
     ]
     picked = pick(LINES + per_expert)
-    assert picked["per_expert"] == 8 and picked["per_pair"] == 0
+    assert picked["per_expert"] == {"Q4_K": 8, "Q8_0": 8} and picked["per_pair"] == 0
     assert picked["warps"] == {"Q4_K": 4, "Q8_0": 4}
-    assert pick(LINES + per_expert[:2])["per_expert"] == 0  # Q8_0 kept the grouping launch
+    assert pick(LINES + per_expert[:2])["per_expert"] == {"Q4_K": 8, "Q8_0": 0}  # Q8_0 kept the tiles
 
 
 def test_a_choice_whose_result_strays_from_the_default_is_never_picked() -> None:
@@ -110,5 +110,7 @@ def test_a_choice_whose_result_strays_from_the_default_is_never_picked() -> None
         "Q4_K qkv tokens 8 cuda s2                          1.0 us    9.2 TB/s  drift nan",
     ]
     picked = pick(LINES + wrong)
-    assert picked["per_expert"] == 0 and "cuda w4 e8 STAGES=3 MIN_BLOCKS=3" not in picked["sums"]["Q4_K"]
+    assert (
+        picked["per_expert"]["Q4_K"] == 0 and "cuda w4 e8 STAGES=3 MIN_BLOCKS=3" not in picked["sums"]["Q4_K"]
+    )
     assert picked["split_waves"] == 0.0
