@@ -16,7 +16,8 @@
 # gguf: the held-weight GPU tests, the CUDA held kernels' and the one-launch routing's (GGUF_TESTS=0 skips
 # them, GGUF_TESTS_K selects as pytest -k), benchmarks/tune_held.py at TUNE_TOKENS tokens where given
 # (TUNE_VARIANTS: the kernels' defines to try, TUNE_PER_PAIR: windows up to which to try a block a pair,
-# TUNE_PER_EXPERT: a block an expert,
+# TUNE_PER_EXPERT: a block an expert, NCU_KINDS: first, Nsight Compute's counters of these kinds' expert
+# kernels at 8 tokens, in ncu-KIND.txt,
 # TUNE_SPLIT_WAVES: the dense projections' k splits to try, TUNE_DENSE_VARIANTS: their defines to try, e.g.
 # "- DENSE_STAGES=5" (each a word: "-" none); benchmarks/pick_held.py's pick then serves the
 # runs below), then
@@ -202,6 +203,18 @@ if [[ $what == gguf ]]; then
             tests/gpu/test_triton_moe_gpu.py::test_a_window_routed_in_one_launch_routes_as_its_pieces \
             -k "${GGUF_TESTS_K:-}" 2>&1 | tee "$out/gpu-tests.log" || status=1
     fi
+    for kind in ${NCU_KINDS:-}; do
+        # Nsight Compute's counters of one layer's expert kernels at 8 tokens (two windows: grouping, gate_up,
+        # down), serialised by the profiler, so each kernel's time, DRAM throughput, occupancy and stalls are
+        # its own
+        timeout 200 ncu --clock-control none --target-processes all -k "regex:held_.*_(gate_up|rows)|group_pairs" \
+            --launch-skip 12 --launch-count 6 --section SpeedOfLight --section MemoryWorkloadAnalysis \
+            --section Occupancy --section WarpStateStats --section LaunchStats --section SchedulerStats \
+            --section SourceCounters python3 benchmarks/tune_held.py --kinds "$kind" --tokens 8 --default-only \
+            --experts-only >"$out/ncu-$kind.txt" 2>&1 || status=1
+        grep -E "^  [a-z_0-9]+ \(|Duration|DRAM Throughput|Achieved Occupancy|Theoretical Occupancy|Waves Per SM" \
+            "$out/ncu-$kind.txt" | head -60
+    done
     if [[ -n ${TUNE_TOKENS:-} ]]; then
         # experts at 2 and 4 warps a block and each of TUNE_VARIANTS (words of defines, "-": none), then the
         # projections; the pick becomes this call's settings for the runs below
