@@ -14,15 +14,15 @@
 # one slot group, and with pipelined groups (on a machine of one GPU both stages share it: --stage-gpus 0,0);
 # then over HTTP a decoding slot while a peer's 32K prompt is read on the split (two groups).
 # gguf: the held-weight GPU tests, the CUDA held kernels' and the one-launch routing's (GGUF_TESTS=0 skips
-# them, GGUF_TESTS_K selects as pytest -k), benchmarks/tune_held.py at TUNE_TOKENS tokens where given
+# them, GGUF_TESTS_K selects as pytest -k), with NCU_KINDS Nsight Compute's counters of those kinds' expert
+# kernels at 8 tokens (ncu-KIND.txt), benchmarks/tune_held.py at TUNE_TOKENS tokens where given
 # (TUNE_VARIANTS: the kernels' defines to try, TUNE_PER_PAIR: windows up to which to try a block a pair,
-# TUNE_PER_EXPERT: a block an expert, NCU_KINDS: first, Nsight Compute's counters of these kinds' expert
-# kernels at 8 tokens, in ncu-KIND.txt,
+# TUNE_PER_EXPERT: windows up to which to try a block an expert,
 # TUNE_SPLIT_WAVES: the dense projections' k splits to try, TUNE_DENSE_VARIANTS: their defines to try, e.g.
 # "- DENSE_STAGES=5" (each a word: "-" none); benchmarks/pick_held.py's pick then serves the
 # runs below), then
 # benchmarks/gguf_bench.py on a random q30 file of each quant type named (default Q4_K; again with each of
-# AB_ENV's NAME=VALUE settings in its environment, e.g. AB_ENV="STRATA_MERGE_IN_LAUNCH=1") and, with
+# AB_ENV's NAME=VALUE settings in its environment, e.g. AB_ENV="STRATA_FUSED_DECODE=0") and, with
 # PROFILE_BATCH, benchmarks/profile_window.py's kernels of its decode windows of that batch (PROFILE_UNFUSED=1:
 # again with the MoE blocks' pieces, STRATA_FUSED_DECODE=0); also with the
 # expert tier at a 25% budget (--expert-cache 32) for the types in TIER_KINDS (default: every one named), and

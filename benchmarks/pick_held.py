@@ -34,22 +34,20 @@ WIDE = re.compile(r"^(\S+) (lm_head) tokens (\d+) (default|cuda)\s+([\d.]+) us")
 
 
 DRIFT = re.compile(r"drift (\S+)")
-DRIFT_LIMIT = (
-    0.05  # a choice whose result strays further from the default's on any line is wrong, never picked
-)
+# a choice whose result strays further from the default's on any line is wrong, never picked
+DRIFT_LIMIT = 0.05
 
 
 def _sums(lines: list[str], pattern: re.Pattern, choice_at: int) -> dict[str, dict[str, float]]:
     sums: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
-    wrong: set[tuple[str, str]] = set()
-    for line in lines:
-        match, drift = pattern.match(line), DRIFT.search(line)
-        if match and drift and not float(drift.group(1)) <= DRIFT_LIMIT:
-            wrong.add((match.group(1), match.group(choice_at + 1)))
-    for line in lines:
-        match = pattern.match(line)
-        if match and (match.group(1), match.group(choice_at + 1)) not in wrong:
-            groups = match.groups()
+    matched = [(match.groups(), DRIFT.search(line)) for line in lines if (match := pattern.match(line))]
+    wrong = {
+        (groups[0], groups[choice_at])
+        for groups, drift in matched
+        if drift and not float(drift.group(1)) <= DRIFT_LIMIT
+    }
+    for groups, _ in matched:
+        if (groups[0], groups[choice_at]) not in wrong:
             sums[groups[0]][groups[choice_at]] += float(groups[-1])
     return sums
 

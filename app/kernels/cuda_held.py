@@ -86,15 +86,17 @@ PER_EXPERT_TOKENS = _by_kind("STRATA_CUDA_HELD_PER_EXPERT", {"Q4_K": 0, "Q8_0": 
 # A dense projection of at most SPLIT_TILES column tiles (32 rows of the weight each) splits k over about
 # SPLIT_WAVES blocks an SM (STRATA_CUDA_HELD_SPLIT_WAVES; 0: never), at most MAX_SPLITS and one iteration a
 # warp; the split count follows the weight's shape and the device alone, so a row's bits stay those of any
-# window. Off until timed on a card (`benchmarks/tune_held.py --split-waves`).
+# window. Off: on an H100 it made Q8_0's o faster at 1 and 8 rows and slower at 32, and lost summed over them
+# (`benchmarks/tune_held.py --split-waves`, docs/PERFORMANCE.md).
 SPLIT_WAVES = float(os.environ.get("STRATA_CUDA_HELD_SPLIT_WAVES", "0"))
 SPLIT_TILES = 512
 MAX_SPLITS = 8
 # The source's compile-time choices (its #ifndef defaults where absent), e.g. "STAGES=3 MIN_BLOCKS=3",
 # "Q8_HALF=0" (Q8_0's gate and up as bf16 operands, not the default fp16), "DENSE_STAGES=5" (a dense
 # projection's ring: its first 4 iterations a warp copied before the kernel before it ends) or
-# "DOWN_STAGES=4" (the experts' down projection's, copied before gate_up ends; both STAGES unless given, not
-# yet timed) in STRATA_CUDA_HELD_DEFINES: `benchmarks/tune_held.py --variants` times several.
+# "DOWN_STAGES=4" (the experts' down projection's, copied before gate_up ends; both STAGES unless given, and
+# slower when deeper on an H100) or "L2_PREFETCH=0" in STRATA_CUDA_HELD_DEFINES: `benchmarks/tune_held.py
+# --variants` times several.
 DEFINES = dict(word.split("=") for word in os.environ.get("STRATA_CUDA_HELD_DEFINES", "").split())
 WIDE_LINEAR = 32768
 GROUP_LIMIT = 1024  # `group_pairs` is one block of up to 1,024 threads: pairs and experts each at most this
