@@ -118,7 +118,8 @@ def main() -> None:
         "--variants",
         nargs="+",
         default=[],
-        help='compile the CUDA kernels with each of these defines ("STAGES=3 MIN_BLOCKS=3"; "-": none)',
+        help='compile the CUDA kernels with each of these defines ("STAGES=3 MIN_BLOCKS=3", or with commas'
+        ' "STAGES=3,MIN_BLOCKS=3"; "-": none)',
     )
     parser.add_argument(
         "--per-pair",
@@ -142,6 +143,7 @@ def main() -> None:
         help="time the CUDA kernels' dense projections also with k split over about this many blocks an SM",
     )
     args = parser.parse_args()
+    args.variants = [variant.replace(",", " ") for variant in args.variants]  # one shell word a variant
     for kind in args.kinds:
         if not args.dense_only:
             _time_experts(kind, args)
