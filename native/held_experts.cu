@@ -21,8 +21,8 @@
 // Every 32 codes (a scale group) the MMA's sums are scaled in fp32; the offsets (128, 2304) and Q4_K's
 // group minimum are taken off with the group's activation sums, which one more MMA against a fragment of
 // ones gives. The codes' products are exact and summed in fp32. Q8_0's gate and up take fp16 operands
-// instead (Q8_HALF, on unless built with Q8_HALF=0), a whole code an operand (`group_mma_half`); down keeps
-// bf16 (its input may leave fp16's range).
+// instead (Q8_HALF, on unless built with Q8_HALF=0), a whole code an operand (`group_mma_half`), and so does
+// down (DOWN_HALF), whose input, which may leave fp16's range, gate_up writes as fp16 of act / ACT_SCALE.
 //
 // A warp's loop takes an iteration of its 32 rows at a time: Q4_K a super-block (144 bytes a row: head and 256
 // codes), Q8_0 four blocks (128 codes and their 4 scales). Its lanes copy the iteration, runs of whole rows,
@@ -53,6 +53,13 @@ typedef long long i64;
 #ifndef Q8_HALF
 #define Q8_HALF 1  // Q8_0's gate and up as fp16 operands, a byte's code in one MMA (see compute_unit); 0: bf16
 #endif
+#ifndef DOWN_HALF
+#define DOWN_HALF 1  // Q8_0's down as fp16 operands, its input written by gate_up as fp16 (see ACT_SCALE); 0: bf16
+#endif
+// With DOWN_HALF gate_up hands Q8_0's down its SwiGLU output as fp16 of act / ACT_SCALE, rounded once from
+// fp32 (11 bits where bf16 keeps 8): exact to fp16's precision for |act| in [2^-8, 2^22), within 2^-19 of it
+// below, held at the largest finite fp16 (act 2^22) beyond; down's sums are scaled back by ACT_SCALE.
+#define ACT_SCALE 64.f
 #define MAX_WARPS 8
 #define KIND_Q8_0 1
 #define KIND_Q4_K 2
@@ -87,6 +94,13 @@ __device__ __forceinline__ float bf16_to_f32(u16 h) { return __uint_as_float(((u
 __device__ __forceinline__ u16 f32_to_bf16(float f) {
     u16 h;
     asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+// f as fp16, rounded to nearest; beyond fp16's range the largest finite fp16 of its sign (NaN stays NaN).
+__device__ __forceinline__ u16 f32_to_f16_finite(float f) {
+    u16 h;
+    asm("cvt.rn.satfinite.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
     return h;
 }
 
@@ -285,17 +299,18 @@ __device__ __forceinline__ void copy_iteration(
 
 // Q8_0's 32-code group as fp16 operands (HALF): a code byte with its top bit flipped, b = q + 128, placed
 // under fp16 1024's exponent byte (one PRMT for two codes) is exactly 1152 + q, and each weight block's two
-// halves take one MMA each against the activations converted to fp16 (the group's sums likewise), where the
-// bf16 operands need two (a nibble a code). The k order is the bf16 path's: bytes 4h + {0, 2} against
-// activations 4h + {0, 2}, bytes 4h + {1, 3} against 4h + {1, 3}.
+// halves take one MMA each against the activations as fp16 (converted from bf16, or as given where X16; the
+// group's sums likewise), where the bf16 operands need two (a nibble a code). The k order is the bf16 path's:
+// bytes 4h + {0, 2} against activations 4h + {0, 2}, bytes 4h + {1, 3} against 4h + {1, 3}.
+template <bool X16>
 __device__ __forceinline__ void group_mma_half(
     float (&c)[2][4], float (&s)[4], const u32 (&words)[2][2][2], const u32 (&xb)[2][2]) {
     const u32 one = 0x3C003C00u, exponent = 0x64646464u;
     u32 xh[2][2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        xh[h][0] = bf16x2_to_f16x2(xb[h][0]);
-        xh[h][1] = bf16x2_to_f16x2(xb[h][1]);
+        xh[h][0] = X16 ? xb[h][0] : bf16x2_to_f16x2(xb[h][0]);
+        xh[h][1] = X16 ? xb[h][1] : bf16x2_to_f16x2(xb[h][1]);
     }
     s[0] = s[1] = s[2] = s[3] = 0.f;
     mma<true>(s, one, one, one, one, xh[0][0], xh[0][1]);
@@ -314,8 +329,8 @@ __device__ __forceinline__ void group_mma_half(
 
 // Unit S's MMAs from `stage` and the pair's activations `x` (Q4_K: the unit's two groups'), scaled into acc.
 // Q4_K: its scales from the warp's table, decoded at unit 0 from the super-block's heads. HALF: Q8_0's codes
-// as fp16 operands (`group_mma_half`).
-template <int KIND, int S, bool HALF>
+// as fp16 operands (`group_mma_half`), against activations given as fp16 where X16.
+template <int KIND, int S, bool HALF, bool X16>
 __device__ __forceinline__ void compute_unit(
     const u8* stage, float* table, const uint4 (&x)[2], float (&acc)[2][4]) {
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -366,7 +381,7 @@ __device__ __forceinline__ void compute_unit(
         }
         x_fragments(x[0], xb);
         if (HALF) {
-            group_mma_half(c, s, words, xb);
+            group_mma_half<X16>(c, s, words, xb);
         } else {
             group_sums(s, xb);
             group_mma(c, words, xb, 0, 0x43004300u);
@@ -385,7 +400,7 @@ __device__ __forceinline__ void load_unit_x(const u16* xs, uint4 (&x)[2]) {
 
 // Unit S of an iteration: the loads of the next unit's activations, then unit S's MMAs; `x` holds unit S's
 // activations, then the next unit's (the next iteration's first where `more`).
-template <int KIND, int S, bool HALF>
+template <int KIND, int S, bool HALF, bool X16>
 __device__ __forceinline__ void unit_step(
     const u8* stage, float* table, const u16* xs, bool more, uint4 (&x)[2], float (&acc)[2][4]) {
     uint4 next[2] = {};
@@ -394,7 +409,7 @@ __device__ __forceinline__ void unit_step(
     } else if (more && xs) {
         load_unit_x<KIND, 0>(xs + ITERATION_VALUES(KIND), next);
     }
-    compute_unit<KIND, S, HALF>(stage, table, x, acc);
+    compute_unit<KIND, S, HALF, X16>(stage, table, x, acc);
     x[0] = next[0];
     x[1] = next[1];
 }
@@ -490,12 +505,13 @@ __device__ __forceinline__ bool split_total(float (&acc)[2][4], float* split_sum
     return true;
 }
 
-template <int KIND, bool SWIGLU, int RING>
+// X16: down's input is gate_up's fp16 (DOWN_HALF), its codes fp16 operands
+template <int KIND, bool SWIGLU, int RING, bool X16 = false>
 __device__ __forceinline__ void held_pairs(
     const u16* __restrict__ x, const u8* __restrict__ w, u16* __restrict__ out, const i64* __restrict__ ids,
     const int* __restrict__ tile_expert, const int* __restrict__ tile_pairs, const u16* __restrict__ scale,
     int mode, int pairs, int k, int up_rows, i64 stride_we, i64 stride_wn, i64 stride_xm, i64 stride_om,
-    int x_row_div, float* __restrict__ split_sums, int* __restrict__ arrivals) {
+    int x_row_div, float* __restrict__ split_sums, int* __restrict__ arrivals, int half_out) {
     extern __shared__ __align__(16) u8 shared[];
     __shared__ int slot_pair[TILE_PAIRS + 1];
     // Launched dependently: the rows kernel reads, before the kernel before it has ended, what that kernel
@@ -503,8 +519,9 @@ __device__ __forceinline__ void held_pairs(
     // tiles and experts were written before gate_up began. So its blocks copy their first iterations while
     // the kernel before them finishes; gate_up's tiles come from the kernel just before it, so it waits first.
     constexpr bool early = !SWIGLU;
-    // gate and up read the normed hidden state, within fp16's range; down's input need not be
-    constexpr bool half = KIND == KIND_Q8_0 && SWIGLU && Q8_HALF;
+    // gate and up read the normed hidden state, within fp16's range; down with X16 gate_up's fp16 of
+    // act / ACT_SCALE; a dense projection's input need not be in fp16's range
+    constexpr bool half = KIND == KIND_Q8_0 && (SWIGLU ? Q8_HALF : X16);
     if (!early) previous_done();
     int expert;
     if (!block_pairs(mode, ids, tile_expert, tile_pairs, pairs, slot_pair, expert)) return;
@@ -550,10 +567,10 @@ __device__ __forceinline__ void held_pairs(
         __syncwarp();  // every lane's copies of this iteration have landed
         const u8* stage = stages + (i % RING) * STAGE_BYTES;
         const bool more = it + 1 < last;
-        unit_step<KIND, 0, half>(stage, table, xs, more, unit_x, acc);
-        unit_step<KIND, 1, half>(stage, table, xs, more, unit_x, acc);
-        unit_step<KIND, 2, half>(stage, table, xs, more, unit_x, acc);
-        unit_step<KIND, 3, half>(stage, table, xs, more, unit_x, acc);
+        unit_step<KIND, 0, half, X16>(stage, table, xs, more, unit_x, acc);
+        unit_step<KIND, 1, half, X16>(stage, table, xs, more, unit_x, acc);
+        unit_step<KIND, 2, half, X16>(stage, table, xs, more, unit_x, acc);
+        unit_step<KIND, 3, half, X16>(stage, table, xs, more, unit_x, acc);
         if (xs) xs += ITERATION_VALUES(KIND);
     }
     if (warp > 0) {
@@ -574,23 +591,24 @@ __device__ __forceinline__ void held_pairs(
         if (slot_row < 0) continue;
         u16* o = out + (i64)slot_row * stride_om + col0 + g + (i >> 1) * 8;
         if (SWIGLU) {
-            const float gate = acc[0][i], up = acc[1][i];
-            o[0] = f32_to_bf16(gate / (1.f + expf(-gate)) * up);
+            const float gate = acc[0][i], up = acc[1][i], act = gate / (1.f + expf(-gate)) * up;
+            o[0] = half_out ? f32_to_f16_finite(act * (1.f / ACT_SCALE)) : f32_to_bf16(act);
         } else {
-            const float weight = scale ? bf16_to_f32(scale[slot_row]) : 1.f;
+            const float weight = (scale ? bf16_to_f32(scale[slot_row]) : 1.f) * (X16 ? ACT_SCALE : 1.f);
             o[0] = f32_to_bf16(acc[0][i] * weight);
             o[16] = f32_to_bf16(acc[1][i] * weight);
         }
     }
 }
 
+// half_out (gate_up): its output as fp16 of act / ACT_SCALE, for a Q8_0 down built with DOWN_HALF
 #define HELD_ARGS                                                                                        \
     const u16 *x, const u8 *w, u16 *out, const i64 *ids, const int *tile_expert, const int *tile_pairs, \
         const u16 *scale, int mode, int pairs, int k, int up_rows, i64 stride_we, i64 stride_wn,         \
-        i64 stride_xm, i64 stride_om, int x_row_div, float *split_sums, int *arrivals
+        i64 stride_xm, i64 stride_om, int x_row_div, float *split_sums, int *arrivals, int half_out
 #define HELD_PASS \
     x, w, out, ids, tile_expert, tile_pairs, scale, mode, pairs, k, up_rows, stride_we, stride_wn, stride_xm, \
-        stride_om, x_row_div, split_sums, arrivals
+        stride_om, x_row_div, split_sums, arrivals, half_out
 
 // gate_up and rows (down) take the experts' pairs; dense, a dense projection's rows (MODE_DENSE)
 extern "C" __global__ void __launch_bounds__(MAX_WARPS * 32, MIN_BLOCKS) held_q4_k_gate_up(HELD_ARGS) {
@@ -606,7 +624,7 @@ extern "C" __global__ void __launch_bounds__(MAX_WARPS * 32, MIN_BLOCKS) held_q8
     held_pairs<KIND_Q8_0, true, STAGES>(HELD_PASS);
 }
 extern "C" __global__ void __launch_bounds__(MAX_WARPS * 32, MIN_BLOCKS) held_q8_0_rows(HELD_ARGS) {
-    held_pairs<KIND_Q8_0, false, DOWN_STAGES>(HELD_PASS);
+    held_pairs<KIND_Q8_0, false, DOWN_STAGES, DOWN_HALF>(HELD_PASS);
 }
 extern "C" __global__ void __launch_bounds__(MAX_WARPS * 32, MIN_BLOCKS) held_q8_0_dense(HELD_ARGS) {
     held_pairs<KIND_Q8_0, false, DENSE_STAGES>(HELD_PASS);

@@ -92,7 +92,8 @@ SPLIT_WAVES = float(os.environ.get("STRATA_CUDA_HELD_SPLIT_WAVES", "0"))
 SPLIT_TILES = 512
 MAX_SPLITS = 8
 # The source's compile-time choices (its #ifndef defaults where absent), e.g. "STAGES=3 MIN_BLOCKS=3",
-# "Q8_HALF=0" (Q8_0's gate and up as bf16 operands, not the default fp16), "DENSE_STAGES=5" (a dense
+# "Q8_HALF=0" (Q8_0's gate and up as bf16 operands, not the default fp16), "DOWN_HALF=0" (its down likewise,
+# reading gate_up's output as bf16), "DENSE_STAGES=5" (a dense
 # projection's ring: its first 4 iterations a warp copied before the kernel before it ends) or
 # "DOWN_STAGES=4" (the experts' down projection's, copied before gate_up ends; both STAGES unless given, and
 # slower when deeper on an H100) or "L2_PREFETCH=0" in STRATA_CUDA_HELD_DEFINES: `benchmarks/tune_held.py
@@ -343,10 +344,12 @@ def _matmul(
     scale: torch.Tensor | None,
     pairs: int,
     row_div: int,
+    half_out: bool = False,
 ) -> None:
     """One launch of kind's kernel (`swiglu`: gate_up's, else rows'): out = x @ weight rows, per block's pairs
     as `routing` (ids, tile_expert, tile_pairs, mode) gives them; a dense projection's k split over
-    `Kernels.splits` blocks."""
+    `Kernels.splits` blocks. `half_out`: gate_up writes its output as a Q8_0 down built with DOWN_HALF reads
+    it (`down_reads_half`)."""
     ids, tile_expert, tile_pairs, mode = routing
     k = x.shape[1]
     splits = kernels.splits(kind, k, weight.shape[1]) if mode == MODE_DENSE else 1
@@ -379,6 +382,7 @@ def _matmul(
             ctypes.c_int(row_div),
             split_sums,
             kernels.arrivals if splits > 1 else None,
+            ctypes.c_int(half_out),
         ],
         shared_bytes(kind, warps, role),
     )
@@ -431,13 +435,21 @@ def expert_pairs(
             [ids, ctypes.c_int(pairs), ctypes.c_int(experts), ctypes.c_int(blocks), tile_expert, tile_pairs],
         )
         routing = (None, tile_expert, tile_pairs, MODE_TILES)
-    act = x.new_empty(pairs, intermediate)
+    act = x.new_empty(pairs, intermediate)  # bf16, or fp16 of act / 64 (`down_reads_half`): 2 bytes a value
     y = x.new_empty(pairs, hidden)
     grid = (blocks, intermediate // 16)
-    _matmul(kernels, kinds[0], True, grid, x, gate_up, act, routing, None, pairs, top_k)
+    half = down_reads_half(kinds[1])
+    _matmul(kernels, kinds[0], True, grid, x, gate_up, act, routing, None, pairs, top_k, half)
     grid = (blocks, hidden // 32)
     _matmul(kernels, kinds[1], False, grid, act, down, y, routing, scale, pairs, 1)
     return y
+
+
+def down_reads_half(kind: str) -> bool:
+    """Whether an experts' down projection held as `kind` takes its input as fp16 of act / 64 (Q8_0 unless
+    built with DOWN_HALF=0: its codes as fp16 operands, one MMA a code where bf16 needs two), which its
+    gate_up then writes."""
+    return kind == "Q8_0" and DEFINES.get("DOWN_HALF", "1") != "0"
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, kind: str) -> torch.Tensor | None:

@@ -60,6 +60,25 @@ def test_cuda_experts_match_the_reference(experts: tuple, tokens: int) -> None:
         torch.testing.assert_close(fused / scale, got / scale, atol=1e-2, rtol=0)
 
 
+def test_q8_0_down_reads_large_activations_in_halves(experts: tuple) -> None:
+    """DOWN_HALF: gate_up hands Q8_0's down its output as fp16 of act / 64, so activations far beyond fp16's
+    range (a hidden state 256 times a normed one: act near 10^6) keep the reference's values."""
+    kind, gate_up, down, gate_up_values, down_values = experts
+    if not cuda_held.down_reads_half(kind):
+        pytest.skip("down reads bf16 for this kind")
+    x, ids, weights = _window(8, 5)
+    x = (x.float() * 256).bfloat16()
+    pairs = cuda_held.expert_pairs(x, ids, weights, gate_up, down, (kind, kind))
+    assert pairs is not None, "the CUDA kernels did not serve"
+    gate, up = (x.float() @ gate_up_values[ids[0, 0]].T).chunk(2, dim=-1)
+    assert (torch.nn.functional.silu(gate) * up).abs().max() > 65504  # beyond fp16's range
+    expected = experts_reference(x.float(), ids, weights.float(), gate_up_values, down_values)
+    got = pairs.view(8, TOP_K, HIDDEN).float().sum(1)
+    assert torch.isfinite(got).all()
+    scale = expected.abs().max()
+    torch.testing.assert_close(got / scale, expected / scale, atol=1e-2, rtol=0)
+
+
 def test_cuda_gives_a_pair_the_same_bits_alone_and_in_any_window(experts: tuple) -> None:
     kind, gate_up, down, _, _ = experts
     x, ids, weights = _window(64, 7)

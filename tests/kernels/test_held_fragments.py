@@ -151,9 +151,12 @@ def _half_codes(words: list[int]) -> list[int]:
     return [_byte_perm(word, F16_EXPONENT, selector) for selector in (0x4240, 0x4341) for word in flipped]
 
 
-def _emulate(kind: str, held: np.ndarray, x: np.ndarray, k: int, half: bool = False) -> np.ndarray:
+def _emulate(
+    kind: str, held: np.ndarray, x: np.ndarray, k: int, half: bool = False, x16: bool = False
+) -> np.ndarray:
     """The block's result [pairs, 32 rows] as the kernels compute it (`half`: Q8_0's codes as fp16 operands,
-    the Q8_HALF build's gate and up)."""
+    the Q8_HALF build's gate and up; `x16`: the activations' bytes given as fp16, as DOWN_HALF's down reads
+    gate_up's output, not converted from bf16)."""
     acc = np.zeros((2, 32, 4))
     units = k // (64 if kind == "Q4_K" else 32)
     ones = [[0x3C003C00 if half else 0x3F803F80] * 4 for _ in range(32)]
@@ -173,7 +176,8 @@ def _emulate(kind: str, held: np.ndarray, x: np.ndarray, k: int, half: bool = Fa
                 v = [_word(x[g], 2 * (offset + 8 * t) + 4 * i) for i in range(4)]
                 halves = [(v[0], v[1]), (v[2], v[3])]
                 regs = [[_byte_perm(lo, hi, s) for s in (0x5410, 0x7632)] for lo, hi in halves]
-                b_regs.append([[_to_f16x2(reg) for reg in pair] for pair in regs] if half else regs)
+                converted = half and not x16  # bf16 activations as fp16 operands
+                b_regs.append([[_to_f16x2(reg) for reg in pair] for pair in regs] if converted else regs)
             sums = sum(_mma(ones, [b_regs[lane][h] for lane in range(32)], half) for h in range(2))
             for b in range(2):
                 c = np.zeros((32, 4))
@@ -211,6 +215,24 @@ def test_the_kernels_fragment_arithmetic_gives_the_dequantized_products(kind: st
     bits = x.view(torch.int16).numpy().view(np.uint16).view(np.uint8).reshape(PAIRS, -1)
     expected = x.double().numpy() @ dequantize(kind, blocks, (ROWS, k)).double().numpy().T
     got = _emulate(kind, held, bits, k, half)
+    np.testing.assert_allclose(got, expected, rtol=0, atol=1e-5 * np.abs(expected).max())
+
+
+def test_q8_0_down_in_halves_scales_its_fp16_input_back() -> None:
+    """DOWN_HALF: down reads gate_up's output as fp16 of act / ACT_SCALE (64) and scales its sums back, so
+    activations far beyond fp16's range (here up to about 10^6) give the products of the values they hold."""
+    k = 512
+    blocks = random_blocks("Q8_0", (ROWS, k), seed=5)
+    held = to_held("Q8_0", blocks).numpy()
+    act = torch.randn(PAIRS, k, generator=torch.Generator().manual_seed(6)) * 2.0 ** torch.randint(
+        -12, 20, (PAIRS, k), generator=torch.Generator().manual_seed(7)
+    )
+    given = (act / 64).clamp(-65504, 65504).half()
+    bits = given.view(torch.int16).numpy().view(np.uint16).view(np.uint8).reshape(PAIRS, -1)
+    values = given.double().numpy() * 64
+    assert np.abs(values).max() > 65504
+    expected = values @ dequantize("Q8_0", blocks, (ROWS, k)).double().numpy().T
+    got = _emulate("Q8_0", held, bits, k, half=True, x16=True) * 64
     np.testing.assert_allclose(got, expected, rtol=0, atol=1e-5 * np.abs(expected).max())
 
 
