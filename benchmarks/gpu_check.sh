@@ -19,8 +19,8 @@
 # (TUNE_VARIANTS: the kernels' defines to try, TUNE_PER_PAIR: windows up to which to try a block a pair,
 # TUNE_PER_EXPERT: windows up to which to try a block an expert,
 # TUNE_SPLIT_WAVES: the dense projections' k splits to try, TUNE_DENSE_VARIANTS: their defines to try, e.g.
-# "- DENSE_STAGES=5" (each a word: "-" none); benchmarks/pick_held.py's pick then serves the
-# runs below), then
+# "- DENSE_STAGES=5" (each a word: "-" none; a variant's several defines joined by commas,
+# "STAGES=4,DOWN_STAGES=2"); benchmarks/pick_held.py's pick then serves the runs below), then
 # benchmarks/gguf_bench.py on a random q30 file of each quant type named (default Q4_K; again with each of
 # AB_ENV's NAME=VALUE settings in its environment, e.g. AB_ENV="STRATA_FUSED_DECODE=0") and, with
 # PROFILE_BATCH, benchmarks/profile_window.py's kernels of its decode windows of that batch (PROFILE_UNFUSED=1:
