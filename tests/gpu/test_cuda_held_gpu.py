@@ -79,6 +79,28 @@ def test_q8_0_down_reads_large_activations_in_halves(experts: tuple) -> None:
     torch.testing.assert_close(got / scale, expected / scale, atol=1e-2, rtol=0)
 
 
+@pytest.mark.parametrize(("gate_up_kind", "down_kind"), [("Q4_K", "Q8_0"), ("Q8_0", "Q4_K")])
+def test_experts_of_two_kinds_hand_down_its_input_as_it_reads_it(gate_up_kind: str, down_kind: str) -> None:
+    """A file whose gate and up are held as one kind and down as the other: gate_up writes down's input as
+    the down's kind reads it (fp16 of a 64th for a Q8_0 down, `down_reads_half`; bf16 for Q4_K's)."""
+    gate_up_blocks = random_blocks(gate_up_kind, (EXPERTS, 2 * INTER, HIDDEN), 3, device="cuda")
+    down_blocks = random_blocks(down_kind, (EXPERTS, HIDDEN, INTER), 4, device="cuda")
+    gate_up, down = to_held(gate_up_kind, gate_up_blocks), to_held(down_kind, down_blocks)
+    x, ids, weights = _window(8, 9)
+    pairs = cuda_held.expert_pairs(x, ids, weights, gate_up, down, (gate_up_kind, down_kind))
+    assert pairs is not None, "the CUDA kernels did not serve"
+    expected = experts_reference(
+        x.float(),
+        ids,
+        weights.float(),
+        dequantize(gate_up_kind, gate_up_blocks, (EXPERTS, 2 * INTER, HIDDEN)),
+        dequantize(down_kind, down_blocks, (EXPERTS, HIDDEN, INTER)),
+    )
+    got = pairs.view(8, TOP_K, HIDDEN).float().sum(1)
+    scale = expected.abs().max()
+    torch.testing.assert_close(got / scale, expected / scale, atol=1e-2, rtol=0)
+
+
 def test_cuda_gives_a_pair_the_same_bits_alone_and_in_any_window(experts: tuple) -> None:
     kind, gate_up, down, _, _ = experts
     x, ids, weights = _window(64, 7)
