@@ -29,7 +29,7 @@ EXPERTS = re.compile(
 DENSE = re.compile(
     r"^(\S+) (qkv|o) tokens (\d+) (default|cuda(?: s[\d.]+)?(?: [A-Z0-9_]+=\S+)*)\s+([\d.]+) us"
 )
-DEFINE_KINDS = {"Q8_HALF": ("Q8_0",)}  # defines that change some kinds' kernels alone
+DEFINE_KINDS = {"Q8_HALF": ("Q8_0",), "DOWN_HALF": ("Q8_0",)}  # defines that change some kinds' kernels alone
 WIDE = re.compile(r"^(\S+) (lm_head) tokens (\d+) (default|cuda)\s+([\d.]+) us")
 
 
