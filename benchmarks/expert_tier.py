@@ -20,9 +20,10 @@ Prints a JSON line per configuration and fails on a figure above the machine's l
 tier, would have served it).
 
 `--phases` measures only batch-1 decode, with the host's time per tiered layer split by phase: replaying the
-graph pieces, waiting for the device's work up to the layer's routing, planning, queueing the staging copies,
-the CPU pool's kernel, and the rest of the step; and, from the profiler, the device's time per tiered layer
-by kernel or copy against the wall time a layer.
+graph pieces, waiting for the device's work up to the layer's routing, planning (`plan`: reading the routing
+and choosing; `stage`: the staging step's own work, `copy_timing` its timing events), queueing the staging
+copies, filling the CPU pool's arguments, the CPU pool's kernel, and the rest of the step; and, from the
+profiler, the device's time per tiered layer by kernel or copy against the wall time a layer.
 """
 
 from __future__ import annotations
@@ -57,7 +58,8 @@ from app.kernels.interface import Backends
 from app.loading.checkpoint import CheckpointDir
 from app.loading.model import LoadedModel
 from app.models.config import ModelConfig
-from app.models.expert_tier import HostLink, TieredExperts, use_expert_tier
+from app.models.expert_costs import CopyTimes
+from app.models.expert_tier import HostLink, PoolArgs, TieredExperts, use_expert_tier
 from app.models.moe import RoutedExperts, SparseMoE
 from app.models.pieces import Pieces
 from app.models.placement import PLACEMENTS, layer_residency, spare_slots
@@ -455,6 +457,10 @@ class PhaseTimes:
         TieredExperts._serve_small = self.timed(TieredExperts._serve_small, "serve")  # type: ignore[method-assign]
         TieredExperts._serve_large = self.timed(TieredExperts._serve_large, "serve")  # type: ignore[method-assign]
         HostLink.wait = self.timed(HostLink.wait, "wait")  # type: ignore[method-assign]
+        TieredExperts._stage = self.timed(TieredExperts._stage, "stage")  # type: ignore[method-assign]
+        CopyTimes.start = self.timed(CopyTimes.start, "copy_timing")  # type: ignore[method-assign]
+        CopyTimes.stop = self.timed(CopyTimes.stop, "copy_timing")  # type: ignore[method-assign]
+        PoolArgs.fill = self.timed(PoolArgs.fill, "pool_args")  # type: ignore[method-assign]
         staging = tiers[0].staging
         if staging is not None:
             staging.load = self.timed(staging.load, "copies")  # type: ignore[method-assign]
@@ -468,7 +474,10 @@ class PhaseTimes:
             "forward": s["forward"],
             "replay": s["replay"],
             "wait": s["wait"],
-            "plan": s["serve"] - s["copies"] - s["cpu_pool"],
+            "plan": s["serve"] - s["stage"] - s["pool_args"] - s["cpu_pool"],
+            "stage": s["stage"] - s["copies"] - s["copy_timing"],
+            "copy_timing": s["copy_timing"],
+            "pool_args": s["pool_args"],
             "copies": s["copies"],
             "cpu_pool": s["cpu_pool"],
             "hand_back": s["forward"] - s["replay"] - s["wait"] - s["serve"],

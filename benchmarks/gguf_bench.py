@@ -2,7 +2,8 @@
 Strata's engine (its blocks dequantized in the kernels' programs) and timed as llama.cpp is on the same file.
 
     python benchmarks/gguf_bench.py write --kind Q4_K --out /tmp/q30-Q4_K.gguf [--layers 24]
-    python benchmarks/gguf_bench.py strata --model /tmp/q30-Q4_K.gguf [--expert-cache 32] [--out out.jsonl]
+    python benchmarks/gguf_bench.py strata --model /tmp/q30-Q4_K.gguf [--expert-cache 32]
+        [--expert-placement spread|layers] [--pcie-frac F] [--phases] [--out out.jsonl]
 
 `write`: every matrix of the shape as random blocks of the type (values about +-0.05; the router and the
 norms in F32, as llama.cpp's converter keeps them), a byte-level BPE tokenizer of the shape's vocabulary, the
@@ -11,7 +12,9 @@ tok/s at batch 1, 8 and 32 and an 8K-token prompt read in one window (benchmarks
 beside the roofline of the bytes a step reads at the measured copy bandwidth (a figure above the card's
 specified bandwidth stops the run). With `--expert-cache N` every MoE layer keeps N experts on the card (an
 expert tier: the others' blocks in pinned host RAM, misses computed by the CPU pool or copied over PCIe), and
-each figure says where its routed entries were served. benchmarks/llama_cpp.sh times llama.cpp.
+each figure says where its routed entries were served (`--expert-placement` and `--pcie-frac` as `strata
+serve` takes them); `--phases` times batch-1 decode only, with the host's time a tiered layer by phase and
+the device's by kernel (benchmarks/expert_tier.py's `--phases`). benchmarks/llama_cpp.sh times llama.cpp.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from app.engine.config import EngineConfig
 from app.engine.core import EngineCore
 from app.kernels.gguf_quants import DEQUANTIZE, random_blocks
+from app.models.placement import PLACEMENTS
 from benchmarks.byte_tokenizer import write_byte_tokenizer
 from benchmarks.gpu_bench import DECODE_BATCHES, PREFILL_LEN, _decode, _prefill
 from benchmarks.roofline import H200_HBM_BANDWIDTH, measure_copy_bandwidth
@@ -181,13 +185,14 @@ class ServedShares:
         return {f"{where}_share": counts[i] / total for i, where in enumerate(self.PLACES)}
 
 
-def open_core(path: Path, expert_cache: int | None = None) -> EngineCore:
-    """An engine core on the GPU serving the file (`expert_cache` experts a layer on it, frozen), for up to
-    the largest decode batch timed and an 8K prompt."""
+def open_core(path: Path, expert_cache: int | None = None, **tier: Any) -> EngineCore:
+    """An engine core on the GPU serving the file (`expert_cache` experts a layer on it, frozen, laid out and
+    split as `tier`'s EngineConfig fields say), for up to the largest decode batch timed and an 8K prompt."""
     engine = EngineConfig(
         model=str(path),
         expert_cache=expert_cache,
         adapt_every=0,
+        **tier,
         device="cuda",
         dtype="bfloat16",
         parallel=max(DECODE_BATCHES),
@@ -198,10 +203,13 @@ def open_core(path: Path, expert_cache: int | None = None) -> EngineCore:
     return EngineCore(engine)
 
 
-def run_strata(path: Path, expert_cache: int | None = None) -> dict[str, Any]:
-    """Load the file into an engine core on the GPU (`open_core`) and time decode and an 8K prompt."""
+def run_strata(
+    path: Path, expert_cache: int | None = None, phases: bool = False, **tier: Any
+) -> dict[str, Any]:
+    """Load the file into an engine core on the GPU (`open_core`) and time decode and an 8K prompt, or with
+    `phases` batch-1 decode by phase (a tier's)."""
     began = time.perf_counter()
-    core = open_core(path, expert_cache)
+    core = open_core(path, expert_cache, **tier)
     torch.cuda.synchronize()
     vocab = core.loaded.model.config.vocab_size
     held = sum(p.numel() for p in core.loaded.model.parameters() if p.dtype == torch.uint8)
@@ -213,6 +221,15 @@ def run_strata(path: Path, expert_cache: int | None = None) -> dict[str, Any]:
         "weights_gb": sum(p.numel() * p.element_size() for p in core.loaded.model.parameters()) / 1e9,
         "copy_gb_s": bandwidth / 1e9,
     }
+    costs = core.tiers[0].costs if core.tiers else None
+    if costs is not None:  # the miss costs the tier measured at start
+        result |= {"pcie_gb_s": costs.pcie_bytes_s / 1e9, "cpu_gb_s": costs.cpu_bytes_s / 1e9}
+    if phases:
+        if not core.tiers:
+            raise SystemExit("--phases times a tier's layers: give --expert-cache")
+        from benchmarks.expert_tier import phases as phase_times
+
+        return result | phase_times(core, core.tiers, vocab, warm=4)
     served = ServedShares(core)
     for batch in DECODE_BATCHES:
         served.take()
@@ -237,6 +254,9 @@ def main() -> None:
     strata = sub.add_parser("strata")
     strata.add_argument("--model", type=Path, required=True)
     strata.add_argument("--expert-cache", type=int, help="experts a layer on the card (an expert tier)")
+    strata.add_argument("--expert-placement", default="spread", choices=PLACEMENTS)
+    strata.add_argument("--pcie-frac", type=float, help="force this share of the misses over PCIe")
+    strata.add_argument("--phases", action="store_true", help="batch-1 decode by phase")
     strata.add_argument("--out", type=Path)
     args = parser.parse_args()
     if args.command == "write":
@@ -250,7 +270,15 @@ def main() -> None:
         "device": torch.cuda.get_device_name(),
         "date": time.strftime("%Y-%m-%d"),
         "expert_cache": args.expert_cache,
-        **run_strata(args.model, args.expert_cache),
+        "expert_placement": args.expert_placement,
+        "pcie_frac": args.pcie_frac,
+        **run_strata(
+            args.model,
+            args.expert_cache,
+            args.phases,
+            expert_placement=args.expert_placement,
+            pcie_frac=args.pcie_frac,
+        ),
     }
     text = json.dumps(line)
     print(text, flush=True)

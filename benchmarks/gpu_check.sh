@@ -25,7 +25,8 @@
 # AB_ENV's NAME=VALUE settings in its environment, e.g. AB_ENV="STRATA_FUSED_DECODE=0") and, with
 # PROFILE_BATCH, benchmarks/profile_window.py's kernels of its decode windows of that batch (PROFILE_UNFUSED=1:
 # again with the MoE blocks' pieces, STRATA_FUSED_DECODE=0); also with the
-# expert tier at a 25% budget (--expert-cache 32) for the types in TIER_KINDS (default: every one named), and
+# expert tier at a 25% budget (--expert-cache 32, whole layers: --expert-placement TIER_PLACEMENT, default
+# layers, as llama.cpp's --n-cpu-moe keeps them) for the types in TIER_KINDS (default: every one named), and
 # llama.cpp on the same files (benchmarks/llama_cpp.sh), with 18 of 24 layers' experts on the CPU (CPU_MOE=18)
 # where a tier ran (LLAMA=0: Strata alone, no llama.cpp build).
 # kv: the 8-bit KV GPU tests, then benchmarks/kv_dtype_bench.py on the shape (32K and 128K-token prompts and
@@ -256,7 +257,7 @@ if [[ $what == gguf ]]; then
         if [[ " ${TIER_KINDS:-$kinds} " == *" $kind "* ]]; then
             # the expert tier at a 25% budget: 32 of 128 experts a layer on the card, the file's blocks
             python3 benchmarks/gguf_bench.py strata --model "$file" --expert-cache 32 \
-                --out "$out/gguf-tier.jsonl" 2>&1 | tee -a "$out/gguf.log" || status=1
+                --expert-placement "${TIER_PLACEMENT:-layers}" --out "$out/gguf-tier.jsonl" 2>&1 | tee -a "$out/gguf.log" || status=1
             tiered+=("$file")
         fi
     done

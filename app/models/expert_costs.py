@@ -28,6 +28,10 @@ GATE_UP_SHARE = 2 / 3  # a SwiGLU expert's bytes in its gate and up rows (2 x in
 # the split costs a few more copies and two zero fills on the device, and a planning error as large.
 SPLIT_GAIN_S = 15e-6
 PROBE_EVERY = 64  # plans sending every miss over PCIe before one leaves an expert to the CPU pool, to time it
+# Steps of a tier's staging copies a timed one stands for: timing one costs the host step two event records,
+# a query and a reading (tens of microseconds of a tiered layer's host step, on the critical path), and a
+# decode token has a step at every tiered layer, so the link's rate is still observed several times a token.
+TIME_EVERY = 4
 
 
 @dataclass
@@ -128,20 +132,25 @@ class MissCosts:
 
 
 class CopyTimes:
-    """The device time of the staging copies each host step queues, read without waiting for them: events on
-    the stream before and after a step's copies (`start`, `stop`), folded into the costs' link rate
-    (`MissCosts.observe_pcie`) at a later step (`poll`, from `start`) once the device has run them. At most
-    `most` steps' events wait to be read (the device that far behind, the oldest are dropped unread)."""
+    """The device time of the staging copies of every `every`-th host step, read without waiting for them:
+    events on the stream before and after that step's copies (`start`, `stop`), folded into the costs' link
+    rate (`MissCosts.observe_pcie`) at a later timed step (`poll`, from `start`) once the device has run them.
+    At most `most` steps' events wait to be read (the device that far behind, the oldest are dropped
+    unread)."""
 
-    def __init__(self, costs: MissCosts, most: int = 8) -> None:
+    def __init__(self, costs: MissCosts, most: int = 8, every: int = TIME_EVERY) -> None:
         self.costs = costs
         self.most = most
+        self.every, self._steps = every, 0
         self._pending: deque[tuple[float, torch.cuda.Event, torch.cuda.Event]] = deque()
         self._spare: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
-    def start(self) -> tuple[torch.cuda.Event, torch.cuda.Event]:
-        """Read the copies that have run, then mark the stream before a step's copies; returns the events to
-        hand to `stop`."""
+    def start(self) -> tuple[torch.cuda.Event, torch.cuda.Event] | None:
+        """On a step to time: read the copies that have run, then mark the stream before the step's copies;
+        returns the events to hand to `stop` (None on the other steps: nothing recorded)."""
+        self._steps += 1
+        if self._steps % self.every:
+            return None
         self.poll()
         events = self._spare.pop() if self._spare else _timing_events()
         events[0].record()

@@ -26,6 +26,7 @@ from torch import nn
 
 from app.kernels.interface import ExpertsFn, HostExpertsFn, TierLinkFns
 from app.models.expert_costs import GATE_UP_SHARE, CopyTimes, MissCosts, measure
+from app.models.host_copies import PinnedCopies
 from app.models.moe import RoutedExperts, SparseMoE, expert_parts
 from app.models.pieces import Pieces
 
@@ -128,6 +129,7 @@ class ExpertStaging:
         self.gate_up: torch.Tensor | None = None
         self.down: torch.Tensor | None = None
         self.zeroed = 0  # the leading gate rows of the last slot known to be zero (`load_rest`)
+        self.copies = PinnedCopies(torch.device("cpu"))  # the device's, once allocated
 
     def allocate(self, gate_up: torch.Tensor, down: torch.Tensor, device: torch.device) -> None:
         """Room for `slots` experts shaped like gate_up / down [experts, ...] on `device` (once), zeroed: a
@@ -136,6 +138,7 @@ class ExpertStaging:
             self.gate_up = torch.zeros((self.slots, *gate_up.shape[1:]), dtype=gate_up.dtype, device=device)
             self.down = torch.zeros((self.slots, *down.shape[1:]), dtype=down.dtype, device=device)
             self.zeroed = gate_up.shape[1] // 2
+            self.copies = PinnedCopies(device)
 
     def load_rest(self, host_slot: int, channels: int, gate_up: torch.Tensor, down: torch.Tensor) -> int:
         """Queue the copy of the expert at `host_slot` of the host's gate_up / down into the last staging slot
@@ -149,11 +152,16 @@ class ExpertStaging:
         if self.zeroed < channels:
             target[self.zeroed : channels].zero_()
         self.zeroed = channels
-        for first in (0, inter):
-            target[first + channels : first + inter].copy_(
-                gate_up[host_slot, first + channels : first + inter], non_blocking=True
-            )
-        self.down[slot].copy_(down[host_slot], non_blocking=True)
+        row, count = gate_up.shape[2], (inter - channels) * gate_up.shape[2]
+        expert, host_expert = slot * 2 * inter * row, host_slot * 2 * inter * row
+        kept = [
+            (expert + (first + channels) * row, host_expert + (first + channels) * row, count)
+            for first in (0, inter)
+        ]
+        whole = down[0].numel()
+        self.copies.queue(
+            (self.gate_up, gate_up, kept), (self.down, down, [(slot * whole, host_slot * whole, whole)])
+        )
         return slot
 
     def load(
@@ -164,15 +172,18 @@ class ExpertStaging:
         assert self.gate_up is not None and self.down is not None
         order = sorted(range(len(experts)), key=lambda i: host_slots[i])
         ordered = [host_slots[i] for i in order]
-        start = 0
+        runs, start = [], 0  # (first slot, first host slot, experts)
         while start < len(ordered):
             end = start + 1
             while end < len(ordered) and ordered[end] == ordered[end - 1] + 1:
                 end += 1
-            first, last = ordered[start], ordered[end - 1] + 1
-            self.gate_up[start:end].copy_(gate_up[first:last], non_blocking=True)
-            self.down[start:end].copy_(down[first:last], non_blocking=True)
+            runs.append((start, ordered[start], end - start))
             start = end
+        jobs = []
+        for target, source in ((self.gate_up, gate_up), (self.down, down)):
+            size = source[0].numel()
+            jobs.append((target, source, [(at * size, first * size, n * size) for at, first, n in runs]))
+        self.copies.queue(*jobs)
         self.written(len(experts))
         return {experts[i]: slot for slot, i in enumerate(order)}
 

@@ -76,3 +76,29 @@ def test_skipped_entries_add_nothing_at_full_shape(tokens: int) -> None:
     weights = weights.bfloat16()
     got = fused_experts(x, ids.masked_fill(skipped, -1), weights, gate_up, down)
     assert torch.equal(got, fused_experts(x, ids, weights * ~skipped, gate_up, down))
+
+
+def test_driver_queued_staging_copies_match_torchs() -> None:
+    """The staging copies queued through the driver (PinnedCopies) on a side stream: whole Q4_K-sized
+    experts in runs and a split expert's later channels, the bits torch's copies of the same slices give."""
+    from app.models.expert_tier import ExpertStaging
+    from app.models.host_copies import PinnedCopies
+
+    assert PinnedCopies(torch.device("cuda"))._copy is not None  # the driver's entry point was found
+    gate_up = torch.randint(0, 255, (16, 2 * INTER, 1152), dtype=torch.uint8).pin_memory()
+    down = torch.randint(0, 255, (16, HIDDEN, 432), dtype=torch.uint8).pin_memory()
+    staging = ExpertStaging(6)
+    staging.allocate(gate_up, down, torch.device("cuda"))
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        slots = staging.load([3, 11, 12, 5], [3, 11, 12, 5], gate_up, down)
+        rest = staging.load_rest(9, 256, gate_up, down)
+    side.synchronize()
+    for expert, slot in slots.items():
+        assert torch.equal(staging.gate_up[slot].cpu(), gate_up[expert])
+        assert torch.equal(staging.down[slot].cpu(), down[expert])
+    kept = staging.gate_up[rest].cpu()
+    assert torch.equal(kept[:256], torch.zeros_like(kept[:256]))
+    assert torch.equal(kept[256:INTER], gate_up[9, 256:INTER])
+    assert torch.equal(kept[INTER + 256 :], gate_up[9, INTER + 256 :])
+    assert torch.equal(staging.down[rest].cpu(), down[9])

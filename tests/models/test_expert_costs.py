@@ -95,12 +95,9 @@ class _Event:
         return (end.at - self.at) * 1e3
 
 
-def test_the_links_rate_follows_the_copies_timed_on_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Measured alone at 52 GB/s, the link copies at 26 while the CPU pool reads the same host memory: the
-    copies' device time, read at later steps once they have run (never waited for), moves the rate there,
-    and the split leaves more of a token's misses to the CPU."""
-    costs = MissCosts(EXPERT, pcie_bytes_s=52e9, cpu_bytes_s=60e9, cpu_row_s=30e-6)
-    before = costs.plan([1] * 8)
+def _fake_events(monkeypatch: pytest.MonkeyPatch) -> tuple[list[float], list[_Event]]:
+    """CopyTimes' events made as `_Event`s on one clock (seconds, moved by the test); returns the clock and
+    the events made so far (a list the fakes append to)."""
     clock = [0.0]
     made: list[_Event] = []
 
@@ -109,7 +106,17 @@ def test_the_links_rate_follows_the_copies_timed_on_the_device(monkeypatch: pyte
         return made[-2], made[-1]
 
     monkeypatch.setattr("app.models.expert_costs._timing_events", events)
-    times = CopyTimes(costs, most=3)
+    return clock, made
+
+
+def test_the_links_rate_follows_the_copies_timed_on_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Measured alone at 52 GB/s, the link copies at 26 while the CPU pool reads the same host memory: the
+    copies' device time, read at later steps once they have run (never waited for), moves the rate there,
+    and the split leaves more of a token's misses to the CPU."""
+    costs = MissCosts(EXPERT, pcie_bytes_s=52e9, cpu_bytes_s=60e9, cpu_row_s=30e-6)
+    before = costs.plan([1] * 8)
+    clock, made = _fake_events(monkeypatch)
+    times = CopyTimes(costs, most=3, every=1)
     for step in range(12):
         pair = times.start()
         clock[0] += 2 * EXPERT / 26e9  # two experts' copies at 26 GB/s
@@ -126,7 +133,7 @@ def test_copies_the_device_has_not_run_are_not_read_and_the_oldest_are_dropped()
     """Five steps' copies, none run yet: nothing is read; once they have run, only the newest `most` (2) are,
     each moving the rate a step (OBSERVED_WEIGHT) towards 26 GB/s."""
     costs = MissCosts(EXPERT, pcie_bytes_s=52e9, cpu_bytes_s=60e9, cpu_row_s=30e-6)
-    times = CopyTimes(costs, most=2)
+    times = CopyTimes(costs, most=2, every=1)
     clock = [0.0]
     pairs = []
     for _ in range(5):
@@ -141,3 +148,23 @@ def test_copies_the_device_has_not_run_are_not_read_and_the_oldest_are_dropped()
     times.poll()
     once = 52e9 + OBSERVED_WEIGHT * (26e9 - 52e9)
     assert costs.pcie_bytes_s == pytest.approx(once + OBSERVED_WEIGHT * (26e9 - once))
+
+
+def test_only_every_nth_steps_copies_are_timed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With `every` 4, three steps in four record nothing (their host step pays no event), the fourth is timed
+    and moves the link's rate."""
+    costs = MissCosts(EXPERT, pcie_bytes_s=52e9, cpu_bytes_s=60e9, cpu_row_s=30e-6)
+    clock, made = _fake_events(monkeypatch)
+    times = CopyTimes(costs, every=4)
+    timed = []
+    for _ in range(8):
+        pair = times.start()
+        timed.append(pair is not None)
+        clock[0] += EXPERT / 26e9
+        if pair is not None:
+            times.stop(pair, 1)
+    assert timed == [False, False, False, True] * 2
+    for event in made:
+        event.ran = True
+    times.poll()
+    assert costs.pcie_bytes_s < 52e9
