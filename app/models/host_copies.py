@@ -34,8 +34,13 @@ class PinnedCopies:
             size = target.element_size()
             if not (target.is_contiguous() and source.is_contiguous()) or source.element_size() != size:
                 raise ValueError("pinned copies need contiguous tensors of one element size")
+            if source.is_cuda or not target.is_cuda:
+                raise ValueError("pinned copies go from host memory to the device")
             to, start_of = target.data_ptr(), source.data_ptr()
+            room, held = target.numel(), source.numel()
             for at, start, count in runs:
+                if at < 0 or start < 0 or count < 0 or at + count > room or start + count > held:
+                    raise ValueError(f"a copy of {count} elements from {start} to {at} leaves its tensors")
                 result = self._copy(to + at * size, start_of + start * size, count * size, stream)
                 if result:
                     raise RuntimeError(f"queueing a host-to-device copy failed (CUDA driver error {result})")

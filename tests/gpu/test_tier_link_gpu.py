@@ -102,3 +102,8 @@ def test_driver_queued_staging_copies_match_torchs() -> None:
     assert torch.equal(kept[256:INTER], gate_up[9, 256:INTER])
     assert torch.equal(kept[INTER + 256 :], gate_up[9, INTER + 256 :])
     assert torch.equal(staging.down[rest].cpu(), down[9])
+    copies = staging.copies
+    with pytest.raises(ValueError, match="leaves its tensors"):  # checked before the driver is called
+        copies.queue((staging.down, down, [(staging.down.numel() - 8, 0, 16)]))
+    with pytest.raises(ValueError, match="from host memory"):
+        copies.queue((staging.down, staging.down.clone(), [(0, 0, 16)]))
