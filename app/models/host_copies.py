@@ -4,6 +4,7 @@ every decode window, where torch's own work a copy took about a fifth of a tiere
 from __future__ import annotations
 
 import ctypes
+import os
 from collections.abc import Callable, Sequence
 
 import torch
@@ -13,8 +14,8 @@ class PinnedCopies:
     """Copies of runs of elements from a contiguous host tensor (pinned, so they run at the link's full
     speed) into a contiguous device tensor, queued on the current stream straight through the CUDA driver
     (`cuMemcpyHtoDAsync`): a few microseconds a copy, where torch's `copy_` between two slices takes about
-    ten (its slicing, dispatch and pinned-memory lookup). On the CPU, or where the driver's entry point is
-    not found, torch copies them."""
+    ten (its slicing, dispatch and pinned-memory lookup). On the CPU, where the driver's entry point is not
+    found, or with STRATA_DRIVER_COPIES=0, torch copies them."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -47,7 +48,10 @@ class PinnedCopies:
 
 
 def _driver_copy() -> Callable[[int, int, int, int], int] | None:
-    """The driver's cuMemcpyHtoDAsync (destination, host source, bytes, stream) through ctypes, or None."""
+    """The driver's cuMemcpyHtoDAsync (destination, host source, bytes, stream) through ctypes, or None (also
+    with STRATA_DRIVER_COPIES=0: torch's copies, as before the driver's were used)."""
+    if os.environ.get("STRATA_DRIVER_COPIES", "1") == "0":
+        return None
     try:
         from torch.cuda._utils import _get_gpu_runtime_library
 

@@ -3,8 +3,10 @@ driver's path is checked against the same copies on a GPU (tests/gpu/test_tier_l
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from app.models import host_copies
 from app.models.expert_tier import ExpertStaging
 from app.models.host_copies import PinnedCopies
 
@@ -35,3 +37,16 @@ def test_staging_loads_experts_and_a_split_experts_later_channels() -> None:
     assert torch.equal(staging.gate_up[3, 2:inter], gate_up[5, 2:inter])
     assert torch.equal(staging.gate_up[3, inter + 2 :], gate_up[5, inter + 2 :])
     assert torch.equal(staging.down[3], down[5])
+
+
+def test_the_drivers_copy_is_used_unless_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The driver's entry point, given its argument types; STRATA_DRIVER_COPIES=0 leaves copies to torch."""
+
+    class Driver:
+        cuMemcpyHtoDAsync_v2 = type("Function", (), {})()
+
+    monkeypatch.setattr("torch.cuda._utils._get_gpu_runtime_library", lambda: Driver)
+    found = host_copies._driver_copy()
+    assert found is Driver.cuMemcpyHtoDAsync_v2 and len(found.argtypes) == 4
+    monkeypatch.setenv("STRATA_DRIVER_COPIES", "0")
+    assert host_copies._driver_copy() is None
