@@ -99,22 +99,23 @@ def time_kernel(weights: list[tuple], rows: int, hidden: int, rounds: int = 3) -
     return (time.perf_counter() - began) / (rounds * len(weights))
 
 
-def time_calls(weights: list[tuple], per_call: int, hidden: int, gap_s: float) -> float:
-    """Seconds per call of one row through `per_call` experts at once, each call `gap_s` after the last
-    (busy), cycling through every expert three times after one warm-up round."""
-    stacked = [torch.stack(parts) for parts in zip(*weights, strict=True)]
+def time_calls(stacked: list[torch.Tensor], per_call: int, hidden: int, gap_s: float) -> float:
+    """Seconds per call of one row through `per_call` experts of `stacked` (gate_up, down and any scales,
+    [experts, ...]) at once, each call `gap_s` after the last (busy), cycling through every expert three
+    times after one warm-up round."""
+    experts = stacked[0].shape[0]
     x = torch.randn(1, hidden)
     entries = (torch.arange(per_call + 1), torch.zeros(per_call, dtype=torch.int64), torch.ones(per_call))
-    firsts = range(0, len(weights) - per_call + 1, per_call)
+    firsts = range(0, experts - per_call + 1, per_call)
     calls = [torch.arange(first, first + per_call) for first in firsts]
     total, timed = 0.0, 0
     for round_ in range(4):
-        for experts in calls:
+        for chosen in calls:
             until = time.perf_counter() + gap_s
             while time.perf_counter() < until:
                 pass
             began = time.perf_counter()
-            experts_swiglu_sum(x, experts, *entries, *stacked)
+            experts_swiglu_sum(x, chosen, *entries, *stacked)
             if round_:
                 total, timed = total + time.perf_counter() - began, timed + 1
     return total / timed
@@ -137,11 +138,12 @@ def main() -> None:
         weights = expert_weights(KINDS[name], args.experts, args.hidden, args.inter)
         per_expert = sum(t.nbytes for t in weights[0])
         timings[name] = (per_expert, {rows: time_kernel(weights, rows, args.hidden) for rows in args.rows})
+        stacked = [torch.stack(parts) for parts in zip(*weights, strict=True)] if args.per_call else []
         for count in args.per_call:
             for gap in args.gap_us:
-                seconds = time_calls(weights, count, args.hidden, gap * 1e-6)
+                seconds = time_calls(stacked, count, args.hidden, gap * 1e-6)
                 calls[f"{name}_call{count}_gap{gap:g}"] = (count * per_expert, seconds)
-        del weights
+        del weights, stacked
     bandwidth = max(bandwidth, copy_bandwidth())  # the best of before and after: the machine may be shared
     line: dict[str, object] = {
         "date": time.strftime("%Y-%m-%d"),

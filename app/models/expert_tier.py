@@ -158,7 +158,7 @@ class ExpertStaging:
             (expert + (first + channels) * row, host_expert + (first + channels) * row, count)
             for first in (0, inter)
         ]
-        whole = down[0].numel()
+        whole = down.stride(0)  # an expert's elements (contiguous), without making a view of one
         self.copies.queue(
             (self.gate_up, gate_up, kept), (self.down, down, [(slot * whole, host_slot * whole, whole)])
         )
@@ -181,7 +181,7 @@ class ExpertStaging:
             start = end
         jobs = []
         for target, source in ((self.gate_up, gate_up), (self.down, down)):
-            size = source[0].numel()
+            size = source.stride(0)
             jobs.append((target, source, [(at * size, first * size, n * size) for at, first, n in runs]))
         self.copies.queue(*jobs)
         self.written(len(experts))
