@@ -13,6 +13,7 @@
 // app/kernels/cpu_experts.py, which checks shapes, dtypes and contiguity and passes raw pointers.
 
 #include "dot.h"
+#include "int_dot.h"
 #include "kernels.h"
 
 #include <algorithm>
@@ -34,6 +35,12 @@ using dot::Matrix;
 using dot::silu;
 using dot::TILE;
 
+// How many units ahead a Q4_K unit prefetches its rows (on its last tile): integer sums take a unit about a
+// third of the time widening did, so the next unit's rows may come too late. A define, so that a build can try
+// another.
+#ifndef Q4K_AHEAD
+#define Q4K_AHEAD 1
+#endif
 constexpr const char* BLOCKS = "Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS, IQ3_XXS or IQ3_S";  // GGUF types read, for messages
 
 // One SwiGLU MLP (gate, up [inter, hidden], down [hidden, inter]) and the entries [first, last) it takes.
@@ -47,13 +54,24 @@ struct Passes {
     std::vector<Group> groups;
     std::vector<int64_t> gate_units{0}, down_units{0};  // prefix sums over the groups
     int64_t hidden = 0, widest = 0;                      // widest: the largest inter, h's row stride
+    int64_t entries = 0;                                 // the entries the groups take, [0, entries)
+    bool quantized = false;                              // whether a group's weights are Q4_K (`int_dot.h`)
 
     Passes(std::vector<Group> all, int64_t hidden_size) : groups(std::move(all)), hidden(hidden_size) {
         for (const Group& g : groups) {
             gate_units.push_back(gate_units.back() + (g.inter + 1) / 2);
             down_units.push_back(down_units.back() + (hidden + 3) / 4);
             widest = std::max(widest, g.inter);
+            entries = std::max(entries, g.last);
+            quantized = quantized || g.gate.kind == Kind::Q4_K || g.down.kind == Kind::Q4_K;
         }
+    }
+
+    // The group whose entries hold entry k (the groups' entries run in order).
+    size_t group_at(int64_t k) const {
+        const auto after = std::upper_bound(groups.begin(), groups.end(), k,
+                                            [](int64_t entry, const Group& g) { return entry < g.first; });
+        return static_cast<size_t>(after - groups.begin() - 1);
     }
 
     static size_t group_of(const std::vector<int64_t>& units, int64_t unit) {
@@ -72,11 +90,37 @@ inline void by_tiles(const Group& g, const float* base, int64_t stride, F f) {
     }
 }
 
+// Token vectors of a group's entries quantized for Q4_K rows (`int_dot.h`), TILE at a time as by_tiles.
+template <typename F>
+inline void by_quantized_tiles(const Group& g, dot::QuantizedRows& q, F f) {
+    for (int64_t first = g.first; first < g.last; first += TILE) {
+        const int count = static_cast<int>(std::min<int64_t>(TILE, g.last - first));
+        dot::Quantized vectors[TILE];
+        for (int k = 0; k < count; ++k) vectors[k] = q.at(first + k);
+        f(first, count, vectors);
+    }
+}
+
+// Every entry of a Q4_K group (the gate and up's weights, or with `down` the down's) quantized into q: its row
+// of `base` (`stride` apart), the group's first hidden (or inter) values. Called by every thread of a team.
+void quantize_entries(const Passes& p, bool down, const float* base, int64_t stride, dot::QuantizedRows& q) {
+#pragma omp for schedule(static)
+    for (int64_t k = 0; k < p.entries; ++k) {
+        const Group& g = p.groups[p.group_at(k)];
+        if ((down ? g.down.kind : g.gate.kind) == Kind::Q4_K) {
+            dot::quantize(base + k * stride, down ? g.inter : p.hidden, q.at(k));
+        }
+    }
+}
+
 // h [entries, widest] = silu(gate . x) * (up . x), then ys [entries, hidden] = down . h, for every group's
-// entries of xs [entries, hidden]. Called by every thread of a team (each pass ends in the team's barrier).
-void swiglu_team(const Passes& p, const float* xs, float* h, float* ys) {
+// entries of xs [entries, hidden]; Q4_K groups' token vectors quantized first (into qx, qh: `int_dot.h`).
+// Called by every thread of a team (each pass ends in the team's barrier).
+void swiglu_team(const Passes& p, const float* xs, float* h, float* ys, dot::QuantizedRows& qx,
+                 dot::QuantizedRows& qh) {
     const int64_t hidden = p.hidden, stride = p.widest;
     std::vector<float> wide(static_cast<size_t>(4 * std::max(hidden, stride)));  // this thread's widened rows
+    if (p.quantized) quantize_entries(p, false, xs, hidden, qx);
 #pragma omp for schedule(dynamic, 8)
     for (int64_t unit = 0; unit < p.gate_units.back(); ++unit) {
         const size_t gi = Passes::group_of(p.gate_units, unit);
@@ -84,25 +128,44 @@ void swiglu_team(const Passes& p, const float* xs, float* h, float* ys) {
         const int64_t j = 2 * (unit - p.gate_units[gi]);
         const bool pair = j + 1 < g.inter;
         const char* rows[4] = {g.gate.row(j), pair ? g.gate.row(j + 1) : g.up.row(j), g.up.row(j), g.up.row(j + 1)};
+        const char* ahead[4] = {g.gate.row(j + 2), g.gate.row(j + 3), g.up.row(j + 2), g.up.row(j + 3)};
+        const auto keep = [&](int64_t first, int count, float (*out)[TILE]) {
+            if (!pair) std::memcpy(out[2], out[1], sizeof out[1]);  // rows: gate j, up j
+            for (int k = 0; k < count; ++k) {
+                float* row = h + (first + k) * stride;
+                row[j] = silu(out[0][k] * g.gate.scale(j)) * (out[2][k] * g.up.scale(j));
+                if (pair) row[j + 1] = silu(out[1][k] * g.gate.scale(j + 1)) * (out[3][k] * g.up.scale(j + 1));
+            }
+        };
+        if (g.gate.kind == Kind::Q4_K) {
+            const int64_t far = j + 2 * Q4K_AHEAD;
+            const char* further[4] = {g.gate.row(far), g.gate.row(far + 1), g.up.row(far), g.up.row(far + 1)};
+            by_quantized_tiles(g, qx, [&](int64_t first, int count, const dot::Quantized* vectors) {
+                float out[4][TILE];
+                const bool next = first + TILE >= g.last && far + 2 <= g.inter;  // on the last tile
+                if (pair) {
+                    dot::q4k_rows<4>(rows, hidden, vectors, count, out, next ? further : nullptr);
+                } else {
+                    dot::q4k_rows<2>(rows, hidden, vectors, count, out);
+                }
+                keep(first, count, out);
+            });
+            continue;
+        }
         const dot::Kind kind = pair ? dot::widen_rows<4>(g.gate.kind, rows, hidden, g.last - g.first, wide.data())
                                     : dot::widen_rows<2>(g.gate.kind, rows, hidden, g.last - g.first, wide.data());
         by_tiles(g, xs, hidden, [&](int64_t first, int count, const float* const* vectors) {
             float out[4][TILE];
             if (pair) {
                 const bool next = first + TILE >= g.last && j + 4 <= g.inter;  // the next pair, on the last tile
-                const char* ahead[4] = {g.gate.row(j + 2), g.gate.row(j + 3), g.up.row(j + 2), g.up.row(j + 3)};
                 dot::dot_rows<4>(kind, rows, hidden, vectors, count, out, next ? ahead : nullptr);
-            } else {  // rows: gate j, up j
+            } else {
                 dot::dot_rows<2>(kind, rows, hidden, vectors, count, out);
-                std::memcpy(out[2], out[1], sizeof out[1]);
             }
-            for (int k = 0; k < count; ++k) {
-                float* row = h + (first + k) * stride;
-                row[j] = silu(out[0][k] * g.gate.scale(j)) * (out[2][k] * g.up.scale(j));
-                if (pair) row[j + 1] = silu(out[1][k] * g.gate.scale(j + 1)) * (out[3][k] * g.up.scale(j + 1));
-            }
+            keep(first, count, out);
         });
     }
+    if (p.quantized) quantize_entries(p, true, h, stride, qh);
 #pragma omp for schedule(dynamic, 8)
     for (int64_t unit = 0; unit < p.down_units.back(); ++unit) {
         const size_t gi = Passes::group_of(p.down_units, unit);
@@ -110,13 +173,33 @@ void swiglu_team(const Passes& p, const float* xs, float* h, float* ys) {
         const int64_t i = 4 * (unit - p.down_units[gi]);
         const int rows_here = static_cast<int>(std::min<int64_t>(4, hidden - i));
         const char* rows[4] = {g.down.row(i), g.down.row(i + 1), g.down.row(i + 2), g.down.row(i + 3)};
+        const char* ahead[4] = {g.down.row(i + 4), g.down.row(i + 5), g.down.row(i + 6), g.down.row(i + 7)};
+        const auto keep = [&](int64_t first, int count, float (*out)[TILE]) {
+            for (int r = 0; r < rows_here; ++r) {
+                for (int k = 0; k < count; ++k) ys[(first + k) * hidden + i + r] = out[r][k] * g.down.scale(i + r);
+            }
+        };
+        if (g.down.kind == Kind::Q4_K) {
+            const int64_t far = i + 4 * Q4K_AHEAD;
+            const char* further[4] = {g.down.row(far), g.down.row(far + 1), g.down.row(far + 2), g.down.row(far + 3)};
+            by_quantized_tiles(g, qh, [&](int64_t first, int count, const dot::Quantized* vectors) {
+                float out[4][TILE];
+                if (rows_here == 4) {
+                    const bool next = first + TILE >= g.last && far + 4 <= hidden;  // on the last tile
+                    dot::q4k_rows<4>(rows, g.inter, vectors, count, out, next ? further : nullptr);
+                } else {
+                    for (int r = 0; r < rows_here; ++r) dot::q4k_rows<1>(rows + r, g.inter, vectors, count, &out[r]);
+                }
+                keep(first, count, out);
+            });
+            continue;
+        }
         const dot::Kind kind =
             rows_here == 4 ? dot::widen_rows<4>(g.down.kind, rows, g.inter, g.last - g.first, wide.data()) : g.down.kind;
         by_tiles(g, h, stride, [&](int64_t first, int count, const float* const* vectors) {
             float out[4][TILE];
             if (rows_here == 4) {
                 const bool next = first + TILE >= g.last && i + 8 <= hidden;  // the next four, on the last tile
-                const char* ahead[4] = {g.down.row(i + 4), g.down.row(i + 5), g.down.row(i + 6), g.down.row(i + 7)};
                 dot::dot_rows<4>(kind, rows, g.inter, vectors, count, out, next ? ahead : nullptr);
             } else {
                 for (int r = 0; r < rows_here; ++r) {
@@ -124,12 +207,18 @@ void swiglu_team(const Passes& p, const float* xs, float* h, float* ys) {
                     dot::dot_rows<1>(g.down.kind, row, g.inter, vectors, count, &out[r]);
                 }
             }
-            for (int r = 0; r < rows_here; ++r) {
-                for (int k = 0; k < count; ++k) ys[(first + k) * hidden + i + r] = out[r][k] * g.down.scale(i + r);
-            }
+            keep(first, count, out);
         });
     }
 }
+
+// Buffers for the quantized token vectors of a call's Q4_K groups: the inputs and the intermediate rows (empty
+// where no group is Q4_K).
+struct QuantizedInputs {
+    dot::QuantizedRows x, h;
+    explicit QuantizedInputs(const Passes& p)
+        : x(p.quantized ? p.entries : 0, p.hidden), h(p.quantized ? p.entries : 0, p.widest) {}
+};
 
 // y[rows[k]] += weights[k] * (the SwiGLU of x[rows[k]] through entry k's group), for every entry (grouped as
 // p says), in one team: the rows gathered, the two passes, then the sums added by blocks of columns, entries
@@ -139,13 +228,14 @@ void add_groups(const Passes& p, const float* x, float* y, const int64_t* rows, 
     const int64_t hidden = p.hidden;
     std::vector<float> xs(static_cast<size_t>(entries * hidden)), ys(static_cast<size_t>(entries * hidden));
     std::vector<float> h(static_cast<size_t>(entries * p.widest));
+    QuantizedInputs quantized(p);
     constexpr int64_t COLUMNS = 64;  // columns of y a thread adds at a time
     const int64_t blocks = (hidden + COLUMNS - 1) / COLUMNS;
 #pragma omp parallel num_threads(threads)
     {
 #pragma omp for schedule(static)
         for (int64_t k = 0; k < entries; ++k) std::memcpy(&xs[k * hidden], x + rows[k] * hidden, hidden * 4);
-        swiglu_team(p, xs.data(), h.data(), ys.data());
+        swiglu_team(p, xs.data(), h.data(), ys.data(), quantized.x, quantized.h);
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < blocks; ++b) {
             const int64_t low = b * COLUMNS, high = std::min(hidden, low + COLUMNS);
@@ -215,8 +305,10 @@ void expert_swiglu(uintptr_t x_ptr, uintptr_t gate_up_ptr, uintptr_t down_ptr, u
                    hidden);
     pybind11::gil_scoped_release release;
     std::vector<float> h(static_cast<size_t>(n * inter));
+    QuantizedInputs quantized(p);
 #pragma omp parallel num_threads(threads)
-    swiglu_team(p, reinterpret_cast<const float*>(x_ptr), h.data(), reinterpret_cast<float*>(y_ptr));
+    swiglu_team(p, reinterpret_cast<const float*>(x_ptr), h.data(), reinterpret_cast<float*>(y_ptr), quantized.x,
+                quantized.h);
 }
 
 // y [n, hidden] += the weighted SwiGLU of several experts of one layer, each over the rows routed to it:

@@ -93,6 +93,31 @@ def _dequantized(weight: torch.Tensor, scales: torch.Tensor | None, columns: int
     return weight.float()
 
 
+# Values a super-block of a token vector quantized for integer dot products with Q4_K rows (native/int_dot.h).
+QUANTIZED_BLOCK = 256
+
+
+def quantized_activations(x: torch.Tensor) -> torch.Tensor:
+    """x [.., columns] (fp32, columns a multiple of QUANTIZED_BLOCK) as the native kernel reads it against
+    Q4_K weights: each block of 256 values quantized to int8 codes under one step (its largest magnitude /
+    127, codes rounded to the nearest integer, ties to even), then widened back (code * step, in fp64 so that
+    the products are exact). The kernel's integer sums give the dot products of these values with the
+    weights."""
+    blocks = x.float().reshape(*x.shape[:-1], -1, QUANTIZED_BLOCK)
+    step = blocks.abs().amax(dim=-1, keepdim=True) / 127
+    inverse = torch.where(step > 0, 1 / step, torch.zeros_like(step))
+    codes = torch.round(blocks * inverse).clamp(-127, 127)
+    return (codes.double() * step.double()).reshape(x.shape)
+
+
+def _as_read(values: torch.Tensor, weight: torch.Tensor, columns: int) -> torch.Tensor:
+    """`values` (fp32) as the native kernel multiplies them with `weight`'s rows of `columns` weights:
+    quantized for Q4_K blocks (`quantized_activations`), else themselves."""
+    if weight.dtype == torch.uint8 and held_kind(weight, columns) == "Q4_K":
+        return quantized_activations(values)
+    return values
+
+
 def expert_swiglu_reference(
     x: torch.Tensor,
     gate_up: torch.Tensor,
@@ -104,10 +129,11 @@ def expert_swiglu_reference(
     """y [n, hidden] fp32 = down @ (silu(gate @ x) * (up @ x)) for x [n, hidden], in fp32 (torch); with
     `channels`, over the first so many intermediate channels only."""
     hidden, inter = expert_sizes(gate_up, down)
-    gate, up = (x.float() @ _dequantized(gate_up, gate_up_scales, hidden).T).chunk(2, dim=-1)
+    x = _as_read(x.float(), gate_up, hidden)
+    gate, up = (x @ _dequantized(gate_up, gate_up_scales, hidden).to(x.dtype).T).chunk(2, dim=-1)
     kept = inter if channels is None else channels
-    act = torch.nn.functional.silu(gate[:, :kept]) * up[:, :kept]
-    return act @ _dequantized(down, down_scales, inter)[:, :kept].T
+    act = _as_read((torch.nn.functional.silu(gate[:, :kept]) * up[:, :kept]).float(), down, inter)
+    return (act @ _dequantized(down, down_scales, inter)[:, :kept].to(act.dtype).T).float()
 
 
 def experts_swiglu_sum_reference(

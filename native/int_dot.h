@@ -1,0 +1,324 @@
+// Integer dot products of Q4_K weight rows with token vectors quantized to int8, for the CPU expert pool.
+//
+// Widening every weight to fp32 made a Q4_K expert compute-bound on the CPU (about a third of the memory's
+// speed: a conversion and a multiply-add a weight). Here a token vector is quantized once a call, a super-block
+// (256 values) at a time: step = its largest magnitude / 127, code = x * (1 / step) rounded to the nearest
+// integer, ties to even (all zero where the block is), and a super-block of weights sums as
+//
+//   step * (d * sum_j scale_j * (q . code)_j  -  dmin * sum_j min_j * (sum of codes)_j)     (groups j of 32)
+//
+// with both sums exact in integers: the dot product of GGUF's dequantized weights with the quantized vector
+// (code * step), as app/kernels/cpu_experts.py's reference computes it. Nibbles and codes meet 64 at a time in
+// byte multiply-adds (unsigned nibble times signed code, pairs added in 16 bits: at most 2 * 15 * 127), then
+// pairs of those times their group's scale (in 32 bits); a super-block's 16 int32 lanes are added, in fp32,
+// to a row's partial sums as lanes * (d * step) and the min sums as lanes * (dmin * step), each a fused
+// multiply-add in a fixed lane, and the lanes in one fixed tree at the end (`lane_sum`). Without AVX-512 the
+// same integers and the same fused operations in plain loops give the same bits.
+//
+// Codes are stored in the order the super-block's 128 bytes of nibbles hold the weights when read 64 bytes at
+// a time: for each half h (values 128h ..) its values [0, 32) and [64, 96) (the low nibbles of 64 bytes), then
+// [32, 64) and [96, 128) (their high nibbles).
+#pragma once
+#define Q4K_AHEAD 4
+
+#include "dot.h"
+
+#include <vector>
+
+namespace dot {
+
+// A token vector quantized for Q4_K rows (`quantize`).
+struct Quantized {
+    int8_t* codes;  // one a value, in the nibbles' order
+    float* steps;   // one a super-block
+    int16_t* sums;  // each group of 32 values' codes added, in the values' order
+};
+
+// n token vectors of up to `cols` values each, quantized.
+struct QuantizedRows {
+    int64_t cols;
+    std::vector<int8_t> codes;
+    std::vector<float> steps;
+    std::vector<int16_t> sums;
+
+    QuantizedRows(int64_t n, int64_t cols_)
+        : cols(cols_), codes(static_cast<size_t>(n * cols_)), steps(static_cast<size_t>(n * (cols_ / QK_K))),
+          sums(static_cast<size_t>(n * (cols_ / 32))) {}
+
+    Quantized at(int64_t k) { return {&codes[k * cols], &steps[k * (cols / QK_K)], &sums[k * (cols / 32)]}; }
+};
+
+// Where value i (0..255) of a super-block lies among its stored codes.
+inline int code_position(int i) {
+    const int half = i / 128, stretch = i % 128 / 64, within = i % 64;
+    return 128 * half + (within < 32 ? 32 * stretch + within : 64 + 32 * stretch + within - 32);
+}
+
+// x [cols] (a multiple of QK_K) quantized into q.
+inline void quantize(const float* x, int64_t cols, const Quantized& q) {
+    for (int64_t b = 0; b < cols / QK_K; ++b) {
+        const float* v = x + b * QK_K;
+        float most = 0.0f;
+        for (int i = 0; i < QK_K; ++i) most = std::fmax(most, std::fabs(v[i]));
+        const float step = most / 127.0f;
+        const float inverse = step > 0.0f ? 1.0f / step : 0.0f;
+        q.steps[b] = step;
+        int8_t* codes = q.codes + b * QK_K;
+        int16_t* sums = q.sums + b * 8;
+        for (int j = 0; j < 8; ++j) {
+            int sum = 0;
+            for (int i = 32 * j; i < 32 * j + 32; ++i) {
+                const float r = std::nearbyint(v[i] * inverse);
+                const int code = r > 127.0f ? 127 : (r < -127.0f ? -127 : (r == r ? static_cast<int>(r) : 0));
+                codes[code_position(i)] = static_cast<int8_t>(code);
+                sum += code;
+            }
+            sums[j] = static_cast<int16_t>(sum);
+        }
+    }
+}
+
+// The eight 6-bit scales (bytes 0-7) and mins (8-15) of a Q4_K super-block's 12 packed bytes: groups 0-3 hold
+// theirs in the low six bits of bytes 0-3 (scales) and 4-7 (mins); groups 4-7 in the nibbles of bytes 8-11
+// (scale low, min high), under the top two bits of bytes 0-3 (scales) and 4-7 (mins).
+inline void q4k_fields(const unsigned char* packed, uint8_t* scales, uint8_t* mins) {
+    uint32_t w[3];
+    std::memcpy(w, packed, sizeof w);
+    const uint32_t low6 = 0x3f3f3f3fu, nibble = 0x0f0f0f0fu, top2 = 0x30303030u;
+    const uint32_t s[2] = {w[0] & low6, (w[2] & nibble) | ((w[0] >> 2) & top2)};
+    const uint32_t m[2] = {w[1] & low6, ((w[2] >> 4) & nibble) | ((w[1] >> 2) & top2)};
+    std::memcpy(scales, s, 8);
+    std::memcpy(mins, m, 8);
+}
+
+// The group of lane `lane` (0..15) of byte vector v (0..3: low then high nibbles of the first 64 bytes, then of
+// the next 64) of a super-block.
+inline int q4k_group(int v, int lane) { return 4 * (v / 2) + 2 * (lane / 8) + v % 2; }
+
+// The parts of a row's sum: part[l] (l < 16) gathers lane l of its super-blocks' scaled sums, each added as
+// fma(lane, d * step, part); least[k] (k < 4) pair k of their min sums (min_2k * sums_2k + min_2k+1 * sums_2k+1),
+// each added as fma(pair, dmin * step, least). The row's value: the lanes' tree less the pairs' (`q4k_value`).
+inline float q4k_value(const float* part, const float* least) {
+    return lane_sum(part) - ((least[0] + least[1]) + (least[2] + least[3]));
+}
+
+#if defined(__AVX512BW__) && defined(__AVX512VBMI__)
+#define INT_DOT_AVX512 1
+// The first 16 bytes (d, dmin, the packed scales and mins) of R <= 4 super-blocks, one a 128-bit lane, turned
+// into d and dmin in fp32 (`scales`: d_r at 2r, dmin_r at 2r + 1) and lane r holding row r's eight scales,
+// then its eight mins (bytes; `q4k_fields` four rows at once).
+template <int R>
+inline __m512i q4k_heads(const unsigned char* const* blocks, float* scales) {
+    __m512i heads = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blocks[0])));
+    if constexpr (R > 1) heads = _mm512_inserti32x4(heads, _mm_loadu_si128(reinterpret_cast<const __m128i*>(blocks[1])), 1);
+    if constexpr (R > 2) heads = _mm512_inserti32x4(heads, _mm_loadu_si128(reinterpret_cast<const __m128i*>(blocks[2])), 2);
+    if constexpr (R > 3) heads = _mm512_inserti32x4(heads, _mm_loadu_si128(reinterpret_cast<const __m128i*>(blocks[3])), 3);
+    // each lane's d and dmin (its first dword) side by side, widened
+    const __m256i halves = _mm512_castsi512_si256(_mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), heads));
+    _mm512_storeu_ps(scales, _mm512_cvtph_ps(halves));
+    // per lane, dwords w0 w1 w2 = the packed bytes: [w0 & low6, (w2 & nibble) | (w0 >> 2 & top2),
+    //                                                  w1 & low6, (w2 >> 4 & nibble) | (w1 >> 2 & top2)]
+    const __m512i spread = _mm512_shuffle_epi32(heads, static_cast<_MM_PERM_ENUM>(_MM_SHUFFLE(3, 2, 3, 1)));  // w0 w2 w1 w2
+    const __m512i tops = _mm512_shuffle_epi32(heads, static_cast<_MM_PERM_ENUM>(_MM_SHUFFLE(2, 2, 1, 1)));    // w0 w0 w1 w1
+    const __m512i low = _mm512_and_si512(_mm512_srlv_epi32(spread, _mm512_set4_epi32(4, 0, 0, 0)),
+                                         _mm512_set4_epi32(0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f));
+    const __m512i high = _mm512_and_si512(_mm512_srli_epi32(tops, 2), _mm512_set4_epi32(0x30303030, 0, 0x30303030, 0));
+    return _mm512_or_si512(low, high);
+}
+#endif
+
+// out[r][c] = rows[r] . xs[c] for R Q4_K rows of `cols` weights and C quantized token vectors; the R rows
+// `ahead` (or null) prefetched meanwhile.
+template <int R, int C>
+inline void q4k_block(const unsigned char* const* rows, int64_t cols, const Quantized* xs, float (*out)[TILE],
+                      const unsigned char* const* ahead) {
+    alignas(64) float part[R][C][LANES];
+    alignas(64) float least[C][16];  // row r's pairs at 4r .. 4r + 3
+#ifdef INT_DOT_AVX512
+    __m512 acc[R][C], mins[C];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+        for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+    }
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) mins[c] = _mm512_setzero_ps();
+    const __m512i low = _mm512_set1_epi8(15);
+    // a vector's scales as int16: its first 16 lanes group a's, the next 16 group b's, of the row in lane r
+    const auto pick = [](int r, int a, int b) {
+        return _mm512_inserti64x4(_mm512_set1_epi16(static_cast<short>(16 * r + a)),
+                                  _mm256_set1_epi16(static_cast<short>(16 * r + b)), 1);
+    };
+    const __mmask64 even = 0x5555555555555555ull;  // the low byte of each int16
+    // the mins of row r (bytes 8-15 of lane r) as int16 at lanes 8r .. 8r + 7
+    const __m512i min_picks = _mm512_set_epi64(0x003f003e003d003cll, 0x003b003a00390038ll, 0x002f002e002d002cll,
+                                               0x002b002a00290028ll, 0x001f001e001d001cll, 0x001b001a00190018ll,
+                                               0x000f000e000d000cll, 0x000b000a00090008ll);
+    // row r's dmin * step at lanes 4r .. 4r + 3
+    const __m512i dmin_picks = _mm512_setr_epi32(1, 1, 1, 1, 3, 3, 3, 3, 5, 5, 5, 5, 7, 7, 7, 7);
+    for (int64_t b = 0; b < cols / QK_K; ++b) {
+        const unsigned char* blocks[4];
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+            blocks[r] = rows[r] + b * Q4_K_BYTES;
+            if (ahead) {
+                const unsigned char* next = ahead[r] + b * Q4_K_BYTES;
+                __builtin_prefetch(next);
+                __builtin_prefetch(next + 64);
+                __builtin_prefetch(next + 128);
+            }
+        }
+        alignas(64) float scales[16];
+        const __m512i fields = q4k_heads<R>(blocks, scales);
+        const __m512i all_mins = _mm512_maskz_permutexvar_epi8(even, min_picks, fields);
+        const __m256 heads = _mm256_load_ps(scales);
+        alignas(32) float scaled[C][8];  // per token: d_r * step at 2r, dmin_r * step at 2r + 1
+#pragma GCC unroll 4
+        for (int c = 0; c < C; ++c) {
+            const float step = xs[c].steps[b];
+            const __m256 both = _mm256_mul_ps(heads, _mm256_set1_ps(step));
+            _mm256_store_ps(scaled[c], both);
+            const __m512i sums = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xs[c].sums + 8 * b)));
+            const __m512 pairs = _mm512_cvtepi32_ps(_mm512_madd_epi16(all_mins, sums));
+            const __m512 dmins = _mm512_permutexvar_ps(dmin_picks, _mm512_castps256_ps512(both));
+            mins[c] = _mm512_fmadd_ps(pairs, dmins, mins[c]);
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+            const __m512i first = _mm512_loadu_si512(blocks[r] + 16), second = _mm512_loadu_si512(blocks[r] + 80);
+            const __m512i nibbles[4] = {_mm512_and_si512(first, low), _mm512_and_si512(_mm512_srli_epi16(first, 4), low),
+                                        _mm512_and_si512(second, low), _mm512_and_si512(_mm512_srli_epi16(second, 4), low)};
+            const __m512i steps[4] = {_mm512_maskz_permutexvar_epi8(even, pick(r, 0, 2), fields),
+                                      _mm512_maskz_permutexvar_epi8(even, pick(r, 1, 3), fields),
+                                      _mm512_maskz_permutexvar_epi8(even, pick(r, 4, 6), fields),
+                                      _mm512_maskz_permutexvar_epi8(even, pick(r, 5, 7), fields)};
+#pragma GCC unroll 4
+            for (int c = 0; c < C; ++c) {
+                const int8_t* codes = xs[c].codes + b * QK_K;
+                __m512i sum = _mm512_madd_epi16(_mm512_maddubs_epi16(nibbles[0], _mm512_loadu_si512(codes)), steps[0]);
+#pragma GCC unroll 4
+                for (int v = 1; v < 4; ++v) {
+                    const __m512i pairs = _mm512_maddubs_epi16(nibbles[v], _mm512_loadu_si512(codes + 64 * v));
+                    sum = _mm512_add_epi32(sum, _mm512_madd_epi16(pairs, steps[v]));
+                }
+                acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(scaled[c][2 * r]), acc[r][c]);
+            }
+        }
+    }
+    for (int c = 0; c < C; ++c) {
+        _mm512_store_ps(least[c], mins[c]);
+        for (int r = 0; r < R; ++r) _mm512_store_ps(part[r][c], acc[r][c]);
+    }
+#elif defined(__AVX2__) && defined(__FMA__)
+    // AVX2: a row's 16 lanes in two registers (lanes 0-7: each vector's first 32 codes, 8-15: its next 32)
+    __m256 acc[R][C][2];
+    __m128 mins[R][C];
+    for (int r = 0; r < R; ++r) {
+        for (int c = 0; c < C; ++c) {
+            acc[r][c][0] = acc[r][c][1] = _mm256_setzero_ps();
+            mins[r][c] = _mm_setzero_ps();
+        }
+    }
+    const __m256i low = _mm256_set1_epi8(15);
+    for (int64_t b = 0; b < cols / QK_K; ++b) {
+        for (int r = 0; r < R; ++r) {
+            const unsigned char* block = rows[r] + b * Q4_K_BYTES;
+            if (ahead) {
+                const unsigned char* next = ahead[r] + b * Q4_K_BYTES;
+                __builtin_prefetch(next);
+                __builtin_prefetch(next + 64);
+                __builtin_prefetch(next + 128);
+            }
+            alignas(8) uint8_t scales[8], mins_of[8];
+            q4k_fields(block + 4, scales, mins_of);
+            uint64_t packed;
+            std::memcpy(&packed, mins_of, 8);
+            const __m128i least = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<long long>(packed)));
+            const float d = half(block), dmin = half(block + 2);
+            __m256i nibbles[4][2];  // [vector][its half]: stretch 2h + half's low (v even) or high (v odd) nibbles
+            for (int k = 0; k < 4; ++k) {
+                const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 16 + 32 * k));
+                nibbles[k / 2 * 2][k % 2] = _mm256_and_si256(bytes, low);
+                nibbles[k / 2 * 2 + 1][k % 2] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
+            }
+            for (int c = 0; c < C; ++c) {
+                const int8_t* codes = xs[c].codes + b * QK_K;
+                __m256i sum[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+                for (int v = 0; v < 4; ++v) {
+                    for (int h = 0; h < 2; ++h) {
+                        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 64 * v + 32 * h));
+                        const __m256i step = _mm256_set1_epi16(scales[q4k_group(v, 8 * h)]);
+                        sum[h] = _mm256_add_epi32(sum[h], _mm256_madd_epi16(_mm256_maddubs_epi16(nibbles[v][h], x), step));
+                    }
+                }
+                const float step = xs[c].steps[b];
+                const __m256 scaled = _mm256_set1_ps(d * step);
+                for (int h = 0; h < 2; ++h) acc[r][c][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[h]), scaled, acc[r][c][h]);
+                const __m128i sums = _mm_loadu_si128(reinterpret_cast<const __m128i*>(xs[c].sums + 8 * b));
+                mins[r][c] = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm_madd_epi16(least, sums)), _mm_set1_ps(dmin * step), mins[r][c]);
+            }
+        }
+    }
+    for (int r = 0; r < R; ++r) {
+        for (int c = 0; c < C; ++c) {
+            _mm256_store_ps(part[r][c], acc[r][c][0]);
+            _mm256_store_ps(part[r][c] + 8, acc[r][c][1]);
+            _mm_store_ps(least[c] + 4 * r, mins[r][c]);
+        }
+    }
+#else
+    for (int r = 0; r < R; ++r) {
+        for (int c = 0; c < C; ++c) std::fill(part[r][c], part[r][c] + LANES, 0.0f);
+    }
+    for (int c = 0; c < C; ++c) std::fill(least[c], least[c] + 16, 0.0f);
+    for (int64_t b = 0; b < cols / QK_K; ++b) {
+        for (int r = 0; r < R; ++r) {
+            const unsigned char* block = rows[r] + b * Q4_K_BYTES;
+            if (ahead) __builtin_prefetch(ahead[r] + b * Q4_K_BYTES);
+            uint8_t scales[8], mins[8];
+            q4k_fields(block + 4, scales, mins);
+            const float d = half(block), dmin = half(block + 2);
+            for (int c = 0; c < C; ++c) {
+                const int8_t* codes = xs[c].codes + b * QK_K;
+                const int16_t* sums = xs[c].sums + 8 * b;
+                const float step = xs[c].steps[b];
+                for (int lane = 0; lane < LANES; ++lane) {
+                    int32_t sum = 0;
+                    for (int v = 0; v < 4; ++v) {
+                        int32_t own = 0;
+                        for (int t = 4 * lane; t < 4 * lane + 4; ++t) {
+                            const unsigned char byte = block[16 + 64 * (v / 2) + t];
+                            own += ((v % 2 ? byte >> 4 : byte) & 15) * codes[64 * v + t];
+                        }
+                        sum += scales[q4k_group(v, lane)] * own;
+                    }
+                    part[r][c][lane] = std::fma(static_cast<float>(sum), d * step, part[r][c][lane]);
+                }
+                for (int k = 0; k < 4; ++k) {
+                    const int32_t pair = mins[2 * k] * sums[2 * k] + mins[2 * k + 1] * sums[2 * k + 1];
+                    least[c][4 * r + k] = std::fma(static_cast<float>(pair), dmin * step, least[c][4 * r + k]);
+                }
+            }
+        }
+    }
+#endif
+    for (int r = 0; r < R; ++r) {
+        for (int c = 0; c < C; ++c) out[r][c] = q4k_value(part[r][c], least[c] + 4 * r);
+    }
+}
+
+// out[r][c] = rows[r] . xs[c] for R Q4_K rows and `count` (1 to TILE) quantized token vectors.
+template <int R>
+inline void q4k_rows(const char* const* rows, int64_t cols, const Quantized* xs, int count, float (*out)[TILE],
+                     const char* const* ahead = nullptr) {
+    const auto* own = reinterpret_cast<const unsigned char* const*>(rows);
+    const auto* next = reinterpret_cast<const unsigned char* const*>(ahead);
+    switch (count) {
+        case 1: q4k_block<R, 1>(own, cols, xs, out, next); break;
+        case 2: q4k_block<R, 2>(own, cols, xs, out, next); break;
+        case 3: q4k_block<R, 3>(own, cols, xs, out, next); break;
+        default: q4k_block<R, TILE>(own, cols, xs, out, next); break;
+    }
+}
+
+}  // namespace dot
