@@ -54,18 +54,38 @@ inline int code_position(int i) {
     return 128 * half + (within < 32 ? 32 * stretch + within : 64 + 32 * stretch + within - 32);
 }
 
-// x [cols] (a multiple of QK_K) quantized into q.
+// x [cols] (a multiple of QK_K) quantized into q. A NaN's code is 0 (and a NaN gives no block its step).
 inline void quantize(const float* x, int64_t cols, const Quantized& q) {
     for (int64_t b = 0; b < cols / QK_K; ++b) {
         const float* v = x + b * QK_K;
+#if defined(__AVX512F__)
+        __m512 largest = _mm512_setzero_ps();  // vmaxps gives its second operand where either is a NaN
+        for (int i = 0; i < QK_K; i += 16) largest = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(v + i)), largest);
+        const float most = _mm512_reduce_max_ps(largest);
+#else
         float most = 0.0f;
         for (int i = 0; i < QK_K; ++i) most = std::fmax(most, std::fabs(v[i]));
+#endif
         const float step = most / 127.0f;
         const float inverse = step > 0.0f ? 1.0f / step : 0.0f;
         q.steps[b] = step;
         int8_t* codes = q.codes + b * QK_K;
         int16_t* sums = q.sums + b * 8;
         for (int j = 0; j < 8; ++j) {
+#if defined(__AVX512F__)
+            // 32 values: two registers' products rounded as the current mode says (to the nearest, ties to even)
+            __m512i both = _mm512_setzero_si512();
+            for (int h = 0; h < 2; ++h) {
+                const __m512 scaled = _mm512_mul_ps(_mm512_loadu_ps(v + 32 * j + 16 * h), _mm512_set1_ps(inverse));
+                const __mmask16 real = _mm512_cmp_ps_mask(scaled, scaled, _CMP_ORD_Q);
+                __m512i ints = _mm512_maskz_cvtps_epi32(real, scaled);
+                ints = _mm512_max_epi32(_mm512_min_epi32(ints, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
+                _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + code_position(32 * j + 16 * h)),
+                                 _mm512_cvtepi32_epi8(ints));
+                both = _mm512_add_epi32(both, ints);
+            }
+            sums[j] = static_cast<int16_t>(_mm512_reduce_add_epi32(both));
+#else
             int sum = 0;
             for (int i = 32 * j; i < 32 * j + 32; ++i) {
                 const float r = std::nearbyint(v[i] * inverse);
@@ -74,6 +94,7 @@ inline void quantize(const float* x, int64_t cols, const Quantized& q) {
                 sum += code;
             }
             sums[j] = static_cast<int16_t>(sum);
+#endif
         }
     }
 }
