@@ -29,9 +29,10 @@ GATE_UP_SHARE = 2 / 3  # a SwiGLU expert's bytes in its gate and up rows (2 x in
 SPLIT_GAIN_S = 15e-6
 PROBE_EVERY = 64  # plans sending every miss over PCIe before one leaves an expert to the CPU pool, to time it
 # Steps of a tier's staging copies a timed one stands for: timing one costs the host step two event records,
-# a query and a reading (tens of microseconds of a tiered layer's host step, on the critical path), and a
-# decode token has a step at every tiered layer, so the link's rate is still observed several times a token.
-TIME_EVERY = 4
+# a query and a reading, on the critical path (at one step in four, 17-32 us a tiered layer on average on an
+# H100 machine's host: about 60-120 us a timed step), and a decode token has a step at every tiered layer (18
+# of q30's 24 at a 25% budget), so the link's rate is still observed about once a token.
+TIME_EVERY = 16
 
 
 @dataclass
