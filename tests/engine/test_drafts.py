@@ -414,12 +414,12 @@ def test_drafting_windows_through_the_graphs_give_the_tokens_of_one_token_a_wind
     partly right and all wrong."""
     hybrid = write_checkpoint(tmp_path, "qwen3_next", num_hidden_layers=2, full_attention_interval=2)
     settings = {"backend": "triton", "exact": True, "parallel": 2, "max_batched_tokens": 32}
-    params = {"temperature": 0, "max_tokens": 10, "ignore_eos": True}
+    params = {"temperature": 0, "max_tokens": 8, "ignore_eos": True}
     prompts = [random_prompt(9, 4), random_prompt(5, 5)]
     arrivals = [(0, request(p, **params)) for p in prompts]
     plain, _ = run(make_core(hybrid, **settings), arrivals)
     answers = {tuple(a.prompt_token_ids): plain[a.request_id].token_ids for _, a in arrivals}
-    _oracle(monkeypatch, answers, lambda position, token, first: position % 4 == 2 or position == 5)
+    _oracle(monkeypatch, answers, lambda position, token, first: position in (1, 3))
     drafting = make_core(hybrid, spec="ngram", spec_tokens=3, **settings)
     with_window_graphs(drafting, draft_rows=2 * 3)
     graphs = drafting.runner.graphs
