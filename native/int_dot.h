@@ -19,7 +19,6 @@
 // a time: for each half h (values 128h ..) its values [0, 32) and [64, 96) (the low nibbles of 64 bytes), then
 // [32, 64) and [96, 128) (their high nibbles).
 #pragma once
-#define Q4K_AHEAD 4
 
 #include "dot.h"
 
