@@ -35,12 +35,6 @@ using dot::Matrix;
 using dot::silu;
 using dot::TILE;
 
-// How many units ahead a Q4_K unit prefetches its rows (on its last tile): integer sums take a unit about a
-// third of the time widening did, so the next unit's rows may come too late. A define, so that a build can try
-// another.
-#ifndef Q4K_AHEAD
-#define Q4K_AHEAD 1
-#endif
 constexpr const char* BLOCKS = "Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS, IQ3_XXS or IQ3_S";  // GGUF types read, for messages
 
 // One SwiGLU MLP (gate, up [inter, hidden], down [hidden, inter]) and the entries [first, last) it takes.
@@ -138,13 +132,11 @@ void swiglu_team(const Passes& p, const float* xs, float* h, float* ys, dot::Qua
             }
         };
         if (g.gate.kind == Kind::Q4_K) {
-            const int64_t far = j + 2 * Q4K_AHEAD;
-            const char* further[4] = {g.gate.row(far), g.gate.row(far + 1), g.up.row(far), g.up.row(far + 1)};
             by_quantized_tiles(g, qx, [&](int64_t first, int count, const dot::Quantized* vectors) {
                 float out[4][TILE];
-                const bool next = first + TILE >= g.last && far + 2 <= g.inter;  // on the last tile
+                const bool next = first + TILE >= g.last && j + 4 <= g.inter;  // the next pair, on the last tile
                 if (pair) {
-                    dot::q4k_rows<4>(rows, hidden, vectors, count, out, next ? further : nullptr);
+                    dot::q4k_rows<4>(rows, hidden, vectors, count, out, next ? ahead : nullptr);
                 } else {
                     dot::q4k_rows<2>(rows, hidden, vectors, count, out);
                 }
@@ -180,13 +172,11 @@ void swiglu_team(const Passes& p, const float* xs, float* h, float* ys, dot::Qua
             }
         };
         if (g.down.kind == Kind::Q4_K) {
-            const int64_t far = i + 4 * Q4K_AHEAD;
-            const char* further[4] = {g.down.row(far), g.down.row(far + 1), g.down.row(far + 2), g.down.row(far + 3)};
             by_quantized_tiles(g, qh, [&](int64_t first, int count, const dot::Quantized* vectors) {
                 float out[4][TILE];
                 if (rows_here == 4) {
-                    const bool next = first + TILE >= g.last && far + 4 <= hidden;  // on the last tile
-                    dot::q4k_rows<4>(rows, g.inter, vectors, count, out, next ? further : nullptr);
+                    const bool next = first + TILE >= g.last && i + 8 <= hidden;  // the next four, on the last tile
+                    dot::q4k_rows<4>(rows, g.inter, vectors, count, out, next ? ahead : nullptr);
                 } else {
                     for (int r = 0; r < rows_here; ++r) dot::q4k_rows<1>(rows + r, g.inter, vectors, count, &out[r]);
                 }

@@ -12,8 +12,9 @@
 // byte multiply-adds (unsigned nibble times signed code, pairs added in 16 bits: at most 2 * 15 * 127), then
 // pairs of those times their group's scale (in 32 bits); a super-block's 16 int32 lanes are added, in fp32,
 // to a row's partial sums as lanes * (d * step) and the min sums as lanes * (dmin * step), each a fused
-// multiply-add in a fixed lane, and the lanes in one fixed tree at the end (`lane_sum`). Without AVX-512 the
-// same integers and the same fused operations in plain loops give the same bits.
+// multiply-add in a fixed lane, and the lanes in one fixed tree at the end (`lane_sum`). With AVX2 (a row at a
+// time, its lanes in two registers) and in plain loops elsewhere, the same integers and the same fused
+// operations give the same bits.
 //
 // Codes are stored in the order the super-block's 128 bytes of nibbles hold the weights when read 64 bytes at
 // a time: for each half h (values 128h ..) its values [0, 32) and [64, 96) (the low nibbles of 64 bytes), then
