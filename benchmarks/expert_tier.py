@@ -22,8 +22,10 @@ tier, would have served it).
 `--phases` measures only batch-1 decode, with the host's time per tiered layer split by phase: replaying the
 graph pieces, waiting for the device's work up to the layer's routing, planning (`plan`: reading the routing
 and choosing; `stage`: the staging step's own work, `copy_timing` its timing events), queueing the staging
-copies, filling the CPU pool's arguments, the CPU pool's kernel, and the rest of the step; and, from the
-profiler, the device's time per tiered layer by kernel or copy against the wall time a layer.
+copies, filling the CPU pool's arguments, the CPU pool's kernel (with its run in the background, the default:
+handing it over, `cpu_pool`, and waiting for it after the copies are queued, `pool_wait`), and the rest of the
+step; and, from the profiler, the device's time per tiered layer by kernel or copy against the wall time a
+layer.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ from app.engine.config import EngineConfig
 from app.engine.core import EngineCore
 from app.engine.protocol import EXPERT_SOURCES, AddRequest, SamplingParams
 from app.kernels.backends import select_backends
-from app.kernels.cpu_experts import experts_swiglu_sum, native_available, threads
+from app.kernels.cpu_experts import background_finish, experts_swiglu_sum, native_available, threads
 from app.kernels.interface import Backends
 from app.loading.checkpoint import CheckpointDir
 from app.loading.model import LoadedModel
@@ -263,7 +265,7 @@ def build_tiered_model(config: dict[str, Any], resident: int, backends: Backends
     try:
         with torch.device("meta"):
             model = CausalLM(ModelConfig.from_dict(config), backends=backends)
-            use_expert_tier(model, resident, experts_swiglu_sum, spare)
+            use_expert_tier(model, resident, experts_swiglu_sum, spare, background_finish())
         initial = initial_vectors(config, backends)
     finally:
         torch.set_default_dtype(previous)
@@ -466,6 +468,8 @@ class PhaseTimes:
             staging.load = self.timed(staging.load, "copies")  # type: ignore[method-assign]
         for tier in tiers:
             tier.host_kernel = self.timed(tier.host_kernel, "cpu_pool")
+            if tier.host_finish is not None:
+                tier.host_finish = self.timed(tier.host_finish, "pool_wait")
 
     def per_layer_us(self, layers: int) -> dict[str, float]:
         """Microseconds a decode forward spends per tiered layer in each phase."""
@@ -474,12 +478,13 @@ class PhaseTimes:
             "forward": s["forward"],
             "replay": s["replay"],
             "wait": s["wait"],
-            "plan": s["serve"] - s["stage"] - s["pool_args"] - s["cpu_pool"],
+            "plan": s["serve"] - s["stage"] - s["pool_args"] - s["cpu_pool"] - s["pool_wait"],
             "stage": s["stage"] - s["copies"] - s["copy_timing"],
             "copy_timing": s["copy_timing"],
             "pool_args": s["pool_args"],
             "copies": s["copies"],
             "cpu_pool": s["cpu_pool"],
+            "pool_wait": s["pool_wait"],
             "hand_back": s["forward"] - s["replay"] - s["wait"] - s["serve"],
         }
         return {k: round(v / max(self.forwards, 1) / layers * 1e6, 1) for k, v in phases.items()}

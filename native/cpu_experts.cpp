@@ -12,6 +12,7 @@
 // depends on what else shares the call. Registered with the native module (native/module.cpp); called from
 // app/kernels/cpu_experts.py, which checks shapes, dtypes and contiguity and passes raw pointers.
 
+#include "background.h"
 #include "dot.h"
 #include "int_dot.h"
 #include "kernels.h"
@@ -20,6 +21,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -213,6 +215,12 @@ struct QuantizedInputs {
 // y[rows[k]] += weights[k] * (the SwiGLU of x[rows[k]] through entry k's group), for every entry (grouped as
 // p says), in one team: the rows gathered, the two passes, then the sums added by blocks of columns, entries
 // in order.
+// The thread of the pool's background runs (never destroyed: a run may outlive the interpreter's exit).
+BackgroundRuns& pool_runs() {
+    static auto* runs = new BackgroundRuns;
+    return *runs;
+}
+
 void add_groups(const Passes& p, const float* x, float* y, const int64_t* rows, const float* weights,
                 int64_t entries, int threads) {
     const int64_t hidden = p.hidden;
@@ -307,12 +315,14 @@ void expert_swiglu(uintptr_t x_ptr, uintptr_t gate_up_ptr, uintptr_t down_ptr, u
 // With channels_ptr (0: none; fp32, bf16 and int8 weights), expert e sums only its first channels[e]
 // intermediate channels (gate and up rows, down columns): its share where the others are summed elsewhere.
 // Every index is checked against n (rows of x and y), total (experts in gate_up / down) and entries (the
-// length of rows / weights) before any memory is read.
+// length of rows / weights) before any memory is read. With `background` the run goes to the pool's own
+// thread (`pool_runs`) and the call returns once it is handed over: every buffer named must stay as it is
+// until pool_finish returns.
 void experts_swiglu_sum(uintptr_t x_ptr, uintptr_t gate_up_ptr, uintptr_t down_ptr, uintptr_t y_ptr,
                         uintptr_t gate_up_scales_ptr, uintptr_t down_scales_ptr, int64_t hidden, int64_t inter,
                         int kind_code, int threads, uintptr_t experts_ptr, uintptr_t offsets_ptr,
                         uintptr_t rows_ptr, uintptr_t weights_ptr, int64_t count, int64_t n, int64_t total,
-                        int64_t entries, uintptr_t channels_ptr) {
+                        int64_t entries, uintptr_t channels_ptr, bool background) {
     const Kind kind = checked_kind(kind_code, gate_up_scales_ptr, down_scales_ptr);
     const auto* experts = reinterpret_cast<const int64_t*>(experts_ptr);
     const auto* offsets = reinterpret_cast<const int64_t*>(offsets_ptr);
@@ -345,10 +355,22 @@ void experts_swiglu_sum(uintptr_t x_ptr, uintptr_t gate_up_ptr, uintptr_t down_p
     for (int64_t k = 0; k < entries; ++k) {
         if (rows[k] < 0 || rows[k] >= n) throw pybind11::value_error("rows must be in [0, " + std::to_string(n) + ")");
     }
-    const Passes p(std::move(groups), hidden);
+    auto p = std::make_shared<const Passes>(std::move(groups), hidden);
+    const auto* x = reinterpret_cast<const float*>(x_ptr);
+    auto* y = reinterpret_cast<float*>(y_ptr);
+    const auto* weights = reinterpret_cast<const float*>(weights_ptr);
+    if (background) {
+        pool_runs().start([=] { add_groups(*p, x, y, rows, weights, entries, threads); });
+        return;
+    }
     pybind11::gil_scoped_release release;
-    add_groups(p, reinterpret_cast<const float*>(x_ptr), reinterpret_cast<float*>(y_ptr), rows,
-               reinterpret_cast<const float*>(weights_ptr), entries, threads);
+    add_groups(*p, x, y, rows, weights, entries, threads);
+}
+
+// Wait for the background run experts_swiglu_sum started; the seconds it took on the pool's thread.
+double pool_finish() {
+    pybind11::gil_scoped_release release;
+    return pool_runs().finish();
 }
 
 // The router's picks for one row of logits [experts]: softmax over all experts, the top_k (ties to the lower
@@ -588,6 +610,7 @@ void register_expert_kernels(pybind11::module_& m) {
     m.def("expert_swiglu", &expert_swiglu, "y = SwiGLU(x) through one expert; raw pointers, see cpu_experts.py");
     m.def("experts_swiglu_sum", &experts_swiglu_sum,
           "y += weighted SwiGLU of several experts over their rows; raw pointers, see cpu_experts.py");
+    m.def("pool_finish", &pool_finish, "wait for the background run of experts_swiglu_sum: its seconds");
     m.def("routed_experts", &routed_experts,
           "y = each row's routed experts' weighted SwiGLU sum, grouped here; raw pointers, see cpu_experts.py");
     m.def("moe_block", &moe_block, "a sparse MoE block: router, routed and shared experts; see cpu_experts.py");

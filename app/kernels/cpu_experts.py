@@ -1,7 +1,8 @@
 """The CPU expert pool's kernel: experts' SwiGLU over the rows routed to each, from host RAM.
 
 `expert_swiglu` (one expert) and `experts_swiglu_sum` (several experts of a layer, weighted and added at their
-rows: a window's whole CPU share in one call) run the native kernel (native/cpu_experts.cpp: OpenMP threads,
+rows: a window's whole CPU share in one call, also on the pool's own thread while the caller goes on:
+`finish_background`) run the native kernel (native/cpu_experts.cpp: OpenMP threads,
 vectorised for the machine it was built on) when the install could build it, else the torch references
 (`expert_swiglu_reference`, `experts_swiglu_sum_reference`), and say so once. Weights are fp32, bf16, int8
 with one fp32 scale per output row, or GGUF's blocks of Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS, IQ3_XXS or IQ3_S as
@@ -15,6 +16,8 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import time
+from collections.abc import Callable
 
 import torch
 
@@ -32,6 +35,7 @@ _KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 _HELD_KINDS = {"Q8_0": 3, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6, "IQ4_XS": 7, "IQ3_XXS": 8, "IQ3_S": 9}
 _NAMES = "fp32, bf16, int8, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS, IQ3_XXS or IQ3_S"  # all the above, for messages
 _warned = False
+_torch_runs: list[float] = []  # without the native kernel: the seconds of the "background" run made at once
 
 
 def native_available() -> bool:
@@ -173,6 +177,7 @@ def experts_swiglu_sum(
     down_scales: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     channels: torch.Tensor | None = None,
+    background: bool = False,
 ) -> torch.Tensor:
     """y [n, hidden] fp32: for each i, the SwiGLU of x [n, hidden] at rows[offsets[i]:offsets[i + 1]] through
     expert experts[i] of gate_up [E, 2 * inter, hidden] / down [E, hidden, inter] (int8 with fp32 scales
@@ -180,34 +185,42 @@ def experts_swiglu_sum(
     With `out` (fp32, contiguous, shaped like x) the sums are added into it and it is returned. With
     `channels` [len(experts)] (fp32, bf16 and int8 weights), expert i sums its first channels[i] intermediate
     channels only: its share where the others are summed elsewhere. A row's result never depends on which
-    other rows share its experts."""
+    other rows share its experts.
+
+    With `background` (`out` given, every tensor already as the kernel reads it: contiguous, fp32 x and
+    weights, int64 indices) the native kernel runs on the pool's own thread and the call returns `out` as
+    soon as the run is handed over, before the sums are in it: the caller may queue other work meanwhile,
+    then waits with `finish_background`, and leaves every argument as it is until then. Without the native
+    kernel the sums are made before the call returns."""
     if out is not None and (out.shape != x.shape or out.dtype != torch.float32 or not out.is_contiguous()):
         raise ValueError("out must be a contiguous fp32 tensor shaped like x")
+    if background and out is None:
+        raise ValueError("a background run adds into `out`: give it")
     if _native is None:
         _warn_once()
-        return experts_swiglu_sum_reference(
+        began = time.perf_counter()
+        y = experts_swiglu_sum_reference(
             x, experts, offsets, rows, weights, gate_up, down, gate_up_scales, down_scales, out, channels
         )
+        if background:
+            _torch_runs.append(time.perf_counter() - began)
+        return y
     if gate_up.dim() != 3 or down.dim() != 3:
         raise ValueError(
             "stacked weights: gate_up [experts, 2 * inter, hidden], down [experts, hidden, inter]"
         )
     _check(x, gate_up, down, gate_up_scales, down_scales, stacked=True)
     n = x.shape[0]
-    experts, offsets, rows = (
-        as_contiguous(experts, torch.int64),
-        as_contiguous(offsets, torch.int64),
-        as_contiguous(rows, torch.int64),
-    )
-    weights = as_contiguous(weights, torch.float32)
+    experts, offsets, rows = (_kernel_arg(t, torch.int64, background) for t in (experts, offsets, rows))
+    weights = _kernel_arg(weights, torch.float32, background)
     count = experts.numel()
     if offsets.numel() != count + 1 or rows.numel() != weights.numel():
         raise ValueError("offsets must bound each expert's entries of rows and weights")
     if channels is not None:
-        channels = as_contiguous(channels, torch.int64)
+        channels = _kernel_arg(channels, torch.int64, background)
         if channels.numel() != count:
             raise ValueError("channels must give one count for each expert")
-    x = as_contiguous(x, torch.float32)
+    x = _kernel_arg(x, torch.float32, background)
     y = torch.zeros(x.shape, dtype=torch.float32) if out is None else out
     _native.experts_swiglu_sum(
         x.data_ptr(),
@@ -229,8 +242,35 @@ def experts_swiglu_sum(
         gate_up.shape[0],
         rows.numel(),
         channels.data_ptr() if channels is not None else 0,
+        background,
     )
     return y
+
+
+def _kernel_arg(t: torch.Tensor, dtype: torch.dtype, background: bool) -> torch.Tensor:
+    """`t` as the native kernel reads it; a background run's must be that already (it is read after the call
+    returns, when a copy made here would be gone)."""
+    read = as_contiguous(t, dtype)
+    if background and read is not t:
+        raise ValueError("a background run reads its arguments as given: fp32 x and weights, int64 indices")
+    return read
+
+
+def background_finish() -> Callable[[], float] | None:
+    """What the expert tier waits for its background pool runs with (`finish_background`), or None with
+    STRATA_POOL_BACKGROUND=0: each run then in the calling thread, after the window's staging copies are
+    queued."""
+    return None if os.environ.get("STRATA_POOL_BACKGROUND", "1") == "0" else finish_background
+
+
+def finish_background() -> float:
+    """Wait for the run `experts_swiglu_sum(..., background=True)` started (its sums are then in its `out`);
+    the seconds the run took."""
+    if _native is None:
+        if not _torch_runs:
+            raise RuntimeError("no background run to finish")
+        return _torch_runs.pop()
+    return _native.pool_finish()
 
 
 def _warn_once() -> None:

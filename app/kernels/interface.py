@@ -63,8 +63,10 @@ AddNormKernel = Callable[
 GatedNormKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 LinearKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 # several experts of a layer from host RAM: (x, experts, offsets, rows, weights, gate_up, down, out=None) ->
-# their sum (added into `out` where given)
+# their sum (added into `out` where given); with background=True (and `out`) the run may go on after the call
+# returns, until the HostFinishFn's call, which returns the seconds it took
 HostExpertsFn = Callable[..., torch.Tensor]
+HostFinishFn = Callable[[], float]
 RouteKernel = Callable[
     [torch.Tensor, int, bool, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]
 ]

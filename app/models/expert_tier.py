@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from app.kernels.interface import ExpertsFn, HostExpertsFn, TierLinkFns
+from app.kernels.interface import ExpertsFn, HostExpertsFn, HostFinishFn, TierLinkFns
 from app.models.expert_costs import GATE_UP_SHARE, CopyTimes, MissCosts, measure
 from app.models.host_copies import PinnedCopies
 from app.models.moe import RoutedExperts, SparseMoE, expert_parts
@@ -387,6 +387,7 @@ class TieredExperts(nn.Module):
         resident: int,
         host_kernel: HostExpertsFn,
         spare: int = 0,
+        host_finish: HostFinishFn | None = None,
     ) -> None:
         super().__init__()
         if not 0 <= resident < experts:
@@ -395,6 +396,7 @@ class TieredExperts(nn.Module):
         self.spare = spare if resident else 0
         self.kernel = kernel
         self.host_kernel = host_kernel
+        self.host_finish = host_finish  # where given, a small window's pool runs while its copies are queued
         self.intermediate = intermediate
         self.resident = resident
         host = experts - resident + 1
@@ -926,10 +928,11 @@ class TieredExperts(nn.Module):
         if not picked:
             return {}, False
         missed = sorted(picked, key=lambda e: (-len(picked[e]), e))  # most rows first, ties in expert order
-        staged, split = self._stage(missed, [len(picked[e]) for e in missed], share=True)
-        on_cpu = sorted(e for e in missed if e not in staged or (split is not None and e == split[0]))
+        counts = [len(picked[e]) for e in missed]
+        whole, split = self._copy_plan(counts, share=True)
+        on_cpu = sorted(missed[whole:])  # the split expert's first channels among them
         if not on_cpu:
-            return staged, False
+            return self._stage(missed, counts, whole, split), False
         entries = [entry for expert in on_cpu for entry in picked[expert]]
         offsets = [0]
         for expert in on_cpu:
@@ -945,49 +948,60 @@ class TieredExperts(nn.Module):
         )
         read, shared = float(len(on_cpu)), {}
         if split is not None:  # the pool sums the split expert's first channels, the device the others
-            expert, channels = split
+            expert, channels = missed[split[0]], split[1]
             kept = [channels if e == expert else self.intermediate for e in on_cpu]
             shared = {"channels": self._pool_args.channels(kept)}
             read -= 1 - channels / self.intermediate
-        began = time.perf_counter()
-        self.host_kernel(
-            x, hosts, bounds, rows, row_weights, self.host_gate_up, self.host_down, out=sums, **shared
-        )
+        pool_args = (x, hosts, bounds, rows, row_weights, self.host_gate_up, self.host_down)
+        if self.host_finish is None:  # the copies queued first, to cross PCIe while the pool runs
+            staged = self._stage(missed, counts, whole, split)
+            began = time.perf_counter()
+            self.host_kernel(*pool_args, out=sums, **shared)
+            seconds = time.perf_counter() - began
+        else:  # the pool started first on its own thread, the copies queued while it runs
+            self.host_kernel(*pool_args, out=sums, background=True, **shared)
+            try:
+                staged = self._stage(missed, counts, whole, split)
+            finally:
+                seconds = self.host_finish()
         if self.costs is not None:
-            self.costs.observe_cpu(read, len(entries), time.perf_counter() - began)
+            self.costs.observe_cpu(read, len(entries), seconds)
         return staged, True
 
-    def _stage(
-        self, missed: list[int], rows: list[int], share: bool = False
-    ) -> tuple[dict[int, int], tuple[int, int] | None]:
-        """Queue the copies of as many of the `missed` experts (most rows first, `rows` each) as the costs
-        send over PCIe into staging slots; returns their slots (expert -> slot) and counts them. With
-        `share`, one expert may be split between the two sides (`MissCosts.share`): its later channels
-        staged (`ExpertStaging.load_rest`) and among the slots returned, (expert, its channels the CPU pool
-        sums) returned beside them; else None."""
+    def _copy_plan(self, rows: list[int], share: bool = False) -> tuple[int, tuple[int, int] | None]:
+        """How many of a window's missed experts (most rows first, `rows` each) the costs send over PCIe into
+        staging slots whole, the first ones; with `share`, also whether the next one is split between the two
+        sides (`MissCosts.share`): (its index, the channels the CPU pool sums), else None."""
         if self.staging is None or self.costs is None:
-            return {}, None
+            return 0, None
         copied = min(self.costs.plan(rows, self.pcie_frac), self.staging.slots)
         split = self._split_at(rows, copied) if share else None
-        whole = copied if split is None else split[0]
+        return (copied if split is None else split[0]), split
+
+    def _stage(
+        self, missed: list[int], rows: list[int], whole: int, split: tuple[int, int] | None
+    ) -> dict[int, int]:
+        """Queue the copies `_copy_plan` chose for the `missed` experts (`rows` each): the first `whole` into
+        staging slots, and the split one's later channels (`ExpertStaging.load_rest`) where `split` names
+        it; returns the slots (expert -> slot) and counts them."""
         if not whole and split is None:
-            return {}, None
+            return {}
+        assert self.staging is not None
         hosts = [self.host_of[e] for e in missed[:whole]]
         self.served[PCIE] += sum(rows[:whole])
         events = self.copy_times.start() if self.copy_times is not None else None
         staged = self.staging.load(missed[:whole], hosts, self.host_gate_up, self.host_down) if whole else {}
-        copies, shared = float(whole), None
+        copies = float(whole)
         if split is not None:
             expert, channels = missed[split[0]], split[1]
             staged[expert] = self.staging.load_rest(
                 self.host_of[expert], channels, self.host_gate_up, self.host_down
             )
             copies += 1 - GATE_UP_SHARE * channels / self.intermediate
-            shared = (expert, channels)
         self.pcie_bytes += round(copies * self.expert_bytes())
         if events is not None and self.copy_times is not None:
             self.copy_times.stop(events, copies)
-        return staged, shared
+        return staged
 
     def _split_at(self, rows: list[int], copied: int) -> tuple[int, int] | None:
         """Where `MissCosts.share` splits one of the missed experts (`rows` each, most first) when `plan`
@@ -1037,7 +1051,7 @@ class TieredExperts(nn.Module):
             return {}, None
         by_rows.sort(key=lambda pair: -pair[0])  # most rows first; stable, so ties in expert order
         rows, missed = [count for count, _ in by_rows], [expert for _, expert in by_rows]
-        staged, _ = self._stage(missed, rows)
+        staged = self._stage(missed, rows, self._copy_plan(rows)[0], None)
         if len(staged) == len(missed):
             return staged, None
         self.served[CPU] += sum(rows[len(staged) :])
@@ -1075,12 +1089,17 @@ class TieredExperts(nn.Module):
 
 
 def use_expert_tier(
-    model: nn.Module, resident: int | list[int], host_kernel: HostExpertsFn, spare: int = 0
+    model: nn.Module,
+    resident: int | list[int],
+    host_kernel: HostExpertsFn,
+    spare: int = 0,
+    host_finish: HostFinishFn | None = None,
 ) -> None:
     """Give the MoE layers of a model built on the meta device (not loaded yet) expert tiers with the first
     `resident` experts on the device (one count for every layer, or one per MoE layer in model order: a
     layer given all its experts keeps them all on the device, untiered), `spare` device slots for
-    asynchronous swaps, and `host_kernel` for the others. Call it under the meta device."""
+    asynchronous swaps, and `host_kernel` for the others (with `host_finish`, started in the background
+    where a window's staging copies are queued meanwhile). Call it under the meta device."""
     layers = _routed_layers(model)
     counts = resident if isinstance(resident, list) else [resident] * len(layers)
     if len(counts) != len(layers):
@@ -1090,7 +1109,7 @@ def use_expert_tier(
         experts, _, hidden = routed.gate_up.shape
         if count < experts:
             module.experts = TieredExperts(
-                experts, hidden, routed.intermediate, routed.kernel, count, host_kernel, spare
+                experts, hidden, routed.intermediate, routed.kernel, count, host_kernel, spare, host_finish
             )
 
 

@@ -330,6 +330,30 @@ def test_sums_added_into_a_given_buffer_equal_one_call() -> None:
     assert torch.equal(out, whole)
 
 
+def test_a_background_run_gives_the_calls_bits_once_finished() -> None:
+    """The pool's run on its own thread (the caller going on meanwhile) adds the foreground call's bits, and
+    takes the time it says; a second start before the finish, a finish with nothing started and an argument
+    the kernel would have to convert (a copy gone before the run reads it) are refused."""
+    gate_up, down, _, _ = _stacked(torch.bfloat16, 4)
+    x = torch.randn(3, HIDDEN, generator=torch.Generator().manual_seed(7))
+    experts, offsets = torch.tensor([1, 3]), torch.tensor([0, 2, 5])
+    rows, weights = torch.tensor([0, 2, 1, 2, 0]), torch.rand(5, generator=torch.Generator().manual_seed(8))
+    whole = experts_swiglu_sum(x, experts, offsets, rows, weights, gate_up, down)
+    out = torch.zeros(3, HIDDEN)
+    args = (x, experts, offsets, rows, weights, gate_up, down)
+    assert experts_swiglu_sum(*args, out=out, background=True) is out
+    with pytest.raises(RuntimeError, match="still going"):
+        experts_swiglu_sum(*args, out=out, background=True)
+    assert cpu_experts.finish_background() > 0
+    assert torch.equal(out, whole)
+    with pytest.raises(RuntimeError, match="no background run"):
+        cpu_experts.finish_background()
+    with pytest.raises(ValueError, match="as given"):
+        experts_swiglu_sum(x, experts.int(), offsets, rows, weights, gate_up, down, out=out, background=True)
+    with pytest.raises(ValueError, match="adds into"):
+        experts_swiglu_sum(x, experts, offsets, rows, weights, gate_up, down, background=True)
+
+
 def test_entries_outside_the_layer_are_refused() -> None:
     gate_up, down, _, _ = _stacked(torch.float32, 2)
     x = torch.randn(3, HIDDEN)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from app.kernels.cpu_experts import experts_swiglu_sum
+from app.kernels.cpu_experts import experts_swiglu_sum, finish_background
 from app.kernels.reference import experts_reference
 from app.models.expert_costs import MissCosts
 from app.models.expert_tier import ADAPT_DECAY, ADAPT_MEMORY, ExpertStaging, TierCounts, TieredExperts
@@ -128,6 +128,30 @@ def test_a_lone_miss_shared_by_the_cpu_pool_and_a_staging_slot_adds_up_like_the_
     expected = experts_reference(x, routing, weights, *FULL[tier])
     torch.testing.assert_close(tier._split(x, routing, weights), expected, rtol=1e-5, atol=1e-6)
     assert tier.take_counts().pcie_bytes == round((1 - 2 / 3 * 8 / INTER) * tier.expert_bytes())  # f = 0.6
+
+
+def test_a_pool_run_in_the_background_gives_the_same_bits_and_counts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A small window's CPU pool run started on its own thread while the staging copies are queued (a split
+    expert among them) adds the same sums, and counts the same entries and bytes, as one run after the
+    copies."""
+    monkeypatch.setattr("app.models.expert_tier.SPLIT_ALIGN", 4)
+    x, _, weights = _routing(2, 5)
+    results = []
+    for finish in (None, finish_background):
+        tier = _tier(5, seed=4)
+        tier.host_finish = finish
+        tier.staging = ExpertStaging(2)
+        tier.staging.allocate(tier.host_gate_up, tier.host_down, torch.device("cpu"))
+        out = []
+        # a lone miss split; then one copied, one split, one on the pool
+        for ids in ([[7, 0, 1], [2, 3, 4]], [[5, 6, 7], [0, 1, 2]]):
+            tier.costs = MissCosts(expert_bytes=1, pcie_bytes_s=1.0, cpu_bytes_s=1.0, cpu_row_s=0.0)
+            out.append(tier._split(x, torch.tensor(ids), weights))
+        results.append((out, tier.take_counts()))
+    (plain, plain_counts), (background, background_counts) = results
+    assert all(torch.equal(a, b) for a, b in zip(plain, background, strict=True))
+    assert plain_counts == background_counts and plain_counts.served == [8, 3, 1]
+    assert plain_counts.pcie_bytes % tier.expert_bytes()  # a split expert's share crossed
 
 
 @pytest.mark.parametrize("pcie_frac", [None, 0.5])
