@@ -607,6 +607,7 @@ def main() -> None:
                 line["pcie_gb_s"] = round(costs.pcie_bytes_s / 1e9, 1)
                 line["cpu_gb_s"] = round(costs.cpu_bytes_s / 1e9, 1)
                 line["cpu_row_us"] = round(costs.cpu_row_s * 1e6, 1)
+                line["cpu_call_us"] = round(costs.cpu_call_s * 1e6, 1)
             warm = ADAPTATIONS_BEFORE_TIMING * every if every else 4
             if args.phases and tiers:
                 line.update(phases(core, tiers, vocab, warm))

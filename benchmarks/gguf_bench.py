@@ -223,7 +223,11 @@ def run_strata(
     }
     costs = core.tiers[0].costs if core.tiers else None
     if costs is not None:  # the miss costs the tier measured at start
-        result |= {"pcie_gb_s": costs.pcie_bytes_s / 1e9, "cpu_gb_s": costs.cpu_bytes_s / 1e9}
+        result |= {
+            "pcie_gb_s": costs.pcie_bytes_s / 1e9,
+            "cpu_gb_s": costs.cpu_bytes_s / 1e9,
+            "cpu_call_us": costs.cpu_call_s * 1e6,
+        }
     if phases:
         if not core.tiers:
             raise SystemExit("--phases times a tier's layers: give --expert-cache")

@@ -87,6 +87,7 @@ def main() -> None:
         "pcie_gb_s": round(costs.pcie_bytes_s / 1e9, 1),
         "cpu_gb_s": round(costs.cpu_bytes_s / 1e9, 1),
         "cpu_row_us": round(costs.cpu_row_s * 1e6, 1),
+        "cpu_call_us": round(costs.cpu_call_s * 1e6, 1),
         "entries_per_forward": [round(v / args.iters, 2) for v in (vram, cpu, pcie)],
         "copied_mb_per_forward": round(copied / args.iters / 1e6, 2),
     }

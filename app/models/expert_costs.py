@@ -33,6 +33,7 @@ PROBE_EVERY = 64  # plans sending every miss over PCIe before one leaves an expe
 # H100 machine's host: about 60-120 us a timed step), and a decode token has a step at every tiered layer (18
 # of q30's 24 at a 25% budget), so the link's rate is still observed about once a token.
 TIME_EVERY = 16
+CALL_EXPERTS = 8  # experts of the CPU pool call `measure` times beside one expert alone (a token's top-8)
 
 
 @dataclass
@@ -40,9 +41,12 @@ class MissCosts:
     """What one missed expert of `expert_bytes` costs on each side.
 
     pcie_bytes_s: pinned host-to-device copy rate; cpu_bytes_s: the CPU pool's rate reading an expert's
-    weights for one row; cpu_row_s: what each further row adds on the CPU; cpu_fixed_s: of the CPU pool's
-    time for one expert and row, what summing only some of its channels does not shrink (the call, and each
-    down row's own work however short: `share`).
+    weights for one row within a call; cpu_row_s: what each further row adds on the CPU; cpu_call_s: what a
+    call of the CPU pool costs whatever its experts (its threads woken, the token vectors read, the sums
+    added: on the GPU machine's host one Q4_K expert took 92 us alone and eight 299 us in one call, so a
+    rate measured on one expert counted each of eight at three times its cost); cpu_fixed_s: of the CPU
+    pool's time for one expert and row within a call, what summing only some of its channels does not shrink
+    (each down row's own work however short: `share`).
     """
 
     expert_bytes: int
@@ -50,15 +54,17 @@ class MissCosts:
     cpu_bytes_s: float
     cpu_row_s: float
     cpu_fixed_s: float = 0.0
+    cpu_call_s: float = 0.0
     unobserved: int = 0  # plans since the CPU pool last ran that sent every missed expert over PCIe
 
     def observe_cpu(self, experts: float, rows: int, seconds: float) -> None:
-        """Fold in a CPU pool run that took `seconds` for `experts` experts over `rows` routed rows in all:
-        the rate an expert is read at for one row moves a step towards what the run showed."""
+        """Fold in a CPU pool call that took `seconds` for `experts` experts over `rows` routed rows in all:
+        the rate an expert is read at for one row moves a step towards what the call showed (less its own
+        cost, `cpu_call_s`)."""
         if experts <= 0:
             return
         self.unobserved = 0
-        per_expert = (seconds - max(rows - experts, 0) * self.cpu_row_s) / experts
+        per_expert = (seconds - self.cpu_call_s - max(rows - experts, 0) * self.cpu_row_s) / experts
         if per_expert > 0:
             self.cpu_bytes_s += OBSERVED_WEIGHT * (self.expert_bytes / per_expert - self.cpu_bytes_s)
 
@@ -73,7 +79,7 @@ class MissCosts:
         return self.expert_bytes / self.pcie_bytes_s
 
     def cpu_s(self, rows: int) -> float:
-        """Seconds for the CPU pool to run one expert over `rows` rows."""
+        """Seconds one expert over `rows` rows adds to a CPU pool call (`cpu_call_s` comes once a call)."""
         return self.expert_bytes / self.cpu_bytes_s + max(rows - 1, 0) * self.cpu_row_s
 
     def plan(self, rows: list[int], pcie_frac: float | None = None) -> int:
@@ -88,10 +94,10 @@ class MissCosts:
             return round(pcie_frac * len(rows))
         base, per_row, copy = self.expert_bytes / self.cpu_bytes_s, self.cpu_row_s, self.pcie_s()
         cpu_left = base * len(rows) + per_row * (sum(rows) - len(rows))
-        best, best_s = 0, cpu_left
+        best, best_s = 0, self.cpu_call_s + cpu_left
         for taken, r in enumerate(rows, start=1):
             cpu_left -= base + per_row * (r - 1)
-            seconds = max(taken * copy, cpu_left)
+            seconds = max(taken * copy, cpu_left + (self.cpu_call_s if taken < len(rows) else 0.0))
             if seconds < best_s:
                 best, best_s = taken, seconds
         if best == len(rows) > 1:
@@ -114,15 +120,21 @@ class MissCosts:
         GATE_UP_SHARE x (1 - f) of the gate and up rows plus all of the down matrix (its columns are not
         contiguous in host RAM).
         """
-        base, per_row, copy = self.expert_bytes / self.cpu_bytes_s, self.cpu_row_s, self.pcie_s()
+        base, per_row, copy, call = (
+            self.expert_bytes / self.cpu_bytes_s,
+            self.cpu_row_s,
+            self.pcie_s(),
+            self.cpu_call_s,
+        )
         left = base * (len(rows) - copied) + per_row * (sum(rows[copied:]) - len(rows) + copied)
-        best, best_s = None, max(copied * copy, left) - SPLIT_GAIN_S
-        # the expert split: the last one copied whole, or the first one left to the CPU pool
+        best, best_s = None, max(copied * copy, left + (call if copied < len(rows) else 0.0)) - SPLIT_GAIN_S
+        # the expert split: the last one copied whole, or the first one left to the CPU pool (which then runs,
+        # so its call's cost comes in either way)
         for split in (copied - 1, copied):
             if not 0 <= split < len(rows):
                 continue
             own = base + per_row * (rows[split] - 1)
-            before, after = split * copy, left - (own if split == copied else 0.0)
+            before, after = split * copy, call + left - (own if split == copied else 0.0)
             fixed = min(self.cpu_fixed_s, own)
             # the two sides even: before + copy * (1 - GATE_UP_SHARE * f) = after + fixed + (own - fixed) * f
             f = (before + copy - after - fixed) / (own - fixed + GATE_UP_SHARE * copy)
@@ -184,8 +196,9 @@ def measure(
     rows: int = 32,
 ) -> MissCosts:
     """This machine's costs for experts like `gate_up` [experts, ...] / `down` (pinned, in host RAM): a
-    pinned copy of a few experts to `device`, and the CPU pool's kernel over 1 and `rows` rows (the best of
-    three, each on an expert not touched before: its weights come from RAM, not a cache). A few tens of ms."""
+    pinned copy of a few experts to `device`, and the CPU pool's kernel over 1 and `rows` rows of one expert
+    and over one row of CALL_EXPERTS experts in one call (the best of three, each on experts not touched
+    before: their weights come from RAM, not a cache). A few tens of ms."""
     expert_bytes = gate_up[0].nbytes + down[0].nbytes
     experts = gate_up.shape[0]
     count = min(4, experts)
@@ -198,27 +211,55 @@ def measure(
     pcie_bytes_s = gate_up[0].nbytes * count / (time.perf_counter() - began)
     x = torch.randn(rows, down.shape[1])  # down's rows: the hidden size, also of weights held as blocks
 
-    def run(expert: int, count: int, **channels: torch.Tensor) -> float:
-        entries = (torch.tensor([expert]), torch.tensor([0, count]), torch.arange(count), torch.ones(count))
+    def run(first: int, count: int, experts_run: int = 1, **channels: torch.Tensor) -> float:
+        """One call: `experts_run` experts from host slot `first` down, the first over `count` rows, each
+        further one over the first row."""
+        picked = torch.tensor([(first - e) % experts for e in range(experts_run)])
+        offsets = torch.tensor([0] + [count + e for e in range(experts_run)])
+        routed = torch.cat([torch.arange(count), torch.zeros(experts_run - 1, dtype=torch.int64)])
         began = time.perf_counter()
-        host_kernel(x, *entries, gate_up, down, **channels)
+        host_kernel(x, picked, offsets, routed, torch.ones(routed.numel()), gate_up, down, **channels)
         return time.perf_counter() - began
 
     run(experts - 1, 1)  # first use (threads started)
-    # one row, `rows` rows, and (plain weights, which the pool can split) one row over half the channels
-    runs: list[tuple[int, dict[str, torch.Tensor]]] = [(1, {}), (rows, {})]
+    # one row; `rows` rows; CALL_EXPERTS experts a row each in one call; (plain weights, which the pool can
+    # split) one row over half the channels
+    runs: list[tuple[int, int, dict[str, torch.Tensor]]] = [(1, 1, {}), (rows, 1, {})]
+    runs.append((1, min(CALL_EXPERTS, experts), {}))
     if gate_up.dtype in (torch.float32, torch.bfloat16):
-        runs.append((1, {"channels": torch.tensor([down.shape[2] // 2])}))
-    timings = []
-    for count, channels in runs:
-        # the best of three, each on an expert not read before (from RAM)
-        first = experts - 2 - len(timings) * 3
-        timings.append(min(run((first - r) % experts, count, **channels) for r in range(3)))
-    one, many = timings[:2]
+        runs.append((1, 1, {"channels": torch.tensor([down.shape[2] // 2])}))
+    timings, first = [], experts - 2
+    for count, experts_run, channels in runs:
+        # the best of three, each on experts not read before (from RAM)
+        tries = []
+        for _ in range(3):
+            tries.append(run(first, count, experts_run, **channels))
+            first -= experts_run
+        timings.append(min(tries))
+    per_expert, per_row, fixed, call = pool_costs(
+        *timings[:3], timings[3] if len(timings) > 3 else None, rows, runs[2][1]
+    )
     return MissCosts(
         expert_bytes=expert_bytes,
         pcie_bytes_s=pcie_bytes_s,
-        cpu_bytes_s=expert_bytes / one,
-        cpu_row_s=max(many - one, 0.0) / (rows - 1),
-        cpu_fixed_s=min(max(2 * timings[2] - one, 0.0), one) if len(timings) > 2 else 0.0,
+        cpu_bytes_s=expert_bytes / per_expert,
+        cpu_row_s=per_row,
+        cpu_fixed_s=fixed,
+        cpu_call_s=call,
     )
+
+
+def pool_costs(
+    one: float, many: float, several: float, half: float | None, rows: int, experts: int
+) -> tuple[float, float, float, float]:
+    """The CPU pool's costs from its timings (seconds): one expert over one row alone (`one`), over `rows`
+    rows (`many`), `experts` experts a row each in one call (`several`), one expert and row over half its
+    channels (`half`; None where not timed). Returns what an expert adds to a call, what each further row
+    adds, the part of an expert's time half its channels do not shrink, and a call's own cost."""
+    # one expert alone costs a call and an expert; each further one in the call, an expert
+    per_expert = (several - one) / (experts - 1) if experts > 1 else one
+    per_expert = min(max(per_expert, one / 4), one)
+    call = one - per_expert
+    # half the channels alone: a call, the part that does not shrink, and half the rest
+    fixed = min(max(2 * half - one - call, 0.0), per_expert) if half is not None else 0.0
+    return per_expert, max(many - one, 0.0) / (rows - 1), fixed, call

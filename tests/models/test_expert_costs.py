@@ -6,7 +6,14 @@ from dataclasses import replace
 
 import pytest
 
-from app.models.expert_costs import GATE_UP_SHARE, OBSERVED_WEIGHT, PROBE_EVERY, CopyTimes, MissCosts
+from app.models.expert_costs import (
+    GATE_UP_SHARE,
+    OBSERVED_WEIGHT,
+    PROBE_EVERY,
+    CopyTimes,
+    MissCosts,
+    pool_costs,
+)
 
 EXPERT = 9_437_184  # one Qwen3-30B-A3B expert in bf16: 3 x 2048 x 768 x 2 bytes
 H200_HOST = MissCosts(EXPERT, pcie_bytes_s=55e9, cpu_bytes_s=60e9, cpu_row_s=150e-6)  # 16 cores, PCIe 5
@@ -60,6 +67,29 @@ def test_a_lone_miss_is_shared_by_both_sides_where_that_evens_them() -> None:
     eight = host.share([1] * 8, host.plan([1] * 8))
     assert eight is not None and eight[0] in (host.plan([1] * 8) - 1, host.plan([1] * 8))
     assert RISER.share([1], RISER.plan([1])) is None
+
+
+def test_a_calls_own_cost_is_paid_once_so_a_token_leaves_more_of_its_misses_to_the_pool() -> None:
+    """The GPU machine's host with Q4_K experts (2.6 MB; PCIe at 41 GB/s: 63 us a copy): one expert alone
+    took 92 us in the CPU pool, eight in one call 299 us. Counting each of eight at one alone's cost sends
+    six over PCIe; with the call's cost paid once (and the fit of the timings giving it back) the pool takes
+    five of eight, and the token's misses take 30% less time."""
+    q4k = 2_621_440
+    per_expert, _, _, call = pool_costs(92e-6, 92e-6, 299e-6, None, 32, 8)
+    assert per_expert == pytest.approx(207e-6 / 7) and call == pytest.approx(92e-6 - 207e-6 / 7)
+    alone = MissCosts(q4k, pcie_bytes_s=41e9, cpu_bytes_s=q4k / 92e-6, cpu_row_s=0.0)
+    in_calls = MissCosts(q4k, pcie_bytes_s=41e9, cpu_bytes_s=q4k / per_expert, cpu_row_s=0.0, cpu_call_s=call)
+    assert alone.plan([1] * 8) == 5
+    copied = in_calls.plan([1] * 8)
+    assert copied == 3
+    assert max(copied * in_calls.pcie_s(), call + (8 - copied) * per_expert) < 0.7 * 5 * alone.pcie_s()
+    # a lone miss: the pool's call alone takes about a copy's time, so sharing the expert would gain nothing
+    assert in_calls.plan([1]) == 1 and in_calls.share([1], 1) is None
+    assert alone.plan([1]) == 1 and alone.share([1], 1) is not None
+    # a call's time, less its own cost, is what its experts are observed at
+    rate = in_calls.cpu_bytes_s
+    in_calls.observe_cpu(4, 4, call + 4 * 40e-6)
+    assert in_calls.cpu_bytes_s == pytest.approx(rate + OBSERVED_WEIGHT * (q4k / 40e-6 - rate))
 
 
 @pytest.mark.parametrize(("frac", "copied"), [(0.0, 0), (0.5, 4), (1.0, 8)])
