@@ -51,7 +51,7 @@ struct Passes {
     std::vector<int64_t> gate_units{0}, down_units{0};  // prefix sums over the groups
     int64_t hidden = 0, widest = 0;                      // widest: the largest inter, h's row stride
     int64_t entries = 0;                                 // the entries the groups take, [0, entries)
-    bool quantized = false;                              // whether a group's weights are Q4_K (`int_dot.h`)
+    bool quantized = false;                              // whether a group's weights sum in integers (`int_dot.h`)
 
     Passes(std::vector<Group> all, int64_t hidden_size) : groups(std::move(all)), hidden(hidden_size) {
         for (const Group& g : groups) {
@@ -59,7 +59,7 @@ struct Passes {
             down_units.push_back(down_units.back() + (hidden + 3) / 4);
             widest = std::max(widest, g.inter);
             entries = std::max(entries, g.last);
-            quantized = quantized || g.gate.kind == Kind::Q4_K || g.down.kind == Kind::Q4_K;
+            quantized = quantized || dot::integer_kind(g.gate.kind) || dot::integer_kind(g.down.kind);
         }
     }
 
@@ -86,7 +86,7 @@ inline void by_tiles(const Group& g, const float* base, int64_t stride, F f) {
     }
 }
 
-// Token vectors of a group's entries quantized for Q4_K rows (`int_dot.h`), TILE at a time as by_tiles.
+// Token vectors of a group's entries quantized for Q4_K or Q5_K rows (`int_dot.h`), TILE at a time as by_tiles.
 template <typename F>
 inline void by_quantized_tiles(const Group& g, dot::QuantizedRows& q, F f) {
     for (int64_t first = g.first; first < g.last; first += TILE) {
@@ -97,20 +97,21 @@ inline void by_quantized_tiles(const Group& g, dot::QuantizedRows& q, F f) {
     }
 }
 
-// Every entry of a Q4_K group (the gate and up's weights, or with `down` the down's) quantized into q: its row
-// of `base` (`stride` apart), the group's first hidden (or inter) values. Called by every thread of a team.
+// Every entry of a group whose gate and up's weights (or with `down` the down's) sum in integers quantized into
+// q: its row of `base` (`stride` apart), the group's first hidden (or inter) values. Called by every thread of a
+// team.
 void quantize_entries(const Passes& p, bool down, const float* base, int64_t stride, dot::QuantizedRows& q) {
 #pragma omp for schedule(static)
     for (int64_t k = 0; k < p.entries; ++k) {
         const Group& g = p.groups[p.group_at(k)];
-        if ((down ? g.down.kind : g.gate.kind) == Kind::Q4_K) {
+        if (dot::integer_kind(down ? g.down.kind : g.gate.kind)) {
             dot::quantize(base + k * stride, down ? g.inter : p.hidden, q.at(k));
         }
     }
 }
 
 // h [entries, widest] = silu(gate . x) * (up . x), then ys [entries, hidden] = down . h, for every group's
-// entries of xs [entries, hidden]; Q4_K groups' token vectors quantized first (into qx, qh: `int_dot.h`).
+// entries of xs [entries, hidden]; Q4_K and Q5_K groups' token vectors quantized first (into qx, qh: `int_dot.h`).
 // Called by every thread of a team (each pass ends in the team's barrier).
 void swiglu_team(const Passes& p, const float* xs, float* h, float* ys, dot::QuantizedRows& qx,
                  dot::QuantizedRows& qh) {
@@ -133,14 +134,14 @@ void swiglu_team(const Passes& p, const float* xs, float* h, float* ys, dot::Qua
                 if (pair) row[j + 1] = silu(out[1][k] * g.gate.scale(j + 1)) * (out[3][k] * g.up.scale(j + 1));
             }
         };
-        if (g.gate.kind == Kind::Q4_K) {
+        if (dot::integer_kind(g.gate.kind)) {
             by_quantized_tiles(g, qx, [&](int64_t first, int count, const dot::Quantized* vectors) {
                 float out[4][TILE];
                 const bool next = first + TILE >= g.last && j + 4 <= g.inter;  // the next pair, on the last tile
                 if (pair) {
-                    dot::q4k_rows<4>(rows, hidden, vectors, count, out, next ? ahead : nullptr);
+                    dot::qk_rows<4>(g.gate.kind, rows, hidden, vectors, count, out, next ? ahead : nullptr);
                 } else {
-                    dot::q4k_rows<2>(rows, hidden, vectors, count, out);
+                    dot::qk_rows<2>(g.gate.kind, rows, hidden, vectors, count, out);
                 }
                 keep(first, count, out);
             });
@@ -173,14 +174,16 @@ void swiglu_team(const Passes& p, const float* xs, float* h, float* ys, dot::Qua
                 for (int k = 0; k < count; ++k) ys[(first + k) * hidden + i + r] = out[r][k] * g.down.scale(i + r);
             }
         };
-        if (g.down.kind == Kind::Q4_K) {
+        if (dot::integer_kind(g.down.kind)) {
             by_quantized_tiles(g, qh, [&](int64_t first, int count, const dot::Quantized* vectors) {
                 float out[4][TILE];
                 if (rows_here == 4) {
                     const bool next = first + TILE >= g.last && i + 8 <= hidden;  // the next four, on the last tile
-                    dot::q4k_rows<4>(rows, g.inter, vectors, count, out, next ? ahead : nullptr);
+                    dot::qk_rows<4>(g.down.kind, rows, g.inter, vectors, count, out, next ? ahead : nullptr);
                 } else {
-                    for (int r = 0; r < rows_here; ++r) dot::q4k_rows<1>(rows + r, g.inter, vectors, count, &out[r]);
+                    for (int r = 0; r < rows_here; ++r) {
+                        dot::qk_rows<1>(g.down.kind, rows + r, g.inter, vectors, count, &out[r]);
+                    }
                 }
                 keep(first, count, out);
             });
@@ -204,8 +207,8 @@ void swiglu_team(const Passes& p, const float* xs, float* h, float* ys, dot::Qua
     }
 }
 
-// Buffers for the quantized token vectors of a call's Q4_K groups: the inputs and the intermediate rows (empty
-// where no group is Q4_K).
+// Buffers for the quantized token vectors of a call's Q4_K and Q5_K groups: the inputs and the intermediate rows
+// (empty where no group sums in integers).
 struct QuantizedInputs {
     dot::QuantizedRows x, h;
     explicit QuantizedInputs(const Passes& p)

@@ -1,4 +1,5 @@
-// Integer dot products of Q4_K weight rows with token vectors quantized to int8, for the CPU expert pool.
+// Integer dot products of Q4_K and Q5_K weight rows with token vectors quantized to int8, for the CPU expert
+// pool.
 //
 // Widening every weight to fp32 made a Q4_K expert compute-bound on the CPU (about a third of the memory's
 // speed: a conversion and a multiply-add a weight). Here a token vector is quantized once a call, a super-block
@@ -19,6 +20,11 @@
 // Codes are stored in the order the super-block's 128 bytes of nibbles hold the weights when read 64 bytes at
 // a time: for each half h (values 128h ..) its values [0, 32) and [64, 96) (the low nibbles of 64 bytes), then
 // [32, 64) and [96, 128) (their high nibbles).
+//
+// Q5_K holds the same fields and nibbles (at byte 48, not 16) and a fifth bit a weight in the 32 bytes before
+// them: value 64j + l's low nibble takes bit 2j of byte l, value 64j + 32 + l's high nibble bit 2j + 1. The
+// bit adds 16 to the nibble's byte before the multiply-adds (at most 2 * 31 * 127 a pair, still in 16 bits);
+// the rest is Q4_K's arithmetic.
 #pragma once
 
 #include "dot.h"
@@ -27,7 +33,7 @@
 
 namespace dot {
 
-// A token vector quantized for Q4_K rows (`quantize`).
+// A token vector quantized for Q4_K and Q5_K rows (`quantize`).
 struct Quantized {
     int8_t* codes;  // one a value, in the nibbles' order
     float* steps;   // one a super-block
@@ -148,11 +154,22 @@ inline __m512i q4k_heads(const unsigned char* const* blocks, float* scales) {
 }
 #endif
 
-// out[r][c] = rows[r] . xs[c] for R Q4_K rows of `cols` weights and C quantized token vectors; the R rows
-// `ahead` (or null) prefetched meanwhile.
-template <int R, int C>
-inline void q4k_block(const unsigned char* const* rows, int64_t cols, const Quantized* xs, float (*out)[TILE],
-                      const unsigned char* const* ahead) {
+// Whether rows of `kind` sum in integers here (`qk_rows`).
+inline bool integer_kind(Kind kind) { return kind == Kind::Q4_K || kind == Kind::Q5_K; }
+
+// The bit of a Q5_K super-block's fifth-bit byte l that belongs to lane t (0..63: byte t % 32) of byte vector v
+// (as `q4k_group`'s).
+constexpr int q5k_bit(int v, int t) { return 4 * (v / 2) + 2 * (t / 32) + v % 2; }
+
+// out[r][c] = rows[r] . xs[c] for R rows of K (Q4_K or Q5_K) of `cols` weights and C quantized token vectors;
+// the R rows `ahead` (or null) prefetched meanwhile.
+template <Kind K, int R, int C>
+inline void qk_block(const unsigned char* const* rows, int64_t cols, const Quantized* xs, float (*out)[TILE],
+                     const unsigned char* const* ahead) {
+    static_assert(K == Kind::Q4_K || K == Kind::Q5_K, "Q4_K or Q5_K rows");
+    constexpr bool FIVE = K == Kind::Q5_K;
+    constexpr int64_t BYTES = FIVE ? Q5_K_BYTES : Q4_K_BYTES;
+    constexpr int NIBBLES = FIVE ? 48 : 16;  // where a super-block's nibbles start
     alignas(64) float part[R][C][LANES];
     alignas(64) float least[C][16];  // row r's pairs at 4r .. 4r + 3
 #ifdef INT_DOT_AVX512
@@ -181,9 +198,9 @@ inline void q4k_block(const unsigned char* const* rows, int64_t cols, const Quan
         const unsigned char* blocks[4];
 #pragma GCC unroll 4
         for (int r = 0; r < R; ++r) {
-            blocks[r] = rows[r] + b * Q4_K_BYTES;
+            blocks[r] = rows[r] + b * BYTES;
             if (ahead) {
-                const unsigned char* next = ahead[r] + b * Q4_K_BYTES;
+                const unsigned char* next = ahead[r] + b * BYTES;
                 __builtin_prefetch(next);
                 __builtin_prefetch(next + 64);
                 __builtin_prefetch(next + 128);
@@ -206,9 +223,19 @@ inline void q4k_block(const unsigned char* const* rows, int64_t cols, const Quan
         }
 #pragma GCC unroll 4
         for (int r = 0; r < R; ++r) {
-            const __m512i first = _mm512_loadu_si512(blocks[r] + 16), second = _mm512_loadu_si512(blocks[r] + 80);
-            const __m512i nibbles[4] = {_mm512_and_si512(first, low), _mm512_and_si512(_mm512_srli_epi16(first, 4), low),
-                                        _mm512_and_si512(second, low), _mm512_and_si512(_mm512_srli_epi16(second, 4), low)};
+            const __m512i first = _mm512_loadu_si512(blocks[r] + NIBBLES), second = _mm512_loadu_si512(blocks[r] + NIBBLES + 64);
+            __m512i nibbles[4] = {_mm512_and_si512(first, low), _mm512_and_si512(_mm512_srli_epi16(first, 4), low),
+                                  _mm512_and_si512(second, low), _mm512_and_si512(_mm512_srli_epi16(second, 4), low)};
+            if constexpr (FIVE) {  // each lane's fifth bit: 16 added where it is set
+                const __m512i fifth = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blocks[r] + 16)));
+#pragma GCC unroll 4
+                for (int v = 0; v < 4; ++v) {
+                    const __m512i bits = _mm512_inserti64x4(_mm512_set1_epi8(static_cast<char>(1 << q5k_bit(v, 0))),
+                                                            _mm256_set1_epi8(static_cast<char>(1 << q5k_bit(v, 32))), 1);
+                    nibbles[v] = _mm512_mask_add_epi8(nibbles[v], _mm512_test_epi8_mask(fifth, bits), nibbles[v],
+                                                      _mm512_set1_epi8(16));
+                }
+            }
             const __m512i steps[4] = {_mm512_maskz_permutexvar_epi8(even, pick(r, 0, 2), fields),
                                       _mm512_maskz_permutexvar_epi8(even, pick(r, 1, 3), fields),
                                       _mm512_maskz_permutexvar_epi8(even, pick(r, 4, 6), fields),
@@ -243,9 +270,9 @@ inline void q4k_block(const unsigned char* const* rows, int64_t cols, const Quan
     const __m256i low = _mm256_set1_epi8(15);
     for (int64_t b = 0; b < cols / QK_K; ++b) {
         for (int r = 0; r < R; ++r) {
-            const unsigned char* block = rows[r] + b * Q4_K_BYTES;
+            const unsigned char* block = rows[r] + b * BYTES;
             if (ahead) {
-                const unsigned char* next = ahead[r] + b * Q4_K_BYTES;
+                const unsigned char* next = ahead[r] + b * BYTES;
                 __builtin_prefetch(next);
                 __builtin_prefetch(next + 64);
                 __builtin_prefetch(next + 128);
@@ -258,9 +285,19 @@ inline void q4k_block(const unsigned char* const* rows, int64_t cols, const Quan
             const float d = half(block), dmin = half(block + 2);
             __m256i nibbles[4][2];  // [vector][its half]: stretch 2h + half's low (v even) or high (v odd) nibbles
             for (int k = 0; k < 4; ++k) {
-                const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 16 + 32 * k));
+                const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + NIBBLES + 32 * k));
                 nibbles[k / 2 * 2][k % 2] = _mm256_and_si256(bytes, low);
                 nibbles[k / 2 * 2 + 1][k % 2] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
+            }
+            if constexpr (FIVE) {  // each lane's fifth bit: 16 added where it is set
+                const __m256i fifth = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 16));
+                for (int v = 0; v < 4; ++v) {
+                    for (int h = 0; h < 2; ++h) {
+                        const __m256i bit = _mm256_set1_epi8(static_cast<char>(1 << q5k_bit(v, 32 * h)));
+                        const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(fifth, bit), bit);
+                        nibbles[v][h] = _mm256_add_epi8(nibbles[v][h], _mm256_and_si256(set, _mm256_set1_epi8(16)));
+                    }
+                }
             }
             for (int c = 0; c < C; ++c) {
                 const int8_t* codes = xs[c].codes + b * QK_K;
@@ -294,8 +331,8 @@ inline void q4k_block(const unsigned char* const* rows, int64_t cols, const Quan
     for (int c = 0; c < C; ++c) std::fill(least[c], least[c] + 16, 0.0f);
     for (int64_t b = 0; b < cols / QK_K; ++b) {
         for (int r = 0; r < R; ++r) {
-            const unsigned char* block = rows[r] + b * Q4_K_BYTES;
-            if (ahead) __builtin_prefetch(ahead[r] + b * Q4_K_BYTES);
+            const unsigned char* block = rows[r] + b * BYTES;
+            if (ahead) __builtin_prefetch(ahead[r] + b * BYTES);
             uint8_t scales[8], mins[8];
             q4k_fields(block + 4, scales, mins);
             const float d = half(block), dmin = half(block + 2);
@@ -308,8 +345,10 @@ inline void q4k_block(const unsigned char* const* rows, int64_t cols, const Quan
                     for (int v = 0; v < 4; ++v) {
                         int32_t own = 0;
                         for (int t = 4 * lane; t < 4 * lane + 4; ++t) {
-                            const unsigned char byte = block[16 + 64 * (v / 2) + t];
-                            own += ((v % 2 ? byte >> 4 : byte) & 15) * codes[64 * v + t];
+                            const unsigned char byte = block[NIBBLES + 64 * (v / 2) + t];
+                            int weight = (v % 2 ? byte >> 4 : byte) & 15;
+                            if constexpr (FIVE) weight += (block[16 + t % 32] >> q5k_bit(v, t) & 1) << 4;
+                            own += weight * codes[64 * v + t];
                         }
                         sum += scales[q4k_group(v, lane)] * own;
                     }
@@ -328,17 +367,28 @@ inline void q4k_block(const unsigned char* const* rows, int64_t cols, const Quan
     }
 }
 
-// out[r][c] = rows[r] . xs[c] for R Q4_K rows and `count` (1 to TILE) quantized token vectors.
+template <Kind K, int R>
+inline void qk_tile(const unsigned char* const* rows, int64_t cols, const Quantized* xs, int count,
+                    float (*out)[TILE], const unsigned char* const* ahead) {
+    switch (count) {
+        case 1: qk_block<K, R, 1>(rows, cols, xs, out, ahead); break;
+        case 2: qk_block<K, R, 2>(rows, cols, xs, out, ahead); break;
+        case 3: qk_block<K, R, 3>(rows, cols, xs, out, ahead); break;
+        default: qk_block<K, R, TILE>(rows, cols, xs, out, ahead); break;
+    }
+}
+
+// out[r][c] = rows[r] . xs[c] for R rows of `kind` (Q4_K or Q5_K: `integer_kind`) and `count` (1 to TILE)
+// quantized token vectors.
 template <int R>
-inline void q4k_rows(const char* const* rows, int64_t cols, const Quantized* xs, int count, float (*out)[TILE],
-                     const char* const* ahead = nullptr) {
+inline void qk_rows(Kind kind, const char* const* rows, int64_t cols, const Quantized* xs, int count,
+                    float (*out)[TILE], const char* const* ahead = nullptr) {
     const auto* own = reinterpret_cast<const unsigned char* const*>(rows);
     const auto* next = reinterpret_cast<const unsigned char* const*>(ahead);
-    switch (count) {
-        case 1: q4k_block<R, 1>(own, cols, xs, out, next); break;
-        case 2: q4k_block<R, 2>(own, cols, xs, out, next); break;
-        case 3: q4k_block<R, 3>(own, cols, xs, out, next); break;
-        default: q4k_block<R, TILE>(own, cols, xs, out, next); break;
+    if (kind == Kind::Q5_K) {
+        qk_tile<Kind::Q5_K, R>(own, cols, xs, count, out, next);
+    } else {
+        qk_tile<Kind::Q4_K, R>(own, cols, xs, count, out, next);
     }
 }
 

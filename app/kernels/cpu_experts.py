@@ -97,16 +97,18 @@ def _dequantized(weight: torch.Tensor, scales: torch.Tensor | None, columns: int
     return weight.float()
 
 
-# Values a super-block of a token vector quantized for integer dot products with Q4_K rows (native/int_dot.h).
+# Values a super-block of a token vector quantized for integer dot products with Q4_K and Q5_K rows
+# (native/int_dot.h).
 QUANTIZED_BLOCK = 256
+INTEGER_KINDS = ("Q4_K", "Q5_K")  # GGUF types the native kernel sums in integers against quantized vectors
 
 
 def quantized_activations(x: torch.Tensor) -> torch.Tensor:
     """x [.., columns] (fp32, columns a multiple of QUANTIZED_BLOCK) as the native kernel reads it against
-    Q4_K weights: each block of 256 values quantized to int8 codes under one step (its largest magnitude /
-    127, codes rounded to the nearest integer, ties to even), then widened back (code * step, in fp64 so that
-    the products are exact). The kernel's integer sums give the dot products of these values with the
-    weights."""
+    Q4_K and Q5_K weights: each block of 256 values quantized to int8 codes under one step (its largest
+    magnitude / 127, codes rounded to the nearest integer, ties to even), then widened back (code * step, in
+    fp64 so that the products are exact). The kernel's integer sums give the dot products of these values
+    with the weights."""
     blocks = x.float().reshape(*x.shape[:-1], -1, QUANTIZED_BLOCK)
     step = blocks.abs().amax(dim=-1, keepdim=True) / 127
     inverse = torch.where(step > 0, 1 / step, torch.zeros_like(step))
@@ -116,8 +118,8 @@ def quantized_activations(x: torch.Tensor) -> torch.Tensor:
 
 def _as_read(values: torch.Tensor, weight: torch.Tensor, columns: int) -> torch.Tensor:
     """`values` (fp32) as the native kernel multiplies them with `weight`'s rows of `columns` weights:
-    quantized for Q4_K blocks (`quantized_activations`), else themselves."""
-    if weight.dtype == torch.uint8 and held_kind(weight, columns) == "Q4_K":
+    quantized for Q4_K and Q5_K blocks (`quantized_activations`), else themselves."""
+    if weight.dtype == torch.uint8 and held_kind(weight, columns) in INTEGER_KINDS:
         return quantized_activations(values)
     return values
 
