@@ -97,7 +97,8 @@ def test_exact_kernels_give_the_tokens_of_the_reference(checkpoint: Path) -> Non
 
 
 def test_long_prompts_cut_into_other_pieces_beside_others_equal_each_alone(hybrid: Path) -> None:
-    """Prompts longer than the budget are read in other windows and pieces together than alone.
+    """Prompts longer than the budget are read in other windows and pieces together than alone (each alone
+    through the torch reference).
 
     Tokens only: on the CPU torch's vectorised sigmoid / softplus / SiLU round an element by its place in the
     vector, so bits can differ with the batch (tests/gpu checks the bits on a GPU).
@@ -107,19 +108,21 @@ def test_long_prompts_cut_into_other_pieces_beside_others_equal_each_alone(hybri
     arrivals = [(at, request(_prompt(length, at), **params)) for at, length in [(0, 40), (1, 46)]]
     together, windows = run(core, arrivals)
     assert any(w.prompt_tokens and w.decode_tokens for w in windows)
+    alone = make_core(hybrid, backend="torch")  # each prompt alone through the reference (none interpreted)
     for _, add in arrivals:
-        assert together[add.request_id].token_ids == complete(core, add.prompt_token_ids, **params).token_ids
+        assert together[add.request_id].token_ids == complete(alone, add.prompt_token_ids, **params).token_ids
 
 
 def test_a_shared_prompt_start_is_continued_from_the_cache(hybrid: Path) -> None:
-    """The first prompt leaves full blocks (and on hybrid models a checkpoint) up to 64: the others go on."""
+    """The first prompt leaves full blocks (and on hybrid models a checkpoint) up to 64: the others go on, to
+    the tokens the torch reference gives the last one read whole."""
     core = make_core(hybrid, backend="triton", max_batched_tokens=256)
     shared = _prompt(72, 7)
     params = {"max_tokens": 2, "temperature": 0, "ignore_eos": True}
     adds = [request([*shared, *_prompt(20, 20 + i)], **params) for i in range(3)]
     results, windows = run(core, [(0, adds[0]), (3, adds[1]), (3, adds[2])])
     assert sum(w.prefix_cache_hits for w in windows) == 2 * 64
-    fresh = make_core(hybrid, backend="triton", prefix_cache=False)
+    fresh = make_core(hybrid, backend="torch", prefix_cache=False)  # the reference: no interpreted kernel
     last = adds[-1]  # both followers continued from the same blocks and checkpoint
     assert results[last.request_id].token_ids == complete(fresh, last.prompt_token_ids, **params).token_ids
 
@@ -148,10 +151,11 @@ BUCKETED = {"backend": "triton", "parallel": 4, "max_batched_tokens": 72, "decod
 
 @pytest.fixture(scope="module")
 def eager_bucketed(hybrid: Path) -> list:
-    """`_bucketed_arrivals`' answers (in their order) from the hybrid model run whole, every window eagerly:
-    the reference of the tests through the windows' graphs, run once."""
+    """`_bucketed_arrivals`' answers (in their order) from the hybrid model run whole, every window eagerly
+    through the torch reference's kernels (none interpreted): the reference of the tests through the windows'
+    graphs, run once."""
     arrivals = _bucketed_arrivals()
-    answers = run(make_core(hybrid, **BUCKETED), arrivals)[0]
+    answers = run(make_core(hybrid, **{**BUCKETED, "backend": "torch"}), arrivals)[0]
     return [answers[add.request_id] for _, add in arrivals]
 
 
