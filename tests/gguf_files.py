@@ -155,6 +155,18 @@ def _nearest(x: np.ndarray, levels: np.ndarray) -> np.ndarray:
     return ((levels * levels).sum(-1) - 2 * x @ levels.T).argmin(-1)
 
 
+def _lattice_codes(x: np.ndarray, grid: np.ndarray) -> np.ndarray:
+    """For each row of x [..., 4], a grid entry (an index into grid [n, 4]): each value rounded to the nearest
+    of the levels the grid's entries are made of, then that lattice point's nearest entry, looked up in a
+    table of every point (a valid code, a little coarser than the nearest entry to x itself, and a search of
+    a few thousand points where x may have millions of rows)."""
+    levels = np.unique(grid)
+    at = np.abs(x[..., None] - levels).argmin(-1)  # each value's nearest level
+    points = np.stack(np.meshgrid(*[levels] * 4, indexing="ij"), -1).reshape(-1, 4)
+    table = _nearest(points, grid)
+    return table[(at * len(levels) ** np.arange(3, -1, -1)).sum(-1)]
+
+
 def quantize_iq4_xs(values: np.ndarray) -> np.ndarray:
     """IQ4_XS blocks [..., columns / 256 * 136] uint8: per group of 32 a scale (0..31 steps of d above 32)
     and each value's nearest of IQ4_NL's levels (a plain quantizer)."""
@@ -174,10 +186,11 @@ def quantize_iq4_xs(values: np.ndarray) -> np.ndarray:
 
 
 def _grid_codes(x: np.ndarray, multiplier: np.ndarray, grid: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Values x [blocks, 8, 32] under a multiplier a group [blocks, 8]: each 4 values' nearest grid entry
-    [blocks, 8, 8] and the sign bits [blocks, 8, 4] of each 8 values (bit j: value j negative)."""
+    """Values x [blocks, 8, 32] under a multiplier a group [blocks, 8]: each 4 values' grid entry [blocks, 8,
+    8] (the one nearest the point of the grid's own levels nearest them: `_lattice_codes`) and the sign bits
+    [blocks, 8, 4] of each 8 values (bit j: value j negative)."""
     scaled = np.abs(x) / np.where(multiplier == 0, 1, multiplier)[..., None]
-    ids = _nearest(scaled.reshape(*x.shape[:2], 8, 4), grid)
+    ids = _lattice_codes(scaled.reshape(*x.shape[:2], 8, 4), grid)
     negative = (x < 0).reshape(*x.shape[:2], 4, 8)
     return ids, (negative << np.arange(8)).sum(-1)
 
