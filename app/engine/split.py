@@ -307,8 +307,8 @@ def stage_device(device: str, gpu: int) -> torch.device:
 def _stage_context(device: torch.device) -> BaseContext:
     """How local stage workers start: spawned (a fresh interpreter) beside a GPU, where CUDA must not have
     been initialised in a process that forks; on the CPU forked from a server process that imported the
-    worker's modules once (`forkserver`), so that every split after the first starts in a fraction of the
-    three seconds an interpreter takes to import them."""
+    worker's modules once (`forkserver`), so that every split after the first starts without the seconds a
+    fresh interpreter takes to import them."""
     if device.type != "cpu":
         return multiprocessing.get_context("spawn")
     context = multiprocessing.get_context("forkserver")
