@@ -204,10 +204,11 @@ class EngineCore:
             torch.set_num_threads(1)
             log.info(
                 "expert tier: misses over PCIe at %.1f GB/s, on the CPU at %.1f GB/s + %.0f us per row "
-                "(%.0f us of an expert not shrunk by a split)",
+                "+ %.0f us a call (%.0f us of an expert not shrunk by a split)",
                 costs.pcie_bytes_s / 1e9,
                 costs.cpu_bytes_s / 1e9,
                 costs.cpu_row_s * 1e6,
+                costs.cpu_call_s * 1e6,
                 costs.cpu_fixed_s * 1e6,
             )
         self.launched = 0  # windows launched, for the expert tier's adaptation
