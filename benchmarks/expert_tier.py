@@ -184,7 +184,14 @@ class Tiering:
             _, _, hidden = routed.gate_up.shape
             spare = spare_slots(resident) if asynchronous else 0
             tier = TieredExperts(
-                experts, hidden, routed.intermediate, routed.kernel, count, experts_swiglu_sum, spare
+                experts,
+                hidden,
+                routed.intermediate,
+                routed.kernel,
+                count,
+                experts_swiglu_sum,
+                spare,
+                background_finish(),  # as the loader gives the engine's tiers
             )
             tier.fill(routed.gate_up, routed.down, torch.device("cuda"))
             moe.experts = tier

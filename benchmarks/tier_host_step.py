@@ -7,7 +7,8 @@ A layer of 128 experts, top-8, with tiny experts (hidden 64: the CPU pool's arit
 the costs of the H200 machine (PCIe 52 GB/s, CPU pool 50 GB/s + 28 us a row), torch on one thread as in the
 engine: microseconds per host step of a small window as a captured decode window runs it (read the routing
 from the host link's buffers, count entries per expert, plan, queue staging copies, run the CPU share into
-the link's sums: `_serve_small`) for 96 and 0 experts resident at 1 and 16 rows. The costs stay the
+the link's sums: `_serve_small`, the pool's run on its own thread unless STRATA_POOL_BACKGROUND=0) for 96
+and 0 experts resident at 1 and 16 rows. The costs stay the
 described ones (the CPU pool's observed rate on these tiny experts would say nothing of the machine).
 Prints one JSON line.
 """
@@ -24,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from app.kernels.cpu_experts import experts_swiglu_sum
+from app.kernels.cpu_experts import background_finish, experts_swiglu_sum
 from app.kernels.reference import experts_reference
 from app.models.expert_costs import MissCosts
 from app.models.expert_tier import ExpertStaging, TieredExperts
@@ -34,7 +35,8 @@ H200_HOST = MissCosts(9_437_184, pcie_bytes_s=52e9, cpu_bytes_s=50e9, cpu_row_s=
 
 
 def step_us(resident: int, rows: int, calls: int = 250) -> float:
-    tier = TieredExperts(EXPERTS, HIDDEN, INTER, experts_reference, resident, experts_swiglu_sum)
+    finish = background_finish()  # the engine's default: the pool's run beside the copies' queueing
+    tier = TieredExperts(EXPERTS, HIDDEN, INTER, experts_reference, resident, experts_swiglu_sum, 0, finish)
     tier.fill(
         torch.randn(EXPERTS, 2 * INTER, HIDDEN) * 0.1,
         torch.randn(EXPERTS, HIDDEN, INTER) * 0.1,

@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from app.kernels.backends import select_backends
-from app.kernels.cpu_experts import experts_swiglu_sum, threads
+from app.kernels.cpu_experts import background_finish, experts_swiglu_sum, threads
 from app.kernels.interface import Backends
 from app.models.expert_tier import TieredExperts, use_staging
 
@@ -32,7 +32,8 @@ EXPERTS, HIDDEN, INTER, TOP_K = 128, 2048, 768, 8
 
 
 def build(resident: int, backends: Backends) -> TieredExperts:
-    tier = TieredExperts(EXPERTS, HIDDEN, INTER, backends.experts, resident, experts_swiglu_sum)
+    finish = background_finish()  # the engine's default: the pool's run beside the copies' queueing
+    tier = TieredExperts(EXPERTS, HIDDEN, INTER, backends.experts, resident, experts_swiglu_sum, 0, finish)
     generator = torch.Generator(device="cuda").manual_seed(0)
     gate_up, down = (
         torch.randn(shape, device="cuda", generator=generator, dtype=torch.bfloat16) * 0.02
