@@ -52,6 +52,7 @@ struct Passes {
     int64_t hidden = 0, widest = 0;                      // widest: the largest inter, h's row stride
     int64_t entries = 0;                                 // the entries the groups take, [0, entries)
     bool quantized = false;                              // whether a group's weights sum in integers (`int_dot.h`)
+    bool paired = false;                                 // whether a group's are Q6_K (its vectors' pair sums)
 
     Passes(std::vector<Group> all, int64_t hidden_size) : groups(std::move(all)), hidden(hidden_size) {
         for (const Group& g : groups) {
@@ -60,6 +61,7 @@ struct Passes {
             widest = std::max(widest, g.inter);
             entries = std::max(entries, g.last);
             quantized = quantized || dot::integer_kind(g.gate.kind) || dot::integer_kind(g.down.kind);
+            paired = paired || g.gate.kind == dot::Kind::Q6_K || g.down.kind == dot::Kind::Q6_K;
         }
     }
 
@@ -86,13 +88,14 @@ inline void by_tiles(const Group& g, const float* base, int64_t stride, F f) {
     }
 }
 
-// Token vectors of a group's entries quantized for Q4_K or Q5_K rows (`int_dot.h`), TILE at a time as by_tiles.
+// Token vectors of a group's entries quantized for its rows of `kind` (Q4_K, Q5_K or Q6_K: `int_dot.h`), TILE at
+// a time as by_tiles.
 template <typename F>
-inline void by_quantized_tiles(const Group& g, dot::QuantizedRows& q, F f) {
+inline void by_quantized_tiles(const Group& g, dot::QuantizedRows& q, dot::Kind kind, F f) {
     for (int64_t first = g.first; first < g.last; first += TILE) {
         const int count = static_cast<int>(std::min<int64_t>(TILE, g.last - first));
         dot::Quantized vectors[TILE];
-        for (int k = 0; k < count; ++k) vectors[k] = q.at(first + k);
+        for (int k = 0; k < count; ++k) vectors[k] = q.at(first + k, kind == dot::Kind::Q6_K);
         f(first, count, vectors);
     }
 }
@@ -104,14 +107,16 @@ void quantize_entries(const Passes& p, bool down, const float* base, int64_t str
 #pragma omp for schedule(static)
     for (int64_t k = 0; k < p.entries; ++k) {
         const Group& g = p.groups[p.group_at(k)];
-        if (dot::integer_kind(down ? g.down.kind : g.gate.kind)) {
-            dot::quantize(base + k * stride, down ? g.inter : p.hidden, q.at(k));
+        const dot::Kind kind = down ? g.down.kind : g.gate.kind;
+        if (dot::integer_kind(kind)) {
+            dot::quantize(base + k * stride, down ? g.inter : p.hidden, kind, q.at(k, kind == dot::Kind::Q6_K));
         }
     }
 }
 
 // h [entries, widest] = silu(gate . x) * (up . x), then ys [entries, hidden] = down . h, for every group's
-// entries of xs [entries, hidden]; Q4_K and Q5_K groups' token vectors quantized first (into qx, qh: `int_dot.h`).
+// entries of xs [entries, hidden]; Q4_K, Q5_K and Q6_K groups' token vectors quantized first (into qx, qh:
+// `int_dot.h`).
 // Called by every thread of a team (each pass ends in the team's barrier).
 void swiglu_team(const Passes& p, const float* xs, float* h, float* ys, dot::QuantizedRows& qx,
                  dot::QuantizedRows& qh) {
@@ -135,7 +140,7 @@ void swiglu_team(const Passes& p, const float* xs, float* h, float* ys, dot::Qua
             }
         };
         if (dot::integer_kind(g.gate.kind)) {
-            by_quantized_tiles(g, qx, [&](int64_t first, int count, const dot::Quantized* vectors) {
+            by_quantized_tiles(g, qx, g.gate.kind, [&](int64_t first, int count, const dot::Quantized* vectors) {
                 float out[4][TILE];
                 const bool next = first + TILE >= g.last && j + 4 <= g.inter;  // the next pair, on the last tile
                 if (pair) {
@@ -175,7 +180,7 @@ void swiglu_team(const Passes& p, const float* xs, float* h, float* ys, dot::Qua
             }
         };
         if (dot::integer_kind(g.down.kind)) {
-            by_quantized_tiles(g, qh, [&](int64_t first, int count, const dot::Quantized* vectors) {
+            by_quantized_tiles(g, qh, g.down.kind, [&](int64_t first, int count, const dot::Quantized* vectors) {
                 float out[4][TILE];
                 if (rows_here == 4) {
                     const bool next = first + TILE >= g.last && i + 8 <= hidden;  // the next four, on the last tile
@@ -207,12 +212,12 @@ void swiglu_team(const Passes& p, const float* xs, float* h, float* ys, dot::Qua
     }
 }
 
-// Buffers for the quantized token vectors of a call's Q4_K and Q5_K groups: the inputs and the intermediate rows
-// (empty where no group sums in integers).
+// Buffers for the quantized token vectors of a call's Q4_K, Q5_K and Q6_K groups: the inputs and the intermediate
+// rows (empty where no group sums in integers).
 struct QuantizedInputs {
     dot::QuantizedRows x, h;
     explicit QuantizedInputs(const Passes& p)
-        : x(p.quantized ? p.entries : 0, p.hidden), h(p.quantized ? p.entries : 0, p.widest) {}
+        : x(p.quantized ? p.entries : 0, p.hidden, p.paired), h(p.quantized ? p.entries : 0, p.widest, p.paired) {}
 };
 
 // y[rows[k]] += weights[k] * (the SwiGLU of x[rows[k]] through entry k's group), for every entry (grouped as
@@ -250,10 +255,12 @@ void add_groups(const Passes& p, const float* x, float* y, const int64_t* rows, 
     }
 }
 
-Kind checked_kind(int kind_code, uintptr_t gate_up_scales_ptr, uintptr_t down_scales_ptr) {
+// The kind of a kernel's argument (a weight's), checked: int8 weights need `scales_ptr`, the i-quants their tables.
+// An expert's gate_up and down may be of two kinds (a Q4_K_M file's Q6_K down projections beside Q4_K gates).
+Kind checked_kind(int kind_code, uintptr_t scales_ptr) {
     const auto kind = static_cast<Kind>(kind_code);
     dot::row_bytes(kind, 0);
-    if (kind == Kind::I8 && (gate_up_scales_ptr == 0 || down_scales_ptr == 0)) {
+    if (kind == Kind::I8 && scales_ptr == 0) {
         throw std::invalid_argument("int8 weights need their scales");
     }
     if (dot::reads_tables(kind) && !dot::tables.loaded) {
@@ -279,9 +286,9 @@ void set_tables(const pybind11::bytes& iq4_levels, const pybind11::bytes& iq3_xx
 
 // Expert `expert` of stacked gate_up [E, 2 * inter, hidden] / down [E, hidden, inter] (scales [E, rows]).
 Group stacked_expert(uintptr_t gate_up_ptr, uintptr_t down_ptr, uintptr_t gate_up_scales_ptr,
-                     uintptr_t down_scales_ptr, Kind kind, int64_t expert, int64_t hidden, int64_t inter,
-                     int64_t first, int64_t last) {
-    const int64_t gate_row = dot::row_bytes(kind, hidden), down_row = dot::row_bytes(kind, inter);
+                     uintptr_t down_scales_ptr, Kind kind, Kind down_kind, int64_t expert, int64_t hidden,
+                     int64_t inter, int64_t first, int64_t last) {
+    const int64_t gate_row = dot::row_bytes(kind, hidden), down_row = dot::row_bytes(down_kind, inter);
     const char* gate_up = reinterpret_cast<const char*>(gate_up_ptr) + expert * 2 * inter * gate_row;
     const char* down = reinterpret_cast<const char*>(down_ptr) + expert * hidden * down_row;
     const auto* gu_scales = reinterpret_cast<const float*>(gate_up_scales_ptr);
@@ -289,7 +296,7 @@ Group stacked_expert(uintptr_t gate_up_ptr, uintptr_t down_ptr, uintptr_t gate_u
     Group g;
     g.gate = Matrix{gate_up, kind, hidden, gu_scales ? gu_scales + expert * 2 * inter : nullptr};
     g.up = Matrix{gate_up + inter * gate_row, kind, hidden, gu_scales ? gu_scales + expert * 2 * inter + inter : nullptr};
-    g.down = Matrix{down, kind, inter, d_scales ? d_scales + expert * hidden : nullptr};
+    g.down = Matrix{down, down_kind, inter, d_scales ? d_scales + expert * hidden : nullptr};
     g.inter = inter;
     g.first = first;
     g.last = last;
@@ -299,10 +306,11 @@ Group stacked_expert(uintptr_t gate_up_ptr, uintptr_t down_ptr, uintptr_t gate_u
 // y [n, hidden] = SwiGLU of x [n, hidden] through one expert.
 void expert_swiglu(uintptr_t x_ptr, uintptr_t gate_up_ptr, uintptr_t down_ptr, uintptr_t y_ptr,
                    uintptr_t gate_up_scales_ptr, uintptr_t down_scales_ptr, int64_t n, int64_t hidden,
-                   int64_t inter, int kind_code, int threads) {
-    const Kind kind = checked_kind(kind_code, gate_up_scales_ptr, down_scales_ptr);
-    const Passes p({stacked_expert(gate_up_ptr, down_ptr, gate_up_scales_ptr, down_scales_ptr, kind, 0, hidden, inter,
-                                   0, n)},
+                   int64_t inter, int kind_code, int down_kind_code, int threads) {
+    const Kind kind = checked_kind(kind_code, gate_up_scales_ptr);
+    const Kind down_kind = checked_kind(down_kind_code, down_scales_ptr);
+    const Passes p({stacked_expert(gate_up_ptr, down_ptr, gate_up_scales_ptr, down_scales_ptr, kind, down_kind, 0,
+                                   hidden, inter, 0, n)},
                    hidden);
     pybind11::gil_scoped_release release;
     std::vector<float> h(static_cast<size_t>(n * inter));
@@ -323,15 +331,17 @@ void expert_swiglu(uintptr_t x_ptr, uintptr_t gate_up_ptr, uintptr_t down_ptr, u
 // until pool_finish returns.
 void experts_swiglu_sum(uintptr_t x_ptr, uintptr_t gate_up_ptr, uintptr_t down_ptr, uintptr_t y_ptr,
                         uintptr_t gate_up_scales_ptr, uintptr_t down_scales_ptr, int64_t hidden, int64_t inter,
-                        int kind_code, int threads, uintptr_t experts_ptr, uintptr_t offsets_ptr,
-                        uintptr_t rows_ptr, uintptr_t weights_ptr, int64_t count, int64_t n, int64_t total,
-                        int64_t entries, uintptr_t channels_ptr, bool background) {
-    const Kind kind = checked_kind(kind_code, gate_up_scales_ptr, down_scales_ptr);
+                        int kind_code, int down_kind_code, int threads, uintptr_t experts_ptr,
+                        uintptr_t offsets_ptr, uintptr_t rows_ptr, uintptr_t weights_ptr, int64_t count, int64_t n,
+                        int64_t total, int64_t entries, uintptr_t channels_ptr, bool background) {
+    const Kind kind = checked_kind(kind_code, gate_up_scales_ptr);
+    const Kind down_kind = checked_kind(down_kind_code, down_scales_ptr);
+    const auto splits = [](Kind k) { return k == Kind::F32 || k == Kind::BF16 || k == Kind::I8; };
     const auto* experts = reinterpret_cast<const int64_t*>(experts_ptr);
     const auto* offsets = reinterpret_cast<const int64_t*>(offsets_ptr);
     const auto* rows = reinterpret_cast<const int64_t*>(rows_ptr);
     const auto* channels = reinterpret_cast<const int64_t*>(channels_ptr);
-    if (channels && kind != Kind::F32 && kind != Kind::BF16 && kind != Kind::I8) {
+    if (channels && !(splits(kind) && splits(down_kind))) {
         // a held GGUF row is not its leading columns' blocks followed by the rest (Q8_0 keeps its codes first)
         throw pybind11::value_error("channels are for fp32, bf16 and int8 weights");
     }
@@ -346,8 +356,8 @@ void experts_swiglu_sum(uintptr_t x_ptr, uintptr_t gate_up_ptr, uintptr_t down_p
         if (offsets[e + 1] < offsets[e]) {
             throw pybind11::value_error("offsets must bound each expert's entries of rows and weights");
         }
-        groups.push_back(stacked_expert(gate_up_ptr, down_ptr, gate_up_scales_ptr, down_scales_ptr, kind, experts[e],
-                                        hidden, inter, offsets[e], offsets[e + 1]));
+        groups.push_back(stacked_expert(gate_up_ptr, down_ptr, gate_up_scales_ptr, down_scales_ptr, kind, down_kind,
+                                        experts[e], hidden, inter, offsets[e], offsets[e + 1]));
         if (channels) {
             if (channels[e] <= 0 || channels[e] > inter) {
                 throw pybind11::value_error("channels must be in [1, " + std::to_string(inter) + "]");
@@ -447,8 +457,8 @@ void group_entries(const int64_t* ids, int64_t entries, int64_t total, std::vect
 // The groups of the routed entries of ids / top_weights [n, top_k] by expert (experts of stacked gate_up /
 // down), each entry's row and weight written at its place in rows / weights [n * top_k].
 std::vector<Group> routed_groups(const int64_t* ids, const float* top_weights, int64_t n, int64_t top_k,
-                                 int64_t total, uintptr_t gate_up_ptr, uintptr_t down_ptr, Kind kind, int64_t hidden,
-                                 int64_t inter, int64_t* rows, float* weights) {
+                                 int64_t total, uintptr_t gate_up_ptr, uintptr_t down_ptr, Kind kind, Kind down_kind,
+                                 int64_t hidden, int64_t inter, int64_t* rows, float* weights) {
     std::vector<int64_t> experts, offsets, order;
     group_entries(ids, n * top_k, total, experts, offsets, order);
     for (int64_t f = 0; f < n * top_k; ++f) {
@@ -457,8 +467,8 @@ std::vector<Group> routed_groups(const int64_t* ids, const float* top_weights, i
     }
     std::vector<Group> groups;
     for (size_t e = 0; e < experts.size(); ++e) {
-        groups.push_back(stacked_expert(gate_up_ptr, down_ptr, 0, 0, kind, experts[e], hidden, inter, offsets[e],
-                                        offsets[e + 1]));
+        groups.push_back(stacked_expert(gate_up_ptr, down_ptr, 0, 0, kind, down_kind, experts[e], hidden, inter,
+                                        offsets[e], offsets[e + 1]));
     }
     return groups;
 }
@@ -466,10 +476,10 @@ std::vector<Group> routed_groups(const int64_t* ids, const float* top_weights, i
 // y [n, hidden] = the weighted sum of each row's top_k routed experts (ids and weights [n, top_k], experts of
 // gate_up [total, 2 * inter, hidden] / down [total, hidden, inter]), the entries grouped by expert here.
 void routed_experts(uintptr_t x_ptr, uintptr_t gate_up_ptr, uintptr_t down_ptr, uintptr_t y_ptr, int64_t hidden,
-                    int64_t inter, int kind_code, int threads, uintptr_t ids_ptr, uintptr_t top_weights_ptr,
-                    int64_t n, int64_t top_k, int64_t total) {
-    const Kind kind = checked_kind(kind_code, 0, 0);
-    if (kind == Kind::I8) {
+                    int64_t inter, int kind_code, int down_kind_code, int threads, uintptr_t ids_ptr,
+                    uintptr_t top_weights_ptr, int64_t n, int64_t top_k, int64_t total) {
+    const Kind kind = checked_kind(kind_code, 0), down_kind = checked_kind(down_kind_code, 0);
+    if (kind == Kind::I8 || down_kind == Kind::I8) {
         throw pybind11::value_error(std::string("routed experts take fp32 or bf16 weights, or blocks of ") + BLOCKS);
     }
     const auto* ids = reinterpret_cast<const int64_t*>(ids_ptr);
@@ -477,8 +487,8 @@ void routed_experts(uintptr_t x_ptr, uintptr_t gate_up_ptr, uintptr_t down_ptr, 
     const int64_t entries = n * top_k;
     std::vector<int64_t> rows(static_cast<size_t>(entries));
     std::vector<float> weights(static_cast<size_t>(entries));
-    const Passes p(routed_groups(ids, top_weights, n, top_k, total, gate_up_ptr, down_ptr, kind, hidden, inter,
-                                 rows.data(), weights.data()),
+    const Passes p(routed_groups(ids, top_weights, n, top_k, total, gate_up_ptr, down_ptr, kind, down_kind, hidden,
+                                 inter, rows.data(), weights.data()),
                    hidden);
     float* y = reinterpret_cast<float*>(y_ptr);
     pybind11::gil_scoped_release release;
@@ -494,13 +504,14 @@ void routed_experts(uintptr_t x_ptr, uintptr_t gate_up_ptr, uintptr_t down_ptr, 
 void moe_block(uintptr_t x_ptr, uintptr_t y_ptr, int64_t n, int64_t hidden, uintptr_t router_ptr, int router_kind_code,
                int64_t total,
                int64_t top_k, bool renormalize, uintptr_t counts_ptr, uintptr_t live_ptr, uintptr_t ids_ptr,
-               uintptr_t top_weights_ptr, uintptr_t gate_up_ptr, uintptr_t down_ptr, int kind_code, int64_t inter,
+               uintptr_t top_weights_ptr, uintptr_t gate_up_ptr, uintptr_t down_ptr, int kind_code, int down_kind_code,
+               int64_t inter,
                uintptr_t shared_gate_ptr, uintptr_t shared_up_ptr, uintptr_t shared_down_ptr, int shared_kind_code,
                int64_t shared_inter, uintptr_t shared_router_ptr, int threads) {
-    const Kind kind = checked_kind(kind_code, 0, 0), shared_kind = checked_kind(shared_kind_code, 0, 0);
-    const Kind router_kind = checked_kind(router_kind_code, 0, 0);
+    const Kind kind = checked_kind(kind_code, 0), down_kind = checked_kind(down_kind_code, 0);
+    const Kind shared_kind = checked_kind(shared_kind_code, 0), router_kind = checked_kind(router_kind_code, 0);
     const auto plain = [](Kind k) { return k == Kind::F32 || k == Kind::BF16; };
-    if (kind == Kind::I8 || !plain(shared_kind) || !plain(router_kind)) {
+    if (kind == Kind::I8 || down_kind == Kind::I8 || !plain(shared_kind) || !plain(router_kind)) {
         const std::string routed = std::string("(routed experts also blocks of ") + BLOCKS + ")";
         throw pybind11::value_error("MoE blocks take fp32 or bf16 weights " + routed);
     }
@@ -537,8 +548,8 @@ void moe_block(uintptr_t x_ptr, uintptr_t y_ptr, int64_t n, int64_t hidden, uint
             }
         }
     }
-    std::vector<Group> groups = routed_groups(ids, top_weights, n, top_k, total, gate_up_ptr, down_ptr, kind, hidden,
-                                              inter, rows.data(), weights.data());
+    std::vector<Group> groups = routed_groups(ids, top_weights, n, top_k, total, gate_up_ptr, down_ptr, kind, down_kind,
+                                              hidden, inter, rows.data(), weights.data());
     if (shared) {
         Group g;
         g.gate = Matrix{reinterpret_cast<const char*>(shared_gate_ptr), shared_kind, hidden, nullptr};

@@ -1,5 +1,5 @@
-// Integer dot products of Q4_K and Q5_K weight rows with token vectors quantized to int8, for the CPU expert
-// pool.
+// Integer dot products of Q4_K, Q5_K and Q6_K weight rows with token vectors quantized to int8, for the CPU
+// expert pool.
 //
 // Widening every weight to fp32 made a Q4_K expert compute-bound on the CPU (about a third of the memory's
 // speed: a conversion and a multiply-add a weight). Here a token vector is quantized once a call, a super-block
@@ -25,6 +25,18 @@
 // them: value 64j + l's low nibble takes bit 2j of byte l, value 64j + 32 + l's high nibble bit 2j + 1. The
 // bit adds 16 to the nibble's byte before the multiply-adds (at most 2 * 31 * 127 a pair, still in 16 bits);
 // the rest is Q4_K's arithmetic.
+//
+// Q6_K (6-bit q, weight = d * scale_g * (q - 32), sixteen int8 scales for groups g of 16 values) reads its codes
+// in the values' own order: a half's 64 low bytes hold values [0, 64) in their low nibbles and [64, 128) in
+// their high ones, each under a bit pair of the half's 32 high bytes. A super-block sums as
+//
+//   step * d * sum_g scale_g * ((q . code)_g - 32 * (sum of codes)_g)
+//
+// the byte multiply-adds giving q . code by pairs (at most 2 * 63 * 127) less 32 times each pair's codes (kept
+// with the quantized vector: `Quantized::pairs`), so every pair is (q - 32) . code exactly; then the pairs times
+// their group's scale into the same 16 int32 lanes as Q4_K's (lane l: bytes 4l .. 4l + 3 of each of the four
+// 64-byte vectors), a lane at most 4 * 2 * 2 * 32 * 127 * 128 in magnitude (exact in fp32), added as
+// fma(lane, d * step, part) and summed by `lane_sum`. No mins.
 #pragma once
 
 #include "dot.h"
@@ -33,25 +45,30 @@
 
 namespace dot {
 
-// A token vector quantized for Q4_K and Q5_K rows (`quantize`).
+// A token vector quantized for Q4_K, Q5_K or Q6_K rows (`quantize`).
 struct Quantized {
-    int8_t* codes;  // one a value, in the nibbles' order
-    float* steps;   // one a super-block
-    int16_t* sums;  // each group of 32 values' codes added, in the values' order
+    int8_t* codes;   // one a value, in the nibbles' order (Q4_K, Q5_K) or the values' (Q6_K)
+    float* steps;    // one a super-block
+    int16_t* sums;   // each group of 32 values' codes added, in the values' order
+    int16_t* pairs;  // Q6_K's: each pair of codes (in their order) added, times 32; else null
 };
 
-// n token vectors of up to `cols` values each, quantized.
+// n token vectors of up to `cols` values each, quantized; with `paired`, room for Q6_K's pair sums.
 struct QuantizedRows {
     int64_t cols;
     std::vector<int8_t> codes;
     std::vector<float> steps;
-    std::vector<int16_t> sums;
+    std::vector<int16_t> sums, pairs;
 
-    QuantizedRows(int64_t n, int64_t cols_)
+    QuantizedRows(int64_t n, int64_t cols_, bool paired)
         : cols(cols_), codes(static_cast<size_t>(n * cols_)), steps(static_cast<size_t>(n * (cols_ / QK_K))),
-          sums(static_cast<size_t>(n * (cols_ / 32))) {}
+          sums(static_cast<size_t>(n * (cols_ / 32))), pairs(paired ? static_cast<size_t>(n * (cols_ / 2)) : 0) {}
 
-    Quantized at(int64_t k) { return {&codes[k * cols], &steps[k * (cols / QK_K)], &sums[k * (cols / 32)]}; }
+    // Token vector k, its pair sums named only `paired` (for Q6_K rows).
+    Quantized at(int64_t k, bool paired) {
+        return {&codes[k * cols], &steps[k * (cols / QK_K)], &sums[k * (cols / 32)],
+                paired ? &pairs[k * (cols / 2)] : nullptr};
+    }
 };
 
 // Where value i (0..255) of a super-block lies among its stored codes.
@@ -60,8 +77,12 @@ inline int code_position(int i) {
     return 128 * half + (within < 32 ? 32 * stretch + within : 64 + 32 * stretch + within - 32);
 }
 
-// x [cols] (a multiple of QK_K) quantized into q. A NaN's code is 0 (and a NaN gives no block its step).
-inline void quantize(const float* x, int64_t cols, const Quantized& q) {
+// Where value i of a super-block lies among the codes of `kind`'s rows: Q6_K's in the values' order.
+inline int code_position(Kind kind, int i) { return kind == Kind::Q6_K ? i : code_position(i); }
+
+// x [cols] (a multiple of QK_K) quantized into q for rows of `kind` (Q4_K, Q5_K or Q6_K); Q6_K's pair sums too.
+// A NaN's code is 0 (and a NaN gives no block its step).
+inline void quantize(const float* x, int64_t cols, Kind kind, const Quantized& q) {
     for (int64_t b = 0; b < cols / QK_K; ++b) {
         const float* v = x + b * QK_K;
 #if defined(__AVX512F__)
@@ -86,7 +107,7 @@ inline void quantize(const float* x, int64_t cols, const Quantized& q) {
                 const __mmask16 real = _mm512_cmp_ps_mask(scaled, scaled, _CMP_ORD_Q);
                 __m512i ints = _mm512_maskz_cvtps_epi32(real, scaled);
                 ints = _mm512_max_epi32(_mm512_min_epi32(ints, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
-                _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + code_position(32 * j + 16 * h)),
+                _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + code_position(kind, 32 * j + 16 * h)),
                                  _mm512_cvtepi32_epi8(ints));
                 both = _mm512_add_epi32(both, ints);
             }
@@ -96,11 +117,15 @@ inline void quantize(const float* x, int64_t cols, const Quantized& q) {
             for (int i = 32 * j; i < 32 * j + 32; ++i) {
                 const float r = std::nearbyint(v[i] * inverse);
                 const int code = r > 127.0f ? 127 : (r < -127.0f ? -127 : (r == r ? static_cast<int>(r) : 0));
-                codes[code_position(i)] = static_cast<int8_t>(code);
+                codes[code_position(kind, i)] = static_cast<int8_t>(code);
                 sum += code;
             }
             sums[j] = static_cast<int16_t>(sum);
 #endif
+        }
+        if (q.pairs) {
+            int16_t* pairs = q.pairs + b * (QK_K / 2);
+            for (int i = 0; i < QK_K / 2; ++i) pairs[i] = static_cast<int16_t>(32 * (codes[2 * i] + codes[2 * i + 1]));
         }
     }
 }
@@ -155,7 +180,7 @@ inline __m512i q4k_heads(const unsigned char* const* blocks, float* scales) {
 #endif
 
 // Whether rows of `kind` sum in integers here (`qk_rows`).
-inline bool integer_kind(Kind kind) { return kind == Kind::Q4_K || kind == Kind::Q5_K; }
+inline bool integer_kind(Kind kind) { return kind == Kind::Q4_K || kind == Kind::Q5_K || kind == Kind::Q6_K; }
 
 // The bit of a Q5_K super-block's fifth-bit byte l that belongs to lane t (0..63: byte t % 32) of byte vector v
 // (as `q4k_group`'s).
@@ -367,19 +392,179 @@ inline void qk_block(const unsigned char* const* rows, int64_t cols, const Quant
     }
 }
 
-template <Kind K, int R>
-inline void qk_tile(const unsigned char* const* rows, int64_t cols, const Quantized* xs, int count,
-                    float (*out)[TILE], const unsigned char* const* ahead) {
-    switch (count) {
-        case 1: qk_block<K, R, 1>(rows, cols, xs, out, ahead); break;
-        case 2: qk_block<K, R, 2>(rows, cols, xs, out, ahead); break;
-        case 3: qk_block<K, R, 3>(rows, cols, xs, out, ahead); break;
-        default: qk_block<K, R, TILE>(rows, cols, xs, out, ahead); break;
+// out[r][c] = rows[r] . xs[c] for R Q6_K rows of `cols` weights and C token vectors quantized for them; the R
+// rows `ahead` (or null) prefetched meanwhile.
+template <int R, int C>
+inline void q6k_block(const unsigned char* const* rows, int64_t cols, const Quantized* xs, float (*out)[TILE],
+                      const unsigned char* const* ahead) {
+    alignas(64) float part[R][C][LANES];
+#ifdef INT_DOT_AVX512
+    __m512 acc[R][C];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+        for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+    }
+    const __m512i low = _mm512_set1_epi8(15), two_bits = _mm512_set1_epi8(3);
+    // the bit pair of each byte of vector v (its first 32 bytes, then its next 32): 4 (v % 2) and 4 (v % 2) + 2
+    const __m512i shifts[2] = {_mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1),
+                               _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1)};
+    // vector v's int16 lane j is in group 4v + j / 8: its scale's index among the super-block's 16
+    alignas(64) int16_t lanes[32];
+    for (int j = 0; j < 32; ++j) lanes[j] = static_cast<int16_t>(j / 8);
+    const __m512i groups = _mm512_load_si512(lanes);
+    for (int64_t b = 0; b < cols / QK_K; ++b) {
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+            const unsigned char* block = rows[r] + b * Q6_K_BYTES;
+            if (ahead) {
+                const unsigned char* next = ahead[r] + b * Q6_K_BYTES;
+                for (int line = 0; line < Q6_K_BYTES; line += 64) __builtin_prefetch(next + line);
+            }
+            const __m512i scales = _mm512_castsi256_si512(
+                _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 192))));
+            __m512i q[4], steps[4];
+#pragma GCC unroll 2
+            for (int n = 0; n < 2; ++n) {
+                const __m512i ql = _mm512_loadu_si512(block + 64 * n);
+                const __m256i high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 128 + 32 * n));
+                const __m512i qh = _mm512_inserti64x4(_mm512_castsi256_si512(high), high, 1);
+#pragma GCC unroll 2
+                for (int h = 0; h < 2; ++h) {
+                    const __m512i nibbles = _mm512_and_si512(h ? _mm512_srli_epi16(ql, 4) : ql, low);
+                    const __m512i bits = _mm512_and_si512(_mm512_srlv_epi16(qh, shifts[h]), two_bits);
+                    q[2 * n + h] = _mm512_or_si512(nibbles, _mm512_slli_epi16(bits, 4));
+                    steps[2 * n + h] =
+                        _mm512_permutexvar_epi16(_mm512_add_epi16(groups, _mm512_set1_epi16(4 * (2 * n + h))), scales);
+                }
+            }
+            const float d = half(block + 208);
+#pragma GCC unroll 4
+            for (int c = 0; c < C; ++c) {
+                const int8_t* codes = xs[c].codes + b * QK_K;
+                const int16_t* pairs = xs[c].pairs + b * (QK_K / 2);
+                __m512i sum = _mm512_setzero_si512();
+#pragma GCC unroll 4
+                for (int v = 0; v < 4; ++v) {
+                    const __m512i products = _mm512_maddubs_epi16(q[v], _mm512_loadu_si512(codes + 64 * v));
+                    const __m512i own = _mm512_sub_epi16(products, _mm512_loadu_si512(pairs + 32 * v));
+                    sum = _mm512_add_epi32(sum, _mm512_madd_epi16(own, steps[v]));
+                }
+                acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(d * xs[c].steps[b]), acc[r][c]);
+            }
+        }
+    }
+    for (int r = 0; r < R; ++r) {
+        for (int c = 0; c < C; ++c) _mm512_store_ps(part[r][c], acc[r][c]);
+    }
+#elif defined(__AVX2__) && defined(__FMA__)
+    // AVX2: a row's 16 lanes in two registers (lanes 0-7: each vector's first 32 bytes, 8-15: its next 32)
+    __m256 acc[R][C][2];
+    for (int r = 0; r < R; ++r) {
+        for (int c = 0; c < C; ++c) acc[r][c][0] = acc[r][c][1] = _mm256_setzero_ps();
+    }
+    const __m256i low = _mm256_set1_epi8(15), two_bits = _mm256_set1_epi8(3);
+    for (int64_t b = 0; b < cols / QK_K; ++b) {
+        for (int r = 0; r < R; ++r) {
+            const unsigned char* block = rows[r] + b * Q6_K_BYTES;
+            if (ahead) {
+                const unsigned char* next = ahead[r] + b * Q6_K_BYTES;
+                for (int line = 0; line < Q6_K_BYTES; line += 64) __builtin_prefetch(next + line);
+            }
+            const int8_t* scale = reinterpret_cast<const int8_t*>(block + 192);
+            __m256i q[4][2], steps[4][2];
+            for (int v = 0; v < 4; ++v) {
+                const int n = v / 2, h = v % 2;
+                const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 128 + 32 * n));
+                for (int k = 0; k < 2; ++k) {
+                    const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 64 * n + 32 * k));
+                    const __m256i nibbles = _mm256_and_si256(h ? _mm256_srli_epi16(ql, 4) : ql, low);
+                    const __m256i bits = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(4 * h + 2 * k)), two_bits);
+                    q[v][k] = _mm256_or_si256(nibbles, _mm256_slli_epi16(bits, 4));
+                    steps[v][k] = _mm256_set_m128i(_mm_set1_epi16(scale[4 * v + 2 * k + 1]), _mm_set1_epi16(scale[4 * v + 2 * k]));
+                }
+            }
+            const float d = half(block + 208);
+            for (int c = 0; c < C; ++c) {
+                const int8_t* codes = xs[c].codes + b * QK_K;
+                const int16_t* pairs = xs[c].pairs + b * (QK_K / 2);
+                __m256i sum[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+                for (int v = 0; v < 4; ++v) {
+                    for (int k = 0; k < 2; ++k) {
+                        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 64 * v + 32 * k));
+                        const __m256i pair = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pairs + 32 * v + 16 * k));
+                        const __m256i own = _mm256_sub_epi16(_mm256_maddubs_epi16(q[v][k], x), pair);
+                        sum[k] = _mm256_add_epi32(sum[k], _mm256_madd_epi16(own, steps[v][k]));
+                    }
+                }
+                const __m256 scaled = _mm256_set1_ps(d * xs[c].steps[b]);
+                for (int k = 0; k < 2; ++k) acc[r][c][k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[k]), scaled, acc[r][c][k]);
+            }
+        }
+    }
+    for (int r = 0; r < R; ++r) {
+        for (int c = 0; c < C; ++c) {
+            _mm256_store_ps(part[r][c], acc[r][c][0]);
+            _mm256_store_ps(part[r][c] + 8, acc[r][c][1]);
+        }
+    }
+#else
+    for (int r = 0; r < R; ++r) {
+        for (int c = 0; c < C; ++c) std::fill(part[r][c], part[r][c] + LANES, 0.0f);
+    }
+    for (int64_t b = 0; b < cols / QK_K; ++b) {
+        for (int r = 0; r < R; ++r) {
+            const unsigned char* block = rows[r] + b * Q6_K_BYTES;
+            if (ahead) __builtin_prefetch(ahead[r] + b * Q6_K_BYTES);
+            const int8_t* scale = reinterpret_cast<const int8_t*>(block + 192);
+            const float d = half(block + 208);
+            for (int c = 0; c < C; ++c) {
+                const int8_t* codes = xs[c].codes + b * QK_K;
+                for (int lane = 0; lane < LANES; ++lane) {
+                    int32_t sum = 0;
+                    for (int v = 0; v < 4; ++v) {
+                        const int n = v / 2, h = v % 2;
+                        int32_t own = 0;
+                        for (int t = 4 * lane; t < 4 * lane + 4; ++t) {
+                            const int nibble = block[64 * n + t] >> (4 * h) & 15;
+                            const int bits = block[128 + 32 * n + t % 32] >> (4 * h + 2 * (t / 32)) & 3;
+                            own += ((nibble | bits << 4) - 32) * codes[64 * v + t];
+                        }
+                        sum += scale[4 * v + lane / 4] * own;
+                    }
+                    part[r][c][lane] = std::fma(static_cast<float>(sum), d * xs[c].steps[b], part[r][c][lane]);
+                }
+            }
+        }
+    }
+#endif
+    for (int r = 0; r < R; ++r) {
+        for (int c = 0; c < C; ++c) out[r][c] = lane_sum(part[r][c]);
     }
 }
 
-// out[r][c] = rows[r] . xs[c] for R rows of `kind` (Q4_K or Q5_K: `integer_kind`) and `count` (1 to TILE)
-// quantized token vectors.
+template <Kind K, int R>
+inline void qk_tile(const unsigned char* const* rows, int64_t cols, const Quantized* xs, int count,
+                    float (*out)[TILE], const unsigned char* const* ahead) {
+    if constexpr (K == Kind::Q6_K) {
+        switch (count) {
+            case 1: q6k_block<R, 1>(rows, cols, xs, out, ahead); break;
+            case 2: q6k_block<R, 2>(rows, cols, xs, out, ahead); break;
+            case 3: q6k_block<R, 3>(rows, cols, xs, out, ahead); break;
+            default: q6k_block<R, TILE>(rows, cols, xs, out, ahead); break;
+        }
+    } else {
+        switch (count) {
+            case 1: qk_block<K, R, 1>(rows, cols, xs, out, ahead); break;
+            case 2: qk_block<K, R, 2>(rows, cols, xs, out, ahead); break;
+            case 3: qk_block<K, R, 3>(rows, cols, xs, out, ahead); break;
+            default: qk_block<K, R, TILE>(rows, cols, xs, out, ahead); break;
+        }
+    }
+}
+
+// out[r][c] = rows[r] . xs[c] for R rows of `kind` (Q4_K, Q5_K or Q6_K: `integer_kind`) and `count` (1 to TILE)
+// token vectors quantized for them.
 template <int R>
 inline void qk_rows(Kind kind, const char* const* rows, int64_t cols, const Quantized* xs, int count,
                     float (*out)[TILE], const char* const* ahead = nullptr) {
@@ -387,6 +572,8 @@ inline void qk_rows(Kind kind, const char* const* rows, int64_t cols, const Quan
     const auto* next = reinterpret_cast<const unsigned char* const*>(ahead);
     if (kind == Kind::Q5_K) {
         qk_tile<Kind::Q5_K, R>(own, cols, xs, count, out, next);
+    } else if (kind == Kind::Q6_K) {
+        qk_tile<Kind::Q6_K, R>(own, cols, xs, count, out, next);
     } else {
         qk_tile<Kind::Q4_K, R>(own, cols, xs, count, out, next);
     }

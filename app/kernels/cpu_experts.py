@@ -97,15 +97,16 @@ def _dequantized(weight: torch.Tensor, scales: torch.Tensor | None, columns: int
     return weight.float()
 
 
-# Values a super-block of a token vector quantized for integer dot products with Q4_K and Q5_K rows
+# Values a super-block of a token vector quantized for integer dot products with Q4_K, Q5_K and Q6_K rows
 # (native/int_dot.h).
 QUANTIZED_BLOCK = 256
-INTEGER_KINDS = ("Q4_K", "Q5_K")  # GGUF types the native kernel sums in integers against quantized vectors
+# GGUF types the native kernel sums in integers against quantized vectors
+INTEGER_KINDS = ("Q4_K", "Q5_K", "Q6_K")
 
 
 def quantized_activations(x: torch.Tensor) -> torch.Tensor:
     """x [.., columns] (fp32, columns a multiple of QUANTIZED_BLOCK) as the native kernel reads it against
-    Q4_K and Q5_K weights: each block of 256 values quantized to int8 codes under one step (its largest
+    Q4_K, Q5_K and Q6_K weights: each block of 256 values quantized to int8 codes under one step (its largest
     magnitude / 127, codes rounded to the nearest integer, ties to even), then widened back (code * step, in
     fp64 so that the products are exact). The kernel's integer sums give the dot products of these values
     with the weights."""
@@ -118,7 +119,7 @@ def quantized_activations(x: torch.Tensor) -> torch.Tensor:
 
 def _as_read(values: torch.Tensor, weight: torch.Tensor, columns: int) -> torch.Tensor:
     """`values` (fp32) as the native kernel multiplies them with `weight`'s rows of `columns` weights:
-    quantized for Q4_K and Q5_K blocks (`quantized_activations`), else themselves."""
+    quantized for Q4_K, Q5_K and Q6_K blocks (`quantized_activations`), else themselves."""
     if weight.dtype == torch.uint8 and held_kind(weight, columns) in INTEGER_KINDS:
         return quantized_activations(values)
     return values
@@ -234,6 +235,7 @@ def experts_swiglu_sum(
         x.shape[1],
         expert_sizes(gate_up, down)[1],
         kind(gate_up, x.shape[1]),
+        kind(down, expert_sizes(gate_up, down)[1]),
         threads(),
         experts.data_ptr(),
         offsets.data_ptr(),
@@ -310,6 +312,7 @@ def expert_swiglu(
         hidden,
         inter,
         kind(gate_up, hidden),
+        kind(down, inter),
         threads(),
     )
     return y
@@ -358,6 +361,7 @@ def routed_experts(
         x.shape[1],
         expert_sizes(gate_up, down)[1],
         kind(gate_up, x.shape[1]),
+        kind(down, expert_sizes(gate_up, down)[1]),
         threads(),
         ids.data_ptr(),
         weights.data_ptr(),
@@ -454,6 +458,7 @@ def moe_block(
         gate_up.data_ptr(),
         down.data_ptr(),
         kind(gate_up, hidden),
+        kind(down, expert_sizes(gate_up, down)[1]),
         expert_sizes(gate_up, down)[1],
         0 if gate is None else gate.data_ptr(),
         0 if up is None else up.data_ptr(),
@@ -617,7 +622,8 @@ def _check(
     stacked: bool = False,
 ) -> None:
     """The native kernel reads raw memory: everything on the CPU, contiguous, of matching shapes and kinds
-    (one expert's weights, or `stacked` ones with a leading experts dimension, scales [experts, rows])."""
+    (one expert's weights, or `stacked` ones with a leading experts dimension, scales [experts, rows]): both
+    of one kind, or both GGUF blocks the kernel reads (two types: a Q4_K_M file's Q6_K down projections)."""
     lead = 1 if stacked else 0
     if down.dim() != lead + 2 or gate_up.dim() != lead + 2:
         raise ValueError(
@@ -632,7 +638,7 @@ def _check(
             f"shapes {shapes}: want x [n, hidden], gate_up [2 * inter, hidden], down [hidden, inter]"
         )
     try:
-        same = kind(gate_up, hidden) == kind(down, inter)
+        same = kind(gate_up, hidden) == kind(down, inter) or gate_up.dtype == down.dtype == torch.uint8
     except ValueError:
         same = False
     if not same:

@@ -33,7 +33,12 @@ from app.models.layers import GatedRMSNorm, RMSNorm
 HIDDEN, INTER = 96, 40
 # The first four sums of test_k_quant_experts_sum_their_token_vectors_quantized_to_int8 at one row, as the
 # native kernel's AVX-512, AVX2 and plain loops each gave them (every build must)
-WRITTEN_DOWN = {"Q4_K": 0.4745429754257202, "Q5_K": -4.947571277618408}
+WRITTEN_DOWN = {
+    "Q4_K": 0.4745429754257202,
+    "Q5_K": -4.947571277618408,
+    "Q6_K": -0.4790056049823761,
+    "Q4_K+Q6_K": -0.4708276391029358,
+}
 
 
 def _weights(kind: torch.dtype, seed: int) -> tuple[torch.Tensor, ...]:
@@ -169,9 +174,9 @@ def _blocks(kind: str, experts: int, rows: int, cols: int, seed: int) -> tuple[t
 
 
 @pytest.mark.parametrize("rows", [1, 3, 9])
-@pytest.mark.parametrize("kind", ["Q8_0", "Q6_K", "IQ4_XS", "IQ3_XXS", "IQ3_S"])
+@pytest.mark.parametrize("kind", ["Q8_0", "IQ4_XS", "IQ3_XXS", "IQ3_S"])
 def test_held_experts_give_the_bits_of_their_dequantized_fp32_copy(kind: str, rows: int) -> None:
-    """GGUF's blocks read in place (Q8_0, Q6_K, the i-quants through the tables the kernel is
+    """GGUF's blocks read in place (Q8_0, the i-quants through the tables the kernel is
     handed): the routed experts, a window's CPU share and a whole MoE block give bit for bit what the same
     kernels give on the fp32 values GGUF's own dequantizer makes of them (9 rows: some expert's rows are
     widened once for several passes), and the torch reference's result."""
@@ -203,16 +208,18 @@ def test_held_experts_give_the_bits_of_their_dequantized_fp32_copy(kind: str, ro
 
 
 @pytest.mark.parametrize("rows", [1, 6])
-@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K"])
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K", "Q4_K+Q6_K"])
 def test_k_quant_experts_sum_their_token_vectors_quantized_to_int8(kind: str, rows: int) -> None:
-    """Q4_K and Q5_K experts read their token vectors and intermediate rows quantized to int8 a block of 256
-    at a time (integer dot products): the routed experts, a window's CPU share and a whole MoE block agree
+    """Q4_K, Q5_K and Q6_K experts read their token vectors and intermediate rows quantized to int8 a block of
+    256 at a time (integer dot products): the routed experts, a window's CPU share and a whole MoE block agree
     with the torch reference that quantizes them so, far closer than with the fp32 vectors; every row's
     result is the same bit for bit alone as in its batch; and the AVX-512, AVX2 and plain loops give the same
-    bits (a result written down from each)."""
+    bits (a result written down from each). "Q4_K+Q6_K": Q4_K gates and ups beside Q6_K down projections, as
+    in a Q4_K_M file, each read as its own type."""
     hidden, inter = 512, 256
-    gate_up, gate_up_values = _blocks(kind, 5, 2 * inter, hidden, 1)
-    down, down_values = _blocks(kind, 5, hidden, inter, 2)
+    gate_kind, down_kind = (kind.split("+") * 2)[:2]
+    gate_up, gate_up_values = _blocks(gate_kind, 5, 2 * inter, hidden, 1)
+    down, down_values = _blocks(down_kind, 5, hidden, inter, 2)
     generator = torch.Generator().manual_seed(3)
     x = torch.randn(rows, hidden, generator=generator)
     ids = torch.stack([torch.randperm(5, generator=generator)[:3] for _ in range(rows)])
