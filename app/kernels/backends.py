@@ -104,6 +104,7 @@ def cpu_backends() -> Backends:
         attention_decode=sequence.attention_decode,
         bf16_weights=True,
         held_blocks=frozenset(CPU_HELD_BLOCKS),
+        held_apart=True,
     )
 
 

@@ -94,9 +94,10 @@ def experts_within(
 
 
 def tier_expert_bytes(checkpoint: Checkpoint, backends: Backends | None, element: int) -> int:
-    """An expert's bytes in an expert tier: the file's blocks, where its projections are blocks of one type
-    that `backends` and the CPU pool's kernel read in place (the tier then holds them so, `_hold_tier_alike`);
-    else widened to weights of `element` bytes."""
+    """An expert's bytes in an expert tier: the file's blocks, where its projections are blocks that
+    `backends` and the CPU pool's kernel read in place, of one type or (`Backends.held_apart`) the down
+    projection of another (the tier then holds them so, `_hold_tier_alike`); else widened to weights of
+    `element` bytes."""
     config = checkpoint.config
     held = _held_expert_bytes(checkpoint, backends)
     return held or 3 * config.hidden_size * config.moe_intermediate_size * element
@@ -109,13 +110,18 @@ def _held_expert_bytes(checkpoint: Checkpoint, backends: Backends | None) -> int
     if reads is None or backends is None or not any(config.moe_layers):
         return None
     layer = config.moe_layers.index(True)
-    found = {reads(f"model.layers.{layer}.mlp.experts.0.{p}_proj.weight") for p in ("gate", "up", "down")}
-    kinds = {None if f is None else f[0] for f in found}
-    kind = kinds.pop() if len(kinds) == 1 else None
-    if kind is None or kind not in CPU_HELD_BLOCKS or kind not in backends.held_blocks:
+    kinds = []
+    for projections in (("gate", "up"), ("down",)):
+        found = {reads(f"model.layers.{layer}.mlp.experts.0.{p}_proj.weight") for p in projections}
+        kinds.append({None if f is None else f[0] for f in found})
+    if any(len(k) != 1 for k in kinds):
+        return None
+    gate, down = (k.pop() for k in kinds)
+    readable = backends.held_blocks.intersection(CPU_HELD_BLOCKS)
+    if gate not in readable or down not in readable or (gate != down and not backends.held_apart):
         return None
     hidden, inter = config.hidden_size, config.moe_intermediate_size
-    return 2 * inter * held_row_bytes(kind, hidden) + hidden * held_row_bytes(kind, inter)
+    return 2 * inter * held_row_bytes(gate, hidden) + hidden * held_row_bytes(down, inter)
 
 
 def mtp_layer_count(checkpoint: Checkpoint) -> int:
@@ -275,22 +281,31 @@ def _hold_blocks(
             chosen.pop(down, None)
         if isinstance(module, TieredExperts) and name == "host_gate_up":
             prefix = param.removesuffix(name)
-            names = ("host_gate_up", "host_down", "gate_up", "down")
-            _hold_tier_alike(chosen, [prefix + n for n in names if prefix + n in holders])
+            parts = [n for n in TIER_PARTS if prefix + n in holders]
+            _hold_tier_alike(chosen, prefix, parts, backends.held_apart)
     for param, kind in chosen.items():
         module, name = holders[param]
         hold_blocks(module, name, kind)
     return chosen
 
 
-def _hold_tier_alike(chosen: dict[str, str], names: list[str]) -> None:
-    """Keep a tier's parameters `names` held only where all are of one quant type that the CPU pool's kernel
-    reads too (`CPU_HELD_BLOCKS`): its experts then move between the device and host RAM as they lie, and a
-    miss is computed from them on either."""
-    kinds = {chosen.get(name) for name in names}
-    if len(kinds) != 1 or kinds.pop() not in CPU_HELD_BLOCKS:
+# A tier's parameters: its experts in host RAM, and those on the device
+TIER_PARTS = ("host_gate_up", "host_down", "gate_up", "down")
+
+
+def _hold_tier_alike(chosen: dict[str, str], prefix: str, names: list[str], apart: bool) -> None:
+    """Keep a tier's parameters (`names` of TIER_PARTS after `prefix`) held only where each projection is of
+    one quant type on the device and in host RAM that the CPU pool's kernel reads too (`CPU_HELD_BLOCKS`), and
+    the gate and up's is the down's, or may differ (`apart`: the set's experts kernel takes two types): its
+    experts then move between the device and host RAM as they lie, and a miss is computed from them on
+    either."""
+    gate = {chosen.get(prefix + n) for n in names if n.endswith("gate_up")}
+    down = {chosen.get(prefix + n) for n in names if n.endswith("down")}
+    kinds = gate | down
+    alike = len(gate) == len(down) == 1 and (len(kinds) == 1 or apart)
+    if not alike or not kinds.issubset(CPU_HELD_BLOCKS):
         for name in names:
-            chosen.pop(name, None)
+            chosen.pop(prefix + name, None)
 
 
 def _bf16_weights(

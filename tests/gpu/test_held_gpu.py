@@ -83,14 +83,15 @@ def test_a_quantized_file_on_the_gpu_gives_the_tokens_of_its_values(
     assert got.token_ids == complete(same, prompt, max_tokens=12, temperature=0, ignore_eos=True).token_ids
 
 
-@pytest.mark.parametrize("quant", ["Q8_0", "Q4_K", "IQ3_S"])
+@pytest.mark.parametrize("quant", ["Q8_0", "Q4_K", "IQ3_S", "Q4_K_M"])
 @pytest.mark.parametrize("pcie_frac", [None, 1.0])
 def test_an_expert_tier_over_a_quantized_file_on_the_gpu_gives_the_tokens_of_the_whole_model(
     wide_dir: Path, tmp_path: Path, quant: str, pcie_frac: float | None
 ) -> None:
     """Two experts a layer on the card as the file's blocks, the others' blocks in pinned host RAM: misses
     computed by the CPU pool from them (as measured) or all copied over PCIe into staging slots, decode
-    windows replayed piecewise, the tier adapting every window: the greedy tokens of the whole model."""
+    windows replayed piecewise, the tier adapting every window: the greedy tokens of the whole model. A Q4_K_M
+    file's tier holds its Q6_K downs beside Q4_K gates and ups, each as its blocks."""
     path = write_gguf(wide_dir, tmp_path / f"wide-{quant}.gguf", quant)
     prompt = [5, 17, 99, 230, 31, 8, 400, 12]
     params = {"max_tokens": 12, "temperature": 0, "ignore_eos": True}
@@ -99,5 +100,6 @@ def test_an_expert_tier_over_a_quantized_file_on_the_gpu_gives_the_tokens_of_the
     core = make_core(path, expert_cache=2, adapt_every=1, pcie_frac=pcie_frac, **settings)
     tier = core.tiers[0]
     assert tier.gate_up is not None and tier.gate_up.dtype == tier.host_gate_up.dtype == torch.uint8
+    assert tier.down is not None and tier.down.dtype == tier.host_down.dtype == torch.uint8
     assert tier.host_gate_up.is_pinned() and core.runner.graphs is not None
     assert complete(core, prompt, **params).token_ids == whole

@@ -14,7 +14,7 @@ import pytest
 import torch
 from checkpoints import write_checkpoint, write_wide_checkpoint
 from engine_helpers import complete, make_core
-from gguf_files import same_values_copy, write_gguf
+from gguf_files import MIXES, same_values_copy, write_gguf
 from serving import start_server, stop_server
 from websockets.sync.client import connect
 
@@ -126,33 +126,25 @@ def test_the_gpu_kernels_read_a_files_blocks_where_they_lie(wide_dir: Path, tmp_
     assert got.token_ids == complete(same, prompt, max_tokens=2, temperature=0, ignore_eos=True).token_ids
 
 
-@pytest.mark.parametrize("quant", ["Q4_K", "Q5_K", "IQ4_XS", "IQ3_XXS", "IQ3_S"])
+@pytest.mark.parametrize("quant", ["Q4_K", "Q5_K", "IQ4_XS", "IQ3_XXS", "IQ3_S", "Q4_K_M"])
 def test_a_quantized_files_experts_stay_its_blocks_on_the_cpu(
     wide_dir: Path, tmp_path: Path, quant: str
 ) -> None:
     """On the CPU set a quantized file's routed experts are read in place by the native kernels (the dense
-    projections widened): the greedy tokens of the HF directory holding the file's values."""
+    projections widened): the greedy tokens of the HF directory holding the file's values. A Q4_K_M file's
+    experts keep both types: Q4_K gates and ups, Q6_K down projections."""
     path = write_gguf(wide_dir, tmp_path / f"wide-{quant}.gguf", quant)
     core = make_core(path)
-    layer = core.loaded.model.model.layers[0]
-    assert layer.mlp.experts.gate_up.dtype == torch.uint8
-    assert held_kind(layer.mlp.experts.gate_up, core.loaded.model.config.hidden_size) == quant
+    layer, config = core.loaded.model.model.layers[0], core.loaded.model.config
+    gate_kind, down_kind = MIXES.get(quant, (quant, quant))
+    assert layer.mlp.experts.gate_up.dtype == layer.mlp.experts.down.dtype == torch.uint8
+    assert held_kind(layer.mlp.experts.gate_up, config.hidden_size) == gate_kind
+    assert held_kind(layer.mlp.experts.down, config.moe_intermediate_size) == down_kind
     assert layer.self_attn.qkv_weight.dtype == torch.float32
     prompt = [5, 17, 99, 230, 31, 8]
     got = complete(core, prompt, max_tokens=8, temperature=0, ignore_eos=True)
     same = make_core(same_values_copy(wide_dir, tmp_path / "same", quant))
     assert got.token_ids == complete(same, prompt, max_tokens=8, temperature=0, ignore_eos=True).token_ids
-
-
-def test_a_q4_k_m_files_experts_are_widened_on_the_cpu_whose_kernel_takes_one_type_an_expert(
-    wide_dir: Path, tmp_path: Path
-) -> None:
-    experts = (
-        make_core(write_gguf(wide_dir, tmp_path / "m.gguf", "Q4_K_M"))
-        .loaded.model.model.layers[0]
-        .mlp.experts
-    )
-    assert experts.gate_up.dtype == experts.down.dtype == torch.float32
 
 
 def test_a_split_gguf_loads_from_any_of_its_files(hf_dir: Path, tmp_path: Path) -> None:
@@ -302,6 +294,27 @@ def test_strata_serves_a_gguf_file_over_http(next_dir: Path, tmp_path: Path) -> 
     (gguf_id, gguf_text, gguf_usage), (_, hf_text, hf_usage) = answers
     assert gguf_id == "tiny-Q8_0"
     assert gguf_text == hf_text and gguf_usage == hf_usage
+
+
+def test_an_expert_tier_over_a_q4_k_m_file_holds_both_types_of_blocks(wide_dir: Path, tmp_path: Path) -> None:
+    """A tier over a Q4_K_M file's experts keeps each projection's blocks (Q4_K gates and ups, Q6_K downs) on
+    the device and in host RAM: the greedy tokens of the whole model; and `--expert-vram` counts those blocks
+    (a tier's misses of two types through staging and the CPU pool: tests/models/test_expert_tier.py)."""
+    path = write_gguf(wide_dir, tmp_path / "wide-Q4_K_M.gguf", "Q4_K_M")
+    prompt = [5, 17, 99, 230, 31, 8, 400, 12] * 2
+    params = {"max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    whole = complete(make_core(path), prompt, **params).token_ids
+    core = make_core(path, expert_cache=2, adapt_every=0)
+    tier, config = core.loaded.model.model.layers[0].mlp.experts, core.loaded.model.config
+    assert isinstance(tier, TieredExperts) and tier.gate_up is not None and tier.down is not None
+    hidden, inter = config.hidden_size, config.moe_intermediate_size
+    assert held_kind(tier.gate_up, hidden) == held_kind(tier.host_gate_up, hidden) == "Q4_K"
+    assert held_kind(tier.down, inter) == held_kind(tier.host_down, inter) == "Q6_K"
+    name = "model.layers.0.mlp.experts.5.down_proj.weight"
+    assert torch.equal(tier.host_down[tier.host_of[5]], GGUFCheckpoint(path).held_blocks(name)[1])
+    assert complete(core, prompt, **params).token_ids == whole
+    expert = 2 * inter * hidden // 256 * 144 + hidden * inter // 256 * 210
+    assert experts_within(path, "auto", 3 * expert, "cpu", backends=core.backends) == 3
 
 
 @pytest.mark.parametrize("adapt_every", [0, 2])

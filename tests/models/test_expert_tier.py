@@ -6,7 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from app.kernels.cpu_experts import experts_swiglu_sum, finish_background
+from app.kernels.cpu_experts import (
+    by_expert,
+    experts_swiglu_sum,
+    experts_swiglu_sum_reference,
+    finish_background,
+)
+from app.kernels.gguf_quants import random_blocks
 from app.kernels.reference import experts_reference
 from app.models.expert_costs import MissCosts
 from app.models.expert_tier import ADAPT_DECAY, ADAPT_MEMORY, ExpertStaging, TierCounts, TieredExperts
@@ -128,6 +134,38 @@ def test_a_lone_miss_shared_by_the_cpu_pool_and_a_staging_slot_adds_up_like_the_
     expected = experts_reference(x, routing, weights, *FULL[tier])
     torch.testing.assert_close(tier._split(x, routing, weights), expected, rtol=1e-5, atol=1e-6)
     assert tier.take_counts().pcie_bytes == round((1 - 2 / 3 * 8 / INTER) * tier.expert_bytes())  # f = 0.6
+
+
+@pytest.mark.parametrize("rows", [3, 40], ids=["routing-read", "counts-read"])
+def test_a_tier_of_q4_k_gates_and_q6_k_downs_serves_misses_from_staging_and_the_cpu_pool(rows: int) -> None:
+    """A Q4_K_M file's experts as a tier holds them: Q4_K gates and ups, Q6_K down projections, blocks on the
+    device and in host RAM alike. Misses copied into staging slots and those the native CPU pool sums from
+    host RAM add up to every expert's sum (the experts kernel here the pool's reference, which reads the
+    token vectors quantized as the pool does)."""
+    hidden = inter = 256
+    gate_up = random_blocks("Q4_K", (EXPERTS, 2 * inter, hidden), 1)
+    down = random_blocks("Q6_K", (EXPERTS, hidden, inter), 2)
+
+    def kernel(
+        x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, *experts: torch.Tensor
+    ) -> torch.Tensor:
+        kept = weights * (ids >= 0)  # entries of experts elsewhere (-1) add nothing
+        return experts_swiglu_sum_reference(x, *by_expert(ids.clamp(min=0), kept), *experts)
+
+    tier = TieredExperts(EXPERTS, hidden, inter, kernel, 2, experts_swiglu_sum, 0)
+    tier.fill(gate_up, down, torch.device("cpu"))
+    assert tier.host_gate_up.dtype == tier.host_down.dtype == torch.uint8
+    tier.staging = ExpertStaging(3)
+    tier.staging.allocate(tier.host_gate_up, tier.host_down, torch.device("cpu"))
+    tier.costs = MissCosts(expert_bytes=1, pcie_bytes_s=1.0, cpu_bytes_s=1.0, cpu_row_s=0.0)
+    generator = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, hidden, generator=generator)
+    ids = torch.stack([torch.randperm(EXPERTS, generator=generator)[:TOP_K] for _ in range(rows)])
+    weights = torch.rand(rows, TOP_K, generator=generator)
+    expected = kernel(x, ids, weights, gate_up, down)
+    torch.testing.assert_close(tier._split(x, ids, weights), expected, rtol=1e-5, atol=1e-5)
+    _, cpu, pcie = tier.take_counts().served
+    assert cpu > 0 and pcie > 0
 
 
 def test_a_pool_run_in_the_background_gives_the_same_bits_and_counts(monkeypatch: pytest.MonkeyPatch) -> None:
