@@ -441,6 +441,7 @@ class PhaseTimes:
         self.seconds: dict[str, float] = defaultdict(float)
         self.forwards = 0
         self.inside = False
+        self.classes: list[tuple[type, str, Callable]] = []  # the methods wrapped, to put back (`uninstall`)
 
     def timed(self, function: Callable, phase: str) -> Callable:
         def run(*args: Any, **kwargs: Any) -> Any:
@@ -460,16 +461,20 @@ class PhaseTimes:
 
     def install(self, tiers: list[TieredExperts]) -> None:
         """Time every graph piece's replay, each tier's whole miss service and its parts."""
-        graph = torch.cuda.CUDAGraph
-        graph.replay = self.timed(graph.replay, "replay")  # type: ignore[method-assign]
-        Pieces.replay = self.timed(Pieces.replay, "forward")  # type: ignore[method-assign]
-        TieredExperts._serve_small = self.timed(TieredExperts._serve_small, "serve")  # type: ignore[method-assign]
-        TieredExperts._serve_large = self.timed(TieredExperts._serve_large, "serve")  # type: ignore[method-assign]
-        HostLink.wait = self.timed(HostLink.wait, "wait")  # type: ignore[method-assign]
-        TieredExperts._stage = self.timed(TieredExperts._stage, "stage")  # type: ignore[method-assign]
-        CopyTimes.start = self.timed(CopyTimes.start, "copy_timing")  # type: ignore[method-assign]
-        CopyTimes.stop = self.timed(CopyTimes.stop, "copy_timing")  # type: ignore[method-assign]
-        PoolArgs.fill = self.timed(PoolArgs.fill, "pool_args")  # type: ignore[method-assign]
+        for owner, name, phase in (
+            (torch.cuda.CUDAGraph, "replay", "replay"),
+            (Pieces, "replay", "forward"),
+            (TieredExperts, "_serve_small", "serve"),
+            (TieredExperts, "_serve_large", "serve"),
+            (HostLink, "wait", "wait"),
+            (TieredExperts, "_stage", "stage"),
+            (CopyTimes, "start", "copy_timing"),
+            (CopyTimes, "stop", "copy_timing"),
+            (PoolArgs, "fill", "pool_args"),
+        ):
+            method = getattr(owner, name)
+            self.classes.append((owner, name, method))
+            setattr(owner, name, self.timed(method, phase))
         staging = tiers[0].staging
         if staging is not None:
             staging.load = self.timed(staging.load, "copies")  # type: ignore[method-assign]
@@ -477,6 +482,12 @@ class PhaseTimes:
             tier.host_kernel = self.timed(tier.host_kernel, "cpu_pool")
             if tier.host_finish is not None:
                 tier.host_finish = self.timed(tier.host_finish, "pool_wait")
+
+    def uninstall(self) -> None:
+        """Put the classes' methods back (the tiers' own wrappers go with the tiers)."""
+        for owner, name, method in reversed(self.classes):
+            setattr(owner, name, method)
+        self.classes = []
 
     def per_layer_us(self, layers: int) -> dict[str, float]:
         """Microseconds a decode forward spends per tiered layer in each phase."""
@@ -504,7 +515,10 @@ def phases(core: EngineCore, tiers: list[TieredExperts], vocab: int, warm: int) 
     device = device_times(core, tiers, vocab)
     times = PhaseTimes()
     times.install(tiers)
-    tok_s, served = decode(core, tiers, 1, vocab, warm)
+    try:
+        tok_s, served = decode(core, tiers, 1, vocab, warm)
+    finally:
+        times.uninstall()  # a later configuration's phases are timed by wrappers of its own
     total = max(sum(served), 1)
     return {
         "decode_bs1_tok_s": round(tok_s, 1),
@@ -628,7 +642,11 @@ def main() -> None:
                 if line["decode_bs1_tok_s"] > roofline:
                     raise SystemExit(f"decode above the card's roofline: {json.dumps(line)}")
             emit(line, args.out)
-            del core
+            # this configuration's engine and tiers let go before the next one's are built (else both are
+            # on the card at once: 96 resident then none ran out of memory)
+            del core, costs
+            tiers = []
+            gc.collect()
             torch.cuda.empty_cache()
 
 

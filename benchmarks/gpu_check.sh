@@ -3,10 +3,11 @@
 # one call's 10 minutes; GPU_TESTS_K selects as pytest -k), then the benchmark of the given shapes.
 #   bash benchmarks/gpu_check.sh [tests|bench|all|serving|split|tier|tier-large|serving-large] [shape ...]
 # tier: the expert tier's GPU tests and benchmarks/expert_tier.py on q30-half (no expert / 96 resident on the
-# random router's routing; 32 resident on Zipf and the demo model's routing, frozen / blocking / async);
-# pool: the CPU pool's kernel on the host (Q4_K, Q5_K, bf16), then the tier's batch-1 decode by phase with the pool's
-# runs in the background and not (STRATA_POOL_BACKGROUND): q30-half at 96 resident, the Q4_K file at 25%; then
-# q30-half's uniform figures at 0 and 96 resident;
+# random router's routing, the 96 spread over every layer and gathered into whole layers; 32 resident on Zipf
+# and the demo model's routing, frozen / blocking / async);
+# pool: the CPU pool's kernel on the host (Q4_K, Q5_K, Q6_K, bf16), then the tier's batch-1 decode by phase with
+# the pool's runs in the background and not (STRATA_POOL_BACKGROUND): q30-half at 96 resident, the Q4_K file at
+# 25%; then q30-half's uniform figures at 0 and 96 resident (spread, then whole layers);
 # tier-large: the full 48-layer Qwen3-Next shape built tiered (368 experts a layer on the card);
 # serving-large: the same shape served over HTTP (`strata serve --expert-cache 368`, its weights drawn as they
 # load: `random_checkpoint.py --drawn-on-load`), one stream, then 8 clients with 8K-token prompts at once.
@@ -176,6 +177,8 @@ if [[ $what == tier ]]; then
         | tee "$out/gpu-tests.log" || status=1
     python3 benchmarks/expert_tier.py --routing uniform --resident 0 96 --adapt frozen \
         --out "$out/tier.jsonl" 2>&1 | tee "$out/tier.log" || status=1
+    python3 benchmarks/expert_tier.py --routing uniform --resident 96 --adapt frozen --placement layers \
+        --out "$out/tier.jsonl" 2>&1 | tee -a "$out/tier.log" || status=1
     python3 benchmarks/expert_tier.py --routing zipf demo --resident 32 --adapt frozen blocking async \
         --out "$out/tier.jsonl" 2>&1 | tee -a "$out/tier.log" || status=1
 fi
@@ -184,7 +187,7 @@ if [[ $what == pool ]]; then
     # background (the default) and in the caller's thread (STRATA_POOL_BACKGROUND=0), one after the other:
     # q30-half at 96 experts resident a layer (uniform routing) and the Q4_K file at a 25% budget (whole
     # layers); then issue 15's uniform figures (0 and 96 resident) with the default
-    python3 benchmarks/cpu_experts.py --kinds q4_k q5_k bf16 --rows 1 4 --per-call 1 2 4 8 --gap-us 0 \
+    python3 benchmarks/cpu_experts.py --kinds q4_k q5_k q6_k bf16 --rows 1 4 --per-call 1 2 4 8 --gap-us 0 \
         2>&1 | tee "$out/pool.log" || status=1
     python3 benchmarks/gguf_bench.py write --kind Q4_K --out /tmp/q30-Q4_K.gguf >/dev/null || status=1
     for background in 1 0; do
@@ -197,6 +200,8 @@ if [[ $what == pool ]]; then
     done
     python3 benchmarks/expert_tier.py --routing uniform --resident 0 96 --adapt frozen --out "$out/pool-tier.jsonl" \
         2>&1 | tee -a "$out/pool.log" || status=1
+    python3 benchmarks/expert_tier.py --routing uniform --resident 96 --adapt frozen --placement layers \
+        --out "$out/pool-tier.jsonl" 2>&1 | tee -a "$out/pool.log" || status=1
 fi
 if [[ $what == tier-large ]]; then
     python3 benchmarks/expert_tier.py --shape qnext --resident 368 --routing zipf --adapt blocking \

@@ -39,6 +39,7 @@ def test_auto_picks_the_cpu_set_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> N
         experts=REFERENCE.experts,
         bf16_weights=False,
         held_blocks=frozenset(),
+        held_apart=False,
         **dict.fromkeys(native),
     )
     assert pure == REFERENCE
