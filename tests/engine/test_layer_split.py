@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
@@ -101,12 +102,16 @@ def _follow_up(core: EngineCore) -> list[list[int]]:
     return [answer, results[turn.request_id].token_ids]
 
 
-@pytest.mark.parametrize(("stages", "groups"), [(2, 2), (3, 3), (2, None)])
+@pytest.mark.parametrize(("stages", "groups"), [(2, 2), (3, 3), (4, 4), (2, None)])
 def test_a_split_gives_the_tokens_of_the_whole_model(
     checkpoint: Path, whole: dict[int, list[list[int]]], stages: int, groups: int | None
 ) -> None:
     # One slot group per stage, each stage running another group's window; or one group (a CPU's
-    # default), each window down the stages before the next, whose routing reports are checked too.
+    # default), each window down the stages before the next, whose routing reports are checked too. Four
+    # stages (issue 22's split, here over gloo) need a layer each: the qwen3_next checkpoint has them.
+    layers = json.loads((checkpoint / "config.json").read_text())["num_hidden_layers"]
+    if stages > layers:
+        pytest.skip(f"{stages} stages need {stages} layers; this checkpoint has {layers}")
     core = _core(checkpoint, layer_split=str(stages), batch_groups=groups)
     try:
         assert core.pipeline is not None and len(core.pipeline.parts) == stages
