@@ -8,8 +8,9 @@
 # pool: the CPU pool's kernel on the host (Q4_K, Q5_K, Q6_K, bf16), then the tier's batch-1 decode by phase with
 # the pool's runs in the background and not (STRATA_POOL_BACKGROUND): q30-half at 96 resident, the Q4_K file at
 # 25%; then q30-half's uniform figures at 0 and 96 resident (spread, then whole layers);
-# tier-large: the full 48-layer Qwen3-Next shape built tiered (368 experts a layer on the card);
-# serving-large: the same shape served over HTTP (`strata serve --expert-cache 368`, its weights drawn as they
+# tier-large: the full 48-layer Qwen3-Next shape built tiered (368 experts a layer on an H200's card, 200 on an
+# 80 GB one: LARGE_RESIDENT);
+# serving-large: the same shape served over HTTP (`strata serve --expert-cache` as above, its weights drawn as they
 # load: `random_checkpoint.py --drawn-on-load`), one stream, then 8 clients with 8K-token prompts at once.
 # serving: writes each shape as a random checkpoint on disk, starts `strata serve` on it and drives it over
 # HTTP (benchmarks/http_burst.py: 32 clients at once, a slot decoding while peers' prompts are read).
@@ -203,8 +204,12 @@ if [[ $what == pool ]]; then
     python3 benchmarks/expert_tier.py --routing uniform --resident 96 --adapt frozen --placement layers \
         --out "$out/pool-tier.jsonl" 2>&1 | tee -a "$out/pool.log" || status=1
 fi
+# experts a layer of the 48-layer Qwen3-Next shape (6.3 MB each, 512 a layer) on the card: LARGE_RESIDENT, else
+# 368 (111 GB) on a card of more than 120 GB (an H200), 200 (60 GB) on an 80 GB one, whose host then pins 94 GB
+card_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
+large_resident=${LARGE_RESIDENT:-$( (( ${card_mib:-0} > 120000 )) && echo 368 || echo 200)}
 if [[ $what == tier-large ]]; then
-    python3 benchmarks/expert_tier.py --shape qnext --resident 368 --routing zipf --adapt blocking \
+    python3 benchmarks/expert_tier.py --shape qnext --resident "$large_resident" --routing zipf --adapt blocking \
         --out "$out/tier.jsonl" 2>&1 | tee "$out/tier.log" || status=1
 fi
 if [[ $what == serving-large ]]; then
@@ -212,7 +217,7 @@ if [[ $what == serving-large ]]; then
     dir=${CHECKPOINTS:-/tmp}/strata-qnext-drawn
     [[ -f $dir/random_weights.json ]] || python3 benchmarks/random_checkpoint.py --shape qnext --drawn-on-load "$dir"
     python3 benchmarks/http_burst.py --model "$dir" --clients 8 --prompt-len 8192 --output-len 128 \
-        --scenarios solo,burst --out "$out/serving-large.jsonl" --serve-arg=--expert-cache=368 \
+        --scenarios solo,burst --out "$out/serving-large.jsonl" --serve-arg=--expert-cache="$large_resident" \
         --serve-arg=--parallel=8 --serve-arg=--kv-memory=8GiB --ready-timeout 1800 2>&1 \
         | tee "$out/serving-large.log" || status=1
 fi
