@@ -5,7 +5,8 @@
 # tier: the expert tier's GPU tests and benchmarks/expert_tier.py on q30-half (no expert / 96 resident on the
 # random router's routing, the 96 spread over every layer and gathered into whole layers; 32 resident on Zipf
 # and the demo model's routing, frozen / blocking / async);
-# pool: the CPU pool's kernel on the host (Q4_K, Q5_K, Q6_K, bf16), then the tier's batch-1 decode by phase with
+# pool: the CPU pool's kernel on the host (Q4_K, Q5_K, Q6_K, bf16) and the host's memory shared by a copy and the
+# pool (host_reads.py, 8 experts), then the tier's batch-1 decode by phase with
 # the pool's runs in the background and not (STRATA_POOL_BACKGROUND): q30-half at 96 resident, the Q4_K file at
 # 25%; then q30-half's uniform figures at 0 and 96 resident (spread, then whole layers);
 # tier-large: the full 48-layer Qwen3-Next shape built tiered (368 experts a layer on an H200's card, 200 on an
@@ -190,6 +191,9 @@ if [[ $what == pool ]]; then
     # layers); then issue 15's uniform figures (0 and 96 resident) with the default
     python3 benchmarks/cpu_experts.py --kinds q4_k q5_k q6_k bf16 --rows 1 4 --per-call 1 2 4 8 --gap-us 0 \
         2>&1 | tee "$out/pool.log" || status=1
+    # the host's memory shared by a copy and the CPU pool: the bound on batch-1 decode with no expert resident
+    python3 benchmarks/host_reads.py --counts 8 2>&1 | tee "$out/pool-host-reads.json" | tee -a "$out/pool.log" \
+        || status=1
     python3 benchmarks/gguf_bench.py write --kind Q4_K --out /tmp/q30-Q4_K.gguf >/dev/null || status=1
     for background in 1 0; do
         echo "STRATA_POOL_BACKGROUND=$background" | tee -a "$out/pool.log"
