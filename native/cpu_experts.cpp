@@ -52,7 +52,7 @@ struct Passes {
     int64_t hidden = 0, widest = 0;                      // widest: the largest inter, h's row stride
     int64_t entries = 0;                                 // the entries the groups take, [0, entries)
     bool quantized = false;                              // whether a group's weights sum in integers (`int_dot.h`)
-    bool paired = false;                                 // whether a group's are Q6_K (its vectors' pair sums)
+    bool paired_x = false, paired_h = false;             // whether a group's gate / down is Q6_K (pair sums)
 
     Passes(std::vector<Group> all, int64_t hidden_size) : groups(std::move(all)), hidden(hidden_size) {
         for (const Group& g : groups) {
@@ -61,7 +61,8 @@ struct Passes {
             widest = std::max(widest, g.inter);
             entries = std::max(entries, g.last);
             quantized = quantized || dot::integer_kind(g.gate.kind) || dot::integer_kind(g.down.kind);
-            paired = paired || g.gate.kind == dot::Kind::Q6_K || g.down.kind == dot::Kind::Q6_K;
+            paired_x = paired_x || g.gate.kind == dot::Kind::Q6_K;
+            paired_h = paired_h || g.down.kind == dot::Kind::Q6_K;
         }
     }
 
@@ -217,7 +218,7 @@ void swiglu_team(const Passes& p, const float* xs, float* h, float* ys, dot::Qua
 struct QuantizedInputs {
     dot::QuantizedRows x, h;
     explicit QuantizedInputs(const Passes& p)
-        : x(p.quantized ? p.entries : 0, p.hidden, p.paired), h(p.quantized ? p.entries : 0, p.widest, p.paired) {}
+        : x(p.quantized ? p.entries : 0, p.hidden, p.paired_x), h(p.quantized ? p.entries : 0, p.widest, p.paired_h) {}
 };
 
 // y[rows[k]] += weights[k] * (the SwiGLU of x[rows[k]] through entry k's group), for every entry (grouped as

@@ -2,12 +2,11 @@
 //
 // Weights are fp32, bf16, int8 with one fp32 scale per row (weight = int8 * scale), or GGUF's blocks as the
 // file holds them: Q8_0 (blocks of 32 weights: an fp16 scale and 32 int8; weight = int8 * scale; held as a row's
-// codes, then its scales: app/kernels/gguf_quants.py's `to_held`), the K-quants
-// Q4_K, Q5_K (super-blocks of 256: fp16 d and dmin, eight 6-bit scales and mins, 4- or 5-bit q; weight =
-// d * scale * q - dmin * min) and Q6_K (sixteen int8 scales, 6-bit q; weight = d * scale * (q - 32)), and the
-// i-quants IQ4_XS, IQ3_XXS and IQ3_S (levels or grid points of llama.cpp's tables, `Tables`, under 4- or 6-bit
-// scales and sign bits). Each is widened to fp32 exactly as GGUF's own dequantizer does (every product is
-// exact; app/kernels/gguf_quants.py is the reference), read row by row from contiguous memory. A pass takes R
+// codes, then its scales: app/kernels/gguf_quants.py's `to_held`) and the i-quants IQ4_XS, IQ3_XXS and IQ3_S
+// (levels or grid points of llama.cpp's tables, `Tables`, under 4- or 6-bit scales and sign bits). Each is
+// widened to fp32 exactly as GGUF's own dequantizer does (every product is exact; app/kernels/gguf_quants.py
+// is the reference), read row by row from contiguous memory. The K-quants (Q4_K, Q5_K, Q6_K) are not widened:
+// int_dot.h sums them in integers against quantized token vectors. A pass takes R
 // weight rows and C token vectors at once (R * C sums kept in registers),
 // so each weight is read and widened once per C tokens and each token element once per R rows. Every product
 // of a (row, token) pair goes to lane (column % LANES), and the lanes are added in one fixed tree at the end:
@@ -160,62 +159,21 @@ struct Elements {
     const void* at(int r, int64_t col) const { return row[r] + col; }
 };
 
-// LANES (16) codes widened to fp32 in registers: int8 codes times a step less a shift (every GGUF type but
-// Q4_K), or the nibble at `bits` (0 or 4) of 16 bytes times a step less a shift (Q4_K). The products are exact,
-// so the fused form gives the bits of the plain one (and a shift of 0 those of the bare product); where the
-// compiler's own vectorisation of these loops stays with 16-byte vectors, the intrinsics widen 16 bytes to a
-// whole register at once.
-inline void widen_int8(const int8_t* q, float step, float shift, float* wide) {
+// LANES (16) int8 codes widened to fp32 in registers, times a step (every GGUF type the passes widen). The
+// products are exact; where the compiler's own vectorisation of these loops stays with 16-byte vectors, the
+// intrinsics widen 16 bytes to a whole register at once.
+inline void widen_int8(const int8_t* q, float step, float* wide) {
 #if defined(__AVX512F__)
     const __m512i ints = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
-    _mm512_storeu_ps(wide, _mm512_fmsub_ps(_mm512_cvtepi32_ps(ints), _mm512_set1_ps(step), _mm512_set1_ps(shift)));
-#elif defined(__AVX2__) && defined(__FMA__)
+    _mm512_storeu_ps(wide, _mm512_mul_ps(_mm512_cvtepi32_ps(ints), _mm512_set1_ps(step)));
+#elif defined(__AVX2__)
     for (int h = 0; h < LANES; h += 8) {
         const __m256i ints = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + h)));
-        const __m256 v = _mm256_fmsub_ps(_mm256_cvtepi32_ps(ints), _mm256_set1_ps(step), _mm256_set1_ps(shift));
-        _mm256_storeu_ps(wide + h, v);
+        _mm256_storeu_ps(wide + h, _mm256_mul_ps(_mm256_cvtepi32_ps(ints), _mm256_set1_ps(step)));
     }
 #else
 #pragma omp simd
-    for (int l = 0; l < LANES; ++l) wide[l] = static_cast<float>(q[l]) * step - shift;
-#endif
-}
-
-inline void widen_nibbles(const unsigned char* q, int bits, float step, float shift, float* wide) {
-#if defined(__AVX512F__)
-    __m512i ints = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
-    ints = _mm512_and_si512(_mm512_srl_epi32(ints, _mm_cvtsi32_si128(bits)), _mm512_set1_epi32(15));
-    _mm512_storeu_ps(wide, _mm512_fmsub_ps(_mm512_cvtepi32_ps(ints), _mm512_set1_ps(step), _mm512_set1_ps(shift)));
-#elif defined(__AVX2__) && defined(__FMA__)
-    for (int h = 0; h < LANES; h += 8) {
-        __m256i ints = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + h)));
-        ints = _mm256_and_si256(_mm256_srl_epi32(ints, _mm_cvtsi32_si128(bits)), _mm256_set1_epi32(15));
-        const __m256 v = _mm256_fmsub_ps(_mm256_cvtepi32_ps(ints), _mm256_set1_ps(step), _mm256_set1_ps(shift));
-        _mm256_storeu_ps(wide + h, v);
-    }
-#else
-#pragma omp simd
-    for (int l = 0; l < LANES; ++l) wide[l] = static_cast<float>((q[l] >> bits) & 15) * step - shift;
-#endif
-}
-
-// The int8 codes of a pass, LANES (16) at a time, for widen_int8. Q5_K's and Q6_K's: the nibble at `low_bits`
-// (0 or 4) of 16 bytes `low`, under the field `high_mask` (1 or 3) at `high_bits` of 16 bytes `high`, less
-// `offset`.
-inline void split_codes(const unsigned char* low, int low_bits, const unsigned char* high, int high_bits,
-                        int high_mask, int offset, int8_t* codes) {
-#if defined(__SSE2__)
-    const auto field = [](const unsigned char* bytes, int bits, int mask) {
-        const __m128i all = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes));
-        return _mm_and_si128(_mm_srl_epi16(all, _mm_cvtsi32_si128(bits)), _mm_set1_epi8(static_cast<char>(mask)));
-    };
-    const __m128i q = _mm_or_si128(field(low, low_bits, 15), _mm_slli_epi16(field(high, high_bits, high_mask), 4));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes), _mm_sub_epi8(q, _mm_set1_epi8(static_cast<char>(offset))));
-#else
-    for (int l = 0; l < LANES; ++l) {
-        const int q = ((low[l] >> low_bits) & 15) | (((high[l] >> high_bits) & high_mask) << 4);
-        codes[l] = static_cast<int8_t>(q - offset);
-    }
+    for (int l = 0; l < LANES; ++l) wide[l] = static_cast<float>(q[l]) * step;
 #endif
 }
 
@@ -326,124 +284,9 @@ template <int R>
 struct Q8Blocks : Blocks<R, Q8_BLOCK, Q8_0_BYTES, Q8Blocks<R>> {
     void widen(int r, int64_t col, float* wide) const {
         const unsigned char* row = this->row[r];
-        widen_int8(reinterpret_cast<const int8_t*>(row + col), half(row + this->cols + col / Q8_BLOCK * 2), 0.0f,
+        widen_int8(reinterpret_cast<const int8_t*>(row + col), half(row + this->cols + col / Q8_BLOCK * 2),
                    wide);
     }
-};
-
-// R Q4_K rows: a group of 32 weights widened with its super-block's d * scale and dmin * min (fp32; the
-// products are exact, so these are GGUF's dequantized values). The group's 32 weights are the low nibbles (the
-// first 32 of a 64-weight stretch) or the high nibbles (the next 32) of the stretch's 32 bytes.
-template <int R>
-struct Q4KBlocks : Blocks<R, QK_K, Q4_K_BYTES, Q4KBlocks<R>> {
-    // The 6-bit scale and min of group j (0..7) of super-block b.
-    static void fields(const unsigned char* b, int j, int& scale, int& least) {
-        const unsigned char* p = b + 4;
-        if (j < 4) {
-            scale = p[j] & 63;
-            least = p[j + 4] & 63;
-        } else {
-            scale = (p[j + 4] & 15) | ((p[j - 4] >> 6) << 4);
-            least = (p[j + 4] >> 4) | ((p[j] >> 6) << 4);
-        }
-    }
-    // The step (d * scale) and shift (dmin * min) of group j (0..7) of super-block b (Q4_K's and Q5_K's).
-    static void group(const unsigned char* b, int j, float& step, float& shift) {
-        int scale, least;
-        fields(b, j, scale, least);
-        step = half(b) * static_cast<float>(scale);
-        shift = half(b + 2) * static_cast<float>(least);
-    }
-    // The steps and shifts of the eight groups of super-block b: `group`'s products, d and dmin widened once.
-    static void super_scales(const unsigned char* b, float* steps, float* shifts) {
-        const float d = half(b), dmin = half(b + 2);
-        for (int j = 0; j < 8; ++j) {
-            int scale, least;
-            fields(b, j, scale, least);
-            steps[j] = d * static_cast<float>(scale);
-            shifts[j] = dmin * static_cast<float>(least);
-        }
-    }
-    void widen(int r, int64_t col, float* wide) const {
-        float step, shift;
-        const unsigned char* b = this->block(r, col);
-        const int in = static_cast<int>(col % QK_K);
-        group(b, in / 32, step, shift);
-        widen_scaled(b, in, step, shift, wide);
-    }
-    // LANES weights of super-block b from its weight `in` under their group's step and shift (`super_scales`).
-    static void widen_scaled(const unsigned char* b, int in, float step, float shift, float* wide) {
-        widen_nibbles(b + 16 + in / 64 * 32 + in % 32, 4 * (in % 64 / 32), step, shift, wide);
-    }
-};
-
-// R Q5_K rows: super-blocks as Q4_K's (d, dmin, the same 6-bit scales and mins: `Q4KBlocks::group`), with 32
-// bytes of fifth bits before the nibbles (bit j of byte l: weight l of group j); weight = d * scale * q -
-// dmin * min for q of 5 bits.
-template <int R>
-struct Q5KBlocks : Blocks<R, QK_K, Q5_K_BYTES, Q5KBlocks<R>> {
-    void widen(int r, int64_t col, float* wide) const {
-        float step, shift;
-        const unsigned char* b = this->block(r, col);
-        const int in = static_cast<int>(col % QK_K);
-        Q4KBlocks<R>::group(b, in / 32, step, shift);
-        widen_scaled(b, in, step, shift, wide);
-    }
-    static void super_scales(const unsigned char* b, float* steps, float* shifts) {
-        Q4KBlocks<R>::super_scales(b, steps, shifts);
-    }
-    // LANES weights of super-block b from its weight `in` under their group's step and shift (`super_scales`).
-    static void widen_scaled(const unsigned char* b, int in, float step, float shift, float* wide) {
-        const int j = in / 32;
-        int8_t codes[LANES];
-        split_codes(b + 48 + j / 2 * 32 + in % 32, 4 * (j % 2), b + 16 + in % 32, j, 1, 0, codes);
-        widen_int8(codes, step, shift, wide);
-    }
-};
-
-// R Q6_K rows: super-blocks of 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales (groups of 16
-// weights) and an fp16 d; weight = (d * scale) * (q - 32). Each half of 128 weights has 64 low bytes and 32
-// high ones: its quarter k (32 weights) takes the low nibbles (k < 2) or high ones of the first (k even) or
-// second 32 low bytes, under bit pair k of the high bytes.
-template <int R>
-struct Q6KBlocks : Blocks<R, QK_K, Q6_K_BYTES, Q6KBlocks<R>> {
-    void widen(int r, int64_t col, float* wide) const {
-        const unsigned char* b = this->block(r, col);
-        const int in = static_cast<int>(col % QK_K), part = in / 128, k = in % 128 / 32, l = in % 32;
-        int8_t codes[LANES];
-        split_codes(b + 64 * part + 32 * (k % 2) + l, 4 * (k / 2), b + 128 + 32 * part + l, 2 * k, 3, 32, codes);
-        widen_int8(codes, step(b, in / 16), 0.0f, wide);
-    }
-    // The step (d * scale) of 16-value group g of super-block b.
-    static float step(const unsigned char* b, int g) {
-        return half(b + 208) * static_cast<float>(reinterpret_cast<const int8_t*>(b + 192)[g]);
-    }
-#ifdef DOT_AVX512_BW
-    static constexpr int STEP = 16;  // values a step of `super_codes` serves
-    // Super-block b's 256 codes and each 16-value group's step (`widen`'s): a half's 64 low bytes and 32 high
-    // ones give its 128 codes in two steps of 64, the high bit pairs shifted by 16-bit lanes.
-    static void super_codes(const unsigned char* b, int8_t* codes, float* steps) {
-        for (int g = 0; g < QK_K / STEP; ++g) steps[g] = step(b, g);
-        const __m512i low = _mm512_set1_epi8(15), pair = _mm512_set1_epi8(3), offset = _mm512_set1_epi8(32);
-        // the bit pairs of a half's first 64 codes (pair 0 for the first 32, 1 for the next) and its last 64 (2, 3)
-        const __m512i early = _mm512_set_epi64(0x0002000200020002, 0x0002000200020002, 0x0002000200020002,
-                                               0x0002000200020002, 0, 0, 0, 0);
-        const __m512i late = _mm512_set_epi64(0x0006000600060006, 0x0006000600060006, 0x0006000600060006,
-                                              0x0006000600060006, 0x0004000400040004, 0x0004000400040004,
-                                              0x0004000400040004, 0x0004000400040004);
-        for (int part = 0; part < 2; ++part) {
-            const __m512i ql = _mm512_loadu_si512(b + 64 * part);
-            const __m256i high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * part));
-            const __m512i qh = _mm512_inserti64x4(_mm512_castsi256_si512(high), high, 1);
-            const __m512i first = _mm512_or_si512(_mm512_and_si512(ql, low),
-                                                  _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, early), pair), 4));
-            const __m512i second = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), low),
-                                                   _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, late), pair), 4));
-            _mm512_storeu_si512(codes + 128 * part, _mm512_sub_epi8(first, offset));
-            _mm512_storeu_si512(codes + 128 * part + 64, _mm512_sub_epi8(second, offset));
-        }
-    }
-#endif
 };
 
 // R IQ4_XS rows: super-blocks of an fp16 d, the high bit pairs of eight 6-bit scales (16 bits), their low
@@ -456,7 +299,7 @@ struct IQ4XSBlocks : Blocks<R, QK_K, IQ4_XS_BYTES, IQ4XSBlocks<R>> {
         const int in = static_cast<int>(col % QK_K), j = in / 32;
         int8_t codes[LANES];
         level_codes(b + 8 + 16 * j, 4 * (in % 32 / 16), codes);
-        widen_int8(codes, step(b, j), 0.0f, wide);
+        widen_int8(codes, step(b, j), wide);
     }
     // The step (d * (scale - 32)) of group j of super-block b.
     static float step(const unsigned char* b, int j) {
@@ -496,7 +339,7 @@ struct IQ3XXSBlocks : Blocks<R, QK_K, IQ3_XXS_BYTES, IQ3XXSBlocks<R>> {
         const int ids[4] = {b[2 + first], b[3 + first], b[4 + first], b[5 + first]};
         int8_t codes[LANES];
         grid_codes(tables.iq3_xxs, ids, signs, codes);
-        widen_int8(codes, step(b, word), 0.0f, wide);
+        widen_int8(codes, step(b, word), wide);
     }
     // The step (d * (0.5 + s) * 0.5) of the group whose 32-bit word is `word`, of super-block b.
     static float step(const unsigned char* b, uint32_t word) {
@@ -546,7 +389,7 @@ struct IQ3SBlocks : Blocks<R, QK_K, IQ3_S_BYTES, IQ3SBlocks<R>> {
         const unsigned signs = b[74 + in / 8] | b[75 + in / 8] << 8;
         int8_t codes[LANES];
         grid_codes(tables.iq3_s, ids, signs, codes);
-        widen_int8(codes, step(b, j), 0.0f, wide);
+        widen_int8(codes, step(b, j), wide);
     }
     // The step (d * (1 + 2s)) of group j of super-block b.
     static float step(const unsigned char* b, int j) {
@@ -565,13 +408,6 @@ struct IQ3SBlocks : Blocks<R, QK_K, IQ3_S_BYTES, IQ3SBlocks<R>> {
     }
 #endif
 };
-
-// Whether a reader works out a super-block's scales once (`super_scales`, then `widen_scaled` a pass: Q4_K and
-// Q5_K, whose eight groups' steps and shifts come out of packed 6-bit fields).
-template <typename Rows, typename = void>
-struct has_super_scales : std::false_type {};
-template <typename Rows>
-struct has_super_scales<Rows, std::void_t<decltype(&Rows::super_scales)>> : std::true_type {};
 
 // Whether a reader decodes a whole super-block's codes at once (`super_codes`, then a pass widens its share under
 // its group's step: the i-quants with AVX-512, 64 codes a lookup, IQ3's `xxs_codes_64` and `s_codes_64`).
@@ -594,35 +430,12 @@ inline void add_pass(float (&part)[R][C][LANES], const float (&wide)[R][LANES], 
 
 // out[r][c] = w[r] . xs[c] over `cols` columns, for R rows and C token vectors. With `ahead` (R rows of the
 // next pass, or null) those rows are prefetched at the pace this pass reads its own: weights come from memory
-// once per decode step, and short rows give the hardware's prefetcher no time to find the stream. A reader
-// with `has_super_scales` gets each super-block's scales once for its 16 passes (the same products in the
-// same order, so the same bits).
+// once per decode step, and short rows give the hardware's prefetcher no time to find the stream.
 template <int R, int C, typename Rows>
 inline void dot_block(const Rows& w, int64_t cols, const float* const* xs, float (*out)[TILE], const Rows* ahead) {
     float part[R][C][LANES] = {};
     const int64_t full = cols - cols % LANES;
     int64_t col = 0;
-    if constexpr (has_super_scales<Rows>::value) {
-        for (; col + QK_K <= full; col += QK_K) {
-            const unsigned char* b[R];
-            float steps[R][8], shifts[R][8];
-            for (int r = 0; r < R; ++r) {
-                b[r] = w.block(r, col);
-                Rows::super_scales(b[r], steps[r], shifts[r]);
-            }
-#pragma GCC unroll 16
-            for (int at = 0; at < QK_K; at += LANES) {
-                if (ahead) {
-                    for (int r = 0; r < R; ++r) __builtin_prefetch(ahead->at(r, col + at));
-                }
-                float wide[R][LANES];
-                for (int r = 0; r < R; ++r) {
-                    Rows::widen_scaled(b[r], at, steps[r][at / 32], shifts[r][at / 32], wide[r]);
-                }
-                add_pass<R, C>(part, wide, xs, col + at);
-            }
-        }
-    }
     if constexpr (has_super_codes<Rows>::value) {
         for (; col + QK_K <= full; col += QK_K) {
             alignas(64) int8_t codes[R][QK_K];
@@ -633,7 +446,7 @@ inline void dot_block(const Rows& w, int64_t cols, const float* const* xs, float
                     for (int r = 0; r < R; ++r) __builtin_prefetch(ahead->at(r, col + at));
                 }
                 float wide[R][LANES];
-                for (int r = 0; r < R; ++r) widen_int8(codes[r] + at, steps[r][at / Rows::STEP], 0.0f, wide[r]);
+                for (int r = 0; r < R; ++r) widen_int8(codes[r] + at, steps[r][at / Rows::STEP], wide[r]);
                 add_pass<R, C>(part, wide, xs, col + at);
             }
         }
@@ -699,9 +512,9 @@ inline void by_kind(Kind kind, F f) {
         case Kind::BF16: return f(Elements<R, uint16_t>{});
         case Kind::I8: return f(Elements<R, int8_t>{});
         case Kind::Q8_0: return f(Q8Blocks<R>{});
-        case Kind::Q4_K: return f(Q4KBlocks<R>{});
-        case Kind::Q5_K: return f(Q5KBlocks<R>{});
-        case Kind::Q6_K: return f(Q6KBlocks<R>{});
+        case Kind::Q4_K:
+        case Kind::Q5_K:
+        case Kind::Q6_K: throw std::invalid_argument("Q4_K, Q5_K and Q6_K rows sum in integers (int_dot.h)");
         case Kind::IQ4_XS: return f(IQ4XSBlocks<R>{});
         case Kind::IQ3_XXS: return f(IQ3XXSBlocks<R>{});
         case Kind::IQ3_S: return f(IQ3SBlocks<R>{});
@@ -724,22 +537,12 @@ inline void widen_all(const char** rows, int64_t cols, float* buffer) {
     for (int r = 0; r < R; ++r) {
         float* wide = buffer + r * cols;
         int64_t col = 0;
-        if constexpr (has_super_scales<Rows>::value) {
-            for (; col + QK_K <= full; col += QK_K) {
-                const unsigned char* b = w.block(r, col);
-                float steps[8], shifts[8];
-                Rows::super_scales(b, steps, shifts);
-                for (int at = 0; at < QK_K; at += LANES) {
-                    Rows::widen_scaled(b, at, steps[at / 32], shifts[at / 32], wide + col + at);
-                }
-            }
-        }
         if constexpr (has_super_codes<Rows>::value) {
             for (; col + QK_K <= full; col += QK_K) {
                 alignas(64) int8_t codes[QK_K];
                 float steps[QK_K / Rows::STEP];
                 Rows::super_codes(w.block(r, col), codes, steps);
-                for (int at = 0; at < QK_K; at += LANES) widen_int8(codes + at, steps[at / Rows::STEP], 0.0f, wide + col + at);
+                for (int at = 0; at < QK_K; at += LANES) widen_int8(codes + at, steps[at / Rows::STEP], wide + col + at);
             }
         }
         for (; col < full; col += LANES) w.widen(r, col, wide + col);

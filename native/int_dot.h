@@ -410,9 +410,9 @@ inline void q6k_block(const unsigned char* const* rows, int64_t cols, const Quan
     const __m512i shifts[2] = {_mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1),
                                _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1)};
     // vector v's int16 lane j is in group 4v + j / 8: its scale's index among the super-block's 16
-    alignas(64) int16_t lanes[32];
-    for (int j = 0; j < 32; ++j) lanes[j] = static_cast<int16_t>(j / 8);
-    const __m512i groups = _mm512_load_si512(lanes);
+    const __m512i groups = _mm512_inserti64x4(
+        _mm512_castsi256_si512(_mm256_set_m128i(_mm_set1_epi16(1), _mm_setzero_si128())),
+        _mm256_set_m128i(_mm_set1_epi16(3), _mm_set1_epi16(2)), 1);
     for (int64_t b = 0; b < cols / QK_K; ++b) {
 #pragma GCC unroll 4
         for (int r = 0; r < R; ++r) {
