@@ -441,6 +441,7 @@ class PhaseTimes:
         self.seconds: dict[str, float] = defaultdict(float)
         self.forwards = 0
         self.inside = False
+        self.serving = False  # inside a tier's miss service (a pool's wait outside it: after the next launch)
         self.classes: list[tuple[type, str, Callable]] = []  # the methods wrapped, to put back (`uninstall`)
 
     def timed(self, function: Callable, phase: str) -> Callable:
@@ -448,11 +449,15 @@ class PhaseTimes:
             if not self.inside and phase != "forward":
                 return function(*args, **kwargs)
             self.inside = True
+            counted = phase if phase != "pool_wait" or self.serving else "pool_wait_after"
+            self.serving = self.serving or phase == "serve"
             began = time.perf_counter()
             try:
                 return function(*args, **kwargs)
             finally:
-                self.seconds[phase] += time.perf_counter() - began
+                self.seconds[counted] += time.perf_counter() - began
+                if phase == "serve":
+                    self.serving = False
                 if phase == "forward":
                     self.inside = False
                     self.forwards += 1
@@ -503,7 +508,9 @@ class PhaseTimes:
             "copies": s["copies"],
             "cpu_pool": s["cpu_pool"],
             "pool_wait": s["pool_wait"],
-            "hand_back": s["forward"] - s["replay"] - s["wait"] - s["serve"],
+            # the pool joined after the next graph's launch (STRATA_POOL_DEVICE_WAIT=1)
+            "pool_wait_after": s["pool_wait_after"],
+            "hand_back": s["forward"] - s["replay"] - s["wait"] - s["serve"] - s["pool_wait_after"],
         }
         return {k: round(v / max(self.forwards, 1) / layers * 1e6, 1) for k, v in phases.items()}
 

@@ -6,9 +6,10 @@
 # random router's routing, the 96 spread over every layer and gathered into whole layers; 32 resident on Zipf
 # and the demo model's routing, frozen / blocking / async);
 # pool: the CPU pool's kernel on the host (Q4_K, Q5_K, Q6_K, bf16) and the host's memory shared by a copy and the
-# pool (host_reads.py, 8 experts), then the tier's batch-1 decode by phase with
-# the pool's runs in the background and not (STRATA_POOL_BACKGROUND): q30-half at 96 resident, the Q4_K file at
-# 25%; then q30-half's uniform figures at 0 and 96 resident (spread, then whole layers);
+# pool (host_reads.py, 8 experts), then the tier's batch-1 decode by phase with the device waiting for the pool
+# (STRATA_POOL_DEVICE_WAIT=1), without, and with the pool in the caller's thread (STRATA_POOL_BACKGROUND=0):
+# q30-half at 0 and 96 resident, the Q4_K file at 25%; then q30-half's uniform figures at 0 and 96 resident
+# (spread, then whole layers);
 # tier-large: the full 48-layer Qwen3-Next shape built tiered (368 experts a layer on an H200's card, 200 on an
 # 80 GB one: LARGE_RESIDENT);
 # serving-large: the same shape served over HTTP (`strata serve --expert-cache` as above, its weights drawn as they
@@ -20,7 +21,7 @@
 # one slot group, and with pipelined groups (on a machine of one GPU both stages share it: --stage-gpus 0,0);
 # then over HTTP a decoding slot while a peer's 32K prompt is read on the split (two groups).
 # gguf: the held-weight GPU tests, the CUDA held kernels' and the one-launch routing's (GGUF_TESTS=0 skips
-# them, GGUF_TESTS_K selects as pytest -k), with NCU_KINDS Nsight Compute's counters of those kinds' expert
+# them, GGUF_TESTS_K selects as pytest -k, GPU_TEST_FILES names others), with NCU_KINDS Nsight Compute's counters of those kinds' expert
 # kernels at 8 tokens (ncu-KIND.txt), benchmarks/tune_held.py at TUNE_TOKENS tokens where given
 # (TUNE_VARIANTS: the kernels' defines to try, TUNE_PER_PAIR: windows up to which to try a block a pair,
 # TUNE_PER_EXPERT: windows up to which to try a block an expert,
@@ -185,28 +186,36 @@ if [[ $what == tier ]]; then
         --out "$out/tier.jsonl" 2>&1 | tee -a "$out/tier.log" || status=1
 fi
 if [[ $what == pool ]]; then
-    # the CPU pool's kernel on this host, then the tier's batch-1 decode by phase with its pool runs in the
-    # background (the default) and in the caller's thread (STRATA_POOL_BACKGROUND=0), one after the other:
-    # q30-half at 96 experts resident a layer (uniform routing) and the Q4_K file at a 25% budget (whole
-    # layers); then issue 15's uniform figures (0 and 96 resident) with the default
-    python3 benchmarks/cpu_experts.py --kinds q4_k q5_k q6_k bf16 --rows 1 4 --per-call 1 2 4 8 --gap-us 0 \
-        2>&1 | tee "$out/pool.log" || status=1
+    # the CPU pool's kernel on this host (POOL_KERNELS=0 skips it), then the tier's batch-1 decode by phase
+    # under each of POOL_SETTINGS (words NAME=VALUE, "-" none; by default the graph after a cut launched while
+    # the pool runs, the device waiting for it, then not, then the pool in the caller's thread), one after
+    # the other: q30-half at 0 and 96 experts resident a layer (uniform routing) and the Q4_K file at a 25%
+    # budget (whole layers); then issue 15's uniform figures (0 and 96 resident) with FINAL_ENV (NAME=VALUE
+    # words, default none)
+    if [[ ${POOL_KERNELS:-1} != 0 ]]; then
+        python3 benchmarks/cpu_experts.py --kinds q4_k q5_k q6_k bf16 --rows 1 4 --per-call 1 2 4 8 --gap-us 0 \
+            2>&1 | tee "$out/pool.log" || status=1
+    fi
     # the host's memory shared by a copy and the CPU pool: the bound on batch-1 decode with no expert resident
     python3 benchmarks/host_reads.py --counts 8 2>&1 | tee "$out/pool-host-reads.json" | tee -a "$out/pool.log" \
         || status=1
     python3 benchmarks/gguf_bench.py write --kind Q4_K --out /tmp/q30-Q4_K.gguf >/dev/null || status=1
-    for background in 1 0; do
-        echo "STRATA_POOL_BACKGROUND=$background" | tee -a "$out/pool.log"
-        STRATA_POOL_BACKGROUND=$background python3 benchmarks/expert_tier.py --routing uniform --resident 96 \
-            --phases --out "$out/pool-phases.jsonl" 2>&1 | tail -1 | tee -a "$out/pool.log" || status=1
-        STRATA_POOL_BACKGROUND=$background python3 benchmarks/gguf_bench.py strata --model /tmp/q30-Q4_K.gguf \
-            --expert-cache 32 --expert-placement layers --phases --out "$out/pool-gguf-phases.jsonl" 2>&1 \
-            | tail -1 | tee -a "$out/pool.log" || status=1
+    for setting in ${POOL_SETTINGS:-STRATA_POOL_DEVICE_WAIT=1 - STRATA_POOL_BACKGROUND=0}; do
+        [[ $setting == - ]] && setting=STRATA_POOL_DEVICE_WAIT=0
+        echo "$setting" | tee -a "$out/pool.log"
+        for resident in 0 96; do
+            env "$setting" python3 benchmarks/expert_tier.py --routing uniform --resident $resident --phases \
+                --out "$out/pool-phases.jsonl" 2>&1 | tail -1 | tee -a "$out/pool.log" || status=1
+        done
+        env "$setting" python3 benchmarks/gguf_bench.py strata --model /tmp/q30-Q4_K.gguf --expert-cache 32 \
+            --expert-placement layers --phases --out "$out/pool-gguf-phases.jsonl" 2>&1 | tail -1 \
+            | tee -a "$out/pool.log" || status=1
     done
-    python3 benchmarks/expert_tier.py --routing uniform --resident 0 96 --adapt frozen --out "$out/pool-tier.jsonl" \
-        2>&1 | tee -a "$out/pool.log" || status=1
-    python3 benchmarks/expert_tier.py --routing uniform --resident 96 --adapt frozen --placement layers \
+    read -ra final <<<"${FINAL_ENV:-STRATA_POOL_DEVICE_WAIT=0}"
+    env "${final[@]}" python3 benchmarks/expert_tier.py --routing uniform --resident 0 96 --adapt frozen \
         --out "$out/pool-tier.jsonl" 2>&1 | tee -a "$out/pool.log" || status=1
+    env "${final[@]}" python3 benchmarks/expert_tier.py --routing uniform --resident 96 --adapt frozen \
+        --placement layers --out "$out/pool-tier.jsonl" 2>&1 | tee -a "$out/pool.log" || status=1
 fi
 # experts a layer of the 48-layer Qwen3-Next shape (6.3 MB each, 512 a layer) on the card: LARGE_RESIDENT, else
 # 368 (111 GB) on a card of more than 120 GB (an H200), 200 (60 GB) on an 80 GB one, whose host then pins 94 GB
@@ -236,8 +245,9 @@ if [[ $what == gguf ]]; then
         builder=$!
     fi
     if [[ ${GGUF_TESTS:-1} != 0 ]]; then
-        python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_cuda_held_gpu.py tests/gpu/test_held_gpu.py \
-            tests/gpu/test_triton_moe_gpu.py::test_a_window_routed_in_one_launch_routes_as_its_pieces \
+        # shellcheck disable=SC2086
+        python3 -m pytest -q -p no:cacheprovider -m gpu ${GPU_TEST_FILES:-tests/gpu/test_cuda_held_gpu.py \
+            tests/gpu/test_held_gpu.py tests/gpu/test_triton_moe_gpu.py::test_a_window_routed_in_one_launch_routes_as_its_pieces} \
             -k "${GGUF_TESTS_K:-}" 2>&1 | tee "$out/gpu-tests.log" || status=1
     fi
     for kind in ${NCU_KINDS:-}; do

@@ -329,12 +329,15 @@ void expert_swiglu(uintptr_t x_ptr, uintptr_t gate_up_ptr, uintptr_t down_ptr, u
 // Every index is checked against n (rows of x and y), total (experts in gate_up / down) and entries (the
 // length of rows / weights) before any memory is read. With `background` the run goes to the pool's own
 // thread (`pool_runs`) and the call returns once it is handed over: every buffer named must stay as it is
-// until pool_finish returns.
+// until pool_finish returns. With done_ptr (0: none), the int32 there is 1 once the sums are in y (or the run
+// failed), 0 while a background run is going: the word a device waits on before it reads y (the expert tier's
+// pinned `HostLink`).
 void experts_swiglu_sum(uintptr_t x_ptr, uintptr_t gate_up_ptr, uintptr_t down_ptr, uintptr_t y_ptr,
                         uintptr_t gate_up_scales_ptr, uintptr_t down_scales_ptr, int64_t hidden, int64_t inter,
                         int kind_code, int down_kind_code, int threads, uintptr_t experts_ptr,
                         uintptr_t offsets_ptr, uintptr_t rows_ptr, uintptr_t weights_ptr, int64_t count, int64_t n,
-                        int64_t total, int64_t entries, uintptr_t channels_ptr, bool background) {
+                        int64_t total, int64_t entries, uintptr_t channels_ptr, bool background,
+                        uintptr_t done_ptr) {
     const Kind kind = checked_kind(kind_code, gate_up_scales_ptr);
     const Kind down_kind = checked_kind(down_kind_code, down_scales_ptr);
     const auto splits = [](Kind k) { return k == Kind::F32 || k == Kind::BF16 || k == Kind::I8; };
@@ -373,12 +376,28 @@ void experts_swiglu_sum(uintptr_t x_ptr, uintptr_t gate_up_ptr, uintptr_t down_p
     const auto* x = reinterpret_cast<const float*>(x_ptr);
     auto* y = reinterpret_cast<float*>(y_ptr);
     const auto* weights = reinterpret_cast<const float*>(weights_ptr);
+    auto* done = reinterpret_cast<int32_t*>(done_ptr);
+    const auto run = [=] {
+        try {
+            add_groups(*p, x, y, rows, weights, entries, threads);
+        } catch (...) {
+            if (done) __atomic_store_n(done, 1, __ATOMIC_RELEASE);
+            throw;
+        }
+        if (done) __atomic_store_n(done, 1, __ATOMIC_RELEASE);  // after every store to y
+    };
     if (background) {
-        pool_runs().start([=] { add_groups(*p, x, y, rows, weights, entries, threads); });
+        if (done) __atomic_store_n(done, 0, __ATOMIC_RELEASE);  // before the run could set it
+        try {
+            pool_runs().start(run);
+        } catch (...) {
+            if (done) __atomic_store_n(done, 1, __ATOMIC_RELEASE);
+            throw;
+        }
         return;
     }
     pybind11::gil_scoped_release release;
-    add_groups(*p, x, y, rows, weights, entries, threads);
+    run();
 }
 
 // Wait for the background run experts_swiglu_sum started; the seconds it took on the pool's thread.

@@ -181,6 +181,7 @@ def experts_swiglu_sum(
     out: torch.Tensor | None = None,
     channels: torch.Tensor | None = None,
     background: bool = False,
+    done: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y [n, hidden] fp32: for each i, the SwiGLU of x [n, hidden] at rows[offsets[i]:offsets[i + 1]] through
     expert experts[i] of gate_up [E, 2 * inter, hidden] / down [E, hidden, inter] (int8 with fp32 scales
@@ -194,11 +195,15 @@ def experts_swiglu_sum(
     weights, int64 indices) the native kernel runs on the pool's own thread and the call returns `out` as
     soon as the run is handed over, before the sums are in it: the caller may queue other work meanwhile,
     then waits with `finish_background`, and leaves every argument as it is until then. Without the native
-    kernel the sums are made before the call returns."""
+    kernel the sums are made before the call returns. With `done` (one int32 in host memory, pinned where a
+    device reads it) the run sets it to 1 once the sums are in `out` (or it failed): what a device waits on
+    before reading them, sooner than the caller's `finish_background` could tell it."""
     if out is not None and (out.shape != x.shape or out.dtype != torch.float32 or not out.is_contiguous()):
         raise ValueError("out must be a contiguous fp32 tensor shaped like x")
     if background and out is None:
         raise ValueError("a background run adds into `out`: give it")
+    if done is not None and (done.dtype != torch.int32 or done.device.type != "cpu" or not done.numel()):
+        raise ValueError("done must be an int32 tensor in host memory")
     if _native is None:
         _warn_once()
         began = time.perf_counter()
@@ -207,6 +212,8 @@ def experts_swiglu_sum(
         )
         if background:
             _torch_runs.append(time.perf_counter() - began)
+        if done is not None:
+            done[0] = 1
         return y
     if gate_up.dim() != 3 or down.dim() != 3:
         raise ValueError(
@@ -247,6 +254,7 @@ def experts_swiglu_sum(
         rows.numel(),
         channels.data_ptr() if channels is not None else 0,
         background,
+        done.data_ptr() if done is not None else 0,
     )
     return y
 

@@ -93,12 +93,15 @@ class TierLinkFns:
     that order; returns each entry's device slot (slot_of[id], -1 on padding rows) [rows, k] int64.
     `staged_slots(ids, live, stage_of) -> slots`: each entry's staging slot from the map `stage_of`
     [experts] (fp32, -1 for none), -1 on padding rows.
-    `add_parts(resident, staged, sums) -> out`: resident + staged (None: none) + sums (fp32), each add
-    rounded to the activations' dtype as torch's adds are."""
+    `add_parts(resident, staged, sums, done=None) -> out`: resident + staged (None: none) + sums (fp32), each
+    add rounded to the activations' dtype as torch's adds are; where `waits`, with `done` (one int32, pinned)
+    it first waits on the device until that word is nonzero (the CPU pool's sums are in `sums` then), so the
+    graph after a cut can be launched while the pool still runs."""
 
     pack: Callable[..., torch.Tensor]
     staged_slots: Callable[..., torch.Tensor]
     add_parts: Callable[..., torch.Tensor]
+    waits: bool = False  # whether add_parts waits on the device for a `done` word
 
 
 @dataclass(frozen=True)

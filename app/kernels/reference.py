@@ -151,9 +151,11 @@ def staged_slots_reference(
 
 
 def add_parts_reference(
-    resident: torch.Tensor, staged: torch.Tensor | None, sums: torch.Tensor
+    resident: torch.Tensor, staged: torch.Tensor | None, sums: torch.Tensor, done: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """`TierLinkFns.add_parts` in torch ops."""
+    """`TierLinkFns.add_parts` in torch ops, which cannot wait on the device: `done` must be set already."""
+    if done is not None and not int(done[0]):
+        raise ValueError("the torch hand-over cannot wait for the CPU pool on the device")
     out = resident if staged is None else resident + staged
     return out + sums.to(resident.device, resident.dtype, non_blocking=True)
 

@@ -19,6 +19,8 @@ import triton.language as tl
 from app.kernels.interface import TierLinkFns
 from app.kernels.triton_launch import follow_previous, pdl
 
+WAIT_LOOKS = tl.constexpr(1 << 24)  # `add_parts`' looks at the CPU pool's done word before giving up
+
 
 @triton.jit
 def _row_entries(ids_ptr, WIDTH: tl.constexpr, BLOCK_W: tl.constexpr):
@@ -160,13 +162,16 @@ def _add_parts(
     resident_ptr,
     staged_ptr,
     sums_ptr,
+    done_ptr,
     out_ptr,
     hidden,
     STAGED: tl.constexpr,
+    WAIT: tl.constexpr,
     BLOCK: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """out = (resident + staged) + sums, each add rounded to out's dtype as torch's adds of that dtype are."""
+    """out = (resident + staged) + sums, each add rounded to out's dtype as torch's adds of that dtype are;
+    with WAIT, sums read only once the host's int32 at done_ptr is nonzero."""
     follow_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -177,13 +182,27 @@ def _add_parts(
     if STAGED:
         staged = tl.load(staged_ptr + at, mask=ok, other=0.0)
         out = _rounded(out.to(tl.float32) + staged.to(tl.float32), kind)
-    sums = _rounded(tl.load(sums_ptr + at, mask=ok, other=0.0), kind)
+    if WAIT:
+        # each look crosses PCIe (about a microsecond); a pool that never ends is given up on after
+        # WAIT_LOOKS of them rather than hanging the device
+        looks = 0
+        done = tl.load(done_ptr, volatile=True)
+        while (done == 0) & (looks < WAIT_LOOKS):
+            done = tl.load(done_ptr, volatile=True)
+            looks += 1
+        sums = tl.load(sums_ptr + at, mask=ok, other=0.0, volatile=True)
+    else:
+        sums = tl.load(sums_ptr + at, mask=ok, other=0.0)
+    sums = _rounded(sums, kind)
     tl.store(out_ptr + at, _rounded(out.to(tl.float32) + sums.to(tl.float32), kind), mask=ok)
 
 
-def add_parts(resident: torch.Tensor, staged: torch.Tensor | None, sums: torch.Tensor) -> torch.Tensor:
+def add_parts(
+    resident: torch.Tensor, staged: torch.Tensor | None, sums: torch.Tensor, done: torch.Tensor | None = None
+) -> torch.Tensor:
     """A tiered layer's output: its resident experts' sum plus its staged experts' (both [rows, hidden] in the
-    activations' dtype) plus the CPU pool's sums [rows, hidden] (fp32, pinned or on the device)."""
+    activations' dtype) plus the CPU pool's sums [rows, hidden] (fp32, pinned or on the device), read once
+    `done` (one int32, pinned: None for no wait) is nonzero."""
     rows, hidden = resident.shape
     resident = resident.contiguous()
     staged = staged.contiguous() if staged is not None else None
@@ -194,13 +213,15 @@ def add_parts(resident: torch.Tensor, staged: torch.Tensor | None, sums: torch.T
         resident,
         staged if staged is not None else resident,
         sums,
+        done if done is not None else sums,
         out,
         hidden,
         STAGED=staged is not None,
+        WAIT=done is not None,
         BLOCK=block,
         **pdl(resident.device, grid),
     )
     return out
 
 
-TIER_LINK = TierLinkFns(pack=pack_routing, staged_slots=staged_slots, add_parts=add_parts)
+TIER_LINK = TierLinkFns(pack=pack_routing, staged_slots=staged_slots, add_parts=add_parts, waits=True)

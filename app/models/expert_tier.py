@@ -28,7 +28,7 @@ from app.kernels.interface import ExpertsFn, HostExpertsFn, HostFinishFn, TierLi
 from app.models.expert_costs import GATE_UP_SHARE, CopyTimes, MissCosts, measure
 from app.models.host_copies import PinnedCopies
 from app.models.moe import RoutedExperts, SparseMoE, expert_parts
-from app.models.pieces import Pieces
+from app.models.pieces import Finish, Pieces
 
 ADAPT_DECAY = 0.5  # the least share of the earlier routing counts kept when the tier adapts again
 # The counts remember about this many counts (`count`: a window routing to the expert) per expert of a
@@ -201,6 +201,9 @@ class HostLink:
     (one kernel, `pack`) and records `ready`; the step waits for that (`wait`, `read`), plans, queues the
     staging copies and runs the CPU pool into the sums of `up`, after each expert's staging slot (-1 for
     none); the graph after the cut reads `up` where it lies (`stage_map`, `sums`; app/kernels/triton_tier.py).
+    Where the kernels can (`fns.waits`) and the pool runs in the background, the step returns while the pool
+    runs: the next graph is launched at once and waits on the device for the pool's `done` word before it
+    reads the sums.
     One link serves every layer of a model: the layers run one after another and each step waits for its
     layer's `ready`, by when the reads of the layer before it have run."""
 
@@ -211,6 +214,9 @@ class HostLink:
         self.up = torch.zeros(experts + entries * hidden, dtype=torch.float32, pin_memory=True)
         self.up[:experts] = -1
         self._stage_of = self.up[:experts].numpy()  # written item by item without torch's per-call cost
+        # 1 once the CPU pool's sums of the step are in `up`; a background run started with it sets it to 0
+        # until then, and the graph after the cut waits on the device for it where `fns.waits`
+        self.done = torch.ones(1, dtype=torch.int32, pin_memory=True)
         self.ready = torch.cuda.Event(external=True)
         self.summed_rows = 0  # rows of the sums the last step wrote (zeroed before the next one)
         self.staged: list[int] = []  # experts the staging map names now
@@ -757,7 +763,7 @@ class TieredExperts(nn.Module):
         if ids.numel() <= HOST_READ_ENTRIES:
             read_ids, read_x, read_weights = self._to_host(ids, x.float(), top_weights.float())
             sums = torch.zeros(read_x.shape, dtype=torch.float32)
-            staged, pooled = self._serve_small(
+            staged, pooled, _ = self._serve_small(
                 read_ids.flatten().tolist(), ids.shape[1], read_x, read_weights.flatten().tolist(), sums
             )
             host = (None, sums) if pooled else None
@@ -827,12 +833,15 @@ class TieredExperts(nn.Module):
         slots = link.pack(top_ids, top_weights, x, live, self.slot_of)
         out = self._resident(x, top_ids, top_weights, slots)
 
-        def step() -> None:
+        done = link.done if link.fns.waits and self.host_finish is not None else None
+
+        def step() -> Finish | None:
             link.wait()
             picks, weights, x_host, sums = link.read(rows, width)
-            staged, pooled = self._serve_small(picks, width, x_host, weights, sums)
+            staged, pooled, finish = self._serve_small(picks, width, x_host, weights, sums, done)
             link.name_staged(staged)
             link.summed_rows = rows if pooled else 0
+            return finish
 
         self.pieces.cut(step)
         staged = None
@@ -840,7 +849,7 @@ class TieredExperts(nn.Module):
             assert self.staging.gate_up is not None and self.staging.down is not None
             at = link.fns.staged_slots(top_ids, live, link.stage_map())
             staged = self.kernel(x, at, top_weights, self.staging.gate_up, self.staging.down)
-        return link.fns.add_parts(out, staged, link.sums(rows))
+        return link.fns.add_parts(out, staged, link.sums(rows), done)
 
     def _resident(
         self,
@@ -905,14 +914,22 @@ class TieredExperts(nn.Module):
         return out + host_sum
 
     def _serve_small(
-        self, ids: list, width: int, x: torch.Tensor, weights: list[float], sums: torch.Tensor
-    ) -> tuple[dict[int, int], bool]:
+        self,
+        ids: list,
+        width: int,
+        x: torch.Tensor,
+        weights: list[float],
+        sums: torch.Tensor,
+        done: torch.Tensor | None = None,
+    ) -> tuple[dict[int, int], bool, Finish | None]:
         """A small window's misses from its routing read to the host: `ids` its entries row by row (`width`
         a row; integers, or floats holding them), padding rows' entries pointing past the experts, and their
         `weights`; x [rows, hidden] fp32 on the host. The experts with most rows are copied into staging
         slots (queued here) as the costs say (`MissCosts.plan`), the others run now by the CPU pool, their
-        sums added into `sums` [rows, hidden] (fp32, host). Returns the staged experts' slots and whether the
-        CPU pool ran; counts where every entry was served."""
+        sums added into `sums` [rows, hidden] (fp32, host). Returns the staged experts' slots, whether the
+        CPU pool ran, and what finishes its run where it still runs (with `done`, the link's word the run
+        sets once its sums are in: a background run is then left running), else None; counts where every
+        entry was served."""
         experts, slots = len(self.slots), self.slots
         picked: dict[int, list[int]] = {}
         on_device = 0
@@ -926,13 +943,13 @@ class TieredExperts(nn.Module):
                 picked.setdefault(expert, []).append(entry)
         self.served[VRAM] += on_device
         if not picked:
-            return {}, False
+            return {}, False, None
         missed = sorted(picked, key=lambda e: (-len(picked[e]), e))  # most rows first, ties in expert order
         counts = [len(picked[e]) for e in missed]
         whole, split = self._copy_plan(counts, share=True)
         on_cpu = sorted(missed[whole:])  # the split expert's first channels among them
         if not on_cpu:
-            return self._stage(missed, counts, whole, split), False
+            return self._stage(missed, counts, whole, split), False, None
         entries = [entry for expert in on_cpu for entry in picked[expert]]
         offsets = [0]
         for expert in on_cpu:
@@ -953,20 +970,36 @@ class TieredExperts(nn.Module):
             shared = {"channels": self._pool_args.channels(kept)}
             read -= 1 - channels / self.intermediate
         pool_args = (x, hosts, bounds, rows, row_weights, self.host_gate_up, self.host_down)
-        if self.host_finish is None:  # the copies queued first, to cross PCIe while the pool runs
+        host_finish = self.host_finish
+        if host_finish is None:  # the copies queued first, to cross PCIe while the pool runs
             staged = self._stage(missed, counts, whole, split)
             began = time.perf_counter()
             self.host_kernel(*pool_args, out=sums, **shared)
-            seconds = time.perf_counter() - began
-        else:  # the pool started first on its own thread, the copies queued while it runs
-            self.host_kernel(*pool_args, out=sums, background=True, **shared)
-            try:
-                staged = self._stage(missed, counts, whole, split)
-            finally:
-                seconds = self.host_finish()
+            self._observe_pool(read, len(entries), time.perf_counter() - began)
+            return staged, True, None
+        # the pool started first on its own thread, the copies queued while it runs
+        if done is not None:
+            shared["done"] = done
+        self.host_kernel(*pool_args, out=sums, background=True, **shared)
+        try:
+            staged = self._stage(missed, counts, whole, split)
+        except BaseException:
+            host_finish()
+            raise
+
+        def finish() -> None:
+            self._observe_pool(read, len(entries), host_finish())
+
+        if done is not None:
+            return staged, True, finish
+        finish()
+        return staged, True, None
+
+    def _observe_pool(self, experts: float, entries: int, seconds: float) -> None:
+        """Fold a CPU pool run of `experts` experts over `entries` entries that took `seconds` into the
+        costs."""
         if self.costs is not None:
-            self.costs.observe_cpu(read, len(entries), seconds)
-        return staged, True
+            self.costs.observe_cpu(experts, entries, seconds)
 
     def _copy_plan(self, rows: list[int], share: bool = False) -> tuple[int, tuple[int, int] | None]:
         """How many of a window's missed experts (most rows first, `rows` each) the costs send over PCIe into

@@ -8,7 +8,9 @@ loads by width and their warp shuffles (16-byte / 2-byte / shuffles): held Q8_0'
 vectors (or 16-byte asynchronous copies), only the scales two bytes at a time. `rowwise-registers` compiles
 the i-quants' row sums at steps of k of 64, 128 and 256 and prints the registers a thread and the
 bytes spilled that ptxas reports, with the warp shuffles a step. `routing` compiles a decode window's routing
-in one launch and the norm that sums a MoE block's picks."""
+in one launch and the norm that sums a MoE block's picks. `tier-wait` compiles the expert tier's added parts
+waiting for the CPU pool's done word (app/kernels/triton_tier.py) and prints its volatile global loads and
+its branches."""
 
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from app.kernels.triton_moe import HELD_CODES, _grouped_matmul, _held_rowwise
 from app.kernels.triton_moe_block import _router_kernel
 from app.kernels.triton_norm import _rms_norm_kernel
 from app.kernels.triton_quant import ROWWISE_STEP_LIMITS, STEP_LIMITS
+from app.kernels.triton_tier import _add_parts
 
 POINTERS = {
     "x_ptr": "*bf16",
@@ -165,12 +168,26 @@ def compile_routing() -> None:
     print(line)
 
 
+def compile_tier_wait() -> None:
+    """`_add_parts` of bf16 rows with STAGED and WAIT: the volatile global loads (the done word's, before and
+    in the loop, and the sums') and the branches of its PTX."""
+    pointers = {"resident_ptr": "*bf16", "staged_ptr": "*bf16", "sums_ptr": "*fp32", "done_ptr": "*i32"}
+    pointers |= {"out_ptr": "*bf16", "hidden": "i32"}
+    constants = {"STAGED": True, "WAIT": True, "BLOCK": 1024, "PDL": True}
+    signature = {**pointers, **dict.fromkeys(constants, "constexpr")}
+    source = ASTSource(fn=_add_parts, signature=signature, constexprs=constants)
+    ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+    print(f"tier-wait {ptx.count('ld.volatile.global')} {ptx.count('bra')}")
+
+
 if __name__ == "__main__":
     for name in sys.argv[1:]:
         if name == "blocks":
             compile_blocks()
         elif name == "routing":
             compile_routing()
+        elif name == "tier-wait":
+            compile_tier_wait()
         elif name == "q8_0-loads":
             compile_q8_0_loads()
         elif name == "rowwise-registers":

@@ -4,6 +4,7 @@ blocks read in place."""
 from __future__ import annotations
 
 import logging
+import time
 
 import gguf
 import pytest
@@ -360,6 +361,33 @@ def test_a_background_run_gives_the_calls_bits_once_finished() -> None:
         experts_swiglu_sum(x, experts.int(), offsets, rows, weights, gate_up, down, out=out, background=True)
     with pytest.raises(ValueError, match="adds into"):
         experts_swiglu_sum(x, experts, offsets, rows, weights, gate_up, down, background=True)
+
+
+def test_a_run_sets_its_done_word_once_its_sums_are_in() -> None:
+    """The word a device waits on: 0 while a background run goes, 1 once its sums are in `out` (before the
+    caller's finish), and 1 after a call in the caller's thread; a run refused leaves it as it was."""
+    gate_up, down, _, _ = _stacked(torch.bfloat16, 4)
+    x = torch.randn(3, HIDDEN, generator=torch.Generator().manual_seed(9))
+    experts, offsets = torch.tensor([0, 2]), torch.tensor([0, 1, 3])
+    rows, weights = torch.tensor([1, 0, 2]), torch.rand(3, generator=torch.Generator().manual_seed(10))
+    args = (x, experts, offsets, rows, weights, gate_up, down)
+    whole = experts_swiglu_sum(*args)
+    done = torch.full((1,), 7, dtype=torch.int32)
+    out = torch.zeros(3, HIDDEN)
+    experts_swiglu_sum(*args, out=out, background=True, done=done)
+    deadline = time.monotonic() + 10
+    while not int(done[0]) and time.monotonic() < deadline:
+        time.sleep(1e-4)
+    assert int(done[0]) == 1 and torch.equal(out, whole)  # the sums are in before the caller finishes
+    cpu_experts.finish_background()
+    done[0] = 0
+    assert torch.equal(experts_swiglu_sum(*args, done=done), whole) and int(done[0]) == 1
+    done[0] = 5
+    with pytest.raises(ValueError, match="rows must be"):
+        experts_swiglu_sum(x, experts, offsets, torch.tensor([1, 0, 3]), weights, gate_up, down, done=done)
+    assert int(done[0]) == 5
+    with pytest.raises(ValueError, match="int32"):
+        experts_swiglu_sum(*args, done=torch.ones(1))
 
 
 def test_entries_outside_the_layer_are_refused() -> None:

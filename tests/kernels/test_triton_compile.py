@@ -45,3 +45,17 @@ def test_the_routing_in_one_launch_and_the_norm_summing_picks_compile_for_sm_90(
     assert done.returncode == 0, done.stderr[-3000:]
     forms = [form.split(":")[0] for form in done.stdout.split()[1:]]
     assert forms == ["router-shared-0", "router-shared-1", "norm-picks"]
+
+
+def test_the_tier_hand_over_waiting_for_the_pool_compiles_for_sm_90_with_volatile_loads() -> None:
+    """`_add_parts` with WAIT compiled as the GPU would compile it: the done word is read by volatile loads in
+    a loop (a load the compiler could hoist out of it would spin forever on its first value), and so are the
+    sums after it (never read ahead of the word)."""
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    script = Path(__file__).with_name("sm90_compile.py")
+    done = subprocess.run(
+        [sys.executable, str(script), "tier-wait"], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    name, volatile, branches = done.stdout.split()
+    assert name == "tier-wait" and int(volatile) >= 3 and int(branches) >= 2, done.stdout

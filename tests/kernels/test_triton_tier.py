@@ -3,6 +3,9 @@ CPU tensors: the same bits."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 
@@ -46,3 +49,28 @@ def test_staged_slots_and_the_added_parts_are_the_torch_ops(padded: bool, dtype:
     sums = torch.randn(5, HIDDEN, generator=g)
     for part in (staged, None):
         assert torch.equal(add_parts(resident, part, sums), add_parts_reference(resident, part, sums))
+
+
+def test_the_added_parts_wait_for_the_pools_done_word() -> None:
+    """With a done word the sums are read only once it is set: a thread standing in for the CPU pool writes
+    them after the kernel started, then the word; the kernel adds what it wrote. The torch hand-over cannot
+    wait and refuses a word not yet set."""
+    g = torch.Generator().manual_seed(11)
+    resident = torch.randn(2, HIDDEN, generator=g).to(torch.bfloat16)
+    final = torch.randn(2, HIDDEN, generator=g)
+    sums, done = torch.zeros(2, HIDDEN), torch.zeros(1, dtype=torch.int32)
+
+    def pool() -> None:
+        time.sleep(0.05)
+        sums.copy_(final)
+        done[0] = 1
+
+    worker = threading.Thread(target=pool)
+    worker.start()
+    got = add_parts(resident, None, sums, done)
+    worker.join()
+    assert torch.equal(got, add_parts_reference(resident, None, final))
+    assert torch.equal(add_parts_reference(resident, None, final, done), got)
+    done[0] = 0
+    with pytest.raises(ValueError, match="cannot wait"):
+        add_parts_reference(resident, None, final, done)

@@ -3,6 +3,8 @@ stand-in for CUDA graphs (the real ones are exercised by the GPU tests of tiered
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -56,6 +58,55 @@ def test_each_cut_ends_a_graph_and_its_step_runs_between_replays(fake_graphs: li
     fake_graphs.clear()
     pieces.replay()
     assert fake_graphs == ["replay graph1", "step 1", "replay graph2", "step 2", "replay graph3"]
+
+
+def test_what_a_step_leaves_running_is_finished_once_the_next_graph_is_launched(
+    fake_graphs: list[str],
+) -> None:
+    pieces = Pieces(pool=(0, 0))
+    pieces.begin()
+
+    def pooled() -> Callable[[], None]:
+        fake_graphs.append("step 1 starts the pool")
+        return lambda: fake_graphs.append("pool 1 joined")
+
+    pieces.cut(pooled)
+    pieces.cut(lambda: fake_graphs.append("step 2"))
+    pieces.cut(pooled)
+    pieces.end()
+    fake_graphs.clear()
+    pieces.replay()
+    assert fake_graphs == [
+        "replay graph1",
+        "step 1 starts the pool",
+        "replay graph2",
+        "pool 1 joined",
+        "step 2",
+        "replay graph3",
+        "step 1 starts the pool",
+        "replay graph4",
+        "pool 1 joined",
+    ]
+
+
+def test_a_steps_running_work_is_finished_when_the_next_replay_fails(
+    fake_graphs: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pieces = Pieces(pool=(0, 0))
+    pieces.begin()
+    pieces.cut(lambda: lambda: fake_graphs.append("joined"))
+    pieces.end()
+
+    def broken(self: FakeGraph) -> None:
+        if self.name == "graph2":
+            raise RuntimeError("replay failed")
+        fake_graphs.append(f"replay {self.name}")
+
+    monkeypatch.setattr(FakeGraph, "replay", broken)
+    fake_graphs.clear()
+    with pytest.raises(RuntimeError, match="replay failed"):
+        pieces.replay()
+    assert fake_graphs == ["replay graph1", "joined"]
 
 
 def test_ending_without_a_graph_being_captured_is_an_error(fake_graphs: list[str]) -> None:
