@@ -2,6 +2,7 @@
 
     python benchmarks/expert_tier.py [--shape q30-half] [--resident 0 32] [--routing uniform zipf]
         [--adapt frozen blocking async] [--adapt-every 16] [--pcie-frac F] [--phases] [--out results.jsonl]
+        [--batches 1 8 16] [--prompts 2048 8192] [--no-whole]
 
 Builds the shape with random bf16 weights on the GPU, keeps every routed expert in pinned host RAM, and for
 each routing, each resident count and each adaptation mode (frozen; blocking or asynchronous swaps every
@@ -9,7 +10,8 @@ each routing, each resident count and each adaptation mode (frozen; blocking or 
 (an adapting tier after 6 adaptations' worth of warm-up windows, so it has followed the routing),
 a 2K- and an 8K-token prompt read (tok/s, each prompt new: no prefix-cache hit), and where the timed windows'
 routed entries were served (VRAM / CPU / PCIe shares). The all-resident model (every expert on the GPU, CUDA
-graphs) runs first for each routing, as the reference speed.
+graphs) runs first for each routing, as the reference speed (`--no-whole`: not). `--batches` and `--prompts`
+choose the decode batches and prompt lengths timed (`--prompts` with none: no prompt timed).
 
 Routing: `uniform` is the random router's (close to uniform); `zipf` adds to each layer's router logits a bias
 that makes expert e (in a random order per layer) about as likely as 1 / rank: the top quarter of the experts
@@ -23,7 +25,8 @@ tier, would have served it).
 graph pieces, waiting for the device's work up to the layer's routing, planning (`plan`: reading the routing
 and choosing; `stage`: the staging step's own work, `copy_timing` its timing events), queueing the staging
 copies, filling the CPU pool's arguments, the CPU pool's kernel (with its run in the background, the default:
-handing it over, `cpu_pool`, and waiting for it after the copies are queued, `pool_wait`), and the rest of the
+handing it over, `cpu_pool`, and waiting for it after the copies are queued, `pool_wait`, or with
+STRATA_POOL_DEVICE_WAIT=1 after the next graph piece's launch, `pool_wait_after`), and the rest of the
 step; and, from the profiler, the device's time per tiered layer by kernel or copy against the wall time a
 layer.
 """
@@ -403,16 +406,24 @@ def pinned_copy_rate(gigabytes: int = 1) -> float:
     return source.nbytes / best
 
 
-def measure(core: EngineCore, tiers: list[TieredExperts], vocab: int, warm: int) -> dict[str, Any]:
+def measure(
+    core: EngineCore,
+    tiers: list[TieredExperts],
+    vocab: int,
+    warm: int,
+    batches: tuple[int, ...] = BATCHES,
+    prompts: tuple[int, ...] = PROMPTS,
+) -> dict[str, Any]:
+    """Decode at each of `batches` concurrent requests and each of `prompts` read, with the tier's shares."""
     line: dict[str, Any] = {}
     read_prompt(core, tiers, PROMPTS[0], vocab, 1)  # kernels compiled for prompt-sized windows
     totals = [0, 0, 0]
-    for batch in BATCHES:
+    for batch in batches:
         tok_s, served = decode(core, tiers, batch, vocab, warm)
         line[f"decode_bs{batch}_tok_s"] = round(tok_s, 1)
         totals = [a + b for a, b in zip(totals, served, strict=True)]
     pcie = pinned_copy_rate() if tiers else None
-    for length in PROMPTS:
+    for length in prompts:
         read = read_prompt(core, tiers, length, vocab, 100 + length)
         line[f"prompt_{length}_tok_s"] = round(read["tok_s"], 1)
         line[f"prompt_{length}_windows_tok_s"] = round(read["windows_tok_s"], 1)
@@ -584,6 +595,9 @@ def main() -> None:
     parser.add_argument("--placement", default="spread", choices=PLACEMENTS)
     parser.add_argument("--pcie-frac", type=float, nargs="+", default=[None])
     parser.add_argument("--phases", action="store_true", help="batch-1 decode only, host time by phase")
+    parser.add_argument("--batches", type=int, nargs="+", default=list(BATCHES), help="decode batches timed")
+    parser.add_argument("--prompts", type=int, nargs="*", default=list(PROMPTS), help="prompt lengths read")
+    parser.add_argument("--no-whole", action="store_true", help="no all-resident run before the tiered ones")
     parser.add_argument("--out", help="also append the JSON lines to this file")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -613,7 +627,8 @@ def main() -> None:
         "cpu_threads": threads(),
     }
     vocab = config["vocab_size"]
-    runs: list[tuple[int | None, str, float | None]] = [] if large else [(None, "frozen", None)]
+    whole = not (large or args.no_whole)
+    runs: list[tuple[int | None, str, float | None]] = [(None, "frozen", None)] if whole else []
     for resident in args.resident:
         for adapt in args.adapt if resident else ["frozen"]:
             runs += [(resident, adapt, frac) for frac in args.pcie_frac]
@@ -642,8 +657,8 @@ def main() -> None:
             elif args.phases:
                 line["decode_bs1_tok_s"] = round(decode(core, tiers, 1, vocab, warm)[0], 1)
             else:
-                line.update(measure(core, tiers, vocab, warm))
-            if resident is None:
+                line.update(measure(core, tiers, vocab, warm, tuple(args.batches), tuple(args.prompts)))
+            if resident is None and "decode_bs1_tok_s" in line:
                 roofline = roofline_tok_s(config, 1, PROMPT_LEN + TIMED_WINDOWS, bandwidth)
                 line["roofline_bs1_tok_s"] = round(roofline, 1)
                 if line["decode_bs1_tok_s"] > roofline:
