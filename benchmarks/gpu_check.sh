@@ -10,6 +10,8 @@
 # (STRATA_POOL_DEVICE_WAIT=1), without, and with the pool in the caller's thread (STRATA_POOL_BACKGROUND=0):
 # q30-half at 0 and 96 resident, the Q4_K file at 25%; then q30-half's uniform figures at 0 and 96 resident
 # (spread, then whole layers);
+# device-wait: the frozen tier's GPU tests, host_reads.py, then batch-1 and batch-8 decode of q30-half at 0 and
+# 96 resident with STRATA_POOL_DEVICE_WAIT=1 and 0, and at 96 in whole layers with it;
 # tier-large: the full 48-layer Qwen3-Next shape built tiered (368 experts a layer on an H200's card, 200 on an
 # 80 GB one: LARGE_RESIDENT);
 # serving-large: the same shape served over HTTP (`strata serve --expert-cache` as above, its weights drawn as they
@@ -216,6 +218,23 @@ if [[ $what == pool ]]; then
         --out "$out/pool-tier.jsonl" 2>&1 | tee -a "$out/pool.log" || status=1
     env "${final[@]}" python3 benchmarks/expert_tier.py --routing uniform --resident 96 --adapt frozen \
         --placement layers --out "$out/pool-tier.jsonl" 2>&1 | tee -a "$out/pool.log" || status=1
+fi
+if [[ $what == device-wait ]]; then
+    # the frozen tier's GPU tests (device wait among them), the host's memory shared by a copy and the pool,
+    # then q30-half's batch-1 decode at 0 and 96 resident (uniform routing) with the graph after each cut
+    # launched while the pool runs (STRATA_POOL_DEVICE_WAIT=1) and not, then 96 in whole layers with it
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_fast_path_gpu.py \
+        tests/gpu/test_tier_link_gpu.py -k "frozen_expert_tier or hand_over" 2>&1 | tee "$out/gpu-tests.log" \
+        || status=1
+    python3 benchmarks/host_reads.py --counts 8 2>&1 | tee "$out/host-reads.json" || status=1
+    for wait in 1 0; do
+        STRATA_POOL_DEVICE_WAIT=$wait timeout 200 python3 benchmarks/expert_tier.py --routing uniform \
+            --resident 0 96 --adapt frozen --batches 1 8 --prompts --no-whole --out "$out/device-wait.jsonl" 2>&1 \
+            | tail -2 || status=1
+    done
+    STRATA_POOL_DEVICE_WAIT=1 timeout 150 python3 benchmarks/expert_tier.py --routing uniform --resident 96 \
+        --adapt frozen --placement layers --batches 1 8 --prompts --no-whole --out "$out/device-wait.jsonl" 2>&1 \
+        | tail -1 || status=1
 fi
 # experts a layer of the 48-layer Qwen3-Next shape (6.3 MB each, 512 a layer) on the card: LARGE_RESIDENT, else
 # 368 (111 GB) on a card of more than 120 GB (an H200), 200 (60 GB) on an 80 GB one, whose host then pins 94 GB
