@@ -6,12 +6,13 @@
 # random router's routing, the 96 spread over every layer and gathered into whole layers; 32 resident on Zipf
 # and the demo model's routing, frozen / blocking / async);
 # pool: the CPU pool's kernel on the host (Q4_K, Q5_K, Q6_K, bf16) and the host's memory shared by a copy and the
-# pool (host_reads.py, 8 experts), then the tier's batch-1 decode by phase with the device waiting for the pool
-# (STRATA_POOL_DEVICE_WAIT=1), without, and with the pool in the caller's thread (STRATA_POOL_BACKGROUND=0):
+# pool (host_reads.py, 8 experts), then the tier's batch-1 decode by phase with the pool in the step's thread,
+# on its own (STRATA_POOL_BACKGROUND=1), and so with the device waiting for it (STRATA_POOL_DEVICE_WAIT=1):
 # q30-half at 0 and 96 resident, the Q4_K file at 25%; then q30-half's uniform figures at 0 and 96 resident
 # (spread, then whole layers);
 # device-wait: the frozen tier's GPU tests, host_reads.py, then batch-1 and batch-8 decode of q30-half at 0 and
-# 96 resident with STRATA_POOL_DEVICE_WAIT=1 and 0, and at 96 in whole layers with it;
+# 96 resident with the pool in the step's thread, on its own, and so with the device waiting for it, and at 96
+# in whole layers with the defaults;
 # tier-large: the full 48-layer Qwen3-Next shape built tiered (368 experts a layer on an H200's card, 200 on an
 # 80 GB one: LARGE_RESIDENT);
 # serving-large: the same shape served over HTTP (`strata serve --expert-cache` as above, its weights drawn as they
@@ -189,9 +190,9 @@ if [[ $what == tier ]]; then
 fi
 if [[ $what == pool ]]; then
     # the CPU pool's kernel on this host (POOL_KERNELS=0 skips it), then the tier's batch-1 decode by phase
-    # under each of POOL_SETTINGS (words NAME=VALUE, "-" none; by default the graph after a cut launched while
-    # the pool runs, the device waiting for it, then not, then the pool in the caller's thread), one after
-    # the other: q30-half at 0 and 96 experts resident a layer (uniform routing) and the Q4_K file at a 25%
+    # under each of POOL_SETTINGS (words of NAME=VALUE settings joined by commas, "-" none; by default the pool
+    # in the step's thread, then on its own thread, then also the graph after a cut launched while it runs,
+    # the device waiting for it), one after the other: q30-half at 0 and 96 experts resident a layer (uniform routing) and the Q4_K file at a 25%
     # budget (whole layers); then issue 15's uniform figures (0 and 96 resident) with FINAL_ENV (NAME=VALUE
     # words, default none)
     if [[ ${POOL_KERNELS:-1} != 0 ]]; then
@@ -202,18 +203,19 @@ if [[ $what == pool ]]; then
     python3 benchmarks/host_reads.py --counts 8 2>&1 | tee "$out/pool-host-reads.json" | tee -a "$out/pool.log" \
         || status=1
     python3 benchmarks/gguf_bench.py write --kind Q4_K --out /tmp/q30-Q4_K.gguf >/dev/null || status=1
-    for setting in ${POOL_SETTINGS:-STRATA_POOL_DEVICE_WAIT=1 - STRATA_POOL_BACKGROUND=0}; do
-        [[ $setting == - ]] && setting=STRATA_POOL_DEVICE_WAIT=0
+    for setting in ${POOL_SETTINGS:-- STRATA_POOL_BACKGROUND=1 STRATA_POOL_BACKGROUND=1,STRATA_POOL_DEVICE_WAIT=1}; do
+        [[ $setting == - ]] && setting=STRATA_POOL_BACKGROUND=0
         echo "$setting" | tee -a "$out/pool.log"
+        read -ra settings <<<"${setting//,/ }"
         for resident in 0 96; do
-            env "$setting" python3 benchmarks/expert_tier.py --routing uniform --resident $resident --phases \
+            env "${settings[@]}" python3 benchmarks/expert_tier.py --routing uniform --resident $resident --phases \
                 --out "$out/pool-phases.jsonl" 2>&1 | tail -1 | tee -a "$out/pool.log" || status=1
         done
-        env "$setting" python3 benchmarks/gguf_bench.py strata --model /tmp/q30-Q4_K.gguf --expert-cache 32 \
+        env "${settings[@]}" python3 benchmarks/gguf_bench.py strata --model /tmp/q30-Q4_K.gguf --expert-cache 32 \
             --expert-placement layers --phases --out "$out/pool-gguf-phases.jsonl" 2>&1 | tail -1 \
             | tee -a "$out/pool.log" || status=1
     done
-    read -ra final <<<"${FINAL_ENV:-STRATA_POOL_DEVICE_WAIT=0}"
+    read -ra final <<<"${FINAL_ENV:-STRATA_POOL_BACKGROUND=0}"
     env "${final[@]}" python3 benchmarks/expert_tier.py --routing uniform --resident 0 96 --adapt frozen \
         --out "$out/pool-tier.jsonl" 2>&1 | tee -a "$out/pool.log" || status=1
     env "${final[@]}" python3 benchmarks/expert_tier.py --routing uniform --resident 96 --adapt frozen \
@@ -221,20 +223,22 @@ if [[ $what == pool ]]; then
 fi
 if [[ $what == device-wait ]]; then
     # the frozen tier's GPU tests (device wait among them), the host's memory shared by a copy and the pool,
-    # then q30-half's batch-1 decode at 0 and 96 resident (uniform routing) with the graph after each cut
-    # launched while the pool runs (STRATA_POOL_DEVICE_WAIT=1) and not, then 96 in whole layers with it
+    # then q30-half's batch-1 and batch-8 decode at 0 and 96 resident (uniform routing) with the pool in the
+    # step's thread, on its own (STRATA_POOL_BACKGROUND=1) and so with the graph after each cut launched while
+    # it runs (STRATA_POOL_DEVICE_WAIT=1), then 96 in whole layers with the defaults
     timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_fast_path_gpu.py \
         tests/gpu/test_tier_link_gpu.py -k "frozen_expert_tier or hand_over" 2>&1 | tee "$out/gpu-tests.log" \
         || status=1
     python3 benchmarks/host_reads.py --counts 8 2>&1 | tee "$out/host-reads.json" || status=1
-    for wait in 1 0; do
-        STRATA_POOL_DEVICE_WAIT=$wait timeout 200 python3 benchmarks/expert_tier.py --routing uniform \
-            --resident 0 96 --adapt frozen --batches 1 8 --prompts --no-whole --out "$out/device-wait.jsonl" 2>&1 \
-            | tail -2 || status=1
+    for setting in "0 0" "1 0" "1 1"; do
+        read -r background wait <<<"$setting"
+        STRATA_POOL_BACKGROUND=$background STRATA_POOL_DEVICE_WAIT=$wait timeout 200 python3 \
+            benchmarks/expert_tier.py --routing uniform --resident 0 96 --adapt frozen --batches 1 8 --prompts \
+            --no-whole --out "$out/device-wait.jsonl" 2>&1 | tail -2 || status=1
     done
-    STRATA_POOL_DEVICE_WAIT=1 timeout 150 python3 benchmarks/expert_tier.py --routing uniform --resident 96 \
-        --adapt frozen --placement layers --batches 1 8 --prompts --no-whole --out "$out/device-wait.jsonl" 2>&1 \
-        | tail -1 || status=1
+    timeout 150 python3 benchmarks/expert_tier.py --routing uniform --resident 96 --adapt frozen \
+        --placement layers --batches 1 8 --prompts --no-whole --out "$out/device-wait.jsonl" 2>&1 | tail -1 \
+        || status=1
 fi
 # experts a layer of the 48-layer Qwen3-Next shape (6.3 MB each, 512 a layer) on the card: LARGE_RESIDENT, else
 # 368 (111 GB) on a card of more than 120 GB (an H200), 200 (60 GB) on an 80 GB one, whose host then pins 94 GB

@@ -192,9 +192,10 @@ def experts_swiglu_sum(
     other rows share its experts.
 
     With `background` (`out` given, every tensor already as the kernel reads it: contiguous, fp32 x and
-    weights, int64 indices) the native kernel runs on the pool's own thread and the call returns `out` as
-    soon as the run is handed over, before the sums are in it: the caller may queue other work meanwhile,
-    then waits with `finish_background`, and leaves every argument as it is until then. Without the native
+    weights, int64 indices) the native kernel runs on the pool's own thread (on a thread fewer than
+    `threads()`: the caller's goes on) and the call returns `out` as soon as the run is handed over, before
+    the sums are in it: the caller may queue other work meanwhile, then waits with `finish_background`, and
+    leaves every argument as it is until then. Without the native
     kernel the sums are made before the call returns. With `done` (one int32 in host memory, pinned where a
     device reads it) the run sets it to 1 once the sums are in `out` (or it failed): what a device waits on
     before reading them, sooner than the caller's `finish_background` could tell it."""
@@ -243,7 +244,7 @@ def experts_swiglu_sum(
         expert_sizes(gate_up, down)[1],
         kind(gate_up, x.shape[1]),
         kind(down, expert_sizes(gate_up, down)[1]),
-        threads(),
+        max(threads() - background, 1),  # a background run leaves a core to the caller, who goes on
         experts.data_ptr(),
         offsets.data_ptr(),
         rows.data_ptr(),
@@ -269,10 +270,11 @@ def _kernel_arg(t: torch.Tensor, dtype: torch.dtype, background: bool) -> torch.
 
 
 def background_finish() -> Callable[[], float] | None:
-    """What the expert tier waits for its background pool runs with (`finish_background`), or None with
-    STRATA_POOL_BACKGROUND=0: each run then in the calling thread, after the window's staging copies are
-    queued."""
-    return None if os.environ.get("STRATA_POOL_BACKGROUND", "1") == "0" else finish_background
+    """What the expert tier waits for its background pool runs with (`finish_background`) where
+    STRATA_POOL_BACKGROUND=1, else None: each run then in the calling thread, after the window's staging
+    copies are queued. Off by default: on an H100 machine's 16 cores the tier's batch-1 decode with background
+    runs took 34-39 tok/s where the runs in the calling thread had given 44-101 (docs/PERFORMANCE.md)."""
+    return finish_background if os.environ.get("STRATA_POOL_BACKGROUND", "0") == "1" else None
 
 
 def finish_background() -> float:

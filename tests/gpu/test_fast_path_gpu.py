@@ -203,15 +203,16 @@ def test_captured_mixed_windows_price_prompt_rows_before_any_window_runs(checkpo
 
 
 @pytest.mark.parametrize(
-    ("pcie_frac", "eager", "split", "device_waits"),
+    ("pcie_frac", "eager", "split", "pool"),
     [
-        (None, False, False, False),
-        (0.0, False, False, False),
-        (1.0, False, False, False),
-        (None, True, False, False),
-        (None, False, True, False),
-        (None, False, False, True),
-        (0.0, False, False, True),
+        (None, False, False, "step"),
+        (0.0, False, False, "step"),
+        (1.0, False, False, "step"),
+        (None, True, False, "step"),
+        (None, False, True, "step"),
+        (None, False, False, "background"),
+        (None, False, False, "device wait"),
+        (0.0, False, False, "device wait"),
     ],
 )
 def test_a_frozen_expert_tier_on_the_gpu_gives_the_all_resident_tokens(
@@ -219,16 +220,17 @@ def test_a_frozen_expert_tier_on_the_gpu_gives_the_all_resident_tokens(
     pcie_frac: float | None,
     eager: bool,
     split: bool,
-    device_waits: bool,
+    pool: str,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Two experts a layer on the device (the Triton experts kernel), the misses computed on the CPU from
     host RAM or copied over PCIe into staging slots (as measured, all on the CPU, all over PCIe; or with
     experts split between the two at 8 channels, where the test model's 32 would not be split at 64), decode
-    windows replayed as piecewise graphs (or all eager), the graph after a cut launched while the CPU pool
-    runs and waiting for it on the device (`STRATA_POOL_DEVICE_WAIT=1`) or not: the greedy tokens of the
-    all-resident model."""
-    monkeypatch.setenv("STRATA_POOL_DEVICE_WAIT", str(int(device_waits)))
+    windows replayed as piecewise graphs (or all eager), the CPU pool run in the step's thread, on its own
+    (`STRATA_POOL_BACKGROUND=1`), or so with the graph after a cut launched while it runs, waiting for it on
+    the device (`STRATA_POOL_DEVICE_WAIT=1`): the greedy tokens of the all-resident model."""
+    monkeypatch.setenv("STRATA_POOL_BACKGROUND", str(int(pool != "step")))
+    monkeypatch.setenv("STRATA_POOL_DEVICE_WAIT", str(int(pool == "device wait")))
     splits = []
     if split:  # both sides described as equally fast, so that a lone miss is split (at 8 of 32 channels)
         monkeypatch.setattr("app.models.expert_tier.SPLIT_ALIGN", 8)
@@ -250,7 +252,8 @@ def test_a_frozen_expert_tier_on_the_gpu_gives_the_all_resident_tokens(
     graphs = tiered.runner.graphs
     assert (graphs is None) if eager else (graphs is not None and graphs.pieces and not graphs.graphs)
     link = tiered.tiers[0].link
-    assert link is not None and link.fns.waits == device_waits
+    assert link is not None and link.fns.waits == (pool == "device wait")
+    assert (tiered.tiers[0].host_finish is None) == (pool == "step")
     costs = tiered.tiers[0].costs
     assert costs is not None
     if split:  # the tiny experts' measured costs are their calls' own: described instead
