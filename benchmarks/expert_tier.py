@@ -25,9 +25,9 @@ tier, would have served it).
 graph pieces, waiting for the device's work up to the layer's routing, planning (`plan`: reading the routing
 and choosing; `stage`: the staging step's own work, `copy_timing` its timing events), queueing the staging
 copies, filling the CPU pool's arguments, the CPU pool's kernel (with its run in the background, the default:
-handing it over, `cpu_pool`, and waiting for it after the copies are queued, `pool_wait`, or with
-STRATA_POOL_DEVICE_WAIT=1 after the next graph piece's launch, `pool_wait_after`), and the rest of the
-step; and, from the profiler, the device's time per tiered layer by kernel or copy against the wall time a
+handing it over, `cpu_pool`, and waiting for it, by default after the next graph piece's launch,
+`pool_wait_after`, with STRATA_POOL_DEVICE_WAIT=0 after the copies are queued, `pool_wait`), and the rest of
+the step; and, from the profiler, the device's time per tiered layer by kernel or copy against the wall time a
 layer.
 """
 
@@ -519,7 +519,7 @@ class PhaseTimes:
             "copies": s["copies"],
             "cpu_pool": s["cpu_pool"],
             "pool_wait": s["pool_wait"],
-            # the pool joined after the next graph's launch (STRATA_POOL_DEVICE_WAIT=1)
+            # the pool joined after the next graph's launch (the device waiting for it)
             "pool_wait_after": s["pool_wait_after"],
             "hand_back": s["forward"] - s["replay"] - s["wait"] - s["serve"] - s["pool_wait_after"],
         }

@@ -6,8 +6,8 @@
 # random router's routing, the 96 spread over every layer and gathered into whole layers; 32 resident on Zipf
 # and the demo model's routing, frozen / blocking / async);
 # pool: the CPU pool's kernel on the host (Q4_K, Q5_K, Q6_K, bf16) and the host's memory shared by a copy and the
-# pool (host_reads.py, 8 experts), then the tier's batch-1 decode by phase with the pool in the step's thread,
-# on its own (STRATA_POOL_BACKGROUND=1), and so with the device waiting for it (STRATA_POOL_DEVICE_WAIT=1):
+# pool (host_reads.py, 8 experts), then the tier's batch-1 decode by phase with the pool in the step's thread
+# (STRATA_POOL_BACKGROUND=0), on its own with the step waiting (STRATA_POOL_DEVICE_WAIT=0), and the defaults:
 # q30-half at 0 and 96 resident, the Q4_K file at 25%; then q30-half's uniform figures at 0 and 96 resident
 # (spread, then whole layers);
 # device-wait: the frozen tier's GPU tests, host_reads.py, then batch-1 and batch-8 decode of q30-half at 0 and
@@ -191,8 +191,8 @@ fi
 if [[ $what == pool ]]; then
     # the CPU pool's kernel on this host (POOL_KERNELS=0 skips it), then the tier's batch-1 decode by phase
     # under each of POOL_SETTINGS (words of NAME=VALUE settings joined by commas, "-" none; by default the pool
-    # in the step's thread, then on its own thread, then also the graph after a cut launched while it runs,
-    # the device waiting for it), one after the other: q30-half at 0 and 96 experts resident a layer (uniform routing) and the Q4_K file at a 25%
+    # in the step's thread, then on its own thread with the step waiting for it, then the defaults: the graph
+    # after a cut launched while it runs, the device waiting for it), one after the other: q30-half at 0 and 96 experts resident a layer (uniform routing) and the Q4_K file at a 25%
     # budget (whole layers); then issue 15's uniform figures (0 and 96 resident) with FINAL_ENV (NAME=VALUE
     # words, default none)
     if [[ ${POOL_KERNELS:-1} != 0 ]]; then
@@ -203,8 +203,8 @@ if [[ $what == pool ]]; then
     python3 benchmarks/host_reads.py --counts 8 2>&1 | tee "$out/pool-host-reads.json" | tee -a "$out/pool.log" \
         || status=1
     python3 benchmarks/gguf_bench.py write --kind Q4_K --out /tmp/q30-Q4_K.gguf >/dev/null || status=1
-    for setting in ${POOL_SETTINGS:-- STRATA_POOL_BACKGROUND=1 STRATA_POOL_BACKGROUND=1,STRATA_POOL_DEVICE_WAIT=1}; do
-        [[ $setting == - ]] && setting=STRATA_POOL_BACKGROUND=0
+    for setting in ${POOL_SETTINGS:-STRATA_POOL_BACKGROUND=0 STRATA_POOL_DEVICE_WAIT=0 -}; do
+        [[ $setting == - ]] && setting=STRATA_POOL_DEVICE_WAIT=1  # the defaults
         echo "$setting" | tee -a "$out/pool.log"
         read -ra settings <<<"${setting//,/ }"
         for resident in 0 96; do
@@ -215,7 +215,7 @@ if [[ $what == pool ]]; then
             --expert-placement layers --phases --out "$out/pool-gguf-phases.jsonl" 2>&1 | tail -1 \
             | tee -a "$out/pool.log" || status=1
     done
-    read -ra final <<<"${FINAL_ENV:-STRATA_POOL_BACKGROUND=0}"
+    read -ra final <<<"${FINAL_ENV:-STRATA_POOL_DEVICE_WAIT=1}"
     env "${final[@]}" python3 benchmarks/expert_tier.py --routing uniform --resident 0 96 --adapt frozen \
         --out "$out/pool-tier.jsonl" 2>&1 | tee -a "$out/pool.log" || status=1
     env "${final[@]}" python3 benchmarks/expert_tier.py --routing uniform --resident 96 --adapt frozen \
@@ -224,8 +224,8 @@ fi
 if [[ $what == device-wait ]]; then
     # the frozen tier's GPU tests (device wait among them), the host's memory shared by a copy and the pool,
     # then q30-half's batch-1 and batch-8 decode at 0 and 96 resident (uniform routing) with the pool in the
-    # step's thread, on its own (STRATA_POOL_BACKGROUND=1) and so with the graph after each cut launched while
-    # it runs (STRATA_POOL_DEVICE_WAIT=1), then 96 in whole layers with the defaults
+    # step's thread, on its own with the step waiting for it, and on its own with the graph after each cut
+    # launched while it runs, the device waiting (the defaults), then 96 in whole layers with the defaults
     timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_fast_path_gpu.py \
         tests/gpu/test_tier_link_gpu.py -k "frozen_expert_tier or hand_over" 2>&1 | tee "$out/gpu-tests.log" \
         || status=1

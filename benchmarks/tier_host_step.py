@@ -7,7 +7,7 @@ A layer of 128 experts, top-8, with tiny experts (hidden 64: the CPU pool's arit
 the costs of the H200 machine (PCIe 52 GB/s, CPU pool 50 GB/s + 28 us a row), torch on one thread as in the
 engine: microseconds per host step of a small window as a captured decode window runs it (read the routing
 from the host link's buffers, count entries per expert, plan, queue staging copies, run the CPU share into
-the link's sums: `_serve_small`, the pool's run on its own thread where STRATA_POOL_BACKGROUND=1) for 96
+the link's sums: `_serve_small`, the pool's run on its own thread unless STRATA_POOL_BACKGROUND=0) for 96
 and 0 experts resident at 1 and 16 rows. The costs stay the
 described ones (the CPU pool's observed rate on these tiny experts would say nothing of the machine).
 Prints one JSON line.
@@ -35,7 +35,7 @@ H200_HOST = MissCosts(9_437_184, pcie_bytes_s=52e9, cpu_bytes_s=50e9, cpu_row_s=
 
 
 def step_us(resident: int, rows: int, calls: int = 250) -> float:
-    finish = background_finish()  # as the engine (the pool on its own thread: STRATA_POOL_BACKGROUND=1)
+    finish = background_finish()  # the engine's default: the pool's run beside the copies' queueing
     tier = TieredExperts(EXPERTS, HIDDEN, INTER, experts_reference, resident, experts_swiglu_sum, 0, finish)
     tier.fill(
         torch.randn(EXPERTS, 2 * INTER, HIDDEN) * 0.1,

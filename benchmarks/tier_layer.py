@@ -32,7 +32,7 @@ EXPERTS, HIDDEN, INTER, TOP_K = 128, 2048, 768, 8
 
 
 def build(resident: int, backends: Backends) -> TieredExperts:
-    finish = background_finish()  # as the engine (the pool on its own thread: STRATA_POOL_BACKGROUND=1)
+    finish = background_finish()  # the engine's default: the pool's run beside the copies' queueing
     tier = TieredExperts(EXPERTS, HIDDEN, INTER, backends.experts, resident, experts_swiglu_sum, 0, finish)
     generator = torch.Generator(device="cuda").manual_seed(0)
     gate_up, down = (

@@ -46,11 +46,11 @@ def triton_backends() -> Backends:
 
     # STRATA_FUSED_DECODE=0 runs decode windows' Gated DeltaNet layers and shared-expert MoE blocks by their
     # pieces, STRATA_TIER_LINK=0 a tiered layer's captured hand-over by torch ops (for measurements);
-    # STRATA_POOL_DEVICE_WAIT=1 launches the graph after a tiered layer's cut while its CPU pool still runs in
-    # the background (STRATA_POOL_BACKGROUND=1), the device waiting for the pool's sums (both off by default).
+    # the graph after a tiered layer's cut is launched while its CPU pool still runs in the background, the
+    # device waiting for the pool's sums (STRATA_POOL_DEVICE_WAIT=0: the step waits for the pool first).
     fused = os.environ.get("STRATA_FUSED_DECODE", "1") != "0"
     tier_link = TIER_LINK if os.environ.get("STRATA_TIER_LINK", "1") != "0" else TIER_LINK_REFERENCE
-    if os.environ.get("STRATA_POOL_DEVICE_WAIT", "0") == "0":
+    if os.environ.get("STRATA_POOL_DEVICE_WAIT", "1") == "0":
         tier_link = replace(tier_link, waits=False)
     return Backends(
         name="triton",

@@ -270,11 +270,11 @@ def _kernel_arg(t: torch.Tensor, dtype: torch.dtype, background: bool) -> torch.
 
 
 def background_finish() -> Callable[[], float] | None:
-    """What the expert tier waits for its background pool runs with (`finish_background`) where
-    STRATA_POOL_BACKGROUND=1, else None: each run then in the calling thread, after the window's staging
-    copies are queued. Off by default: on an H100 machine's 16 cores the tier's batch-1 decode with background
-    runs took 34-39 tok/s where the runs in the calling thread had given 44-101 (docs/PERFORMANCE.md)."""
-    return finish_background if os.environ.get("STRATA_POOL_BACKGROUND", "0") == "1" else None
+    """What the expert tier waits for its background pool runs with (`finish_background`), or None with
+    STRATA_POOL_BACKGROUND=0: each run then in the calling thread, after the window's staging copies are
+    queued. With the device waiting for the runs (STRATA_POOL_DEVICE_WAIT, app/kernels/backends.py) the
+    background runs decoded fastest on an H200 machine (docs/PERFORMANCE.md, 2026-12-07)."""
+    return None if os.environ.get("STRATA_POOL_BACKGROUND", "1") == "0" else finish_background
 
 
 def finish_background() -> float:
