@@ -224,6 +224,14 @@ struct QuantizedInputs {
 // y[rows[k]] += weights[k] * (the SwiGLU of x[rows[k]] through entry k's group), for every entry (grouped as
 // p says), in one team: the rows gathered, the two passes, then the sums added by blocks of columns, entries
 // in order.
+// Sets a run's done word (if any) to 1 when it leaves scope: once the run's sums are written, or it threw.
+struct DoneOnExit {
+    int32_t* word;
+    ~DoneOnExit() {
+        if (word) __atomic_store_n(word, 1, __ATOMIC_RELEASE);
+    }
+};
+
 // The thread of the pool's background runs (never destroyed: a run may outlive the interpreter's exit).
 BackgroundRuns& pool_runs() {
     static auto* runs = new BackgroundRuns;
@@ -378,13 +386,8 @@ void experts_swiglu_sum(uintptr_t x_ptr, uintptr_t gate_up_ptr, uintptr_t down_p
     const auto* weights = reinterpret_cast<const float*>(weights_ptr);
     auto* done = reinterpret_cast<int32_t*>(done_ptr);
     const auto run = [=] {
-        try {
-            add_groups(*p, x, y, rows, weights, entries, threads);
-        } catch (...) {
-            if (done) __atomic_store_n(done, 1, __ATOMIC_RELEASE);
-            throw;
-        }
-        if (done) __atomic_store_n(done, 1, __ATOMIC_RELEASE);  // after every store to y
+        const DoneOnExit mark{done};  // set after every store to y, or when the run throws
+        add_groups(*p, x, y, rows, weights, entries, threads);
     };
     if (background) {
         if (done) __atomic_store_n(done, 0, __ATOMIC_RELEASE);  // before the run could set it

@@ -195,10 +195,10 @@ def experts_swiglu_sum(
     weights, int64 indices) the native kernel runs on the pool's own thread (on a thread fewer than
     `threads()`: the caller's goes on) and the call returns `out` as soon as the run is handed over, before
     the sums are in it: the caller may queue other work meanwhile, then waits with `finish_background`, and
-    leaves every argument as it is until then. Without the native
-    kernel the sums are made before the call returns. With `done` (one int32 in host memory, pinned where a
-    device reads it) the run sets it to 1 once the sums are in `out` (or it failed): what a device waits on
-    before reading them, sooner than the caller's `finish_background` could tell it."""
+    leaves every argument as it is until then. Without the native kernel the sums are made before the call
+    returns. With `done` (one int32 in host memory, pinned where a device reads it) the run sets it to 1 once
+    the sums are in `out` (or it failed): what a device waits on before reading them, sooner than the
+    caller's `finish_background` could tell it."""
     if out is not None and (out.shape != x.shape or out.dtype != torch.float32 or not out.is_contiguous()):
         raise ValueError("out must be a contiguous fp32 tensor shaped like x")
     if background and out is None:
