@@ -38,7 +38,8 @@
 # expert tier at a 25% budget (--expert-cache 32, whole layers: --expert-placement TIER_PLACEMENT, default
 # layers, as llama.cpp's --n-cpu-moe keeps them) for the types in TIER_KINDS (default: every one named), and
 # llama.cpp on the same files (benchmarks/llama_cpp.sh), with 18 of 24 layers' experts on the CPU (CPU_MOE=18)
-# where a tier ran (LLAMA=0: Strata alone, no llama.cpp build).
+# where a tier ran (LLAMA=0: Strata alone, no llama.cpp build); with REPEAT=N both engines run N times in turn,
+# and benchmarks/gguf_compare.py prints each figure's runs, medians and their ratio (compare.jsonl).
 # kv: the 8-bit KV GPU tests, then benchmarks/kv_dtype_bench.py on the shape (32K and 128K-token prompts and
 # the decode after them, KV bf16 / fp8 / int8) and benchmarks/kv_agreement.py (the demo model's greedy tokens
 # over 8-bit KV against bf16's).
@@ -336,6 +337,16 @@ if [[ $what == gguf ]]; then
     wait $builder || { status=1; tail -30 $build/ninja.log $build/cmake.log; }
     bash benchmarks/llama_cpp.sh .llama/llama-src.tar.xz $build "${files[@]}" 2>&1 | tee "$out/llama.jsonl" \
         || status=1
+    for ((round = 2; round <= ${REPEAT:-1}; round++)); do  # both engines again, one after the other
+        for file in "${files[@]}"; do
+            python3 benchmarks/gguf_bench.py strata --model "$file" --out "$out/gguf.jsonl" 2>&1 \
+                | tee -a "$out/gguf.log" || status=1
+        done
+        bash benchmarks/llama_cpp.sh .llama/llama-src.tar.xz $build "${files[@]}" 2>&1 | tee -a "$out/llama.jsonl" \
+            || status=1
+    done
+    python3 benchmarks/gguf_compare.py --strata "$out/gguf.jsonl" --llama "$out/llama.jsonl" 2>&1 \
+        | tee "$out/compare.jsonl" || status=1
     if ((${#tiered[@]})); then
         CPU_MOE=18 ONLY_CPU_MOE=1 bash benchmarks/llama_cpp.sh .llama/llama-src.tar.xz $build "${tiered[@]}" 2>&1 \
             | tee -a "$out/llama.jsonl" || status=1
