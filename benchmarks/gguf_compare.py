@@ -41,6 +41,7 @@ def llama_runs(lines: list[dict[str, Any]]) -> Runs:
     llama-batched-bench lines after it."""
     runs: dict[str, list[dict[str, float]]] = defaultdict(list)
     current: dict[str, float] | None = None
+    current_name = None
     for line in lines:
         if "model_filename" in line:  # llama-bench: tg128 or pp8192
             name = Path(line["model_filename"]).name
@@ -48,8 +49,8 @@ def llama_runs(lines: list[dict[str, Any]]) -> Runs:
                 current = None
                 continue
             figure = "bs1" if line.get("n_gen", 0) and not line.get("n_prompt", 0) else "prompt_8k"
-            if current is None or figure in current:
-                current = {}
+            if current is None or figure in current or name != current_name:
+                current, current_name = {}, name
                 runs[name].append(current)
             current[figure] = line["avg_ts"]
         elif "speed_tg" in line and current is not None and line.get("pl") in (8, 32):

@@ -303,12 +303,15 @@ if [[ $what == gguf ]]; then
         eval "$(python3 benchmarks/pick_held.py "$out/tune-held.log" "$out/tune-dense.log")"
         env | grep STRATA_CUDA_HELD | tee "$out/picked.txt"
     fi
+    time_strata() {  # the file's decode and 8K prompt, every expert on the card
+        python3 benchmarks/gguf_bench.py strata --model "$1" --out "$out/gguf.jsonl" 2>&1 | tee -a "$out/gguf.log" \
+            || status=1
+    }
     files=() tiered=()
     for kind in $kinds; do
         file=/tmp/q30-$kind.gguf
         python3 benchmarks/gguf_bench.py write --kind "$kind" --out "$file" || status=1
-        python3 benchmarks/gguf_bench.py strata --model "$file" --out "$out/gguf.jsonl" 2>&1 \
-            | tee -a "$out/gguf.log" || status=1
+        time_strata "$file"
         for setting in ${AB_ENV:-}; do  # the same run again with each setting (NAME=VALUE) in its environment
             echo "$setting" | tee -a "$out/gguf.log"
             env "$setting" python3 benchmarks/gguf_bench.py strata --model "$file" --out "$out/gguf-ab.jsonl" 2>&1 \
@@ -339,8 +342,7 @@ if [[ $what == gguf ]]; then
         || status=1
     for ((round = 2; round <= ${REPEAT:-1}; round++)); do  # both engines again, one after the other
         for file in "${files[@]}"; do
-            python3 benchmarks/gguf_bench.py strata --model "$file" --out "$out/gguf.jsonl" 2>&1 \
-                | tee -a "$out/gguf.log" || status=1
+            time_strata "$file"
         done
         bash benchmarks/llama_cpp.sh .llama/llama-src.tar.xz $build "${files[@]}" 2>&1 | tee -a "$out/llama.jsonl" \
             || status=1

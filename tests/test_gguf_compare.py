@@ -48,3 +48,15 @@ def test_two_runs_of_each_engine_give_medians_and_their_ratio(tmp_path: Path) ->
     assert row["bs8"] == bs8
     assert row["bs1"]["llama_cpp"] == [500.0, 520.0] and row["prompt_8k"]["llama_cpp"] == [20000.0, 21000.0]
     assert row["bs32"]["ratio_of_medians"] == round(4200 / 2350, 3)
+
+
+def test_each_file_of_a_llama_cpp_run_is_a_run_of_its_own(tmp_path: Path) -> None:
+    """llama_cpp.sh times several files one after another: each file's lines are that file's run, even where
+    the next file's first line is a figure the run before lacks."""
+    llama = tmp_path / "llama.jsonl"
+    lines = [_llama_bench("/tmp/a.gguf", 8192, 0, 20000.0), _batched(8, 1400.0)]
+    lines += [_llama_bench("/tmp/b.gguf", 0, 128, 600.0), _batched(8, 1700.0)]
+    llama.write_text("\n".join(lines) + "\n")
+    runs = llama_runs(read_lines([llama]))
+    assert runs["a.gguf"] == [{"prompt_8k": 20000.0, "bs8": 1400.0}]
+    assert runs["b.gguf"] == [{"bs1": 600.0, "bs8": 1700.0}]
