@@ -176,7 +176,7 @@ def _summary(
         "prompt_len": prompt_len,
         "output_len": output_len,
         "parallel": config.parallel,
-        "max_batched_tokens": config.max_batched_tokens,
+        "max_batched_tokens": ready.window_tokens,
         "decode_share": config.decode_share,
         "wall_s": round(wall, 4),
         "aggregate_tok_s": round(generated / wall, 2),

@@ -11,7 +11,14 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from app.engine.config import PARK_DISK, PARK_MEMORY, EngineConfig, default_park_dir
+from app.engine.config import (
+    PARK_DISK,
+    PARK_MEMORY,
+    STREAMED_WINDOW_TOKENS,
+    WINDOW_TOKENS,
+    EngineConfig,
+    default_park_dir,
+)
 from app.engine.protocol import MAX_SPEC_TOKENS
 from app.errors import StrataError
 from app.models.placement import PLACEMENTS
@@ -72,7 +79,11 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--parallel", type=int, default=defaults.parallel, help="batch slots")
     parser.add_argument(
-        "--max-batched-tokens", type=int, default=defaults.max_batched_tokens, help="token budget of a window"
+        "--max-batched-tokens",
+        type=int,
+        default=defaults.max_batched_tokens,
+        help=f"token budget of a window (default {WINDOW_TOKENS}; {STREAMED_WINDOW_TOKENS} where an expert "
+        "tier copies host experts over PCIe)",
     )
     parser.add_argument("--kv-memory", type=_size, default=defaults.kv_memory, help="KV pool size, e.g. 2GiB")
     parser.add_argument(
@@ -241,7 +252,10 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The EngineConfig the engine options describe; bad values end as a one-line error."""
     checks = [
         (args.parallel >= 1, "--parallel must be at least 1"),
-        (args.max_batched_tokens >= 1, "--max-batched-tokens must be at least 1"),
+        (
+            args.max_batched_tokens is None or args.max_batched_tokens >= 1,
+            "--max-batched-tokens must be at least 1",
+        ),
         (args.block_size >= 1, "--block-size must be at least 1"),
         (0 < args.decode_share <= 1, "--decode-share must be in (0, 1]"),
         (args.max_model_len is None or args.max_model_len >= 1, "--max-model-len must be at least 1"),

@@ -2,7 +2,7 @@
 
     python benchmarks/expert_tier.py [--shape q30-half] [--resident 0 32] [--routing uniform zipf]
         [--adapt frozen blocking async] [--adapt-every 16] [--pcie-frac F] [--phases] [--out results.jsonl]
-        [--batches 1 8 16] [--prompts 2048 8192] [--no-whole]
+        [--batches 1 8 16] [--prompts 2048 8192] [--no-whole] [--profile-prompts]
 
 Builds the shape with random bf16 weights on the GPU, keeps every routed expert in pinned host RAM, and for
 each routing, each resident count and each adaptation mode (frozen; blocking or asynchronous swaps every
@@ -11,7 +11,9 @@ each routing, each resident count and each adaptation mode (frozen; blocking or 
 a 2K- and an 8K-token prompt read (tok/s, each prompt new: no prefix-cache hit), and where the timed windows'
 routed entries were served (VRAM / CPU / PCIe shares). The all-resident model (every expert on the GPU, CUDA
 graphs) runs first for each routing, as the reference speed (`--no-whole`: not). `--batches` and `--prompts`
-choose the decode batches and prompt lengths timed (`--prompts` with none: no prompt timed).
+choose the decode batches and prompt lengths timed (`--prompts` with none: no prompt timed); with
+`--profile-prompts` each prompt length is read once more under the profiler (device time by kernel or copy,
+host time by operation).
 
 Routing: `uniform` is the random router's (close to uniform); `zipf` adds to each layer's router logits a bias
 that makes expert e (in a random order per layer) about as likely as 1 / rank: the top quarter of the experts
@@ -581,6 +583,27 @@ def device_times(
     }
 
 
+def prompt_profile(core: EngineCore, tiers: list[TieredExperts], length: int, vocab: int) -> dict[str, Any]:
+    """One more new `length`-token prompt read under the profiler: its wall time, the device's time by kernel
+    or copy and the host's by operation (the 12 largest of each, milliseconds), which say whether the read
+    waits for the link, the device's compute or the host."""
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiled:
+        read = read_prompt(core, tiers, length, vocab, seed=length + 1)
+        torch.cuda.synchronize()
+    host = sorted(
+        ((e.key, e.self_cpu_time_total) for e in profiled.key_averages() if e.self_cpu_time_total > 0),
+        key=lambda e: -e[1],
+    )
+    device = kernel_times(profiled)
+    return {
+        f"prompt{length}_profiled_wall_s": round(read["wall_s"], 3),
+        f"prompt{length}_device_ms": round(sum(us for _, us, _ in device) / 1e3, 1),
+        f"prompt{length}_device_by_kernel_ms": {name[:60]: round(us / 1e3, 1) for name, us, _ in device[:12]},
+        f"prompt{length}_host_by_op_ms": {name[:60]: round(us / 1e3, 1) for name, us in host[:12]},
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", default="q30-half")
@@ -598,6 +621,9 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=list(BATCHES), help="decode batches timed")
     parser.add_argument("--prompts", type=int, nargs="*", default=list(PROMPTS), help="prompt lengths read")
     parser.add_argument("--no-whole", action="store_true", help="no all-resident run before the tiered ones")
+    parser.add_argument(
+        "--profile-prompts", action="store_true", help="read each prompt once more under the profiler"
+    )
     parser.add_argument("--out", help="also append the JSON lines to this file")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -658,6 +684,8 @@ def main() -> None:
                 line["decode_bs1_tok_s"] = round(decode(core, tiers, 1, vocab, warm)[0], 1)
             else:
                 line.update(measure(core, tiers, vocab, warm, tuple(args.batches), tuple(args.prompts)))
+                for length in args.prompts if args.profile_prompts else ():
+                    line.update(prompt_profile(core, tiers, length, vocab))
             if resident is None and "decode_bs1_tok_s" in line:
                 roofline = roofline_tok_s(config, 1, PROMPT_LEN + TIMED_WINDOWS, bandwidth)
                 line["roofline_bs1_tok_s"] = round(roofline, 1)

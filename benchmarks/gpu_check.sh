@@ -16,7 +16,9 @@
 # tier-large: the full 48-layer Qwen3-Next shape built tiered (368 experts a layer on an H200's card, 200 on an
 # 80 GB one: LARGE_RESIDENT);
 # serving-large: the same shape served over HTTP (`strata serve --expert-cache` as above, its weights drawn as they
-# load: `random_checkpoint.py --drawn-on-load`), one stream, then 8 clients with 8K-token prompts at once.
+# load: `random_checkpoint.py --drawn-on-load`): one stream, one 8K-token prompt read alone, 8 streams decoding
+# together, then 8 clients with 8K-token prompts at once (LARGE_SCENARIOS: http_burst.py's to run;
+# LARGE_SERVE_ARGS: more `strata serve` options, e.g. "--max-batched-tokens=2048").
 # serving: writes each shape as a random checkpoint on disk, starts `strata serve` on it and drives it over
 # HTTP (benchmarks/http_burst.py: 32 clients at once, a slot decoding while peers' prompts are read).
 # split: the split's GPU tests (SPLIT_TESTS=0 skips them), then `strata bench` on each shape's weights drawn as
@@ -253,10 +255,12 @@ if [[ $what == serving-large ]]; then
     # the same shape served over HTTP, its weights drawn as they load (160 GB would not fit the disk)
     dir=${CHECKPOINTS:-/tmp}/strata-qnext-drawn
     [[ -f $dir/random_weights.json ]] || python3 benchmarks/random_checkpoint.py --shape qnext --drawn-on-load "$dir"
+    serve_args=()
+    for a in ${LARGE_SERVE_ARGS:-}; do serve_args+=("--serve-arg=$a"); done
     python3 benchmarks/http_burst.py --model "$dir" --clients 8 --prompt-len 8192 --output-len 128 \
-        --scenarios solo,burst --out "$out/serving-large.jsonl" --serve-arg=--expert-cache="$large_resident" \
-        --serve-arg=--parallel=8 --serve-arg=--kv-memory=8GiB --ready-timeout 1800 2>&1 \
-        | tee "$out/serving-large.log" || status=1
+        --scenarios "${LARGE_SCENARIOS:-solo,read,together,burst}" --out "$out/serving-large.jsonl" \
+        --serve-arg=--expert-cache="$large_resident" --serve-arg=--parallel=8 --serve-arg=--kv-memory=8GiB \
+        "${serve_args[@]}" --ready-timeout 1800 2>&1 | tee -a "$out/serving-large.log" || status=1
 fi
 if [[ $what == gguf ]]; then
     # the kinds to time are the arguments (default Q4_K); llama.cpp builds (niced) beside Strata's runs from

@@ -6,6 +6,9 @@
 Starts `strata serve` on the model (its own engine process, as a user would), then runs, one after another:
 
 - solo: one stream (a 128-token prompt, `--output-len` tokens); decode tok/s after its first token;
+- read (where named): one `--prompt-len`-token prompt alone: its time to first token and prompt tok/s;
+- together (where named): `--clients` streams with 128-token prompts arriving together: their aggregate
+  decode tok/s while every one of them decodes (from the last first token to the first last one);
 - burst: `--clients` streams arriving together with `--prompt-len`-token prompts: time to first token
   p50 / max, inter-token latency p50 / p95 over every stream's gaps, the whole burst's time, and the busiest
   card's `strata:gpu_*` figures in /metrics at the busiest of the scrapes taken every half second while the
@@ -48,13 +51,14 @@ SOLO_PROMPT = 128
 OBSERVER_TOKENS = 8000  # the watched stream's length: it is cancelled once its peers have been read
 WARM_TOKENS = 250  # the watched stream's tokens before its solo speed is timed (an expert tier adapting)
 SOLO_TOKENS = 150  # the tokens its solo speed is timed over, just before its peers arrive
+NAMED_ONLY = ("read", "together")  # scenarios run only where --scenarios names them
 
 
 # counters read from /metrics before and after each scenario (a name, or a name and a label its samples must
 # carry): the windows that ran (their steps, seconds, host seconds, those replayed from CUDA graphs, those of
 # decode rows alone and their seconds, the scheduler's predictions of windows with prompt rows paced beside
 # decoding slots and what those took), the KV blocks streamed from host RAM, the expert tier's swaps and the
-# windows' waits for them, and its routed entries served from VRAM and in all
+# windows' waits for them, and its routed entries served from VRAM, on the CPU and in all
 TOTALS = {
     "steps": "strata:window_step_seconds_count",
     "step_s": "strata:window_step_seconds_sum",
@@ -68,6 +72,7 @@ TOTALS = {
     "swaps": "strata:expert_swaps_total",
     "adapt_wait_s": "strata:expert_adapt_wait_seconds_total",
     "routed_vram": 'strata:expert_routed_total{source="vram"',
+    "routed_cpu": 'strata:expert_routed_total{source="cpu"',
     "routed": "strata:expert_routed_total",
 }
 
@@ -169,6 +174,25 @@ async def solo(client: Client, output_len: int) -> dict[str, float]:
     stream = await client.stream(SOLO_PROMPT, output_len)
     decode = (len(stream.events) - 1) / (stream.events[-1] - stream.events[0])
     return {"solo_ttft_s": stream.ttft, "solo_decode_tok_s": decode}
+
+
+async def read(client: Client, prompt_len: int) -> dict[str, float]:
+    stream = await client.stream(prompt_len, 4)
+    return {"read_ttft_s": stream.ttft, "read_tok_s": prompt_len / stream.ttft}
+
+
+def together_rate(streams: list[Stream]) -> float:
+    """Tokens per second of all `streams` together while every one of them decodes: from the last one's
+    first token to the first one's last token."""
+    start, end = max(s.events[0] for s in streams), min(s.events[-1] for s in streams)
+    if end <= start:
+        raise RuntimeError("the streams never decoded all at once: raise --output-len")
+    return sum(sum(start < t <= end for t in s.events) for s in streams) / (end - start)
+
+
+async def together(client: Client, clients: int, output_len: int) -> dict[str, float]:
+    streams = await asyncio.gather(*(client.stream(SOLO_PROMPT, output_len) for _ in range(clients)))
+    return {"together_tok_s": together_rate(streams), "together_ttft_max_s": max(s.ttft for s in streams)}
 
 
 async def burst(client: Client, clients: int, prompt_len: int, output_len: int) -> dict[str, float]:
@@ -302,13 +326,16 @@ async def run(args: argparse.Namespace, config: dict[str, Any]) -> dict[str, Any
     length = min(args.observer_tokens, config["max_position_embeddings"] - SOLO_PROMPT)
     scenarios = {
         "solo": lambda: solo(client, args.output_len * 2),
+        "read": lambda: read(client, args.prompt_len),
+        "together": lambda: together(client, args.clients, args.output_len),
         "burst": lambda: burst(client, args.clients, args.prompt_len, args.output_len),
         "observer": lambda: observer(client, args.clients - 1, args.prompt_len, "observer", length),
     }
     if args.long_peers:
         scenarios["long_peers"] = lambda: long_peers(client, args.long_peers, args.long_prompt_len, length)
     for name, scenario in scenarios.items():
-        if args.scenarios and name not in args.scenarios.split(","):
+        named = args.scenarios.split(",") if args.scenarios else [n for n in scenarios if n not in NAMED_ONLY]
+        if name not in named:
             continue
         before = await client.totals()
         result.update(await scenario())
@@ -321,6 +348,7 @@ async def run(args: argparse.Namespace, config: dict[str, Any]) -> dict[str, Any
         decoding = ran["decode_steps"]
         result[f"{name}_decode_step_ms_mean"] = 1000 * ran["decode_step_s"] / decoding if decoding else None
         result[f"{name}_vram_share"] = ran["routed_vram"] / ran["routed"] if ran["routed"] else None
+        result[f"{name}_cpu_share"] = ran["routed_cpu"] / ran["routed"] if ran["routed"] else None
         predicted = ran["paced_predicted_s"]
         result[f"{name}_paced_over_predicted"] = ran["paced_s"] / predicted if predicted else None
         result[f"{name}_kv_host_block_reads"] = ran["kv_host_reads"]
@@ -345,7 +373,9 @@ def main() -> None:
         default=OBSERVER_TOKENS,
         help="the watched stream's most tokens (raise it where its peers' prompts take long to read)",
     )
-    parser.add_argument("--scenarios", help="run only these, e.g. solo,observer (default: all)")
+    parser.add_argument(
+        "--scenarios", help="run only these, e.g. solo,observer (default: solo, burst, observer, long peers)"
+    )
     parser.add_argument("--port", type=int, default=8123)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--serve-arg", action="append", default=[], help="passed to strata serve")

@@ -121,7 +121,7 @@ def with_window_graphs(core: EngineCore, draft_rows: int = 0) -> list[Bucket]:
     buckets its windows ran in."""
     config, state = core.config, core.runner.state
     max_blocks = -(-core.max_model_len // config.block_size)
-    tokens = config.max_batched_tokens
+    tokens = core.window_tokens
     model, slots = core.runner.model, config.parallel
     graphs = WindowGraphs(model, state, slots, max_blocks, tokens, draft_rows=draft_rows)
     used: list[Bucket] = []

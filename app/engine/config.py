@@ -10,6 +10,11 @@ import platformdirs
 GIB = 1 << 30
 PARK_MEMORY = GIB  # the command line's defaults for parking (an EngineConfig parks only when asked)
 PARK_DISK = 8 * GIB
+WINDOW_TOKENS = 2048  # a window's token budget by default
+# ... and where an expert tier copies host experts over PCIe: a prompt window copies nearly every host expert
+# of every layer whatever its rows (a 2K-token chunk touches every expert), so its time is mostly a fixed cost
+# that fewer, larger windows pay less often (docs/BATCHING.md)
+STREAMED_WINDOW_TOKENS = 8192
 
 
 def default_park_dir() -> Path:
@@ -21,7 +26,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     """What the engine process loads and how it batches.
 
     `model` is an HF directory (None: the default demo model); `device` is cpu, cuda, or auto (cuda when
-    available). `parallel` is the number of batch slots; `max_batched_tokens` the token budget of one window;
+    available). `parallel` is the number of batch slots; `max_batched_tokens` the token budget of one window
+    (None: `window_tokens` picks it);
     `kv_memory` the bytes of the KV pool and per-slot recurrent state; `kv_dtype` how keys and values are kept
     (auto: the activations' dtype; bf16; fp8 or int8: 8-bit codes with a scale a token and head,
     app/kernels/kv_quant.py); `kv_resident` tokens of the pool's blocks live on the device, the rest in host
@@ -56,7 +62,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     device: str = "auto"
     dtype: str = "auto"
     parallel: int = 8
-    max_batched_tokens: int = 2048
+    max_batched_tokens: int | None = None
     block_size: int = 16
     kv_memory: int = 2 * GIB
     kv_dtype: str = "auto"
@@ -85,3 +91,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     stage_gpus: tuple[int, ...] = ()
     spec: str = "off"
     spec_tokens: int = 3
+
+    def window_tokens(self, streamed: bool) -> int:
+        """The token budget of a window: `max_batched_tokens` where given, else WINDOW_TOKENS, or
+        STREAMED_WINDOW_TOKENS where an expert tier copies host experts over PCIe (`streamed`)."""
+        if self.max_batched_tokens is not None:
+            return self.max_batched_tokens
+        return STREAMED_WINDOW_TOKENS if streamed else WINDOW_TOKENS

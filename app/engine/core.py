@@ -211,6 +211,10 @@ class EngineCore:
                 costs.cpu_call_s * 1e6,
                 costs.cpu_fixed_s * 1e6,
             )
+        streamed = costs is not None
+        if self.pipeline is not None:
+            streamed = self.pipeline.wait_loaded(model) or streamed
+        self.window_tokens = config.window_tokens(streamed)  # a window's token budget
         self.launched = 0  # windows launched, for the expert tier's adaptation
         progress.stage("warming up: the KV pool, kernels and decode graphs")
         state = self._paged_state()
@@ -230,7 +234,7 @@ class EngineCore:
             )
         sizes = self._graph_sizes()
         if self.pipeline is not None:
-            self.pipeline.wait_loaded(model, state.blocks, len(state.checkpoint_slots), sizes)
+            self.pipeline.set_up(state.blocks, len(state.checkpoint_slots), sizes, self.window_tokens)
         self.park = self._conversation_park(state)
         if self.park is not None:  # before the graphs are captured, which then count routing per slot too
             for tier in self.tiers:
@@ -240,7 +244,7 @@ class EngineCore:
         self.mtp = None
         if config.spec == "mtp":
             self.mtp = MtpDrafter(model, state, self._head_graphs(state, graphs))
-        self.runner.warm_up(self.config.max_batched_tokens)
+        self.runner.warm_up(self.window_tokens)
         if self.park is not None:
             self.park.reserve_pinned()
         self.scheduler = Scheduler(self._scheduler_config(state, graphs), parked=self.park)
@@ -416,7 +420,7 @@ class EngineCore:
         config = self.config
         max_blocks = -(-self.max_model_len // config.block_size)
         # a prompt piece may pass the token budget to reach its next chunk multiple (scheduler.py)
-        max_tokens = config.max_batched_tokens + (CHUNK if self.recurrent else 0)
+        max_tokens = self.window_tokens + (CHUNK if self.recurrent else 0)
         drafts = config.parallel * config.spec_tokens if config.spec != "off" else 0
         return GraphSizes(config.parallel, max_blocks, max_tokens, drafts)
 
@@ -483,7 +487,7 @@ class EngineCore:
         config = self.config
         return SchedulerConfig(
             parallel=config.parallel,
-            max_batched_tokens=config.max_batched_tokens,
+            max_batched_tokens=self.window_tokens,
             block_size=config.block_size,
             kv_blocks=state.blocks,
             decode_share=config.decode_share,
@@ -523,6 +527,7 @@ class EngineCore:
             dtype=str(self._dtype).removeprefix("torch."),
             prefix_cache=self.config.prefix_cache,
             drafts=self._drafts_refused,
+            window_tokens=self.window_tokens,
         )
 
     def add_request(self, add: AddRequest) -> list[RequestOutput]:

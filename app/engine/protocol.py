@@ -331,6 +331,7 @@ class Ready(msgspec.Struct, tag="ready", frozen=True):
     dtype: str = ""  # the weights' dtype (`--dtype auto` chooses by device)
     prefix_cache: bool = False
     drafts: str | None = None  # why a request may not ask for drafts (`spec_tokens`), or None: it may
+    window_tokens: int = 0  # a window's token budget (`EngineConfig.window_tokens`)
 
 
 class Loading(msgspec.Struct, tag="loading", frozen=True):

@@ -102,19 +102,23 @@ class StageStart:
 
 @dataclass(frozen=True)
 class StageSetup:
-    """Sent to every worker once stage 0 has sized the paged state: the KV blocks and checkpoint slots, and
-    the sizes of the window graphs every stage captures (None: windows run eagerly)."""
+    """Sent to every worker once stage 0 has sized the paged state: the KV blocks and checkpoint slots, the
+    sizes of the window graphs every stage captures (None: windows run eagerly), and a window's token
+    budget."""
 
     blocks: int
     checkpoints: int
     graphs: GraphSizes | None = None
+    window_tokens: int = 0
 
 
 @dataclass(frozen=True)
 class StageLoaded:
-    """A worker's answer once its part is loaded: None, or why it could not be."""
+    """A worker's answer once its part is loaded: None, or why it could not be; whether its expert tier
+    copies host experts over PCIe (`EngineConfig.window_tokens`)."""
 
     error: str | None = None
+    streamed: bool = False
 
 
 @dataclass(frozen=True)
@@ -377,20 +381,24 @@ class StagePipeline:
         """Stage 0's part of the model."""
         return self.parts[0]
 
-    def wait_loaded(
-        self, model: CausalLM, blocks: int, checkpoints: int, graphs: GraphSizes | None = None
-    ) -> None:
-        """Once stage 0 holds `model` (its part) and has sized the state: wait for every worker's part, then
-        give them the state's size and the window graphs' (`graphs`, None: eager windows). A worker that
-        could not load its part is a one-line error."""
+    def wait_loaded(self, model: CausalLM) -> bool:
+        """Once stage 0 holds `model` (its part): wait for every worker's part; whether any worker's expert
+        tier copies host experts over PCIe. A worker that could not load its part is a one-line error."""
         self.model = model
+        streamed = False
         for stage in range(1, len(self.parts)):
             loaded = self.link.recv_object(stage)
             assert isinstance(loaded, StageLoaded)
             if loaded.error is not None:
                 raise StrataError(f"stage {stage} of the layer split: {loaded.error}")
+            streamed = streamed or loaded.streamed
+        return streamed
+
+    def set_up(self, blocks: int, checkpoints: int, graphs: GraphSizes | None, window_tokens: int) -> None:
+        """Give every worker the state's size (`blocks`, `checkpoints`), the window graphs' (`graphs`, None:
+        eager windows) and a window's token budget."""
         for stage in range(1, len(self.parts)):
-            self.link.send_object(StageSetup(blocks, checkpoints, graphs), stage)
+            self.link.send_object(StageSetup(blocks, checkpoints, graphs, window_tokens), stage)
         layers = [f"{p.layers.start}-{p.layers.stop - 1}" for p in self.parts]
         log.info("layer split: %d stages, layers %s", len(self.parts), ", ".join(layers))
 

@@ -106,7 +106,7 @@ def run_stage(
     except Exception as exc:  # the engine process reports it, in one line
         link.send_object(StageLoaded(f"{type(exc).__name__}: {exc}"), 0)
         return
-    link.send_object(StageLoaded(), 0)
+    link.send_object(StageLoaded(streamed=staged is not None), 0)
     setup = link.recv_object(0)
     assert isinstance(setup, StageSetup)
     state = PagedState(
@@ -122,7 +122,7 @@ def run_stage(
         resident=resident_blocks(config.kv_resident, config.block_size),
     )
     if where.type == "cuda" and model.backends.paged_attention is not None:
-        warm_up_kernels(model, state, config.max_batched_tokens, part, dtype)
+        warm_up_kernels(model, state, setup.window_tokens, part, dtype)
     graphs = None
     if setup.graphs is not None:  # captured on a GPU; without one (tests) run over the static inputs
         graphs = StageGraphs(model, state, setup.graphs, part, dtype)

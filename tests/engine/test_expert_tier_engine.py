@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from engine_helpers import make_core, random_prompt, request, run
 
+from app.engine.config import STREAMED_WINDOW_TOKENS, WINDOW_TOKENS, EngineConfig
 from app.errors import StrataError
 from app.models.expert_tier import TieredExperts
 from app.models.moe import SparseMoE
@@ -35,6 +36,21 @@ def test_a_frozen_tier_with_two_experts_resident_gives_the_all_resident_tokens(
         assert tiered[add.request_id].token_ids == everything[add.request_id].token_ids
     report = next(w.experts for w in windows if w.experts is not None)
     assert all(row == [0, 0] + [1] * (experts - 2) for row in report.location)
+
+
+def test_a_window_takes_more_tokens_where_the_tier_copies_host_experts_over_pcie() -> None:
+    # a prompt window then copies nearly every host expert whatever its rows: fewer, larger windows
+    assert EngineConfig().window_tokens(streamed=False) == WINDOW_TOKENS
+    assert EngineConfig().window_tokens(streamed=True) == STREAMED_WINDOW_TOKENS > WINDOW_TOKENS
+    assert EngineConfig(max_batched_tokens=512).window_tokens(streamed=True) == 512  # as the user asked
+
+
+def test_a_tier_on_the_cpu_keeps_the_default_window(checkpoint: Path) -> None:
+    # on a CPU the host experts are computed where they lie: a window costs its rows, nothing is copied
+    core = make_core(checkpoint, expert_cache=2)
+    assert core.tiered and core.window_tokens == WINDOW_TOKENS
+    assert core.ready().window_tokens == WINDOW_TOKENS
+    assert core.scheduler.config.max_batched_tokens == WINDOW_TOKENS
 
 
 def test_an_expert_cache_below_zero_is_refused(checkpoint: Path) -> None:
