@@ -4,9 +4,10 @@ Each window: decode rows first (one token per decoding slot), then prompt chunks
 and of waiting requests, FIFO, within the window's token budget. While slots are decoding, the prompt budget
 is cut so that decoding slots keep decode_share of their solo speed (docs/BATCHING.md): a window lasts at most
 1 / decode_share times a decode-only window, plus what earlier windows left unused while prompts waited.
-A request whose prompt is read while others' prompts still wait holds its decoding (up to HOLD_S) until they
-are read: a burst's first tokens come together, and the slots that were decoding before it keep their share
-of their own speed, not of the speed of a window that the burst's early readers fill.
+A request whose prompt is read while others' prompts still wait holds its decoding (up to HOLD_S, or two
+full windows of prompt rows where those take longer) until they are read: a burst's first tokens come
+together, and the slots that were decoding before it keep their share of their own speed, not of the speed
+of a window that the burst's early readers fill.
 """
 
 from __future__ import annotations
@@ -25,7 +26,10 @@ from app.engine.protocol import SamplingParams
 from app.engine.window_cost import DecodeWindowCost, WindowCost, chunk_pairs
 
 UNCALIBRATED_CHUNK = 256
-HOLD_S = 1.0  # the longest a request whose prompt was read waits for others' prompts before it decodes
+HOLD_S = 1.0  # the longest a request whose prompt was read waits for others' prompts before it decodes ...
+# ... or, where a window of prompt rows takes longer (an expert tier copying its host experts for each), this
+# many full-budget windows: the one that read it and the next, which reads what arrived while it ran
+HOLD_WINDOWS = 2
 # Windows are planned for the share asked raised by this fraction of itself (0.5: 0.56): their costs are
 # predictions, and the overrun of a read's last window is never paid back (the credit is dropped once no
 # prompt waits). Relative, so that a tiny share asked (prompts read nearly at once) stays tiny.
@@ -312,11 +316,12 @@ class Scheduler:
             return window
         budget = self.config.max_batched_tokens
         reading = self._prompts_pending()
+        hold = self.hold_limit() if reading else 0.0
         ours = [r for r in self.running if self.group_of(r.slot) == group]  # type: ignore[arg-type]
         for request in [r for r in ours if r.phase is Phase.DECODE]:
             if request.phase is not Phase.DECODE:
                 continue  # preempted while making room for an earlier row
-            if self._held(request, reading):
+            if self._held(request, hold):
                 continue
             if len(request.output) >= request.params.max_tokens:
                 continue  # its last token is still being drawn: it ends when that is read
@@ -466,12 +471,23 @@ class Scheduler:
         reading = any(r.phase is Phase.PROMPT for r in self.running)
         return reading or bool(self.waiting and self.free_slots)
 
-    def _held(self, request: Request, reading: bool) -> bool:
+    def hold_limit(self) -> float:
+        """How long a request whose prompt was read while others waited holds its decoding at most: HOLD_S,
+        or HOLD_WINDOWS windows of a full token budget of prompt rows at their predicted cost where that is
+        longer (a window the hold cannot outlast would leave the burst's early readers decoding beside the
+        rest, whose reading their decode share then paces)."""
+        if not self.cost.calibrated:
+            return HOLD_S
+        budget = self.config.max_batched_tokens
+        window = self.cost.predict(self.padded(budget), 1, chunk_pairs(budget, 0))
+        return max(HOLD_S, HOLD_WINDOWS * window)
+
+    def _held(self, request: Request, hold: float) -> bool:
         """Whether a request whose prompt was read while others waited still holds its decoding: until no
-        prompt is pending or it has held for HOLD_S."""
+        prompt is pending (`hold` 0) or it has held for `hold` seconds."""
         if request.held_since is None:
             return False
-        if reading and self.clock() - request.held_since < HOLD_S:
+        if self.clock() - request.held_since < hold:
             return True
         request.held_since = None
         return False

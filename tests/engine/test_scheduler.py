@@ -11,6 +11,7 @@ import pytest
 from app.engine.protocol import SamplingParams
 from app.engine.scheduler import (
     HOLD_S,
+    HOLD_WINDOWS,
     SHARE_MARGIN,
     Phase,
     Request,
@@ -118,6 +119,25 @@ def test_a_read_request_waits_for_others_prompts_at_most_hold_s() -> None:
     assert [c.request.request_id for c in _run(scheduler).chunks] == ["b"]  # "a" holds
     now[0] = HOLD_S
     assert [c.request.request_id for c in _run(scheduler).chunks] == ["a", "b"]
+
+
+def test_a_read_request_holds_for_two_prompt_windows_where_those_take_longer_than_hold_s() -> None:
+    # An expert tier that copies its host experts for every window of prompt rows: 2 s a window, whatever its
+    # rows. "a" is read in one such window while "b" waits; it holds until "b" is read in the next (else it
+    # would decode beside it, and its decode share would pace the read), but not beyond two windows.
+    now = [0.0]
+    config = SchedulerConfig(parallel=4, max_batched_tokens=64, block_size=16, kv_blocks=1024)
+    scheduler = Scheduler(config, clock=lambda: now[0])
+    for rows, sequences in [(16, 1), (64, 2), (40, 3)]:
+        scheduler.cost.observe(rows, sequences, 2.0 + 1e-5 * rows)
+    assert scheduler.hold_limit() == pytest.approx(HOLD_WINDOWS * (2.0 + 64e-5), rel=1e-3)
+    scheduler.add(_request("a", 10))
+    scheduler.add(_request("b", 1000))
+    _run(scheduler, 2.0)
+    now[0] = 2.0  # "a"'s window has run: beyond HOLD_S, within two windows
+    assert [c.request.request_id for c in _run(scheduler, 2.0).chunks] == ["b"]
+    now[0] = 4.1
+    assert [c.request.request_id for c in _run(scheduler, 2.0).chunks] == ["a", "b"]
 
 
 def test_without_a_decode_share_read_requests_decode_at_once() -> None:
