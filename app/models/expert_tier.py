@@ -1084,18 +1084,21 @@ class TieredExperts(nn.Module):
             return {}, None
         by_rows.sort(key=lambda pair: -pair[0])  # most rows first; stable, so ties in expert order
         rows, missed = [count for count, _ in by_rows], [expert for _, expert in by_rows]
-        staged = self._stage(missed, rows, self._copy_plan(rows)[0], None)
-        if len(staged) == len(missed):
-            return staged, None
-        self.served[CPU] += sum(rows[len(staged) :])
+        copied = self._copy_plan(rows)[0]
+        if copied == len(missed):
+            return self._stage(missed, rows, copied, None), None
+        # the CPU pool's entries read to the host before the copies are queued (a read waits for every copy
+        # queued before it), so that the pool's run overlaps them
+        self.served[CPU] += sum(rows[copied:])
         on_cpu = torch.zeros(experts + 1, dtype=torch.bool)
-        on_cpu[missed[len(staged) :]] = True
+        on_cpu[missed[copied:]] = True
         entries = on_cpu.to(x.device, non_blocking=True)[ids].nonzero()
         rows_needed, local = entries[:, 0].unique(return_inverse=True)
         picked = (entries[:, 0], entries[:, 1])
         x_host, local, entry_ids, entry_weights = self._to_host(
             x[rows_needed], local, top_ids[picked], top_weights[picked]
         )
+        staged = self._stage(missed, rows, copied, None)
         return staged, (rows_needed, self._pool(x_host, local, entry_ids, entry_weights))
 
     @staticmethod

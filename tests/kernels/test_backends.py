@@ -12,6 +12,7 @@ import pytest
 import torch
 from checkpoints import write_checkpoint
 from contiguous_state import ContiguousState
+from spies import recorded
 
 from app.errors import StrataError
 from app.kernels import triton_launch
@@ -77,11 +78,7 @@ def test_the_model_calls_the_backends_it_was_built_with(tmp_path: Path) -> None:
     calls: list[str] = []
 
     def spy(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        def wrapped(*args: Any, **kwargs: Any) -> Any:
-            calls.append(name)
-            return fn(*args, **kwargs)
-
-        return wrapped
+        return recorded(calls, name, fn)
 
     traced = dataclasses.replace(
         REFERENCE,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from spies import recorded
 
 from app.kernels.cpu_experts import (
     by_expert,
@@ -103,6 +104,28 @@ def test_missed_experts_copied_to_staging_slots_add_up_like_the_reference(
     staged = round(pcie_frac * len(set(ids[ids >= 2].tolist())))
     assert copied == staged * tier.expert_bytes()
     assert tier.take_counts() == TierCounts([0, 0, 0], 0, 0.0)
+
+
+def test_a_large_windows_pool_runs_while_its_copies_cross_and_reads_its_entries_before_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A read to the host waits for every copy queued before it on a GPU: the CPU pool's entries are read
+    before the window's copies are queued, and its run comes after them, so that both sides run at once."""
+    monkeypatch.setattr("app.models.expert_tier.HOST_READ_ENTRIES", 0)
+    tier = _tier(2, seed=4)
+    tier.staging = ExpertStaging(EXPERTS - 2)
+    tier.staging.allocate(tier.host_gate_up, tier.host_down, torch.device("cpu"))
+    tier.costs = MissCosts(expert_bytes=1, pcie_bytes_s=1.0, cpu_bytes_s=1.0, cpu_row_s=0.0)
+    tier.pcie_frac = 0.5
+    order: list[str] = []
+    monkeypatch.setattr(tier, "_to_host", recorded(order, "read", tier._to_host))
+    monkeypatch.setattr(tier.staging, "load", recorded(order, "copy", tier.staging.load))
+    monkeypatch.setattr(tier, "host_kernel", recorded(order, "pool", tier.host_kernel))
+    x, ids, weights = _routing(11, 5)
+    torch.testing.assert_close(
+        tier._split(x, ids, weights), experts_reference(x, ids, weights, *FULL[tier]), rtol=1e-5, atol=1e-6
+    )
+    assert order == ["read", "read", "copy", "pool"]  # the counts, the pool's entries; then copies, pool
 
 
 def test_a_lone_miss_shared_by_the_cpu_pool_and_a_staging_slot_adds_up_like_the_reference(
