@@ -8,9 +8,9 @@ the costs of the H200 machine (PCIe 52 GB/s, CPU pool 50 GB/s + 28 us a row), to
 engine: microseconds per host step of a small window as a captured decode window runs it (read the routing
 from the host link's buffers, count entries per expert, plan, queue staging copies, run the CPU share into
 the link's sums: `_serve_small`, the pool's run on its own thread unless STRATA_POOL_BACKGROUND=0) for 96
-and 0 experts resident at 1 and 16 rows. The costs stay the
-described ones (the CPU pool's observed rate on these tiny experts would say nothing of the machine).
-Prints one JSON line.
+and 0 experts resident at 1 and 16 rows, and the batch-1 step with none resident without its copies, then
+without its CPU pool call too (its planning in Python alone). The costs stay the described ones (the CPU
+pool's observed rate on these tiny experts would say nothing of the machine). Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -34,9 +35,15 @@ EXPERTS, HIDDEN, INTER, TOP_K = 128, 64, 32, 8
 H200_HOST = MissCosts(9_437_184, pcie_bytes_s=52e9, cpu_bytes_s=50e9, cpu_row_s=28e-6)
 
 
-def step_us(resident: int, rows: int, calls: int = 250) -> float:
+def step_us(resident: int, rows: int, calls: int = 250, copies: bool = True, pool: bool = True) -> float:
+    """Microseconds a host step of `rows` rows takes at `resident` experts resident; without `copies` the
+    staging copies are not queued (on a GPU they are the driver's, not these torch copies), without `pool`
+    the CPU pool is not called: what is left is the step's planning in Python."""
     finish = background_finish()  # the engine's default: the pool's run beside the copies' queueing
-    tier = TieredExperts(EXPERTS, HIDDEN, INTER, experts_reference, resident, experts_swiglu_sum, 0, finish)
+    kernel = experts_swiglu_sum if pool else _no_pool
+    tier = TieredExperts(EXPERTS, HIDDEN, INTER, experts_reference, resident, kernel, 0, finish)
+    if not pool:
+        tier.host_finish = lambda: 0.0
     tier.fill(
         torch.randn(EXPERTS, 2 * INTER, HIDDEN) * 0.1,
         torch.randn(EXPERTS, HIDDEN, INTER) * 0.1,
@@ -46,6 +53,10 @@ def step_us(resident: int, rows: int, calls: int = 250) -> float:
     tier.staging.allocate(tier.host_gate_up, tier.host_down, torch.device("cpu"))
     tier.costs = replace(H200_HOST)
     tier.costs.observe_cpu = lambda *observed: None  # type: ignore[method-assign]
+    if not copies:
+        staging = tier.staging
+        staging.load = lambda experts, *_: {e: slot for slot, e in enumerate(experts)}  # type: ignore[method-assign]
+        staging.load_rest = lambda *_: staging.slots - 1  # type: ignore[method-assign]
     generator = torch.Generator().manual_seed(0)
     inputs = [
         (
@@ -69,6 +80,10 @@ def step_us(resident: int, rows: int, calls: int = 250) -> float:
     return (time.perf_counter() - began) / calls * 1e6
 
 
+def _no_pool(*args: Any, **kwargs: Any) -> None:
+    """A CPU pool call that computes nothing (`step_us` without `pool`)."""
+
+
 def main() -> None:
     torch.set_num_threads(1)
     line = {
@@ -76,6 +91,9 @@ def main() -> None:
         for resident in (96, 0)
         for rows in (1, 16)
     }
+    # the batch-1 step with no expert resident without its copies, then without its CPU pool call too
+    line["resident0_rows1_no_copies_us"] = round(step_us(0, 1, copies=False), 1)
+    line["resident0_rows1_planning_us"] = round(step_us(0, 1, copies=False, pool=False), 1)
     print(json.dumps({"date": time.strftime("%Y-%m-%d"), **line}))
 
 
