@@ -92,9 +92,11 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     spec: str = "off"
     spec_tokens: int = 3
 
-    def window_tokens(self, streamed: bool) -> int:
+    def window_tokens(self, staged: bool) -> int:
         """The token budget of a window: `max_batched_tokens` where given, else WINDOW_TOKENS, or
-        STREAMED_WINDOW_TOKENS where an expert tier copies host experts over PCIe (`streamed`)."""
+        STREAMED_WINDOW_TOKENS where an expert tier copies host experts over PCIe (`staged`: a tier has a
+        staging area on a GPU, and `pcie_frac` does not keep every miss on the CPU)."""
         if self.max_batched_tokens is not None:
             return self.max_batched_tokens
-        return STREAMED_WINDOW_TOKENS if streamed else WINDOW_TOKENS
+        copies = staged and self.pcie_frac != 0.0
+        return STREAMED_WINDOW_TOKENS if copies else WINDOW_TOKENS

@@ -211,10 +211,10 @@ class EngineCore:
                 costs.cpu_call_s * 1e6,
                 costs.cpu_fixed_s * 1e6,
             )
-        streamed = costs is not None
+        staged = costs is not None
         if self.pipeline is not None:
-            streamed = self.pipeline.wait_loaded(model) or streamed
-        self.window_tokens = config.window_tokens(streamed)  # a window's token budget
+            staged = self.pipeline.wait_loaded(model) or staged
+        self.window_tokens = config.window_tokens(staged)  # a window's token budget
         self.launched = 0  # windows launched, for the expert tier's adaptation
         progress.stage("warming up: the KV pool, kernels and decode graphs")
         state = self._paged_state()

@@ -114,11 +114,11 @@ class StageSetup:
 
 @dataclass(frozen=True)
 class StageLoaded:
-    """A worker's answer once its part is loaded: None, or why it could not be; whether its expert tier
-    copies host experts over PCIe (`EngineConfig.window_tokens`)."""
+    """A worker's answer once its part is loaded: None, or why it could not be; whether its expert tier has
+    a staging area for copies over PCIe (`EngineConfig.window_tokens`)."""
 
     error: str | None = None
-    streamed: bool = False
+    staged: bool = False
 
 
 @dataclass(frozen=True)
@@ -383,16 +383,17 @@ class StagePipeline:
 
     def wait_loaded(self, model: CausalLM) -> bool:
         """Once stage 0 holds `model` (its part): wait for every worker's part; whether any worker's expert
-        tier copies host experts over PCIe. A worker that could not load its part is a one-line error."""
+        tier has a staging area for copies over PCIe. A worker that could not load its part is a one-line
+        error."""
         self.model = model
-        streamed = False
+        staged = False
         for stage in range(1, len(self.parts)):
             loaded = self.link.recv_object(stage)
             assert isinstance(loaded, StageLoaded)
             if loaded.error is not None:
                 raise StrataError(f"stage {stage} of the layer split: {loaded.error}")
-            streamed = streamed or loaded.streamed
-        return streamed
+            staged = staged or loaded.staged
+        return staged
 
     def set_up(self, blocks: int, checkpoints: int, graphs: GraphSizes | None, window_tokens: int) -> None:
         """Give every worker the state's size (`blocks`, `checkpoints`), the window graphs' (`graphs`, None:

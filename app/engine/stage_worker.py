@@ -106,7 +106,7 @@ def run_stage(
     except Exception as exc:  # the engine process reports it, in one line
         link.send_object(StageLoaded(f"{type(exc).__name__}: {exc}"), 0)
         return
-    link.send_object(StageLoaded(streamed=staged is not None), 0)
+    link.send_object(StageLoaded(staged=staged is not None), 0)
     setup = link.recv_object(0)
     assert isinstance(setup, StageSetup)
     state = PagedState(

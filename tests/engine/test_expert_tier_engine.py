@@ -40,9 +40,11 @@ def test_a_frozen_tier_with_two_experts_resident_gives_the_all_resident_tokens(
 
 def test_a_window_takes_more_tokens_where_the_tier_copies_host_experts_over_pcie() -> None:
     # a prompt window then copies nearly every host expert whatever its rows: fewer, larger windows
-    assert EngineConfig().window_tokens(streamed=False) == WINDOW_TOKENS
-    assert EngineConfig().window_tokens(streamed=True) == STREAMED_WINDOW_TOKENS > WINDOW_TOKENS
-    assert EngineConfig(max_batched_tokens=512).window_tokens(streamed=True) == 512  # as the user asked
+    assert EngineConfig().window_tokens(staged=False) == WINDOW_TOKENS
+    assert EngineConfig().window_tokens(staged=True) == STREAMED_WINDOW_TOKENS > WINDOW_TOKENS
+    assert EngineConfig(pcie_frac=0.5).window_tokens(staged=True) == STREAMED_WINDOW_TOKENS
+    assert EngineConfig(pcie_frac=0.0).window_tokens(staged=True) == WINDOW_TOKENS  # every miss on the CPU
+    assert EngineConfig(max_batched_tokens=512).window_tokens(staged=True) == 512  # as the user asked
 
 
 def test_a_tier_on_the_cpu_keeps_the_default_window(checkpoint: Path) -> None:

@@ -9,6 +9,7 @@ import torch
 from checkpoints import write_checkpoint
 from engine_helpers import complete, make_core, request, run
 
+from app.engine.config import STREAMED_WINDOW_TOKENS, WINDOW_TOKENS
 from app.kernels import triton_launch
 from app.models.expert_costs import MissCosts
 from app.models.expert_tier import STREAM_COVERAGE, ExpertStaging
@@ -249,6 +250,8 @@ def test_a_frozen_expert_tier_on_the_gpu_gives_the_all_resident_tokens(
         checkpoint, expert_cache=2, adapt_every=0, pcie_frac=pcie_frac, enforce_eager=eager, **settings
     )
     assert tiered.tiered
+    # prompt windows copy host experts, larger ones, unless every miss stays on the CPU
+    assert tiered.window_tokens == (STREAMED_WINDOW_TOKENS if pcie_frac != 0.0 else WINDOW_TOKENS)
     graphs = tiered.runner.graphs
     assert (graphs is None) if eager else (graphs is not None and graphs.pieces and not graphs.graphs)
     link = tiered.tiers[0].link
