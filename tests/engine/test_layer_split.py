@@ -111,7 +111,10 @@ def test_a_split_gives_the_tokens_of_the_whole_model(
     # stages (issue 22's split, here over gloo) need a layer each: the qwen3_next checkpoint has them.
     layers = json.loads((checkpoint / "config.json").read_text())["num_hidden_layers"]
     if stages > layers:
-        pytest.skip(f"{stages} stages need {stages} layers; this checkpoint has {layers}")
+        pytest.skip(
+            f"{stages} stages need {stages} layers; this checkpoint has {layers} "
+            "(test_four_stages_with_four_groups_give_the_whole_models_tokens splits a 4-layer one in four)"
+        )
     core = _core(checkpoint, layer_split=str(stages), batch_groups=groups)
     try:
         assert core.pipeline is not None and len(core.pipeline.parts) == stages
