@@ -221,9 +221,6 @@ struct QuantizedInputs {
         : x(p.quantized ? p.entries : 0, p.hidden, p.paired_x), h(p.quantized ? p.entries : 0, p.widest, p.paired_h) {}
 };
 
-// y[rows[k]] += weights[k] * (the SwiGLU of x[rows[k]] through entry k's group), for every entry (grouped as
-// p says), in one team: the rows gathered, the two passes, then the sums added by blocks of columns, entries
-// in order.
 // Sets a run's done word (if any) to 1 when it leaves scope: once the run's sums are written, or it threw.
 struct DoneOnExit {
     int32_t* word;
@@ -238,6 +235,9 @@ BackgroundRuns& pool_runs() {
     return *runs;
 }
 
+// y[rows[k]] += weights[k] * (the SwiGLU of x[rows[k]] through entry k's group), for every entry (grouped as
+// p says), in one team: the rows gathered, the two passes, then the sums added by blocks of columns, entries
+// in order.
 void add_groups(const Passes& p, const float* x, float* y, const int64_t* rows, const float* weights,
                 int64_t entries, int threads) {
     const int64_t hidden = p.hidden;
