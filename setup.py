@@ -40,7 +40,7 @@ def native_kernels() -> list[Extension]:
     return [
         Extension(
             "app.kernels._native",
-            ["native/module.cpp", "native/cpu_experts.cpp", "native/cpu_sequence.cpp"],
+            [f"native/{name}.cpp" for name in ("module", "cpu_experts", "cpu_sequence", "tier_step")],
             include_dirs=[pybind11.get_include()],
             language="c++",
             extra_compile_args=["-O3", "-march=native", "-fopenmp", "-std=c++17"],

@@ -258,6 +258,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         ),
         (args.block_size >= 1, "--block-size must be at least 1"),
         (0 < args.decode_share <= 1, "--decode-share must be in (0, 1]"),
+        (args.pcie_frac is None or 0 <= args.pcie_frac <= 1, "--pcie-frac must be in [0, 1]"),
         (args.max_model_len is None or args.max_model_len >= 1, "--max-model-len must be at least 1"),
         (1 <= args.spec_tokens <= MAX_SPEC_TOKENS, f"--spec-tokens must be 1 to {MAX_SPEC_TOKENS}"),
     ]

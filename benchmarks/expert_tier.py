@@ -30,7 +30,8 @@ copies, filling the CPU pool's arguments, the CPU pool's kernel (with its run in
 handing it over, `cpu_pool`, and waiting for it, by default after the next graph piece's launch,
 `pool_wait_after`, with STRATA_POOL_DEVICE_WAIT=0 after the copies are queued, `pool_wait`), and the rest of
 the step; and, from the profiler, the device's time per tiered layer by kernel or copy against the wall time a
-layer.
+layer. With the native host step (the default where the native kernels are built: `native_step` in each line;
+STRATA_NATIVE_STEP=0 the Python one) the step is one call, so `plan` holds all of it but the copies' timing.
 """
 
 from __future__ import annotations
@@ -60,7 +61,13 @@ from app.engine.config import EngineConfig
 from app.engine.core import EngineCore
 from app.engine.protocol import EXPERT_SOURCES, AddRequest, SamplingParams
 from app.kernels.backends import select_backends
-from app.kernels.cpu_experts import background_finish, experts_swiglu_sum, native_available, threads
+from app.kernels.cpu_experts import (
+    background_finish,
+    experts_swiglu_sum,
+    host_step,
+    native_available,
+    threads,
+)
 from app.kernels.interface import Backends
 from app.loading.checkpoint import CheckpointDir
 from app.loading.model import LoadedModel
@@ -71,6 +78,7 @@ from app.models.moe import RoutedExperts, SparseMoE
 from app.models.pieces import Pieces
 from app.models.placement import PLACEMENTS, layer_residency, spare_slots
 from app.models.qwen3 import CausalLM
+from app.models.tier_step import NativeSmallStep
 from app.text.tokenizer import Tokenizer
 from benchmarks.gpu_bench import WEIGHT_BUDGET, build_model, write_model_dir
 from benchmarks.profile_window import kernel_times
@@ -197,6 +205,7 @@ class Tiering:
                 experts_swiglu_sum,
                 spare,
                 background_finish(),  # as the loader gives the engine's tiers
+                host_step(),
             )
             tier.fill(routed.gate_up, routed.down, torch.device("cuda"))
             moe.experts = tier
@@ -277,7 +286,7 @@ def build_tiered_model(config: dict[str, Any], resident: int, backends: Backends
     try:
         with torch.device("meta"):
             model = CausalLM(ModelConfig.from_dict(config), backends=backends)
-            use_expert_tier(model, resident, experts_swiglu_sum, spare, background_finish())
+            use_expert_tier(model, resident, experts_swiglu_sum, spare, background_finish(), host_step())
         initial = initial_vectors(config, backends)
     finally:
         torch.set_default_dtype(previous)
@@ -483,6 +492,7 @@ class PhaseTimes:
             (torch.cuda.CUDAGraph, "replay", "replay"),
             (Pieces, "replay", "forward"),
             (TieredExperts, "_serve_small", "serve"),
+            (NativeSmallStep, "serve", "serve"),
             (TieredExperts, "_serve_large", "serve"),
             (HostLink, "wait", "wait"),
             (TieredExperts, "_stage", "stage"),
@@ -650,6 +660,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name(),
         "date": time.strftime("%Y-%m-%d"),
         "native_cpu_kernel": native_available(),
+        "native_step": host_step() is not None,
         "cpu_threads": threads(),
     }
     vocab = config["vocab_size"]

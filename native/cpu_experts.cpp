@@ -16,6 +16,7 @@
 #include "dot.h"
 #include "int_dot.h"
 #include "kernels.h"
+#include "pool.h"
 
 #include <algorithm>
 #include <cmath>
@@ -329,6 +330,8 @@ void expert_swiglu(uintptr_t x_ptr, uintptr_t gate_up_ptr, uintptr_t down_ptr, u
                 quantized.h);
 }
 
+}  // namespace
+
 // y [n, hidden] += the weighted SwiGLU of several experts of one layer, each over the rows routed to it:
 // expert experts[e] (an index into gate_up [E, 2 * inter, hidden] / down [E, hidden, inter], and their scales
 // [E, rows]) takes entries offsets[e] .. offsets[e + 1] of rows / weights. One call for a window's CPU share.
@@ -408,6 +411,8 @@ double pool_finish() {
     pybind11::gil_scoped_release release;
     return pool_runs().finish();
 }
+
+namespace {
 
 // The router's picks for one row of logits [experts]: softmax over all experts, the top_k (ties to the lower
 // expert), their probabilities (renormalised to sum 1 with `renormalize`) into ids / weights [top_k], each pick

@@ -2,7 +2,10 @@
 #include "kernels.h"
 
 PYBIND11_MODULE(_native, m) {
-    m.doc() = "Strata's native CPU kernels: routed experts, dense rows, router, norms and sequence mixers.";
+    m.doc() =
+        "Strata's native CPU kernels: routed experts, dense rows, router, norms, sequence mixers, and the expert "
+        "tier's host step.";
     register_expert_kernels(m);
     register_sequence_kernels(m);
+    register_tier_step(m);
 }

@@ -176,6 +176,14 @@ def test_spec_tokens_out_of_range_are_a_one_line_error(capsys: pytest.CaptureFix
     assert "--spec-tokens must be 1 to 16" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("share", ["-0.5", "1.5"])
+def test_a_pcie_share_outside_zero_to_one_is_a_one_line_error(
+    capsys: pytest.CaptureFixture[str], share: str
+) -> None:
+    assert main(["generate", "--prompt", "x", "--expert-cache", "2", "--pcie-frac", share]) != 0
+    assert capsys.readouterr().err == "strata: error: --pcie-frac must be in [0, 1]\n"
+
+
 def test_a_stage_outside_the_split_is_a_one_line_error(capsys: pytest.CaptureFixture[str]) -> None:
     args = ["stage", "--rendezvous", "tcp://127.0.0.1:1", "--stage", "2", "--stages", "2", "--device", "cpu"]
     assert main(args) == 1

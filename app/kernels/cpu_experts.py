@@ -18,6 +18,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 
@@ -35,6 +36,18 @@ _KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 _HELD_KINDS = {"Q8_0": 3, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6, "IQ4_XS": 7, "IQ3_XXS": 8, "IQ3_S": 9}
 _NAMES = "fp32, bf16, int8, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS, IQ3_XXS or IQ3_S"  # all the above, for messages
 _warned = False
+
+
+class StepConstants(NamedTuple):
+    """The expert tier's constants a native host step plans with (app/models/expert_costs.py's PROBE_EVERY,
+    SPLIT_GAIN_S and GATE_UP_SHARE, app/models/expert_tier.py's SPLIT_ALIGN)."""
+
+    probe_every: int
+    split_align: int
+    split_gain_s: float
+    gate_up_share: float
+
+
 _torch_runs: list[float] = []  # without the native kernel: the seconds of the "background" run made at once
 
 
@@ -260,6 +273,59 @@ def experts_swiglu_sum(
     return y
 
 
+def small_step(
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    experts: int,
+    entries: int,
+    staging: tuple[torch.Tensor, torch.Tensor] | None,
+    copy_address: int | None,
+    constants: StepConstants | tuple[int, int, float, float],
+) -> Any | None:
+    """The expert tier's host step for a small window of one layer as one native call (native/tier_step.cpp;
+    app/models/tier_step.py drives it), or None without the native kernels: its missed experts lie at the host
+    slots of gate_up [slots, 2 * inter, hidden] / down [slots, hidden, inter] (contiguous, as the pool reads
+    them) and are copied into `staging` (gate_up, down: slots shaped alike, contiguous; None: every miss on
+    the CPU pool) by the function at `copy_address` (the CUDA driver's cuMemcpyHtoDAsync; None: a plain copy
+    of host memory, for staging on a CPU); a call reads at most `entries` routed entries of `experts`
+    experts. The pool runs in the background on a thread fewer than `threads()`, as `experts_swiglu_sum`
+    does."""
+    if _native is None:
+        return None
+    if not (gate_up.is_contiguous() and down.is_contiguous()):
+        raise ValueError("a tier step reads contiguous host weights")
+    hidden, inter = expert_sizes(gate_up, down)
+    slots, targets = 0, (0, 0)
+    if staging is not None:
+        for target, source in zip(staging, (gate_up, down), strict=True):
+            alike = target.shape[1:] == source.shape[1:] and target.dtype == source.dtype
+            if not (alike and target.is_contiguous()):
+                raise ValueError("staging slots must be contiguous and shaped like the host slots")
+        slots, targets = staging[0].shape[0], (staging[0].data_ptr(), staging[1].data_ptr())
+        if copy_address is None and staging[0].is_cuda:
+            raise ValueError("copies to a GPU's staging slots need the driver's copy function")
+    return _native.SmallStep(
+        experts,
+        hidden,
+        inter,
+        gate_up.shape[0],
+        slots,
+        entries,
+        gate_up[0].nbytes,
+        down[0].nbytes,
+        gate_up.shape[2] * gate_up.element_size(),
+        gate_up.data_ptr(),
+        down.data_ptr(),
+        *targets,
+        _native.host_copy_address() if copy_address is None else copy_address,
+        kind(gate_up, hidden),
+        kind(down, inter),
+        max(threads() - 1, 1),
+        gate_up.dtype in (torch.float32, torch.bfloat16),
+        *constants,
+    )
+
+
 def _kernel_arg(t: torch.Tensor, dtype: torch.dtype, background: bool) -> torch.Tensor:
     """`t` as the native kernel reads it; a background run's must be that already (it is read after the call
     returns, when a copy made here would be gone)."""
@@ -275,6 +341,14 @@ def background_finish() -> Callable[[], float] | None:
     queued. With the device waiting for the runs (STRATA_POOL_DEVICE_WAIT, app/kernels/backends.py) the
     background runs decoded fastest on an H200 machine (docs/PERFORMANCE.md, 2026-12-07)."""
     return None if os.environ.get("STRATA_POOL_BACKGROUND", "1") == "0" else finish_background
+
+
+def host_step() -> Callable[..., Any] | None:
+    """What the expert tier makes its native small-window host steps with (`small_step`), or None with
+    STRATA_NATIVE_STEP=0 (the step in Python, for measurements) or without the native kernels."""
+    if _native is None or os.environ.get("STRATA_NATIVE_STEP", "1") == "0":
+        return None
+    return small_step
 
 
 def finish_background() -> float:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -67,6 +68,10 @@ LinearKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch
 # returns, until the HostFinishFn's call, which returns the seconds it took
 HostExpertsFn = Callable[..., torch.Tensor]
 HostFinishFn = Callable[[], float]
+# the expert tier's small-window host step as one native call, made for a layer (app/kernels/cpu_experts.py's
+# `small_step`: host gate_up and down, experts, entries, staging areas or None, copy function address or None,
+# constants) -> an object whose `serve` app/models/tier_step.py calls, or None without the native kernels
+HostStepFactory = Callable[..., Any]
 RouteKernel = Callable[
     [torch.Tensor, int, bool, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]
 ]

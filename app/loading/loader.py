@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from app.kernels.backends import CPU_HELD_BLOCKS
-from app.kernels.cpu_experts import background_finish, experts_swiglu_sum
+from app.kernels.cpu_experts import background_finish, experts_swiglu_sum, host_step
 from app.kernels.interface import Backends, held_row_bytes
 from app.kernels.reference import REFERENCE
 from app.loading.checkpoint import Checkpoint, open_checkpoint
@@ -180,7 +180,9 @@ def load_model(
             assert resident_experts is not None
             layers, experts = moe_layers(model), checkpoint.config.num_experts
             counts = layer_residency(resident_experts * layers, layers, experts, placement)
-            use_expert_tier(model, counts, experts_swiglu_sum, spare_experts, background_finish())
+            use_expert_tier(
+                model, counts, experts_swiglu_sum, spare_experts, background_finish(), host_step()
+            )
     sources = tensor_sources(model)
     packed = _hold_blocks(model, checkpoint, sources, backends)
     params = dict(model.named_parameters())

@@ -147,9 +147,9 @@ class MissCosts:
 class CopyTimes:
     """The device time of the staging copies of every `every`-th host step, read without waiting for them:
     events on the stream before and after that step's copies (`start`, `stop`), folded into the costs' link
-    rate (`MissCosts.observe_pcie`) at a later timed step (`poll`, from `start`) once the device has run them.
-    At most `most` steps' events wait to be read (the device that far behind, the oldest are dropped
-    unread)."""
+    rate (`MissCosts.observe_pcie`) at a later timed step (`poll`, from `stop`, once that step's copies are
+    queued) once the device has run them. At most `most` steps' events wait to be read (the device that far
+    behind, the oldest are dropped unread)."""
 
     def __init__(self, costs: MissCosts, most: int = 8, every: int = TIME_EVERY) -> None:
         self.costs = costs
@@ -159,22 +159,27 @@ class CopyTimes:
         self._spare: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
     def start(self) -> tuple[torch.cuda.Event, torch.cuda.Event] | None:
-        """On a step to time: read the copies that have run, then mark the stream before the step's copies;
-        returns the events to hand to `stop` (None on the other steps: nothing recorded)."""
+        """On a step to time, mark the stream before the step's copies; returns the events to hand to `stop`
+        or `cancel` (None on the other steps: nothing recorded)."""
         self._steps += 1
         if self._steps % self.every:
             return None
-        self.poll()
         events = self._spare.pop() if self._spare else _timing_events()
         events[0].record()
         return events
 
     def stop(self, events: tuple[torch.cuda.Event, torch.cuda.Event], experts: float) -> None:
-        """Mark the stream after a step's copies of `experts` experts' bytes (`events` from `start`)."""
+        """Mark the stream after a step's copies of `experts` experts' bytes (`events` from `start`), then
+        read the copies that have run."""
         events[1].record()
         self._pending.append((experts, *events))
         if len(self._pending) > self.most:
             self._pending.popleft()
+        self.poll()
+
+    def cancel(self, events: tuple[torch.cuda.Event, torch.cuda.Event]) -> None:
+        """A step marked by `start` queued no copies after all: its events are kept for another."""
+        self._spare.append(events)
 
     def poll(self) -> None:
         """Fold in every timed step whose copies the device has run, oldest first."""

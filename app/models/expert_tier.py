@@ -24,11 +24,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from app.kernels.interface import ExpertsFn, HostExpertsFn, HostFinishFn, TierLinkFns
+from app.kernels.interface import ExpertsFn, HostExpertsFn, HostFinishFn, HostStepFactory, TierLinkFns
 from app.models.expert_costs import GATE_UP_SHARE, CopyTimes, MissCosts, measure
 from app.models.host_copies import PinnedCopies
 from app.models.moe import RoutedExperts, SparseMoE, expert_parts
 from app.models.pieces import Finish, Pieces
+from app.models.tier_step import NativeSmallStep, native_small_step
 
 ADAPT_DECAY = 0.5  # the least share of the earlier routing counts kept when the tier adapts again
 # The counts remember about this many counts (`count`: a window routing to the expert) per expert of a
@@ -148,10 +149,7 @@ class ExpertStaging:
         CPU pool sums the first. The zero rows stay from one split to the next where they reach far enough."""
         assert self.gate_up is not None and self.down is not None
         inter, slot = gate_up.shape[1] // 2, self.slots - 1
-        target = self.gate_up[slot]
-        if self.zeroed < channels:
-            target[self.zeroed : channels].zero_()
-        self.zeroed = channels
+        self.zero_gate_rows(channels)
         row, count = gate_up.shape[2], (inter - channels) * gate_up.shape[2]
         expert, host_expert = slot * 2 * inter * row, host_slot * 2 * inter * row
         kept = [
@@ -163,6 +161,14 @@ class ExpertStaging:
             (self.gate_up, gate_up, kept), (self.down, down, [(slot * whole, host_slot * whole, whole)])
         )
         return slot
+
+    def zero_gate_rows(self, channels: int) -> None:
+        """Queue zeroing the last slot's first `channels` gate rows where they are not zero yet (the split
+        expert's channels that `load_rest` leaves to the CPU pool)."""
+        assert self.gate_up is not None
+        if self.zeroed < channels:
+            self.gate_up[self.slots - 1, self.zeroed : channels].zero_()
+        self.zeroed = channels
 
     def load(
         self, experts: list[int], host_slots: list[int], gate_up: torch.Tensor, down: torch.Tensor
@@ -252,6 +258,12 @@ class HostLink:
             self.summed_rows = 0
         sums = self.up[self.experts : self.experts + rows * self.hidden].view(rows, self.hidden)
         return picks[:entries], picks[entries:], x, sums
+
+    def addresses(self, rows: int, width: int) -> tuple[int, int, int, int, int, int]:
+        """What `read` gives, where it lies, for the native step (`NativeSmallStep.serve`): the picks'
+        address, `rows` and `width`, x's and the sums' addresses, and the rows of the sums to zero first."""
+        picks, sums = self.down.data_ptr(), self.up.data_ptr() + 4 * self.experts
+        return picks, rows, width, picks + 8 * rows * width, sums, self.summed_rows
 
     def name_staged(self, staged: dict[int, int]) -> None:
         """The staging map names the experts of `staged` (expert -> staging slot) and no others."""
@@ -394,6 +406,7 @@ class TieredExperts(nn.Module):
         host_kernel: HostExpertsFn,
         spare: int = 0,
         host_finish: HostFinishFn | None = None,
+        host_step: HostStepFactory | None = None,
     ) -> None:
         super().__init__()
         if not 0 <= resident < experts:
@@ -403,6 +416,8 @@ class TieredExperts(nn.Module):
         self.kernel = kernel
         self.host_kernel = host_kernel
         self.host_finish = host_finish  # where given, a small window's pool runs while its copies are queued
+        self.host_step = host_step  # where given, a small window's host step is native (tier_step.py)
+        self._small_step: NativeSmallStep | None = None  # made at the first capture after `place`
         self.intermediate = intermediate
         self.resident = resident
         host = experts - resident + 1
@@ -417,9 +432,9 @@ class TieredExperts(nn.Module):
         self.slots = [e if e < resident else -1 for e in range(experts)]  # device slot (host copy of slot_of)
         self.host_of = [e - resident if e >= resident else -1 for e in range(experts)]  # host slot
         self.free_host = [experts - resident]  # host slots holding no expert
-        self._host_of = torch.tensor(
-            self.host_of, dtype=torch.long, device="cpu"
-        )  # `host_of` as a tensor (host)
+        # `slots` and `host_of` as tensors in host memory (the native host step reads them)
+        self.slot_table = torch.tensor(self.slots, dtype=torch.long)
+        self.host_table = torch.tensor(self.host_of, dtype=torch.long)
         self.heat: torch.Tensor | None = None  # windows routed to each expert (`count`), decayed
         self._ones = torch.ones(experts)  # `count`'s addend for a window of one row (on the device: `place`)
         self._remembered = 0.0  # what the heat held after its last decay
@@ -491,7 +506,9 @@ class TieredExperts(nn.Module):
         self.spare_slots = list(range(self.resident, self.resident + self.spare))
         self._round, self._freed = None, None
         self.slot_of = torch.tensor(self.slots, dtype=torch.long).to(device)
-        self._host_of = torch.tensor(self.host_of, dtype=torch.long, device="cpu")
+        self.slot_table = torch.tensor(self.slots, dtype=torch.long)
+        self.host_table = torch.tensor(self.host_of, dtype=torch.long)
+        self._small_step = None  # its tables and weights may have moved
         self.host_slot_of = torch.tensor([*self.host_of, -1], dtype=torch.long).to(device)
         self.heat = torch.zeros(self.experts, dtype=torch.float32, device=device)
         self._ones = torch.ones(self.experts, dtype=torch.float32, device=device)
@@ -616,10 +633,11 @@ class TieredExperts(nn.Module):
         return len(incoming)
 
     def _moved(self) -> None:
-        """Experts changed places: the device's map and the host's tensor of host slots follow the lists."""
+        """Experts changed places: the device's map and the host's tables follow the lists."""
         assert self.slot_of is not None and self.host_slot_of is not None
-        self.slot_of.copy_(torch.tensor(self.slots, dtype=torch.long))
-        self._host_of = torch.tensor(self.host_of, dtype=torch.long, device="cpu")
+        self.slot_table = torch.tensor(self.slots, dtype=torch.long)
+        self.host_table = torch.tensor(self.host_of, dtype=torch.long)
+        self.slot_of.copy_(self.slot_table)
         self.host_slot_of.copy_(torch.tensor([*self.host_of, -1], dtype=torch.long))
 
     def _evict(self, slot: int, host_slot: int) -> None:
@@ -834,11 +852,17 @@ class TieredExperts(nn.Module):
         out = self._resident(x, top_ids, top_weights, slots)
 
         done = link.done if link.fns.waits and self.host_finish is not None else None
+        if self._small_step is None:
+            self._small_step = native_small_step(self, self.host_step, link.entries, SPLIT_ALIGN)
+        native = self._small_step
 
         def step() -> Finish | None:
             link.wait()
-            picks, weights, x_host, sums = link.read(rows, width)
-            staged, pooled, finish = self._serve_small(picks, width, x_host, weights, sums, done)
+            if native is not None:
+                staged, pooled, finish = native.serve(*link.addresses(rows, width), done)
+            else:
+                picks, weights, x_host, sums = link.read(rows, width)
+                staged, pooled, finish = self._serve_small(picks, width, x_host, weights, sums, done)
             link.name_staged(staged)
             link.summed_rows = rows if pooled else 0
             return finish
@@ -975,7 +999,7 @@ class TieredExperts(nn.Module):
             staged = self._stage(missed, counts, whole, split)
             began = time.perf_counter()
             self.host_kernel(*pool_args, out=sums, **shared)
-            self._observe_pool(read, len(entries), time.perf_counter() - began)
+            self.observe_pool(read, len(entries), time.perf_counter() - began)
             return staged, True, None
         # the pool started first on its own thread, the copies queued while it runs
         if done is not None:
@@ -988,14 +1012,14 @@ class TieredExperts(nn.Module):
             raise
 
         def finish() -> None:
-            self._observe_pool(read, len(entries), host_finish())
+            self.observe_pool(read, len(entries), host_finish())
 
         if done is not None:
             return staged, True, finish
         finish()
         return staged, True, None
 
-    def _observe_pool(self, experts: float, entries: int, seconds: float) -> None:
+    def observe_pool(self, experts: float, entries: int, seconds: float) -> None:
         """Fold a CPU pool run of `experts` experts over `entries` entries that took `seconds` into the
         costs."""
         if self.costs is not None:
@@ -1118,7 +1142,7 @@ class TieredExperts(nn.Module):
         experts, counts = experts[order].unique_consecutive(return_counts=True)
         offsets = torch.zeros(experts.numel() + 1, dtype=torch.int64)
         torch.cumsum(counts, 0, out=offsets[1:])
-        hosts = self._host_of[experts]
+        hosts = self.host_table[experts]
         return self.host_kernel(
             x, hosts, offsets, rows[order], weights[order], self.host_gate_up, self.host_down
         )
@@ -1130,12 +1154,14 @@ def use_expert_tier(
     host_kernel: HostExpertsFn,
     spare: int = 0,
     host_finish: HostFinishFn | None = None,
+    host_step: HostStepFactory | None = None,
 ) -> None:
     """Give the MoE layers of a model built on the meta device (not loaded yet) expert tiers with the first
     `resident` experts on the device (one count for every layer, or one per MoE layer in model order: a
     layer given all its experts keeps them all on the device, untiered), `spare` device slots for
     asynchronous swaps, and `host_kernel` for the others (with `host_finish`, started in the background
-    where a window's staging copies are queued meanwhile). Call it under the meta device."""
+    where a window's staging copies are queued meanwhile; with `host_step`, a small window's host step in
+    one native call). Call it under the meta device."""
     layers = _routed_layers(model)
     counts = resident if isinstance(resident, list) else [resident] * len(layers)
     if len(counts) != len(layers):
@@ -1145,7 +1171,15 @@ def use_expert_tier(
         experts, _, hidden = routed.gate_up.shape
         if count < experts:
             module.experts = TieredExperts(
-                experts, hidden, routed.intermediate, routed.kernel, count, host_kernel, spare, host_finish
+                experts,
+                hidden,
+                routed.intermediate,
+                routed.kernel,
+                count,
+                host_kernel,
+                spare,
+                host_finish,
+                host_step,
             )
 
 

@@ -21,6 +21,11 @@ class PinnedCopies:
         self.device = device
         self._copy = _driver_copy() if device.type == "cuda" else None
 
+    def address(self) -> int | None:
+        """The address of the driver's copy function these copies go through (a native caller queues its own
+        through it), or None where torch copies them."""
+        return None if self._copy is None else ctypes.cast(self._copy, ctypes.c_void_p).value
+
     def queue(self, *jobs: tuple[torch.Tensor, torch.Tensor, Sequence[tuple[int, int, int]]]) -> None:
         """For each job (target, source, runs), each run (target offset, source offset, elements) copies
         those elements of `source` (flattened) to `target` (flattened), in order, behind the work queued."""

@@ -214,6 +214,8 @@ def test_captured_mixed_windows_price_prompt_rows_before_any_window_runs(checkpo
         (None, False, False, "background"),
         (None, False, False, "device wait"),
         (0.0, False, False, "device wait"),
+        (None, False, True, "device wait"),
+        (None, False, False, "device wait, Python step"),
     ],
 )
 def test_a_frozen_expert_tier_on_the_gpu_gives_the_all_resident_tokens(
@@ -229,19 +231,25 @@ def test_a_frozen_expert_tier_on_the_gpu_gives_the_all_resident_tokens(
     experts split between the two at 8 channels, where the test model's 32 would not be split at 64), decode
     windows replayed as piecewise graphs (or all eager), the CPU pool run in the step's thread, on its own
     (`STRATA_POOL_BACKGROUND=1`), or so with the graph after a cut launched while it runs, waiting for it on
-    the device (`STRATA_POOL_DEVICE_WAIT=1`): the greedy tokens of the all-resident model."""
+    the device (`STRATA_POOL_DEVICE_WAIT=1`), a small window's host step native where the pool runs in the
+    background (app/models/tier_step.py), or in Python (`STRATA_NATIVE_STEP=0`): the greedy tokens of the
+    all-resident model."""
     monkeypatch.setenv("STRATA_POOL_BACKGROUND", str(int(pool != "step")))
-    monkeypatch.setenv("STRATA_POOL_DEVICE_WAIT", str(int(pool == "device wait")))
+    monkeypatch.setenv("STRATA_POOL_DEVICE_WAIT", str(int(pool.startswith("device wait"))))
+    monkeypatch.setenv("STRATA_NATIVE_STEP", str(int(not pool.endswith("Python step"))))
     splits = []
     if split:  # both sides described as equally fast, so that a lone miss is split (at 8 of 32 channels)
         monkeypatch.setattr("app.models.expert_tier.SPLIT_ALIGN", 8)
         monkeypatch.setattr("app.models.expert_costs.SPLIT_GAIN_S", 0.0)
         monkeypatch.setattr(MissCosts, "observe_cpu", lambda *observed: None)
         monkeypatch.setattr(MissCosts, "observe_pcie", lambda *observed: None)
-        load_rest = ExpertStaging.load_rest
-        monkeypatch.setattr(
-            ExpertStaging, "load_rest", lambda self, *args: splits.append(args[1]) or load_rest(self, *args)
-        )
+        zero = ExpertStaging.zero_gate_rows  # what every split does, in Python or native
+
+        def zero_and_count(self: ExpertStaging, channels: int) -> None:
+            splits.append(channels)
+            zero(self, channels)
+
+        monkeypatch.setattr(ExpertStaging, "zero_gate_rows", zero_and_count)
     settings = {"device": "cuda", "dtype": "float32", "parallel": 2}
     params = {"max_tokens": 16, "temperature": 0, "ignore_eos": True}
     arrivals = [(0, request(_prompt(40, 90), **params)), (1, request(_prompt(9, 91), **params))]
@@ -255,7 +263,7 @@ def test_a_frozen_expert_tier_on_the_gpu_gives_the_all_resident_tokens(
     graphs = tiered.runner.graphs
     assert (graphs is None) if eager else (graphs is not None and graphs.pieces and not graphs.graphs)
     link = tiered.tiers[0].link
-    assert link is not None and link.fns.waits == (pool == "device wait")
+    assert link is not None and link.fns.waits == pool.startswith("device wait")
     assert (tiered.tiers[0].host_finish is None) == (pool == "step")
     costs = tiered.tiers[0].costs
     assert costs is not None
@@ -265,6 +273,8 @@ def test_a_frozen_expert_tier_on_the_gpu_gives_the_all_resident_tokens(
     results, stats = run(tiered, arrivals)
     for _, add in arrivals:
         assert results[add.request_id].token_ids == everything[add.request_id].token_ids
+    native = not eager and pool in ("background", "device wait")
+    assert all((t._small_step is not None) == native for t in tiered.tiers)
     reported = [s.experts.served_total() for s in stats if s.experts is not None]
     reported += [t.take_counts().served for t in tiered.tiers]  # since the last report
     vram, cpu, pcie = (sum(c) for c in zip(*reported, strict=True))

@@ -107,3 +107,51 @@ def test_driver_queued_staging_copies_match_torchs() -> None:
         copies.queue((staging.down, down, [(staging.down.numel() - 8, 0, 16)]))
     with pytest.raises(ValueError, match="from host memory"):
         copies.queue((staging.down, staging.down.clone(), [(0, 0, 16)]))
+
+
+def test_the_native_step_queues_the_references_copies_through_the_driver_on_a_side_stream() -> None:
+    """The native small-window step (app/models/tier_step.py) at q30's shapes with pinned bf16 host experts:
+    on a side stream, its copies through the driver leave the staging slots (whole experts and a split one)
+    as `_serve_small`'s do, and its pool's sums are the reference's bits."""
+    from app.kernels.cpu_experts import experts_swiglu_sum, finish_background, native_available, small_step
+    from app.kernels.reference import experts_reference
+    from app.models.expert_costs import MissCosts
+    from app.models.expert_tier import SPLIT_ALIGN, ExpertStaging, TieredExperts
+    from app.models.tier_step import native_small_step
+
+    if not native_available():
+        pytest.skip("the native kernels are not built")
+    experts, resident, rows = 16, 5, 2
+    g = torch.Generator().manual_seed(0)
+    gate_up = torch.randn(experts, 2 * INTER, HIDDEN, generator=g).bfloat16() * 0.02
+    down = torch.randn(experts, HIDDEN, INTER, generator=g).bfloat16() * 0.02
+    tiers = []
+    for _ in range(2):
+        kernels = (experts_reference, resident, experts_swiglu_sum, 0, finish_background, small_step)
+        tier = TieredExperts(experts, HIDDEN, INTER, *kernels)
+        tier.fill(gate_up, down, torch.device("cuda"))
+        tier.staging = ExpertStaging(experts - resident + 1)
+        tier.staging.allocate(tier.host_gate_up, tier.host_down, torch.device("cuda"))
+        # as fast on both sides, at the experts' own size: a lone miss of a few is split
+        tier.costs = MissCosts(tier.expert_bytes(), pcie_bytes_s=20e9, cpu_bytes_s=20e9, cpu_row_s=0.0)
+        tier.costs.observe_cpu = lambda *observed: None  # type: ignore[method-assign]
+        tiers.append(tier)
+    step = native_small_step(tiers[1], small_step, 64, SPLIT_ALIGN)
+    assert step is not None and step.device is not None
+    ids = torch.tensor([[5, 6, 7, 0, 1, 2, 3, 8], [9, 10, 11, 0, 1, 2, 3, 4]])  # 7 misses: one split
+    weights = torch.rand(rows, TOP_K, generator=g)
+    x = torch.randn(rows, HIDDEN, generator=g)
+    picks = torch.cat([ids.flatten().float(), weights.flatten()]).pin_memory()
+    listed = picks.tolist()
+    expected_sums, sums = torch.zeros(rows, HIDDEN), torch.zeros(rows, HIDDEN)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        entries = rows * TOP_K
+        expected = tiers[0]._serve_small(listed[:entries], TOP_K, x, listed[entries:], expected_sums)
+        got = step.serve(picks.data_ptr(), rows, TOP_K, x.data_ptr(), sums.data_ptr(), 0, None)
+    side.synchronize()
+    assert got[0] == expected[0] and len(got[0]) > 1 and got[1] and expected[1]
+    assert tiers[1].staging.zeroed and tiers[1].pcie_bytes == tiers[0].pcie_bytes
+    assert torch.equal(tiers[1].staging.gate_up, tiers[0].staging.gate_up)
+    assert torch.equal(tiers[1].staging.down, tiers[0].staging.down)
+    assert torch.equal(sums, expected_sums)
