@@ -1019,6 +1019,12 @@ class TieredExperts(nn.Module):
         finish()
         return staged, True, None
 
+    def count_served(self, vram: int, cpu: int, pcie: int) -> None:
+        """Count routed entries served from VRAM, by the CPU pool and over PCIe (`take_counts`)."""
+        self.served[VRAM] += vram
+        self.served[CPU] += cpu
+        self.served[PCIE] += pcie
+
     def observe_pool(self, experts: float, entries: int, seconds: float) -> None:
         """Fold a CPU pool run of `experts` experts over `entries` entries that took `seconds` into the
         costs."""

@@ -25,8 +25,6 @@ from app.models.pieces import Finish
 if TYPE_CHECKING:
     from app.models.expert_tier import TieredExperts
 
-VRAM, CPU, PCIE = range(3)  # as app/models/expert_tier.py counts them
-
 
 class NativeSmallStep:
     """`TieredExperts._serve_small` for one tier, its routing, input and sums read and written where they lie
@@ -100,9 +98,7 @@ class NativeSmallStep:
                 copy_times.cancel(events)
             raise
         on_device, copied_entries, cpu_entries, copies, read, staged, pooled, whole, channels, probes = result
-        tier.served[VRAM] += on_device
-        tier.served[PCIE] += copied_entries
-        tier.served[CPU] += cpu_entries
+        tier.count_served(on_device, cpu_entries, copied_entries)
         if costs is not None:
             costs.unobserved = probes
         if copies:
