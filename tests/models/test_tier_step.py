@@ -138,7 +138,7 @@ def test_a_forced_share_few_slots_and_no_staging_agree() -> None:
         assert (native.served[2] > 0) == (staging > 0)
 
 
-def test_every_probe_everyth_plan_leaves_one_expert_to_the_pool_on_both() -> None:
+def test_the_probe_every_64th_plan_leaves_one_expert_to_the_pool_on_both() -> None:
     """A pool measured far too slow: every miss goes over PCIe, but each PROBE_EVERY-th plan leaves one to the
     pool, on both paths at the same windows."""
     slow = MissCosts(expert_bytes=10**6, pcie_bytes_s=1e9, cpu_bytes_s=1e6, cpu_row_s=0.0)
