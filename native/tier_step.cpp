@@ -109,9 +109,9 @@ public:
         std::sort(missed_.begin(), missed_.end(), [this](int64_t a, int64_t b) {
             return count_[a] != count_[b] ? count_[a] > count_[b] : a < b;  // most rows first, then by expert
         });
-        counts_.clear();
+        missed_rows_.clear();
         for (const int64_t e : missed_) {
-            counts_.push_back(count_[e]);
+            missed_rows_.push_back(count_[e]);
             if (host_of[e] < 0 || host_of[e] >= l_.host_slots) {
                 for (const int64_t m : missed_) count_[m] = 0;
                 throw py::value_error("a missed expert's host slot must be in [0, " + std::to_string(l_.host_slots) +
@@ -127,7 +127,7 @@ public:
             if (split >= 0) whole = split;
         }
         int64_t pcie_entries = 0;
-        for (int64_t i = 0; i < whole; ++i) pcie_entries += counts_[i];
+        for (int64_t i = 0; i < whole; ++i) pcie_entries += missed_rows_[i];
         on_cpu_.assign(missed_.begin() + whole, missed_.end());
         std::sort(on_cpu_.begin(), on_cpu_.end());
 
@@ -162,17 +162,17 @@ public:
 private:
     // `MissCosts.plan`: how many of the missed experts (most rows first) go over PCIe whole.
     int64_t plan(const Costs& c, double pcie_frac) {
-        const auto n = static_cast<int64_t>(counts_.size());
+        const auto n = static_cast<int64_t>(missed_rows_.size());
         if (!std::isnan(pcie_frac)) return std::min(static_cast<int64_t>(std::nearbyint(pcie_frac * n)), n);
         const double base = c.expert_bytes / c.cpu_bytes_s, per_row = c.cpu_row_s;
         const double copy = c.expert_bytes / c.pcie_bytes_s;
         int64_t total = 0;
-        for (const int64_t r : counts_) total += r;
+        for (const int64_t r : missed_rows_) total += r;
         double cpu_left = base * static_cast<double>(n) + per_row * static_cast<double>(total - n);
         int64_t best = 0;
         double best_s = c.cpu_call_s + cpu_left;
         for (int64_t taken = 1; taken <= n; ++taken) {
-            cpu_left -= base + per_row * static_cast<double>(counts_[taken - 1] - 1);
+            cpu_left -= base + per_row * static_cast<double>(missed_rows_[taken - 1] - 1);
             const double seconds =
                 std::max(static_cast<double>(taken) * copy, cpu_left + (taken < n ? c.cpu_call_s : 0.0));
             if (seconds < best_s) {
@@ -195,11 +195,11 @@ private:
         split = -1;
         channels = 0;
         if (!l_.splits || !std::isnan(pcie_frac)) return;
-        const auto n = static_cast<int64_t>(counts_.size());
+        const auto n = static_cast<int64_t>(missed_rows_.size());
         const double base = c.expert_bytes / c.cpu_bytes_s, per_row = c.cpu_row_s;
         const double copy = c.expert_bytes / c.pcie_bytes_s, call = c.cpu_call_s;
         int64_t rest = 0;
-        for (int64_t i = copied; i < n; ++i) rest += counts_[i];
+        for (int64_t i = copied; i < n; ++i) rest += missed_rows_[i];
         const double left =
             base * static_cast<double>(n - copied) + per_row * static_cast<double>(rest - n + copied);
         double best_s =
@@ -208,7 +208,7 @@ private:
         double best_f = 0.0;
         for (const int64_t at : {copied - 1, copied}) {
             if (at < 0 || at >= n) continue;
-            const double own = base + per_row * static_cast<double>(counts_[at] - 1);
+            const double own = base + per_row * static_cast<double>(missed_rows_[at] - 1);
             const double before = static_cast<double>(at) * copy;
             const double after = call + left - (at == copied ? own : 0.0);
             const double fixed = std::min(c.cpu_fixed_s, own);
@@ -313,7 +313,8 @@ private:
     Layout l_;
     std::vector<int64_t> count_;  // entries a missed expert took this call (zero between calls)
     std::vector<int64_t> at_;     // an expert's place among the pool's experts
-    std::vector<int64_t> missed_, counts_, on_cpu_, fill_;
+    // the missed experts (most rows first) and their rows; the pool's experts; where each's next entry goes
+    std::vector<int64_t> missed_, missed_rows_, on_cpu_, fill_;
     std::vector<std::pair<int64_t, int64_t>> order_;  // (host slot, expert) of the experts copied whole
     // the pool's arguments, read by its background run: kept until the next call, which comes after its end
     std::vector<int64_t> hosts_, offsets_, rows_, channels_;

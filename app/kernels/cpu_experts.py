@@ -18,12 +18,12 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
 from app.kernels.gguf_quants import I_QUANTS, dequantize_held, i_quant_tables
-from app.kernels.interface import held_kind
+from app.kernels.interface import StepConstants, held_kind
 
 try:
     from app.kernels import _native  # type: ignore[attr-defined]
@@ -36,16 +36,6 @@ _KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 _HELD_KINDS = {"Q8_0": 3, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6, "IQ4_XS": 7, "IQ3_XXS": 8, "IQ3_S": 9}
 _NAMES = "fp32, bf16, int8, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS, IQ3_XXS or IQ3_S"  # all the above, for messages
 _warned = False
-
-
-class StepConstants(NamedTuple):
-    """The expert tier's constants a native host step plans with (app/models/expert_costs.py's PROBE_EVERY,
-    SPLIT_GAIN_S and GATE_UP_SHARE, app/models/expert_tier.py's SPLIT_ALIGN)."""
-
-    probe_every: int
-    split_align: int
-    split_gain_s: float
-    gate_up_share: float
 
 
 _torch_runs: list[float] = []  # without the native kernel: the seconds of the "background" run made at once
@@ -280,7 +270,7 @@ def small_step(
     entries: int,
     staging: tuple[torch.Tensor, torch.Tensor] | None,
     copy_address: int | None,
-    constants: StepConstants | tuple[int, int, float, float],
+    constants: StepConstants,
 ) -> Any | None:
     """The expert tier's host step for a small window of one layer as one native call (native/tier_step.cpp;
     app/models/tier_step.py drives it), or None without the native kernels: its missed experts lie at the host

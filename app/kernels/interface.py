@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -70,8 +70,21 @@ HostExpertsFn = Callable[..., torch.Tensor]
 HostFinishFn = Callable[[], float]
 # the expert tier's small-window host step as one native call, made for a layer (app/kernels/cpu_experts.py's
 # `small_step`: host gate_up and down, experts, entries, staging areas or None, copy function address or None,
-# constants) -> an object whose `serve` app/models/tier_step.py calls, or None without the native kernels
+# `StepConstants`) -> an object whose `serve` app/models/tier_step.py calls, or None without the native
+# kernels
 HostStepFactory = Callable[..., Any]
+
+
+class StepConstants(NamedTuple):
+    """The expert tier's constants a native host step plans with (app/models/expert_costs.py's PROBE_EVERY,
+    SPLIT_GAIN_S and GATE_UP_SHARE, app/models/expert_tier.py's SPLIT_ALIGN)."""
+
+    probe_every: int
+    split_align: int
+    split_gain_s: float
+    gate_up_share: float
+
+
 RouteKernel = Callable[
     [torch.Tensor, int, bool, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]
 ]

@@ -225,6 +225,7 @@ class HostLink:
         self.done = torch.ones(1, dtype=torch.int32, pin_memory=True)
         self.ready = torch.cuda.Event(external=True)
         self.summed_rows = 0  # rows of the sums the last step wrote (zeroed before the next one)
+        self._picks_at, self._sums_at = self.down.data_ptr(), self.up.data_ptr() + 4 * experts  # `addresses`
         self.staged: list[int] = []  # experts the staging map names now
 
     def pack(
@@ -262,8 +263,8 @@ class HostLink:
     def addresses(self, rows: int, width: int) -> tuple[int, int, int, int, int, int]:
         """What `read` gives, where it lies, for the native step (`NativeSmallStep.serve`): the picks'
         address, `rows` and `width`, x's and the sums' addresses, and the rows of the sums to zero first."""
-        picks, sums = self.down.data_ptr(), self.up.data_ptr() + 4 * self.experts
-        return picks, rows, width, picks + 8 * rows * width, sums, self.summed_rows
+        picks = self._picks_at
+        return picks, rows, width, picks + 8 * rows * width, self._sums_at, self.summed_rows
 
     def name_staged(self, staged: dict[int, int]) -> None:
         """The staging map names the experts of `staged` (expert -> staging slot) and no others."""

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from app.kernels.interface import HostStepFactory
+from app.kernels.interface import HostStepFactory, StepConstants
 from app.models import expert_costs
 from app.models.pieces import Finish
 
@@ -53,7 +53,9 @@ class NativeSmallStep:
             entries,
             areas,
             copy_address,
-            (expert_costs.PROBE_EVERY, split_align, expert_costs.SPLIT_GAIN_S, expert_costs.GATE_UP_SHARE),
+            StepConstants(
+                expert_costs.PROBE_EVERY, split_align, expert_costs.SPLIT_GAIN_S, expert_costs.GATE_UP_SHARE
+            ),
         )
 
     def serve(
